@@ -1,0 +1,72 @@
+"""Entry point: ``python -m harness +system=<name> model=<size> [overrides]`` (DESIGN sections 1, 9).
+
+Registers the typed schemas, discovers systems through the ``rlhf_harness.systems`` entry-point
+group (importing each registers its config schema; the harness never imports systems by name),
+then hands control to Hydra. Errors caused by input (:class:`harness.errors.HarnessError`) end a
+single run with one paragraph on stderr and exit code 2, before any result is written; in a sweep
+(``-m``) a failing job is recorded in ``results/<experiment>/failures.jsonl`` and the sweep goes on.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from importlib.metadata import entry_points
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from harness.config import register_configs
+from harness.errors import HarnessError
+
+ENTRY_POINT_GROUP = "rlhf_harness.systems"
+
+
+def discover_systems() -> list[str]:
+    names = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
+        names.append(ep.name)
+    return names
+
+
+def _is_multirun() -> bool:
+    try:
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:
+        return False
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from harness import results
+    from harness.runner import execute, format_summary
+
+    multirun = _is_multirun()
+    job = {"system": cfg.system.name if "system" in cfg else None, "seed": cfg.seed,
+           "overrides": list(HydraConfig.get().overrides.task)}
+    try:
+        outcome = execute(cfg)
+    except HarnessError as e:
+        if not multirun:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        path = results.record_failure(cfg.results_dir, cfg.experiment, job, e)
+        print(f"[harness] job failed ({type(e).__name__}): {e}\n  recorded in {path}", file=sys.stderr)
+        return None
+    except Exception as e:  # noqa: BLE001 - a sweep must survive one broken job
+        if not multirun:
+            raise
+        traceback.print_exc()
+        path = results.record_failure(cfg.results_dir, cfg.experiment, job, e)
+        print(f"[harness] job crashed ({type(e).__name__}); recorded in {path}", file=sys.stderr)
+        return None
+    print(format_summary(outcome))
+    return outcome.summary.get("perf/samples_per_s")
+
+
+def run() -> None:
+    register_configs()
+    discover_systems()
+    main()

@@ -1,0 +1,1 @@
+"""Backends that execute plans: ``sim`` (discrete-event simulator) and, later, ``ray`` (real)."""

@@ -1,0 +1,192 @@
+"""Simulated inference passes, training stages and weight movements (DESIGN section 4).
+
+- Inference (``ref``, ``reward``, ``values``): each dp replica runs forward passes over its share
+  of samples in micro-batches; with pp stages the passes pipeline, taking (M + pp - 1) stage times.
+  Under ZeRO-3 (DeepSpeed-Chat) every forward first gathers the layer weights from all ranks;
+  prefetching overlaps that with compute, so a pass takes max(compute, gather).
+- Training: for each mini-batch, the plan's pipeline schedule is timed by the same
+  :func:`harness.schedule.simulate` the planner uses, with per-stage forward/backward costs from the
+  cost model (ZeRO-3 adds weight gathers in forward and backward and a gradient reduce-scatter,
+  overlapped with compute); then gradients are synchronised across dp (all-reduce, or
+  reduce-scatter + all-gather under ZeRO-1/2) and the optimizer steps.
+- Weight movement: :func:`harness.realloc.reallocation_transfers` bytes per device over its tier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from harness.costmodel import CostModel
+from harness.costmodel.llama import forward_flops
+from harness.errors import PlanError
+from harness.plan import Plan, Task, TrainingStage, WeightMovement
+from harness.realloc import reallocation_transfers
+from harness.schedule import PipeCosts, simulate
+from harness.trace import PipelineRun, SampleRecord, Span
+
+BYTES_PER_PARAM = 2  # bf16 weights and gradients
+
+
+@dataclass
+class PassResult:
+    spans: list[Span]
+    end_s: float
+    pipelines: list[PipelineRun]
+    samples: list[SampleRecord] = field(default_factory=list)
+
+
+def _zero3_gather_s(cm: CostModel, model, task: Task, num_layers: float) -> float:
+    s = task.allocation.strategy
+    if s.zero_stage != 3 or s.dp == 1:
+        return 0.0
+    stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9 * num_layers / model.num_layers
+    return cm.allgather_s(stage_bytes, list(task.allocation.mesh))
+
+
+def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, micro_batch_size: int,
+                       start_s: float) -> PassResult:
+    s = task.allocation.strategy
+    layers = model.num_layers / s.pp
+    gather = _zero3_gather_s(cm, model, task, layers)
+    spans: list[Span] = []
+    end = start_s
+    for k in range(s.dp):
+        mine = seq_lens[k::s.dp]
+        if len(mine) == 0:
+            continue
+        num_mbs = max(1, int(np.ceil(len(mine) / micro_batch_size)))
+        tokens_per_mb = float(mine.sum()) / num_mbs
+        seq = float(mine.mean())
+        compute_s = cm.forward_s(model, tokens_per_mb, seq, s.tp, layers)
+        stage_s = max(compute_s, gather)
+        duration = (num_mbs + s.pp - 1) * stage_s
+        flops = forward_flops(model, float(mine.sum()), seq / 2, num_layers=layers) / s.tp
+        for p in range(s.pp):
+            first = start_s + p * stage_s
+            devices = task.allocation.stage_devices(k, p)
+            # compute shown as one block of its true length; the overlapped gathers as a comm span
+            spans.append(Span(devices, task.name, "forward", first, first + num_mbs * compute_s, flops))
+            if gather > compute_s:
+                spans.append(Span(devices, task.name, "allgather", first, first + num_mbs * stage_s))
+        end = max(end, start_s + duration)
+    return PassResult(spans, end, [])
+
+
+def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: float,
+                recompute: str) -> tuple[dict, dict]:
+    """Per-pipe PipeCosts for the schedule (ZeRO-3 gathers overlapped: max(compute, comm)) and the
+    pure compute seconds of forward and backward, which the spans report as busy time."""
+    costs, compute_only = {}, {}
+    tokens = stage.micro_batch_size * seq
+    for pipe in stage.schedule.pipes.values():
+        task = _task_of_pipe(plan, stage, pipe.model)
+        s = task.allocation.strategy
+        model = getattr(models, pipe.model)
+        layers = model.num_layers / pipe.num_stages
+        fwd = cm.forward_s(model, tokens, seq, s.tp, layers)
+        bwd = cm.backward_s(model, tokens, seq, s.tp, layers)
+        gather = _zero3_gather_s(cm, model, task, layers)
+        if gather:
+            stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9 * layers / model.num_layers
+            scatter = cm.reduce_scatter_s(stage_bytes, list(task.allocation.mesh))
+            fwd, bwd = max(fwd, gather), max(bwd, gather + scatter)
+        act = cm.activation_gb(model, stage.micro_batch_size, seq, s.tp, layers, recompute)
+        p2p = 0.0
+        if pipe.num_stages > 1:
+            a, b = task.allocation.device(0, 0, 0), task.allocation.device(0, 1, 0)
+            p2p = cm.p2p_s(tokens * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
+        costs[pipe.name] = PipeCosts((fwd,) * pipe.num_stages, (bwd,) * pipe.num_stages,
+                                     (act,) * pipe.num_stages, p2p)
+        compute_only[pipe.name] = (cm.forward_s(model, tokens, seq, s.tp, layers),
+                                   cm.backward_s(model, tokens, seq, s.tp, layers))
+    return costs, compute_only
+
+
+def _task_of_pipe(plan: Plan, stage: TrainingStage, model_role: str) -> Task:
+    for name in stage.tasks:
+        if plan.task(name).model == model_role:
+            return plan.task(name)
+    raise PlanError(f"training stage {stage.tasks} has a pipe for {model_role} but no task training it")
+
+
+def _grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
+    """(communication, optimizer) seconds after each mini-batch's pipeline."""
+    s = task.allocation.strategy
+    stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9
+    group = [task.allocation.device(k, 0, 0) for k in range(s.dp)]
+    if s.dp == 1 or s.zero_stage == 3:  # ZeRO-3 reduce-scatters inside backward (costed there)
+        comm = 0.0
+    elif s.zero_stage in (1, 2):
+        comm = cm.reduce_scatter_s(stage_bytes, group) + cm.allgather_s(stage_bytes, group)
+    else:
+        comm = cm.allreduce_s(stage_bytes, group)
+    return comm, cm.optimizer_step_s(model, s.dp, s.tp, s.pp, s.zero_stage)
+
+
+def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq_lens: np.ndarray,
+                      recompute: str, start_s: float) -> PassResult:
+    tasks = [plan.task(n) for n in stage.tasks]
+    num_replicas = {t.allocation.strategy.dp for t in tasks}
+    if len(num_replicas) != 1:
+        raise PlanError(f"training stage {stage.tasks}: tasks have different dp {sorted(num_replicas)}")
+    dp = num_replicas.pop()
+    spans: list[Span] = []
+    runs: list[PipelineRun] = []
+    now = start_s
+    label = "+".join(stage.tasks)
+    stage_devices = {(t.name, p): tuple(d for k in range(dp) for d in t.allocation.stage_devices(k, p))
+                     for t in tasks for p in range(t.allocation.strategy.pp)}
+    for mb_index in range(stage.num_minibatches):
+        lo = mb_index * plan.mini_batch_size
+        seq = float(seq_lens[lo:lo + plan.mini_batch_size].mean())
+        costs, compute_only = _pipe_costs(cm, plan, stage, models, seq, recompute)
+        result = simulate(stage.schedule, costs, record_times=True)
+        pipeline_busy = sum(result.busy.values())
+        for action, a_start in result.start.items():
+            if not action.is_compute:
+                continue
+            pipe = stage.schedule.pipes[action.pipe]
+            task = _task_of_pipe(plan, stage, pipe.model)
+            model = getattr(models, pipe.model)
+            layers = model.num_layers / pipe.num_stages
+            kind = "forward" if action.kind == "F" else "backward"
+            flops = forward_flops(model, stage.micro_batch_size * seq, seq / 2, num_layers=layers) / \
+                task.allocation.strategy.tp * (1.0 if action.kind == "F" else 2.0)
+            t0, t1 = now + a_start, now + result.end[action]
+            devices = stage_devices[(task.name, action.stage)]
+            busy = compute_only[action.pipe][0 if action.kind == "F" else 1]
+            spans.append(Span(devices, task.name, kind, t0, min(t1, t0 + busy), flops))
+            if t1 - t0 > busy * (1 + 1e-9):  # communication-bound (ZeRO-3 gathers)
+                spans.append(Span(devices, task.name, "allgather", t0, t1))
+        runs.append(PipelineRun(label if len(tasks) > 1 else tasks[0].name, now, result.makespan,
+                                len(result.busy), pipeline_busy, max(result.peak_memory.values())))
+        now += result.makespan
+        sync_end = now
+        for task in tasks:
+            model = getattr(models, task.model)
+            comm, optim = _grad_sync_s(cm, task, model)
+            mesh = task.allocation.mesh
+            if comm > 0:
+                spans.append(Span(mesh, task.name, "allreduce", now, now + comm))
+            spans.append(Span(mesh, task.name, "optimizer", now + comm, now + comm + optim))
+            sync_end = max(sync_end, now + comm + optim)
+        now = sync_end
+    return PassResult(spans, now, runs)
+
+
+def simulate_weight_movement(cm: CostModel, move: WeightMovement, model, start_s: float) -> PassResult:
+    layer_bytes = cm.weights_gb(model, 1, 1) * 1e9 / model.num_layers
+    transfers = reallocation_transfers(move.source, move.target, model.num_layers, layer_bytes,
+                                       cm.gpus_per_node)
+    spans: list[Span] = []
+    end = start_s
+    kind = "param_sync" if move.task == "param_sync" else "realloc"
+    for tr in transfers:
+        if tr.bytes <= 0:
+            continue
+        link = cm.intra_node if tr.intra_node else cm.inter_node
+        dt = link.latency_us * 1e-6 + tr.bytes / (link.bandwidth_gbps * 1e9 * link.efficiency_frac)
+        spans.append(Span((tr.device,), move.task, kind, start_s, start_s + dt, 0.0, tr.bytes))
+        end = max(end, start_s + dt)
+    return PassResult(spans, end, [])

@@ -1,0 +1,163 @@
+"""Typed configuration schemas (DESIGN section 9).
+
+Owns the dataclasses that Hydra validates every run against, and their registration in
+Hydra's ConfigStore. YAML options under ``conf/<group>/`` extend these schemas through their
+defaults lists, so an unknown key or a value of the wrong type fails at composition time,
+before any work starts.
+
+System configs are not defined here: each system module defines a dataclass that extends
+:class:`SystemConfig` and registers it (``harness`` never imports ``systems``/``baselines``;
+they are discovered through the ``rlhf_harness.systems`` entry-point group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class LlamaConfig:
+    """Dimensions of a LLaMA-style decoder (Touvron et al. 2023, Table 2)."""
+
+    name: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = MISSING  # == num_heads without grouped-query attention
+    ffn_hidden_size: int = MISSING
+    vocab_size: int = 32000
+    max_seq_len: int = 4096
+    # Critic and reward models replace the LM head with a scalar value head.
+    value_head: bool = False
+
+
+@dataclass
+class ModelsConfig:
+    """The four models of a PPO iteration. ``model=13b`` sets all four; roles can be overridden
+    with ``llama@model.critic=33b``. The label used in results paths is derived from the four
+    (``13b``, ``65b_33b`` for actor/critic pairs with ref = actor and reward = critic)."""
+
+    actor: LlamaConfig = MISSING
+    critic: LlamaConfig = MISSING
+    ref: LlamaConfig = MISSING
+    reward: LlamaConfig = MISSING
+
+
+@dataclass
+class GpuConfig:
+    """One accelerator's datasheet numbers plus measured efficiency factors (see conf/cluster)."""
+
+    name: str = MISSING
+    peak_bf16_tflops: float = MISSING  # dense, no sparsity
+    hbm_gb: float = MISSING  # capacity in GB (1e9 bytes)
+    hbm_bandwidth_gbps: float = MISSING  # GB/s
+    matmul_efficiency_frac: float = MISSING  # achievable fraction of peak for large GEMMs
+    memory_efficiency_frac: float = MISSING  # achievable fraction of HBM bandwidth
+    usable_memory_frac: float = 0.9  # allocator fragmentation, CUDA context, NCCL buffers
+
+
+@dataclass
+class LinkConfig:
+    """An alpha-beta link: time(bytes) = latency_s + bytes / (bandwidth * efficiency)."""
+
+    bandwidth_gbps: float = MISSING  # unidirectional GB/s per GPU
+    latency_us: float = MISSING
+    efficiency_frac: float = MISSING  # achievable fraction (NCCL bus bandwidth / link peak)
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    num_nodes: int = MISSING
+    gpus_per_node: int = MISSING
+    gpu: GpuConfig = MISSING
+    intra_node: LinkConfig = MISSING  # NVLink
+    inter_node: LinkConfig = MISSING  # RoCE / InfiniBand, per GPU (rail-optimised)
+    host_to_device: LinkConfig = MISSING  # PCIe, for offload/reload of weights
+    host_memory_gb: float = 2048.0  # per node
+
+
+@dataclass
+class LengthDistConfig:
+    """A token-length distribution: lognormal body, clipped to [min, max]."""
+
+    kind: str = "lognormal"  # lognormal | constant
+    median: float = MISSING
+    sigma: float = 1.0  # lognormal shape; P99.9/median = exp(3.09*sigma)
+    min: int = 1
+    max: int = MISSING
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING
+    global_batch_size: int = 512  # prompts per PPO iteration
+    mini_batch_size: int = 64  # samples per gradient step (one step per mini-batch)
+    micro_batch_size: int = 1  # samples per pipeline micro-batch
+    max_gen_len: int = 1024  # cap on output tokens
+    prompt_len: LengthDistConfig = MISSING
+    output_len: LengthDistConfig = MISSING
+    activation_recompute: str = "selective"  # none | selective | full (Korthikanti et al. 2022)
+
+
+@dataclass
+class BackendConfig:
+    name: str = MISSING
+    _target_: str = MISSING
+    num_iterations: int = 5
+    num_warmup_iterations: int = 1
+    # sim: optional CSV of measured op times that override analytic ones.
+    profile_table: Optional[str] = None
+    # ray: cluster address (None = embedded local Ray) and devices to use.
+    address: Optional[str] = None
+    num_devices: Optional[int] = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+    wandb: bool = True
+    mode: str = "auto"  # auto (online if logged in, else offline) | online | offline | disabled
+    project: str = "rlhf-fusion-harness"
+    entity: Optional[str] = None
+    progress_bar: bool = True
+
+
+@dataclass
+class SystemConfig:
+    """Base of every system's typed config. ``impl`` names the System class to build."""
+
+    name: str = MISSING
+    impl: str = MISSING  # dotted path of a harness.system.System subclass
+
+
+@dataclass
+class RunConfig:
+    """The root config: ``python -m harness +system=<name> model=<size>``."""
+
+    system: Any = MISSING  # a SystemConfig subclass, chosen with +system=
+    model: ModelsConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    workload: WorkloadConfig = MISSING
+    backend: BackendConfig = MISSING
+    logger: LoggerConfig = MISSING
+    experiment: str = "default"
+    seed: int = 0
+    results_dir: str = "results"
+    overwrite: bool = False  # re-run even if a finished result exists
+
+
+def register_configs() -> None:
+    """Register the schemas; YAML options name them in their defaults lists."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="llama", name="llama_schema", node=LlamaConfig)
+    cs.store(group="model", name="models_schema", node=ModelsConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
+    cs.store(group="backend", name="backend_schema", node=BackendConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)

@@ -1,0 +1,206 @@
+"""Parameter, FLOP and byte arithmetic for LLaMA-style decoders (DESIGN section 4).
+
+Owns the closed-form counts that every other cost-model module builds on: parameters per
+layer / embedding / head, forward FLOPs of a pass, and KV-cache bytes per token. It knows
+nothing about hardware.
+
+Architecture facts (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
+Models", Table 2; Touvron et al. 2023, "Llama 2", section 2.2 for grouped-query attention):
+pre-norm decoder with RMSNorm (one weight vector per norm, no bias), rotary embeddings (no
+parameters), SwiGLU MLP with three matrices (gate, up, down), no biases anywhere, untied
+input embedding and LM head. Critic and reward models replace the vocab-sized LM head by a
+scalar value head of ``hidden_size`` weights.
+
+FLOP convention. A matmul with ``P`` weights costs ``2 * P`` FLOPs per token (multiply +
+add). Attention scores ``Q K^T`` and the weighted sum ``A V`` each cost ``2 * h`` FLOPs per
+(query, key) pair, so ``4 * h * context_len`` FLOPs per token per layer, where
+``context_len`` is the *average number of keys a query attends to*:
+
+* causal training / prefill over a sequence of ``s`` tokens: ``context_len = s / 2`` (query
+  ``i`` sees ``i + 1`` keys; the mean is ``(s + 1) / 2``, we round to ``s / 2``). This counts
+  the work a causal-masked FlashAttention kernel actually does, not the ``s`` that dense
+  MFU formulas (e.g. Narayanan et al. SC'21) count;
+* one decode step of a sample whose cache holds ``p`` tokens: ``context_len = p``.
+
+Hot paths (the generation simulator calls the cost model ~1e5 times per iteration) must not
+re-read configs: :meth:`ModelDims.of` turns any config into a small frozen, hashable record,
+and the derived counts are memoised per record with :func:`functools.lru_cache`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+# Bytes per element of the bf16/fp16 tensors we store weights, activations and KV in.
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dimensions of one decoder, hashable so derived counts can be memoised."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int = 32000
+    value_head: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the K (and of the V) projection: ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @staticmethod
+    def of(cfg: Any) -> "ModelDims":
+        """A :class:`ModelDims` from a ``LlamaConfig`` dataclass, an OmegaConf ``DictConfig``
+        or a mapping. ``ModelDims`` passes through unchanged (the fast path).
+
+        Reading a ``DictConfig`` costs tens of microseconds, so those are memoised by object
+        identity (a strong reference is kept, so an id is never reused while cached). Model
+        configs are treated as immutable once they have been handed to the cost model.
+        """
+        if type(cfg) is ModelDims:
+            return cfg
+        if isinstance(cfg, DictConfig):
+            hit = _DICTCONFIG_CACHE.get(id(cfg))
+            if hit is not None and hit[0] is cfg:
+                return hit[1]
+            dims = _dims_from(cfg)
+            if len(_DICTCONFIG_CACHE) >= _DICTCONFIG_CACHE_MAX:
+                _DICTCONFIG_CACHE.clear()
+            _DICTCONFIG_CACHE[id(cfg)] = (cfg, dims)
+            return dims
+        return _dims_from(cfg)
+
+
+_DICTCONFIG_CACHE: dict[int, tuple[Any, ModelDims]] = {}
+_DICTCONFIG_CACHE_MAX = 1024
+
+
+_FIELD_TYPES = {"name": str, "value_head": bool}
+_FIELD_TYPES.update(
+    {f.name: int for f in dataclasses.fields(ModelDims) if f.name not in _FIELD_TYPES}
+)
+
+
+def _dims_from(cfg: Any) -> ModelDims:
+    get = cfg.get if isinstance(cfg, (dict, DictConfig)) else lambda k, d=None: getattr(cfg, k, d)
+    values = {}
+    for f in dataclasses.fields(ModelDims):
+        value = get(f.name, f.default)
+        if value is dataclasses.MISSING or value == "???":
+            raise ValueError(f"model config lacks required field {f.name!r}: {cfg!r}")
+        values[f.name] = _FIELD_TYPES[f.name](value)
+    dims = ModelDims(**values)
+    if dims.hidden_size % dims.num_heads or dims.num_heads % dims.num_kv_heads:
+        raise ValueError(
+            f"model {dims.name!r}: hidden_size {dims.hidden_size} must divide into "
+            f"{dims.num_heads} heads, and heads into {dims.num_kv_heads} kv heads"
+        )
+    return dims
+
+
+# ----------------------------------------------------------------------------------------
+# Parameter counts
+# ----------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _matmul_params_per_layer(d: ModelDims) -> int:
+    h = d.hidden_size
+    attention = 2 * h * h + 2 * h * d.kv_dim  # W_q, W_o: h x h; W_k, W_v: h x kv_dim
+    mlp = 3 * h * d.ffn_hidden_size  # SwiGLU gate, up (h x ffn) and down (ffn x h)
+    return attention + mlp
+
+
+def matmul_params_per_layer(m: Any) -> int:
+    """Weights of one layer that take part in matmuls (everything but the norm vectors)."""
+    return _matmul_params_per_layer(ModelDims.of(m))
+
+
+def params_per_layer(m: Any) -> int:
+    """All weights of one decoder layer: attention, SwiGLU MLP and two RMSNorm vectors."""
+    d = ModelDims.of(m)
+    return _matmul_params_per_layer(d) + 2 * d.hidden_size
+
+
+def embedding_params(m: Any) -> int:
+    """Input token embedding: ``vocab_size x hidden_size``."""
+    d = ModelDims.of(m)
+    return d.vocab_size * d.hidden_size
+
+
+def head_params(m: Any) -> int:
+    """Output head: untied LM head (``vocab x h``) or a scalar value head (``h``)."""
+    d = ModelDims.of(m)
+    return d.hidden_size if d.value_head else d.vocab_size * d.hidden_size
+
+
+@lru_cache(maxsize=None)
+def _num_params(d: ModelDims) -> int:
+    final_norm = d.hidden_size
+    return d.num_layers * params_per_layer(d) + embedding_params(d) + final_norm + head_params(d)
+
+
+def num_params(m: Any) -> int:
+    """Total parameters: layers + embedding + final norm + head."""
+    return _num_params(ModelDims.of(m))
+
+
+# ----------------------------------------------------------------------------------------
+# FLOPs and bytes
+# ----------------------------------------------------------------------------------------
+
+
+def forward_flops(
+    m: Any,
+    num_tokens: float,
+    context_len: float,
+    num_layers: Optional[float] = None,
+    include_head: bool = True,
+) -> float:
+    """FLOPs of one forward pass over ``num_tokens`` tokens through ``num_layers`` layers
+    (all of them when ``None``), each token attending to ``context_len`` keys on average
+    (see the module docstring for the convention). ``include_head`` adds the LM / value
+    head matmul; the embedding lookup costs no FLOPs."""
+    d = ModelDims.of(m)
+    layers = d.num_layers if num_layers is None else num_layers
+    per_token_layer = 2.0 * _matmul_params_per_layer(d) + 4.0 * d.hidden_size * context_len
+    flops = per_token_layer * num_tokens * layers
+    if include_head:
+        flops += 2.0 * head_params(d) * num_tokens
+    return flops
+
+
+def kv_bytes_per_token(m: Any, dtype_bytes: int = BF16_BYTES) -> int:
+    """KV-cache bytes one token occupies over all layers: K and V of ``kv_dim`` each."""
+    d = ModelDims.of(m)
+    return 2 * d.num_layers * d.kv_dim * dtype_bytes
+
+
+@lru_cache(maxsize=None)
+def activation_io_elems_per_token_layer(d: ModelDims) -> int:
+    """Elements of activations read or written from HBM per token per layer in a forward
+    pass, assuming each matmul reads its input and writes its output once and the
+    attention core is a fused (FlashAttention-style) kernel that keeps scores on chip.
+
+    Our own count: norm 1 (read h, write h), QKV (read h, write h + 2 kv_dim), attention
+    core (read h + 2 kv_dim, write h), output projection (read h, write h), residual add
+    (read 2h, write h), norm 2 (2h), gate/up (read h, write 2 ffn), SwiGLU (read 2 ffn,
+    write ffn), down (read ffn, write h), residual add (3h).
+    """
+    h, kv, f = d.hidden_size, d.kv_dim, d.ffn_hidden_size
+    attention_block = 2 * h + (2 * h + 2 * kv) + (2 * h + 2 * kv) + 2 * h + 3 * h
+    mlp_block = 2 * h + (h + 2 * f) + 3 * f + (f + h) + 3 * h
+    return attention_block + mlp_block

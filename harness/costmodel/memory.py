@@ -1,0 +1,131 @@
+"""Per-device memory footprints, in GB of 1e9 bytes (DESIGN section 4, "Memory").
+
+Owns the sizes a planner checks against HBM capacity: inference weights, training state
+(weights, gradients, optimizer states, with ZeRO sharding), activations kept for the
+backward pass, and the KV cache. Every function returns the footprint of the *most loaded*
+device of its layout.
+
+Layout assumptions. Model parallelism (``tp * pp``) splits the model first: ``pp`` stages of
+``num_layers / pp`` layers each (uniform, possibly fractional), the input embedding on the
+first stage, the final norm and head on the last; each stage is split evenly over ``tp``
+ranks (Megatron-LM also shards the embedding and LM head over tp; the few norm vectors that
+are in truth replicated are divided too -- negligible). Data-parallel ZeRO sharding then
+divides what it shards over ``dp``.
+
+Training state follows the ZeRO paper (Rajbhandari et al., SC'20, section 3.1): mixed-
+precision Adam keeps 2 bytes/param of bf16 weights, 2 of bf16 gradients and K = 12 of fp32
+master weights, momentum and variance. ZeRO-1 shards the 12, ZeRO-2 also the gradients,
+ZeRO-3 the weights as well.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Table 2 (bytes per layer, ``s`` sequence, ``b`` micro-batch, ``h``
+hidden, ``a`` heads, ``t`` tensor-parallel size). Their coefficients are derived for GPT
+(4h GeLU MLP, dropout); we apply them to LLaMA unchanged as an approximation (SwiGLU with
+ffn ~ 8h/3 stores a similar amount, and LLaMA has no dropout masks, so this errs high).
+Pipeline schedules multiply these per-micro-batch numbers by the micro-batches in flight;
+that is the schedule simulator's job, not this module's.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from harness.costmodel.llama import (
+    BF16_BYTES,
+    ModelDims,
+    embedding_params,
+    head_params,
+    kv_bytes_per_token,
+    params_per_layer,
+)
+
+GB = 1e9
+
+# ZeRO paper (Rajbhandari et al. SC'20), mixed-precision Adam: bytes per parameter.
+WEIGHT_BYTES = 2  # bf16 weights
+GRAD_BYTES = 2  # bf16 gradients
+OPTIMIZER_BYTES = 12  # fp32 master weights + Adam momentum + variance ("K = 12")
+
+# Logits are kept in fp32 for a numerically stable softmax / cross-entropy.
+LOGIT_BYTES = 4
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def max_stage_params(model: Any, pp: int = 1) -> float:
+    """Parameters of the heaviest of ``pp`` uniform pipeline stages (before tp sharding)."""
+    d = ModelDims.of(model)
+    layers = d.num_layers / pp * params_per_layer(d)
+    first = embedding_params(d)
+    last = d.hidden_size + head_params(d)  # final norm + head
+    if pp == 1:
+        return layers + first + last
+    return layers + max(first, last)
+
+
+def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYTES) -> float:
+    """Inference weights on one device."""
+    return max_stage_params(model, pp) / tp * dtype_bytes / GB
+
+
+def training_state_gb(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
+                      zero_stage: int = 0) -> float:
+    """Weights + gradients + Adam states on one device under ZeRO stage 0-3."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    params = max_stage_params(model, pp) / tp
+    weights = WEIGHT_BYTES / (dp if zero_stage >= 3 else 1)
+    grads = GRAD_BYTES / (dp if zero_stage >= 2 else 1)
+    optimizer = OPTIMIZER_BYTES / (dp if zero_stage >= 1 else 1)
+    return params * (weights + grads + optimizer) / GB
+
+
+def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: float,
+                               tp: int = 1, recompute: str = "selective") -> float:
+    """Korthikanti et al. 2022 (Table 2) activation bytes of one layer, one micro-batch:
+
+    * ``none`` (tensor parallel, no sequence parallel):
+      ``s b h (10 + 24/t + 5 a s / (h t))``
+    * ``selective`` (attention core recomputed, with sequence parallelism):
+      ``34 s b h / t``
+    * ``full`` (only each layer's input is kept): ``2 s b h``. With sequence
+      parallelism that input would be sharded too (``/ t``); we keep the unsharded, larger
+      figure, which is safe for feasibility checks.
+    """
+    d = ModelDims.of(model)
+    sbh = seq_len * micro_batch_size * d.hidden_size
+    if recompute == "none":
+        return sbh * (10 + 24 / tp + 5 * d.num_heads * seq_len / (d.hidden_size * tp))
+    if recompute == "selective":
+        return sbh * 34 / tp
+    if recompute == "full":
+        return 2 * sbh
+    raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
+
+
+def activation_gb(
+    model: Any,
+    micro_batch_size: float,
+    seq_len: float,
+    tp: int = 1,
+    num_layers: Optional[float] = None,
+    recompute: str = "selective",
+    include_logits: bool = False,
+) -> float:
+    """Activations one micro-batch keeps for its backward pass on one device, over
+    ``num_layers`` layers (all when ``None``). ``include_logits`` adds the last stage's
+    fp32 logits (``4 s b v / t`` bytes; ``4 s b`` for a scalar value head)."""
+    d = ModelDims.of(model)
+    layers = d.num_layers if num_layers is None else num_layers
+    total = layers * activation_bytes_per_layer(d, micro_batch_size, seq_len, tp, recompute)
+    if include_logits:
+        width = 1 if d.value_head else d.vocab_size / tp
+        total += LOGIT_BYTES * seq_len * micro_batch_size * width
+    return total / GB
+
+
+def kv_cache_gb(model: Any, num_tokens: float, tp: int = 1, pp: int = 1) -> float:
+    """KV cache of ``num_tokens`` cached tokens on one device of a tp x pp instance. Layers
+    split over pp; KV heads over at most ``num_kv_heads`` tp ranks (replicated beyond, as
+    inference engines do for grouped-query attention)."""
+    d = ModelDims.of(model)
+    return kv_bytes_per_token(d) * num_tokens / (min(tp, d.num_kv_heads) * pp) / GB

@@ -1,0 +1,235 @@
+"""The cost model systems plan with and the simulator runs on (DESIGN section 4).
+
+Owns :class:`CostModel`, one object that answers every "how long" and "how big" question
+for one cluster and workload: compute-op times (roofline from :mod:`.compute`, overridden by
+a measured :class:`~harness.costmodel.profile.ProfileTable` where it has an entry),
+collective times over device ids (alpha-beta per tier from :mod:`.comm`) and per-device
+memory footprints (:mod:`.memory`). Devices are global ids ``0 .. num_devices - 1``, device
+``d`` on node ``d // gpus_per_node``.
+
+Groups given by size only (the tp group of a compute op, the tp x pp devices of a
+generation instance) are assumed to be packed onto consecutive devices: they talk over
+NVLink when they fit on one node, else over the NICs.
+
+Speed: the generation simulator calls :meth:`CostModel.decode_step_s` ~1e5 times per
+simulated iteration. Configs are read once in the constructor into plain dataclasses; models
+go through :meth:`ModelDims.of` (identity-cached) and the counts derived from them are
+memoised, so a call is a handful of float operations.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from harness.config import GpuConfig, LinkConfig
+from harness.costmodel import comm, memory
+from harness.costmodel.compute import Roofline
+from harness.costmodel.llama import ModelDims
+from harness.costmodel.memory import max_stage_params
+from harness.costmodel.profile import ProfileTable
+
+
+class CostModel:
+    """Times (seconds) and footprints (GB) of RLHF ops on ``cluster``, for ``workload``."""
+
+    def __init__(self, cluster: Any, workload: Any, profile: Optional[ProfileTable] = None):
+        self.name = str(cluster.name)
+        self.num_nodes = int(cluster.num_nodes)
+        self.gpus_per_node = int(cluster.gpus_per_node)
+        self.num_devices = self.num_nodes * self.gpus_per_node
+        g = cluster.gpu
+        self.gpu = GpuConfig(
+            name=str(g.name),
+            peak_bf16_tflops=float(g.peak_bf16_tflops),
+            hbm_gb=float(g.hbm_gb),
+            hbm_bandwidth_gbps=float(g.hbm_bandwidth_gbps),
+            matmul_efficiency_frac=float(g.matmul_efficiency_frac),
+            memory_efficiency_frac=float(g.memory_efficiency_frac),
+            usable_memory_frac=float(g.usable_memory_frac),
+        )
+        self.intra_node = comm.plain_link(cluster.intra_node)
+        self.inter_node = comm.plain_link(cluster.inter_node)
+        self.host_to_device = comm.plain_link(cluster.host_to_device)
+        self._multi_node_links: dict[int, LinkConfig] = {}
+        self.host_memory_gb = float(cluster.host_memory_gb)
+        self.recompute = str(workload.activation_recompute)
+        if self.recompute not in memory.RECOMPUTE_MODES:
+            raise ValueError(
+                f"workload.activation_recompute must be one of {memory.RECOMPUTE_MODES}, "
+                f"not {self.recompute!r}"
+            )
+        self.profile = profile
+        self.roofline = Roofline(self.gpu, allreduce_s=self._packed_allreduce_s,
+                                 p2p_s=self._packed_p2p_s)
+
+    # -- links ----------------------------------------------------------------------------
+
+    def _link_for_size(self, group_size: int) -> Any:
+        return self.intra_node if group_size <= self.gpus_per_node else self.inter_node
+
+    def _packed_allreduce_s(self, num_bytes: float, n: int) -> float:
+        return comm.allreduce_s(num_bytes, n, self._link_for_size(n))
+
+    def _packed_p2p_s(self, num_bytes: float, group_size: int) -> float:
+        return comm.p2p_s(num_bytes, self._link_for_size(group_size))
+
+    def link_between(self, src: int, dst: int) -> Any:
+        """The link a transfer from device ``src`` to device ``dst`` uses."""
+        if src // self.gpus_per_node == dst // self.gpus_per_node:
+            return self.intra_node
+        return self.inter_node
+
+    def link_for_group(self, device_ids: Sequence[int]) -> Any:
+        """Effective link of a ring collective over ``device_ids``.
+
+        On one node: NVLink. Across nodes: NCCL runs one ring channel per NIC, and on a
+        rail-optimised fabric each of the group's ``g`` GPUs on a node drives its own NIC, so the
+        ``g`` channels cross node boundaries in parallel while their intra-node hops ride NVLink.
+        The effective bandwidth is ``min(NVLink, g x NIC)`` (our reading of NCCL's ring/channel
+        design; e.g. a full-node group on 8 x 200 Gb/s sees ~8 x 25 GB/s). A group with one GPU
+        per node (a dp group with tp = 8) gets one NIC."""
+        per_node: dict[int, int] = {}
+        for d in device_ids:
+            if not 0 <= d < self.num_devices:
+                raise ValueError(f"device id {d} outside the cluster's {self.num_devices} devices")
+            node = d // self.gpus_per_node
+            per_node[node] = per_node.get(node, 0) + 1
+        if len(per_node) <= 1:
+            return self.intra_node
+        return self._multi_node_link(max(per_node.values()))
+
+    def _multi_node_link(self, gpus_per_node_in_group: int) -> Any:
+        link = self._multi_node_links.get(gpus_per_node_in_group)
+        if link is None:
+            nic = self.inter_node.bandwidth_gbps * self.inter_node.efficiency_frac
+            nvlink = self.intra_node.bandwidth_gbps * self.intra_node.efficiency_frac
+            link = LinkConfig(bandwidth_gbps=min(nvlink, gpus_per_node_in_group * nic),
+                              latency_us=self.inter_node.latency_us, efficiency_frac=1.0)
+            self._multi_node_links[gpus_per_node_in_group] = link
+        return link
+
+    # -- communication --------------------------------------------------------------------
+
+    def p2p_s(self, num_bytes: float, src: int, dst: int) -> float:
+        if src == dst:
+            return 0.0
+        return comm.p2p_s(num_bytes, self.link_between(src, dst))
+
+    def allreduce_s(self, num_bytes: float, device_ids: Sequence[int]) -> float:
+        """Ring all-reduce of a ``num_bytes`` buffer held by every device of the group."""
+        return comm.allreduce_s(num_bytes, len(device_ids), self.link_for_group(device_ids))
+
+    def allgather_s(self, num_bytes: float, device_ids: Sequence[int]) -> float:
+        """Ring all-gather whose gathered output is ``num_bytes``."""
+        return comm.allgather_s(num_bytes, len(device_ids), self.link_for_group(device_ids))
+
+    def reduce_scatter_s(self, num_bytes: float, device_ids: Sequence[int]) -> float:
+        """Ring reduce-scatter of a ``num_bytes`` input."""
+        return comm.reduce_scatter_s(num_bytes, len(device_ids), self.link_for_group(device_ids))
+
+    def host_transfer_s(self, num_bytes: float) -> float:
+        """Host <-> device copy of ``num_bytes`` over PCIe (offload / reload)."""
+        return comm.p2p_s(num_bytes, self.host_to_device)
+
+    # -- compute --------------------------------------------------------------------------
+
+    def _profiled(self, op: str, d: ModelDims, tp: int, num_tokens: float) -> Optional[float]:
+        if self.profile is None:
+            return None
+        return self.profile.lookup(op, d.name, tp, num_tokens)
+
+    def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
+                  num_layers: Optional[float] = None,
+                  include_head: Optional[bool] = None) -> float:
+        """Forward of ``num_tokens`` tokens in causal sequences of ``seq_len`` through
+        ``num_layers`` layers (a pipeline stage; all when ``None``). A profiled whole-model
+        time is scaled by ``num_layers / model.num_layers``."""
+        d = ModelDims.of(model)
+        measured = self._profiled("forward", d, tp, num_tokens)
+        if measured is not None:
+            return measured * _layer_frac(d, num_layers)
+        return self.roofline.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
+                                       include_head)
+
+    def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
+                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
+                   recompute: Optional[str] = None) -> float:
+        """Backward (with the workload's activation recomputation unless ``recompute``)."""
+        d = ModelDims.of(model)
+        measured = self._profiled("backward", d, tp, num_tokens)
+        if measured is not None:
+            return measured * _layer_frac(d, num_layers)
+        return self.roofline.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
+                                        include_head, recompute or self.recompute)
+
+    def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
+                  seq_len: Optional[float] = None) -> float:
+        """Prefill of ``num_tokens`` prompt tokens (sequences of ``seq_len``, default one)
+        on a tp x pp generation instance."""
+        d = ModelDims.of(model)
+        if self.profile is not None and num_tokens > 0:
+            # Same steady-state pipeline rule as decode_step_s, micro-batches of whole
+            # sequences.
+            num_seqs = 1.0 if seq_len is None else num_tokens / min(seq_len, num_tokens)
+            mb = num_tokens / max(1.0, min(pp, num_seqs))
+            measured = self.profile.lookup("prefill", d.name, tp, mb)
+            if measured is not None:
+                return measured + self._pp_hops_s(d, mb, tp, pp)
+        return self.roofline.prefill_s(d, num_tokens, tp, pp, seq_len)
+
+    def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
+                      tp: int = 1, pp: int = 1) -> float:
+        """One decode step of ``batch_size`` samples whose caches hold
+        ``context_tokens_total`` tokens in all, on a tp x pp generation instance. A
+        profiled time (measured at pp = 1 for the micro-batch size) stands for the
+        ``pp`` stage times of a step (see :mod:`.compute`); the pipeline hops are added."""
+        d = ModelDims.of(model)
+        if self.profile is not None and batch_size > 0:
+            mb = batch_size / min(pp, batch_size)
+            measured = self.profile.lookup("decode_step", d.name, tp, mb)
+            if measured is not None:
+                return measured + self._pp_hops_s(d, mb, tp, pp)
+        return self.roofline.decode_step_s(d, batch_size, context_tokens_total, tp, pp)
+
+    def _pp_hops_s(self, d: ModelDims, mb_tokens: float, tp: int, pp: int) -> float:
+        if pp <= 1:
+            return 0.0
+        return (pp - 1) * self._packed_p2p_s(mb_tokens * d.hidden_size * 2, tp * pp)
+
+    def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
+                         zero_stage: int = 0) -> float:
+        """Adam step on the most loaded device: its stage's parameters / tp, further / dp
+        when ZeRO (any stage >= 1) shards the optimizer states."""
+        d = ModelDims.of(model)
+        params = max_stage_params(d, pp) / tp / (dp if zero_stage >= 1 else 1)
+        measured = self._profiled("optimizer_step", d, tp, 0)
+        if measured is not None:  # measured for the whole model on tp ranks: scale by params
+            return measured * params * tp / max_stage_params(d, 1)
+        return self.roofline.optimizer_step_s(params)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    @property
+    def hbm_capacity_gb(self) -> float:
+        """HBM a plan may fill per device: ``hbm_gb * usable_memory_frac``."""
+        return self.gpu.hbm_gb * self.gpu.usable_memory_frac
+
+    def weights_gb(self, model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = 2) -> float:
+        return memory.weights_gb(ModelDims.of(model), tp, pp, dtype_bytes)
+
+    def training_state_gb(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
+                          zero_stage: int = 0) -> float:
+        return memory.training_state_gb(ModelDims.of(model), dp, tp, pp, zero_stage)
+
+    def activation_gb(self, model: Any, micro_batch_size: float, seq_len: float, tp: int = 1,
+                      num_layers: Optional[float] = None, recompute: Optional[str] = None,
+                      include_logits: bool = False) -> float:
+        """Activations of one micro-batch (workload's recomputation unless ``recompute``)."""
+        return memory.activation_gb(ModelDims.of(model), micro_batch_size, seq_len, tp,
+                                    num_layers, recompute or self.recompute, include_logits)
+
+    def kv_cache_gb(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1) -> float:
+        return memory.kv_cache_gb(ModelDims.of(model), num_tokens, tp, pp)
+
+
+def _layer_frac(d: ModelDims, num_layers: Optional[float]) -> float:
+    return 1.0 if num_layers is None else num_layers / d.num_layers

@@ -1,0 +1,59 @@
+"""Task-time estimates for planners: the simulator's own task models, run on one candidate task.
+
+Systems search layouts with the cost model (RLHFuse-Base's brute force, ReaLHF's MCMC). To score a
+candidate they need the same numbers the simulator would produce, so this module runs the sim
+backend's per-task models (:mod:`harness.backends.sim`) on a representative batch drawn from the
+workload (a pure function of the seed). Generation is estimated on the instances holding the
+longest samples only, because the slowest instance decides when generation ends.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.backends.sim.generation import simulate_generation
+from harness.backends.sim.passes import simulate_inference, simulate_training
+from harness.plan import GenerationPolicy, Plan, Task, TrainingStage
+from harness.system import PlanContext
+from harness.workload import Batch, make_batch
+
+NUM_GEN_INSTANCES_ESTIMATED = 4
+
+
+def representative_batch(ctx: PlanContext, global_batch_size: int | None = None) -> Batch:
+    batch = make_batch(ctx.workload, ctx.seed, iteration=0)
+    if global_batch_size is not None and global_batch_size != batch.num_samples:
+        return Batch(0, batch.prompt_lens[:global_batch_size], batch.output_lens[:global_batch_size])
+    return batch
+
+
+def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: Batch, kv_capacity_gb: float) -> float:
+    """Estimated generation time: simulate only the instances that hold the longest samples."""
+    dp = task.allocation.strategy.dp
+    ids = np.arange(batch.num_samples)
+    instance_of = ids % dp
+    slowest = list(dict.fromkeys(instance_of[np.argsort(-batch.output_lens)]))[:NUM_GEN_INSTANCES_ESTIMATED]
+    worst = 0.0
+    for k in slowest:
+        mine = ids[instance_of == k]
+        sub = Task(task.name, task.kind, task.model,
+                   type(task.allocation)(task.allocation.replica_devices(int(k)),
+                                         type(task.allocation.strategy)(1, task.allocation.strategy.tp,
+                                                                        task.allocation.strategy.pp)))
+        res = simulate_generation(ctx.cost_model, sub, policy, ctx.model(task.model), batch.prompt_lens[mine],
+                                  batch.output_lens[mine], 0.0, kv_capacity_gb, ctx.workload.max_gen_len)
+        worst = max(worst, res.end_s)
+    return worst
+
+
+def inference_s(ctx: PlanContext, task: Task, batch: Batch) -> float:
+    seq = batch.prompt_lens + batch.output_lens
+    return simulate_inference(ctx.cost_model, task, ctx.model(task.model), seq,
+                              ctx.workload.micro_batch_size, 0.0).end_s
+
+
+def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> float:
+    plan = Plan(system="estimate", tasks=[task], training=[stage], mini_batch_size=mini_batch_size,
+                global_batch_size=batch.num_samples)
+    seq = batch.prompt_lens + batch.output_lens
+    return simulate_training(ctx.cost_model, plan, stage, ctx.models, seq,
+                             ctx.workload.activation_recompute, 0.0).end_s

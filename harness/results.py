@@ -1,0 +1,113 @@
+"""The results tree (DESIGN section 8) and its one loader.
+
+``results/<experiment>/<system>/<model>/seed<k>/`` holds the resolved config (``config.yaml``),
+``plan.json``, ``schedules/*.csv``, ``trace.json`` (Chrome trace), ``metrics.jsonl`` (one line per
+iteration) and ``summary.json``. A run is written into a hidden sibling folder and renamed into
+place only when complete, so a crash or a refused plan never leaves a half-written run; a folder
+with ``summary.json`` is a finished run and is skipped when a sweep is resumed. Failed sweep jobs
+append one JSON line to ``results/<experiment>/failures.jsonl``.
+
+Figure code reads results only through :func:`load_results`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.jsonl"
+PLAN_FILE = "plan.json"
+TRACE_FILE = "trace.json"
+CONFIG_FILE = "config.yaml"
+FAILURES_FILE = "failures.jsonl"
+
+
+def run_path(root: str | Path, experiment: str, system: str, model: str, seed: int) -> Path:
+    return Path(root) / experiment / system / model / f"seed{seed}"
+
+
+def is_finished(path: Path) -> bool:
+    return (path / SUMMARY_FILE).is_file()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON via a temporary file and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+class RunFolder:
+    """Stage a run in ``.<seedK>.partial-<pid>`` and publish it atomically with :meth:`commit`."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+
+    def __enter__(self) -> "RunFolder":
+        if self.staging.exists():
+            shutil.rmtree(self.staging)
+        self.staging.mkdir(parents=True)
+        return self
+
+    def path(self, name: str) -> Path:
+        p = self.staging / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def commit(self) -> Path:
+        if self.final.exists():  # only with overwrite=true: keep the old run until the new one is in place
+            old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
+            os.replace(self.final, old)
+            os.replace(self.staging, self.final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.staging, self.final)
+        return self.final
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.staging.exists():  # not committed: discard everything staged
+            shutil.rmtree(self.staging, ignore_errors=True)
+        _remove_empty_parents(self.final.parent, stop_at=3)
+
+
+def _remove_empty_parents(path: Path, stop_at: int) -> None:
+    for _ in range(stop_at):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        path = path.parent
+
+
+def record_failure(root: str | Path, experiment: str, run: dict[str, Any], error: BaseException) -> Path:
+    path = Path(root) / experiment / FAILURES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = {**run, "error_type": type(error).__name__, "error": str(error), "time": time.time()}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return path
+
+
+def load_results(root: str | Path = "results", experiment: str | None = None):
+    """One row per finished run: experiment, system, model, seed, path, then every summary key."""
+    import pandas as pd
+
+    root = Path(root)
+    rows = []
+    pattern = f"{experiment}/*/*/seed*/{SUMMARY_FILE}" if experiment else f"*/*/*/seed*/{SUMMARY_FILE}"
+    for summary_path in sorted(root.glob(pattern)):
+        run = summary_path.parent
+        with open(summary_path) as f:
+            summary = json.load(f)
+        rows.append({
+            "experiment": run.parents[2].name, "system": run.parents[1].name, "model": run.parent.name,
+            "seed": int(run.name.removeprefix("seed")), "path": str(run), **summary.get("metrics", {}),
+            **{f"info/{k}": v for k, v in summary.get("info", {}).items()},
+        })
+    return pd.DataFrame(rows)

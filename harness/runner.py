@@ -1,0 +1,159 @@
+"""One benchmark run: config -> plan -> checks -> backend iterations -> metrics -> results and W&B.
+
+The runner never branches on which system runs: it builds the system named by ``system.impl`` and
+the backend named by ``backend._target_``, asks the system for a Plan, checks the plan (structure,
+device memory) before anything is written, executes it, and measures the StepTraces.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+
+from harness import metrics as mk
+from harness import results
+from harness.config import RunConfig
+from harness.costmodel import CostModel, ProfileTable
+from harness.errors import ConfigError
+from harness.loggers import WandbLogger
+from harness.memory_check import check_plan_memory
+from harness.plan import Plan
+from harness.schedule import to_csv
+from harness.system import PlanContext, System
+from harness.trace import trace_devices, write_chrome_trace
+from harness.workload import make_batch, validate_workload
+
+
+@dataclass
+class RunOutcome:
+    path: Path
+    summary: dict[str, float]
+    skipped: bool
+
+
+def model_label(models) -> str:
+    """``13b`` when all four roles match, ``<actor>_<critic>`` for paper pairs, else all four."""
+    a, c, r, w = (getattr(models, role).name for role in ("actor", "critic", "ref", "reward"))
+    if a == c == r == w:
+        return a
+    if a == r and c == w:
+        return f"{a}_{c}"
+    return f"a{a}_c{c}_r{r}_w{w}"
+
+
+def build_context(run: RunConfig) -> PlanContext:
+    validate_workload(run.workload)
+    cluster = run.cluster
+    if cluster.num_nodes < 1 or cluster.gpus_per_node < 1:
+        raise ConfigError(f"cluster.num_nodes={cluster.num_nodes} and cluster.gpus_per_node="
+                          f"{cluster.gpus_per_node} must both be >= 1")
+    profile = None
+    if run.backend.profile_table:
+        if not Path(run.backend.profile_table).is_file():
+            raise ConfigError(f"backend.profile_table={run.backend.profile_table!r}: no such file")
+        profile = ProfileTable.from_csv(run.backend.profile_table)
+    cost_model = CostModel(cluster, run.workload, profile)
+    return PlanContext(models=run.model, cluster=cluster, workload=run.workload,
+                       cost_model=cost_model, seed=run.seed)
+
+
+def plan_info(plan: Plan, memory) -> dict[str, Any]:
+    """Facts about the plan worth seeing next to the numbers (strategies, memory peaks)."""
+    info: dict[str, Any] = {"system": plan.system, "num_devices": len(plan.devices())}
+    for t in plan.tasks:
+        info[f"strategy/{t.name}"] = f"{t.allocation.strategy} on {len(t.allocation.mesh)} devices"
+        if t.name in memory.task_peak_gb:
+            info[f"memory_gb/{t.name}"] = round(memory.task_peak_gb[t.name], 2)
+    info["generation/batching"] = plan.generation.batching
+    info.update({f"notes/{k}": v for k, v in plan.notes.items()})
+    return info
+
+
+def _write_static_files(folder: results.RunFolder, cfg: DictConfig, plan: Plan) -> None:
+    folder.path(results.CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    folder.path(results.PLAN_FILE).write_text(plan.to_json())
+    for stage in plan.training:
+        to_csv(stage.schedule, folder.path(f"schedules/{'+'.join(stage.tasks)}.csv"))
+
+
+def execute(cfg: DictConfig) -> RunOutcome:
+    run: RunConfig = OmegaConf.to_object(cfg)
+    ctx = build_context(run)
+    system: System = get_class(run.system.impl)(run.system)
+    label = model_label(run.model)
+
+    start = time.perf_counter()
+    plan = system.plan(ctx)
+    plan_s = time.perf_counter() - start
+    plan.validate(ctx.num_devices)
+    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+
+    path = results.run_path(run.results_dir, run.experiment, system.name, label, run.seed)
+    if results.is_finished(path) and not run.overwrite:
+        summary = json.loads((path / results.SUMMARY_FILE).read_text())["metrics"]
+        print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
+        return RunOutcome(path, summary, skipped=True)
+
+    backend = get_class(cfg.backend._target_)(run.backend, ctx)
+    task_models = {t.name: t.model for t in plan.tasks}
+    peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
+    with results.RunFolder(path) as folder:
+        _write_static_files(folder, cfg, plan)
+        logger = WandbLogger(run.logger, folder.staging, run.experiment, f"{system.name}-{label}-seed{run.seed}",
+                             OmegaConf.to_container(cfg, resolve=True))
+        rows, traces = [], []
+        try:
+            backend.setup(plan)
+            iterations = range(run.backend.num_iterations)
+            if run.logger.progress_bar:
+                from tqdm import tqdm
+                iterations = tqdm(iterations, desc=f"{system.name} {label}", unit="it", leave=False)
+            for it in iterations:
+                batch = make_batch(run.workload, run.seed, it)
+                trace = backend.run_iteration(plan, it, batch)
+                row = mk.iteration_metrics(trace, batch.total_num_tokens, task_models, peak_flops)
+                row[mk.PLAN_TIME] = plan_s
+                logger.log(row, step=it)
+                rows.append(row)
+                traces.append(trace)
+        except BaseException:
+            logger.finish(exit_code=1)
+            raise
+        finally:
+            backend.close()
+        summary = mk.summarize(rows, run.backend.num_warmup_iterations)
+        with open(folder.path(results.METRICS_FILE), "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+        write_chrome_trace(traces[-1:], str(folder.path(results.TRACE_FILE)),
+                           trace_devices(ctx.num_devices, run.cluster.gpus_per_node))
+        logger.log_summary(summary)
+        logger.finish()
+        results.write_json(folder.path(results.SUMMARY_FILE), {
+            "metrics": summary, "info": plan_info(plan, memory),
+            "run": {"experiment": run.experiment, "system": system.name, "model": label, "seed": run.seed,
+                    "backend": run.backend.name, "cluster": run.cluster.name,
+                    "num_devices": ctx.num_devices, "wandb_mode": logger.mode}})
+        final = folder.commit()
+    return RunOutcome(final, summary, skipped=False)
+
+
+def format_summary(outcome: RunOutcome) -> str:
+    s = outcome.summary
+    lines = [f"run: {outcome.path}",
+             f"  {'samples/s':<28}{s.get(mk.SAMPLES_PER_S, float('nan')):>12.3f}",
+             f"  {'tokens/s/GPU':<28}{s.get(mk.THROUGHPUT, float('nan')):>12.1f}",
+             f"  {'step (s)':<28}{s.get(mk.STEP_TIME, float('nan')):>12.2f}"]
+    for key in sorted(k for k in s if k.startswith("timing_s/") and k not in (mk.STEP_TIME,)):
+        lines.append(f"  {key:<28}{s[key]:>12.3f}")
+    for key in sorted(k for k in s if k.startswith("pipeline/bubble_frac/")):
+        lines.append(f"  {key:<28}{s[key]:>12.3f}")
+    for key in (mk.BUSY_MEAN, mk.MAX_MEMORY_GB, mk.GEN_TAIL_S):
+        if key in s:
+            lines.append(f"  {key:<28}{s[key]:>12.3f}")
+    return "\n".join(lines)

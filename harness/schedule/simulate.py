@@ -1,0 +1,251 @@
+"""Timed list scheduling of pipeline schedules (DESIGN sections 3 and 4).
+
+This module owns the one timing model that the planner, the simulated backend and the RLHFuse
+schedule search (NSDI'25, arXiv 2409.13221, section 5: simulated annealing over fused actor/critic
+schedules) all score with. Rules:
+
+- each rank runs its compute actions strictly in list order; send/recv actions of a lowered
+  schedule are skipped, their cost is ``PipeCosts.p2p`` added to every dependency edge whose two
+  ends sit on different ranks;
+- an action starts at ``max(end of the rank's previous action, end of each dependency (+ p2p if
+  cross-rank))`` with ``F(s, m) <- F(s-1, m)`` and ``B(s, m) <- F(s, m), B(s+1, m)``; it lasts
+  ``fwd[stage]`` or ``bwd[stage]``;
+- memory: ``F`` adds ``activation[stage]`` when it starts, the matching ``B`` frees it when it
+  ends; forward-only pipes hold theirs to the end. Because a rank's actions never overlap, the
+  running sum in list order gives the peak exactly.
+
+Speed: the search calls this tens of thousands of times a minute, so the schedule is encoded once
+into flat integer arrays (actions numbered per pipe / kind / stage / micro-batch, per-action
+dependency, duration and latency arrays cached per (pipes, costs)), and the run is a worklist over
+ranks: a blocked rank registers on the one action it waits for and is woken when that action
+finishes, so the whole pass is O(number of actions). ``SimModel`` exposes the encoded form for
+callers (the annealer) that want to skip re-encoding.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from harness.schedule.ir import Action, PipeCosts, PipeSpec, Schedule
+from harness.schedule.lower import strip_comm
+from harness.schedule.validate import ScheduleError, deadlock_report, find_deadlock, format_error
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: dict[int, float]
+    idle: dict[int, float]
+    peak_memory: dict[int, float]
+    start: dict[Action, float] = field(default_factory=dict)
+    end: dict[Action, float] = field(default_factory=dict)
+
+    @property
+    def bubble_frac(self) -> float:
+        """Share of rank-time spent idle: ``1 - sum(busy) / (num_ranks * makespan)``."""
+        if not self.busy or self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy.values()) / (len(self.busy) * self.makespan)
+
+    @property
+    def max_peak_memory(self) -> float:
+        return max(self.peak_memory.values(), default=0.0)
+
+
+class _EncodeError(Exception):
+    """Internal: an action the encoder cannot place (unknown pipe, out of range, W, misplaced)."""
+
+
+class SimModel:
+    """Flat-array form of (pipes, costs). Action ids: pipe ``p`` owns ``2 * S * M`` consecutive ids,
+    forwards first (``f_base + stage * M + mb``), then backwards (``b_base + stage * M + mb``)."""
+
+    def __init__(self, pipes: Sequence[PipeSpec], costs: Sequence[PipeCosts]):
+        self.pipes = {p.name: p for p in pipes}
+        self.pipe_slots: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {}
+        self.actions: list[Action] = []
+        self.dep_a: list[int] = []  # F: previous stage's F; B: own F
+        self.dep_b: list[int] = []  # B: next stage's B; F: -1
+        self.lat_a: list[float] = []
+        self.lat_b: list[float] = []
+        self.dur: list[float] = []
+        self.mem_delta: list[float] = []
+        self.home: list[int] = []
+        for pipe, cost in zip(pipes, costs):
+            self._add_pipe(pipe, cost)
+        self.num_actions = len(self.actions)
+
+    def _add_pipe(self, pipe: PipeSpec, cost: PipeCosts) -> None:
+        S, M, ranks = pipe.num_stages, pipe.num_mbs, pipe.stage_to_rank
+        if min(len(cost.fwd), len(cost.bwd), len(cost.activation)) < S:
+            raise ValueError(f"pipe {pipe.name}: costs cover fewer than its {S} stages")
+        if min(*cost.fwd[:S], *cost.bwd[:S], cost.p2p) < 0:
+            raise ValueError(f"pipe {pipe.name}: times must be >= 0")
+        f_base = len(self.actions)
+        b_base = f_base + S * M
+        self.pipe_slots[pipe.name] = (f_base, b_base, S, M, ranks)
+        for kind, base in (("F", f_base), ("B", b_base)):
+            for s in range(S):
+                for mb in range(M):
+                    self.actions.append(Action(pipe.name, s, kind, mb))
+                    self.home.append(ranks[s])
+                    if kind == "F":
+                        self._add_deps(f_base + (s - 1) * M + mb if s > 0 else -1, -1)
+                        self.dur.append(float(cost.fwd[s]))
+                        self.mem_delta.append(float(cost.activation[s]))
+                    else:
+                        nxt = b_base + (s + 1) * M + mb if s < S - 1 else -1
+                        self._add_deps(f_base + s * M + mb, nxt)
+                        self.dur.append(float(cost.bwd[s]))
+                        self.mem_delta.append(-float(cost.activation[s]))
+        for i in range(f_base, len(self.actions)):
+            a, b, here = self.dep_a[i], self.dep_b[i], self.home[i]
+            self.lat_a.append(cost.p2p if a >= 0 and self.home[a] != here else 0.0)
+            self.lat_b.append(cost.p2p if b >= 0 and self.home[b] != here else 0.0)
+
+    def _add_deps(self, a: int, b: int) -> None:
+        self.dep_a.append(a)
+        self.dep_b.append(b)
+
+    def encode(self, actions: Sequence[Action], rank: int) -> list[int]:
+        """Action ids of one rank's list, send/recv actions dropped. Raises _EncodeError."""
+        slots = self.pipe_slots
+        out: list[int] = []
+        append = out.append
+        pipe_name = None
+        for a in actions:
+            if a.pipe != pipe_name:  # consecutive actions mostly share a pipe
+                pipe_name = a.pipe
+                if pipe_name not in slots:
+                    raise _EncodeError(f"{a.token()} on rank {rank}: unknown pipe {a.pipe!r}")
+                f_base, b_base, S, M, ranks = slots[pipe_name]
+            s, mb, kind = a.stage, a.mb, a.kind
+            if not (0 <= s < S and 0 <= mb < M):
+                raise _EncodeError(f"{a.token()} on rank {rank}: stage or micro-batch out of range")
+            if kind == "F":
+                append(f_base + s * M + mb)
+            elif kind == "B":
+                append(b_base + s * M + mb)
+            elif kind == "W":
+                raise _EncodeError(f"{a.token()} on rank {rank}: split backward is not supported")
+            else:
+                continue
+            if ranks[s] != rank:
+                raise _EncodeError(f"{a.token()} is on rank {rank} but its stage lives on rank {ranks[s]}")
+        return out
+
+    def run(self, seqs: Sequence[Sequence[int]], want_start: bool = False):
+        """List-schedule encoded rank sequences. Returns (end, start or None, clock, peak, pos):
+        per-action end times (-1 = never ran), per-rank finish time, peak memory, and how far each
+        rank got (``pos[r] < len(seqs[r])`` means deadlock). Raises _EncodeError on duplicates."""
+        dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
+        dur, mem_delta = self.dur, self.mem_delta
+        end = [-1.0] * self.num_actions
+        start = [0.0] * self.num_actions if want_start else None
+        num_ranks = len(seqs)
+        pos, clock = [0] * num_ranks, [0.0] * num_ranks
+        mem, peak = [0.0] * num_ranks, [0.0] * num_ranks
+        waiter = [-1] * self.num_actions  # the rank blocked on each action (usually one)
+        extra_waiters: dict[int, list[int]] = {}  # further ranks blocked on the same action
+        ready = list(range(num_ranks - 1, -1, -1))
+        while ready:
+            r = ready.pop()
+            seq, i, t, m, pk = seqs[r], pos[r], clock[r], mem[r], peak[r]
+            n = len(seq)
+            while i < n:
+                a = seq[i]
+                st = t
+                d = dep_a[a]
+                if d >= 0:
+                    e = end[d]
+                    if e < 0.0:
+                        if waiter[d] < 0:
+                            waiter[d] = r
+                        else:
+                            extra_waiters.setdefault(d, []).append(r)
+                        break
+                    e += lat_a[a]
+                    if e > st:
+                        st = e
+                d = dep_b[a]
+                if d >= 0:
+                    e = end[d]
+                    if e < 0.0:
+                        if waiter[d] < 0:
+                            waiter[d] = r
+                        else:
+                            extra_waiters.setdefault(d, []).append(r)
+                        break
+                    e += lat_b[a]
+                    if e > st:
+                        st = e
+                if end[a] >= 0.0:
+                    raise _EncodeError(f"{self.actions[a].token()} appears more than once")
+                t = st + dur[a]
+                end[a] = t
+                if start is not None:
+                    start[a] = st
+                m += mem_delta[a]
+                if m > pk:
+                    pk = m
+                i += 1
+                if waiter[a] >= 0:
+                    ready.append(waiter[a])
+                    if extra_waiters and a in extra_waiters:
+                        ready.extend(extra_waiters.pop(a))
+            pos[r], clock[r], mem[r], peak[r] = i, t, m, pk
+        return end, start, clock, peak, pos
+
+
+@lru_cache(maxsize=64)
+def _model(pipes: tuple[PipeSpec, ...], costs: tuple[PipeCosts, ...]) -> SimModel:
+    return SimModel(pipes, costs)
+
+
+def sim_model(schedule: Schedule, costs: Mapping[str, PipeCosts]) -> SimModel:
+    """The (cached) encoded model for a schedule's pipes and their costs."""
+    names = list(schedule.pipes)
+    missing = [n for n in names if n not in costs]
+    if missing:
+        raise KeyError(f"no PipeCosts for pipe(s) {missing}")
+    return _model(tuple(schedule.pipes[n] for n in names), tuple(costs[n] for n in names))
+
+
+def _result(schedule: Schedule, model: SimModel, ranks: list[int], seqs: list[list[int]],
+            run_out, record_times: bool) -> SimResult:
+    end, start, clock, peak, _ = run_out
+    dur = model.dur
+    makespan = max(clock, default=0.0)
+    busy = {r: float(sum(map(dur.__getitem__, seq))) for r, seq in zip(ranks, seqs)}
+    result = SimResult(makespan=makespan, busy=busy,
+                       idle={r: makespan - b for r, b in busy.items()},
+                       peak_memory=dict(zip(ranks, peak)))
+    if record_times:
+        acts = model.actions
+        for seq in seqs:
+            for a in seq:
+                result.start[acts[a]] = start[a]
+                result.end[acts[a]] = end[a]
+    return result
+
+
+def simulate(schedule: Schedule, costs: Mapping[str, PipeCosts],
+             record_times: bool = True) -> SimResult:
+    """Time ``schedule`` under ``costs`` (pipe name -> PipeCosts). Raises ScheduleError (with the
+    rank x step grid) on deadlock, duplicated, misplaced or unknown actions. Missing actions that
+    nothing waits for are not an error here; ``validate`` checks completeness."""
+    model = sim_model(schedule, costs)
+    ranks = schedule.ranks
+    empty: list[Action] = []
+    try:
+        seqs = [model.encode(schedule.order.get(r, empty), r) for r in ranks]
+        run_out = model.run(seqs, want_start=record_times)
+    except _EncodeError as err:
+        raise ScheduleError(format_error("cannot simulate schedule", [str(err)], schedule)) from None
+    pos = run_out[4]
+    if any(p < len(seq) for p, seq in zip(pos, seqs)):
+        compute_only = strip_comm(schedule)
+        stuck = find_deadlock(compute_only) or {}
+        raise ScheduleError(deadlock_report(compute_only, stuck))
+    return _result(schedule, model, ranks, seqs, run_out, record_times)

@@ -1,0 +1,54 @@
+"""The System interface (DESIGN section 2): a system decides, and only decides.
+
+``System.plan(ctx)`` is pure: it reads the resolved configs and may query the cost model (and
+search with it), but touches no files, clock, logger or device. Systems live in ``systems/`` and
+``baselines/``; each defines a typed config (a :class:`harness.config.SystemConfig` subclass)
+whose ``impl`` names the class, and registers it with :func:`register_system_config`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from harness.config import ClusterConfig, ModelsConfig, SystemConfig, WorkloadConfig
+from harness.costmodel import CostModel
+from harness.plan import Plan
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """Everything a system may look at while planning."""
+
+    models: ModelsConfig
+    cluster: ClusterConfig
+    workload: WorkloadConfig
+    cost_model: CostModel
+    seed: int = 0
+
+    @property
+    def num_devices(self) -> int:
+        return self.cluster.num_nodes * self.cluster.gpus_per_node
+
+    def model(self, role: str) -> Any:
+        return getattr(self.models, role)
+
+
+class System(abc.ABC):
+    def __init__(self, cfg: SystemConfig):
+        self.cfg = cfg
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @abc.abstractmethod
+    def plan(self, ctx: PlanContext) -> Plan:
+        """Return the plan for one PPO iteration on ``ctx.cluster``; raise PlanError if impossible."""
+
+
+def register_system_config(name: str, node: type) -> None:
+    """Register a system's schema as ``system/<name>_schema``; ``conf/system/<name>.yaml`` extends it."""
+    ConfigStore.instance().store(group="system", name=f"{name}_schema", node=node)

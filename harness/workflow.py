@@ -1,0 +1,86 @@
+"""Building blocks systems use to assemble plans: the PPO workflow and single-pipe training stages.
+
+The PPO iteration (Ouyang et al. 2022; verl's task names) as tasks with the data keys they read
+and write; dependency edges follow from the keys (see :meth:`harness.plan.Plan.dependencies`):
+
+    gen            reads prompts, actor weights         writes responses, old_logprobs
+    ref            reads responses                      writes ref_logprobs
+    reward         reads responses                      writes rewards
+    values         reads responses, critic weights      writes values
+    update_actor   reads responses, old_logprobs, ref_logprobs, rewards, values   writes new actor weights
+    update_critic  reads responses, rewards, values     writes new critic weights
+
+A weight movement ``realloc_<model>_<task>`` reads ``<model>_weights`` and writes
+``<model>_weights@<task>``, which the consuming task then reads instead.
+"""
+from __future__ import annotations
+
+from harness.errors import PlanError
+from harness.plan import Allocation, ParallelStrategy, Task, TrainingStage, WeightMovement
+from harness.schedule import PipeSpec, build
+
+PPO_TASKS = {
+    "gen": ("generate", "actor", ("prompts", "actor_weights"), ("responses", "old_logprobs")),
+    "ref": ("inference", "ref", ("responses",), ("ref_logprobs",)),
+    "reward": ("inference", "reward", ("responses",), ("rewards",)),
+    "values": ("inference", "critic", ("responses", "critic_weights"), ("values",)),
+    "update_actor": ("train", "actor", ("responses", "old_logprobs", "ref_logprobs", "rewards", "values"),
+                     ("new_actor_weights",)),
+    "update_critic": ("train", "critic", ("responses", "rewards", "values"), ("new_critic_weights",)),
+}
+
+
+def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None = None) -> list[Task]:
+    """The six PPO tasks on the given allocations. ``moved`` maps a task to the weight-movement
+    task that prepares its weights; the task then reads the moved key."""
+    moved = moved or {}
+    tasks = []
+    for name, (kind, model, reads, writes) in PPO_TASKS.items():
+        if name in moved:
+            reads = tuple(f"{model}_weights@{name}" if r == f"{model}_weights" else r for r in reads)
+            if f"{model}_weights@{name}" not in reads:
+                reads = reads + (f"{model}_weights@{name}",)
+        tasks.append(Task(name, kind, model, allocations[name], reads, writes))
+    return tasks
+
+
+def weight_movement(model: str, consumer: str, source: Allocation, target: Allocation,
+                    kind: str = "realloc") -> tuple[Task, WeightMovement]:
+    name = "param_sync" if kind == "param_sync" else f"realloc_{model}_{consumer}"
+    task = Task(name, "weight_movement", model, target, (f"{model}_weights",), (f"{model}_weights@{consumer}",))
+    return task, WeightMovement(name, model, source, target)
+
+
+def microbatches_per_replica(mini_batch_size: int, dp: int, micro_batch_size: int, what: str) -> int:
+    per_replica, rest = divmod(mini_batch_size, dp * micro_batch_size)
+    if rest or per_replica < 1:
+        raise PlanError(
+            f"{what}: mini-batch of {mini_batch_size} samples cannot be split over dp={dp} replicas "
+            f"in micro-batches of {micro_batch_size} (needs mini_batch_size to be a positive multiple "
+            f"of dp x micro_batch_size = {dp * micro_batch_size})")
+    return per_replica
+
+
+def single_pipe_stage(task: str, model: str, strategy: ParallelStrategy, mini_batch_size: int,
+                      micro_batch_size: int, global_batch_size: int, schedule: str = "1f1b") -> TrainingStage:
+    """One training task as its own stage: a ``pp``-stage pipeline per dp replica, 1F1B by default."""
+    num_mbs = microbatches_per_replica(mini_batch_size, strategy.dp, micro_batch_size, task)
+    pipe = PipeSpec(name=model[0].upper(), num_stages=strategy.pp, num_mbs=num_mbs,
+                    stage_to_rank=tuple(range(strategy.pp)), model=model)
+    return TrainingStage((task,), build(schedule, [pipe]), global_batch_size // mini_batch_size, micro_batch_size)
+
+
+def full_mesh(num_devices: int) -> tuple[int, ...]:
+    return tuple(range(num_devices))
+
+
+def check_layout_fits(strategy: ParallelStrategy, num_devices: int, gpus_per_node: int, num_layers: int,
+                      what: str) -> None:
+    """Raise PlanError naming the bad value when a layout cannot run on the cluster."""
+    if strategy.size != num_devices:
+        raise PlanError(f"{what}: layout {strategy} uses {strategy.size} devices, the cluster has {num_devices}")
+    if strategy.tp > gpus_per_node or gpus_per_node % strategy.tp:
+        raise PlanError(f"{what}: tp={strategy.tp} must divide the {gpus_per_node} GPUs of a node "
+                        f"(tensor parallelism stays on NVLink)")
+    if strategy.pp > num_layers:
+        raise PlanError(f"{what}: pp={strategy.pp} exceeds the model's {num_layers} layers")

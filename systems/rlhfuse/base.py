@@ -1,0 +1,163 @@
+"""RLHFuse-Base (RLHFuse, NSDI'25, arXiv 2409.13221, section 7): RLHFuse without its two fusions.
+
+What it is in the paper: the authors' own system with every optimisation except stage fusion, used
+to isolate the fusions' benefit. Each task (generation, the three inference passes, actor and
+critic training) gets its own parallel strategy over all GPUs; weights are resharded between a
+model's layouts; stages run one after another.
+
+What we reimplement:
+
+- **Per-task strategy search**: brute force over every (dp, tp, pp) with dp*tp*pp = N, tp dividing
+  the GPUs of a node, pp <= layers, the mini-batch divisible into micro-batches per replica, and
+  memory-feasible; each candidate is scored by the simulator's own task model
+  (:mod:`harness.estimate`) on a representative batch; the fastest wins. Generation uses
+  continuous batching (vLLM-style), as RLHFuse's generation engine does.
+- **Resharding**: the actor's training weights are moved to the generation layout each iteration
+  and the critic's to its inference layout when they differ (``realloc_*`` tasks). Ref and reward
+  stay resident in their inference layouts.
+- **No fusion**: no sample streaming, no migration (inter-stage), no fused actor+critic pipeline
+  (intra-stage): each training task runs its own 1F1B schedule, actor first.
+
+Modelled: all compute and communication through the cost model; ZeRO-1 (distributed optimizer)
+shards optimizer states across dp, as Megatron-LM does for RLHFuse's training engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from harness.config import SystemConfig
+from harness.errors import PlanError
+from harness.estimate import generation_s, inference_s, representative_batch, training_s
+from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task
+from harness.system import PlanContext, System, register_system_config
+from harness.workflow import PPO_TASKS, full_mesh, ppo_tasks, single_pipe_stage, weight_movement
+
+
+@dataclass
+class RLHFuseBaseConfig(SystemConfig):
+    name: str = "rlhfuse_base"
+    impl: str = "systems.rlhfuse.base.RLHFuseBase"
+    zero_stage: int = 1  # distributed optimizer for training (Megatron-LM style)
+    max_gen_batch_size: int = 256  # per generation instance (continuous batching slots)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, zero_stage: int = 0,
+                         max_pp: int = 32) -> Iterable[ParallelStrategy]:
+    for tp in _divisors(gpus_per_node):
+        if num_devices % tp:
+            continue
+        for pp in _divisors(num_devices // tp):
+            if pp > min(num_layers, max_pp):
+                continue
+            yield ParallelStrategy(dp=num_devices // (tp * pp), tp=tp, pp=pp, zero_stage=zero_stage)
+
+
+@dataclass
+class SearchResult:
+    strategy: ParallelStrategy
+    time_s: float
+    num_candidates: int
+
+
+def search(candidates: Iterable[ParallelStrategy], score: Callable[[ParallelStrategy], float], what: str) -> SearchResult:
+    best: tuple[float, ParallelStrategy] | None = None
+    tried, reasons = 0, []
+    for strategy in candidates:
+        tried += 1
+        try:
+            t = score(strategy)
+        except PlanError as e:  # infeasible candidate: skip, remember why
+            reasons.append(f"{strategy}: {e}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, strategy)
+    if best is None:
+        detail = "; ".join(reasons[:3])
+        raise PlanError(f"rlhfuse_base: no feasible parallel strategy for {what} among {tried} candidates ({detail})")
+    return SearchResult(best[1], best[0], tried)
+
+
+class RLHFuseBase(System):
+    cfg: RLHFuseBaseConfig
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        cm, w, n = ctx.cost_model, ctx.workload, ctx.num_devices
+        mesh = full_mesh(n)
+        batch = representative_batch(ctx)
+        capacity = cm.hbm_capacity_gb
+        seq_max = int(w.prompt_len.max + w.max_gen_len)
+        chosen: dict[str, SearchResult] = {}
+
+        def cands(role: str, zero: int = 0):
+            return candidate_strategies(n, ctx.cluster.gpus_per_node, ctx.model(role).num_layers, zero)
+
+        # Training first: its states stay resident and bound what is left for the other tasks.
+        resident_gb: dict[str, float] = {}
+        for task_name, role in (("update_actor", "actor"), ("update_critic", "critic")):
+            def score_train(s: ParallelStrategy, task_name=task_name, role=role) -> float:
+                stage = single_pipe_stage(task_name, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
+                model = ctx.model(role)
+                peak_mbs = min(s.pp, stage.schedule.pipes[role[0].upper()].num_mbs)
+                need = cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage) + peak_mbs * cm.activation_gb(
+                    model, w.micro_batch_size, seq_max, s.tp, model.num_layers / s.pp, w.activation_recompute)
+                if need + sum(resident_gb.values()) > capacity:
+                    raise PlanError(f"needs {need:.1f} GB")
+                task = Task(task_name, "train", role, Allocation(mesh, s))
+                return training_s(ctx, task, stage, w.mini_batch_size, batch)
+            chosen[task_name] = search(cands(role, self.cfg.zero_stage), score_train, task_name)
+            s = chosen[task_name].strategy
+            resident_gb[role] = cm.training_state_gb(ctx.model(role), s.dp, s.tp, s.pp, s.zero_stage)
+
+        for task_name in ("ref", "reward", "values"):
+            role = PPO_TASKS[task_name][1]
+
+            def score_inf(s: ParallelStrategy, task_name=task_name, role=role) -> float:
+                if cm.weights_gb(ctx.model(role), s.tp, s.pp) + sum(resident_gb.values()) > capacity:
+                    raise PlanError("weights do not fit")
+                return inference_s(ctx, Task(task_name, "inference", role, Allocation(mesh, s)), batch)
+            chosen[task_name] = search(cands(role), score_inf, task_name)
+            if task_name in ("ref", "reward"):
+                s = chosen[task_name].strategy
+                resident_gb[role] = cm.weights_gb(ctx.model(role), s.tp, s.pp)
+
+        policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
+
+        def score_gen(s: ParallelStrategy) -> float:
+            actor = ctx.model("actor")
+            free = capacity - sum(resident_gb.values()) - cm.weights_gb(actor, s.tp, s.pp)
+            if free < cm.kv_cache_gb(actor, seq_max, s.tp, s.pp):
+                raise PlanError(f"only {free:.1f} GB left for the KV cache")
+            return generation_s(ctx, Task("gen", "generate", "actor", Allocation(mesh, s)), policy, batch, free)
+        chosen["gen"] = search(cands("actor"), score_gen, "gen")
+        return self._assemble(ctx, chosen, policy)
+
+    def _assemble(self, ctx: PlanContext, chosen: dict[str, SearchResult], policy: GenerationPolicy) -> Plan:
+        w, mesh = ctx.workload, full_mesh(ctx.num_devices)
+        allocs = {name: Allocation(mesh, r.strategy) for name, r in chosen.items()}
+        tasks, moves, moved = [], [], {}
+        for model, consumer, source in (("actor", "gen", "update_actor"), ("critic", "values", "update_critic")):
+            src, dst = allocs[source].strategy, allocs[consumer].strategy
+            if (src.tp, src.pp) != (dst.tp, dst.pp) or src.zero_stage == 3:
+                task, move = weight_movement(model, consumer, allocs[source], allocs[consumer])
+                tasks.append(task)
+                moves.append(move)
+                moved[consumer] = task.name
+        tasks += ppo_tasks(allocs, moved)
+        training = [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size,
+                                      w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
+        return Plan(
+            system=self.cfg.name, tasks=tasks, training=training, generation=policy, weight_movements=moves,
+            resident=[ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train"),
+                      ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")],
+            global_batch_size=w.global_batch_size, mini_batch_size=w.mini_batch_size,
+            notes={f"search/{k}": f"{r.strategy} ({r.num_candidates} candidates, est. {r.time_s:.2f} s)"
+                   for k, r in chosen.items()},
+        )
+
+
+register_system_config("rlhfuse_base", RLHFuseBaseConfig)

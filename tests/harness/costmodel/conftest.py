@@ -1,0 +1,18 @@
+"""Fixtures of the cost-model tests."""
+from __future__ import annotations
+
+import pytest
+
+from harness.costmodel import CostModel
+
+from costmodel_testdata import load_cluster, workload
+
+
+@pytest.fixture
+def testbed():
+    return load_cluster("rlhfuse_testbed")
+
+
+@pytest.fixture
+def cost_model(testbed):
+    return CostModel(testbed, workload())

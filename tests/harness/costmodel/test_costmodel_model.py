@@ -1,0 +1,93 @@
+"""CostModel: profile overrides, workload defaults, config inputs and call speed."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness.config import LlamaConfig
+from harness.costmodel import CostModel, ProfileTable, training_state_gb
+
+from costmodel_testdata import LLAMA, workload
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "profile.csv"
+    path.write_text(
+        "op,model,tp,num_tokens,time_s\n"
+        "forward,13b,8,4096,0.123\n"
+        "forward,13b,8,8192,0.246\n"
+        "decode_step,13b,8,32,0.0075\n"
+        "decode_step,13b,8,64,0.0080\n"
+        "optimizer_step,13b,8,0,0.04\n"
+    )
+    return ProfileTable.from_csv(path)
+
+
+def test_profile_overrides_analytic_times(testbed, profile):
+    analytic = CostModel(testbed, workload())
+    measured = CostModel(testbed, workload(), profile)
+    m = LLAMA["13b"]
+    assert measured.forward_s(m, 4096, 1024, tp=8) == pytest.approx(0.123)
+    assert analytic.forward_s(m, 4096, 1024, tp=8) != pytest.approx(0.123)
+    assert measured.forward_s(m, 6144, 1024, tp=8) == pytest.approx(0.1845)
+    assert measured.forward_s(m, 4096, 1024, tp=8, num_layers=10) == pytest.approx(0.123 / 4)
+    assert measured.decode_step_s(m, 64, 64 * 500, tp=8) == pytest.approx(0.0080)
+    assert measured.optimizer_step_s(m, dp=1, tp=8) == pytest.approx(0.04)
+    assert measured.optimizer_step_s(m, dp=4, tp=8, zero_stage=1) == pytest.approx(0.01)
+    # a pp=2 instance runs micro-batches of 32 and pays one pipeline hop
+    hop = measured._packed_p2p_s(32 * 5120 * 2, 16)
+    assert measured.decode_step_s(m, 64, 64 * 500, tp=8, pp=2) == pytest.approx(0.0075 + hop)
+    # entries the table lacks fall back to the roofline
+    for op_args in [("forward_s", (m, 4096, 1024, 4)), ("backward_s", (m, 4096, 1024, 8)),
+                    ("decode_step_s", (LLAMA["7b"], 64, 6400, 8))]:
+        name, args = op_args
+        assert getattr(measured, name)(*args) == getattr(analytic, name)(*args)
+
+
+def test_workload_recompute_is_the_default(testbed):
+    m = LLAMA["7b"]
+    full = CostModel(testbed, workload("full"))
+    none = CostModel(testbed, workload("none"))
+    assert full.backward_s(m, 4096, 2048) > none.backward_s(m, 4096, 2048)
+    assert full.backward_s(m, 4096, 2048, recompute="none") == none.backward_s(m, 4096, 2048)
+    assert full.activation_gb(m, 1, 2048) < none.activation_gb(m, 1, 2048)
+    with pytest.raises(ValueError, match="activation_recompute"):
+        CostModel(testbed, workload("sometimes"))
+
+
+def test_memory_wrappers_and_capacity(cost_model):
+    m = LLAMA["13b"]
+    assert cost_model.hbm_capacity_gb == pytest.approx(80 * 0.9)
+    assert cost_model.training_state_gb(m, 1, 8, 1, 0) == training_state_gb(m, 1, 8, 1, 0)
+    assert cost_model.weights_gb(m, tp=8) < cost_model.hbm_capacity_gb
+    assert cost_model.kv_cache_gb(m, 1000) == pytest.approx(0.8192)
+    assert cost_model.num_devices == 256
+
+
+def test_optimizer_step_shards_with_zero(cost_model):
+    m = LLAMA["13b"]
+    plain = cost_model.optimizer_step_s(m, dp=8, tp=1, pp=1, zero_stage=0)
+    zero1 = cost_model.optimizer_step_s(m, dp=8, tp=1, pp=1, zero_stage=1)
+    assert zero1 == pytest.approx(plain / 8)
+
+
+def test_accepts_dictconfig_and_dataclass_models(cost_model):
+    fields = dict(name="13b", num_layers=40, hidden_size=5120, num_heads=40,
+                  num_kv_heads=40, ffn_hidden_size=13824)
+    expected = cost_model.decode_step_s(LLAMA["13b"], 32, 32 * 700, 8, 1)
+    assert cost_model.decode_step_s(LlamaConfig(**fields), 32, 32 * 700, 8, 1) == expected
+    node = OmegaConf.structured(LlamaConfig(**fields))
+    assert cost_model.decode_step_s(node, 32, 32 * 700, 8, 1) == expected
+
+
+def test_decode_step_is_cheap_to_call(cost_model):
+    node = OmegaConf.structured(LlamaConfig(name="13b", num_layers=40, hidden_size=5120,
+                                            num_heads=40, num_kv_heads=40,
+                                            ffn_hidden_size=13824))
+    start = time.perf_counter()
+    for i in range(20_000):
+        cost_model.decode_step_s(node, 64, 64 * 500 + i, 8, 2)
+    assert time.perf_counter() - start < 2.0  # ~5 us a call; 1e5 calls well under a second
