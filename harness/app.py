@@ -70,3 +70,16 @@ def run() -> None:
     register_configs()
     discover_systems()
     main()
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The config ``python -m harness <overrides>`` would run with (for scripts and tests)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    discover_systems()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -52,6 +52,9 @@ def build_context(run: RunConfig) -> PlanContext:
     if cluster.num_nodes < 1 or cluster.gpus_per_node < 1:
         raise ConfigError(f"cluster.num_nodes={cluster.num_nodes} and cluster.gpus_per_node="
                           f"{cluster.gpus_per_node} must both be >= 1")
+    if run.backend.num_iterations < 1 or run.backend.num_warmup_iterations < 0:
+        raise ConfigError(f"backend.num_iterations={run.backend.num_iterations} must be >= 1 and "
+                          f"backend.num_warmup_iterations={run.backend.num_warmup_iterations} >= 0")
     profile = None
     if run.backend.profile_table:
         if not Path(run.backend.profile_table).is_file():

@@ -143,22 +143,25 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
         costs, compute_only = _pipe_costs(cm, plan, stage, models, seq, recompute)
         result = simulate(stage.schedule, costs, record_times=True)
         pipeline_busy = sum(result.busy.values())
+        per_pipe = {}
+        for name, pipe in stage.schedule.pipes.items():
+            task = _task_of_pipe(plan, stage, pipe.model)
+            model = getattr(models, pipe.model)
+            fwd_flops = forward_flops(model, stage.micro_batch_size * seq, seq / 2,
+                                      num_layers=model.num_layers / pipe.num_stages) / task.allocation.strategy.tp
+            per_pipe[name] = (task.name, fwd_flops, compute_only[name])
         for action, a_start in result.start.items():
             if not action.is_compute:
                 continue
-            pipe = stage.schedule.pipes[action.pipe]
-            task = _task_of_pipe(plan, stage, pipe.model)
-            model = getattr(models, pipe.model)
-            layers = model.num_layers / pipe.num_stages
-            kind = "forward" if action.kind == "F" else "backward"
-            flops = forward_flops(model, stage.micro_batch_size * seq, seq / 2, num_layers=layers) / \
-                task.allocation.strategy.tp * (1.0 if action.kind == "F" else 2.0)
+            task_name, fwd_flops, (fwd_busy, bwd_busy) = per_pipe[action.pipe]
+            is_fwd = action.kind == "F"
             t0, t1 = now + a_start, now + result.end[action]
-            devices = stage_devices[(task.name, action.stage)]
-            busy = compute_only[action.pipe][0 if action.kind == "F" else 1]
-            spans.append(Span(devices, task.name, kind, t0, min(t1, t0 + busy), flops))
+            devices = stage_devices[(task_name, action.stage)]
+            busy = fwd_busy if is_fwd else bwd_busy
+            spans.append(Span(devices, task_name, "forward" if is_fwd else "backward", t0, min(t1, t0 + busy),
+                              fwd_flops if is_fwd else 2.0 * fwd_flops))
             if t1 - t0 > busy * (1 + 1e-9):  # communication-bound (ZeRO-3 gathers)
-                spans.append(Span(devices, task.name, "allgather", t0, t1))
+                spans.append(Span(devices, task_name, "allgather", t0, t1))
         runs.append(PipelineRun(label if len(tasks) > 1 else tasks[0].name, now, result.makespan,
                                 len(result.busy), pipeline_busy, max(result.peak_memory.values())))
         now += result.makespan
