@@ -73,8 +73,10 @@ def reallocation_transfers(source: Allocation, target: Allocation, num_layers: i
         local = holders_by_node.get(dev // gpus_per_node, set())
         covered = sum(_overlap(layers, l) * _overlap(cols, c)
                       for l, c in (_piece(source, num_layers, (0, p, t)) for p, t in local))
-        # ZeRO-3 sources spread each piece over all dp ranks, so a node holds only its share.
-        intra = source.strategy.zero_stage != 3 and covered >= need - 1e-9
+        if source.strategy.zero_stage == 3:  # each piece is spread over every dp rank of the source
+            intra = all(d // gpus_per_node == dev // gpus_per_node for d in source.mesh)
+        else:
+            intra = covered >= need - 1e-9
         transfers.append(DeviceTransfer(dev, max(0.0, need - held) * layer_bytes, intra))
     return transfers
 

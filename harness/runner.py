@@ -85,6 +85,10 @@ def _write_static_files(folder: results.RunFolder, cfg: DictConfig, plan: Plan) 
 
 
 def execute(cfg: DictConfig) -> RunOutcome:
+    if OmegaConf.is_missing(cfg, "system"):
+        from harness.app import discover_systems
+        raise ConfigError("no system chosen: add +system=<name> to the command line "
+                          f"(available: {', '.join(sorted(discover_systems()))})")
     run: RunConfig = OmegaConf.to_object(cfg)
     ctx = build_context(run)
     system: System = get_class(run.system.impl)(run.system)

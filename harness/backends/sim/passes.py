@@ -44,8 +44,16 @@ def _zero3_gather_s(cm: CostModel, model, task: Task, num_layers: float) -> floa
     return cm.allgather_s(stage_bytes, list(task.allocation.mesh))
 
 
+def _stage_flops(model, num_tokens: float, context_len: float, pp: int, stage: int) -> float:
+    """Forward FLOPs of one pipeline stage; the LM/value head runs on the last stage only."""
+    return forward_flops(model, num_tokens, context_len, num_layers=model.num_layers / pp,
+                         include_head=stage == pp - 1)
+
+
 def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, micro_batch_size: int,
                        start_s: float) -> PassResult:
+    """Forward passes pipelined over pp stages: stage p of micro-batch m starts once stage p-1
+    finished it and stage p finished micro-batch m-1, so the pass takes sum(stage) + (M-1) max(stage)."""
     s = task.allocation.strategy
     layers = model.num_layers / s.pp
     gather = _zero3_gather_s(cm, model, task, layers)
@@ -58,18 +66,19 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
         num_mbs = max(1, int(np.ceil(len(mine) / micro_batch_size)))
         tokens_per_mb = float(mine.sum()) / num_mbs
         seq = float(mine.mean())
-        compute_s = cm.forward_s(model, tokens_per_mb, seq, s.tp, layers)
-        stage_s = max(compute_s, gather)
-        duration = (num_mbs + s.pp - 1) * stage_s
-        flops = forward_flops(model, float(mine.sum()), seq / 2, num_layers=layers) / s.tp
+        compute = [cm.forward_s(model, tokens_per_mb, seq, s.tp, layers, include_head=p == s.pp - 1)
+                   for p in range(s.pp)]
+        stage_s = [max(c, gather) for c in compute]
+        first = start_s
         for p in range(s.pp):
-            first = start_s + p * stage_s
             devices = task.allocation.stage_devices(k, p)
-            # compute shown as one block of its true length; the overlapped gathers as a comm span
-            spans.append(Span(devices, task.name, "forward", first, first + num_mbs * compute_s, flops))
-            if gather > compute_s:
-                spans.append(Span(devices, task.name, "allgather", first, first + num_mbs * stage_s))
-        end = max(end, start_s + duration)
+            flops = _stage_flops(model, float(mine.sum()), seq / 2, s.pp, p) / s.tp
+            # compute shown as one block of its true length; overlapped gathers as a comm span
+            spans.append(Span(devices, task.name, "forward", first, first + num_mbs * compute[p], flops))
+            if gather > compute[p]:
+                spans.append(Span(devices, task.name, "allgather", first, first + num_mbs * stage_s[p]))
+            first += stage_s[p]
+        end = max(end, start_s + sum(stage_s) + (num_mbs - 1) * max(stage_s))
     return PassResult(spans, end, [])
 
 
@@ -84,22 +93,25 @@ def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: fl
         s = task.allocation.strategy
         model = getattr(models, pipe.model)
         layers = model.num_layers / pipe.num_stages
-        fwd = cm.forward_s(model, tokens, seq, s.tp, layers)
-        bwd = cm.backward_s(model, tokens, seq, s.tp, layers)
+        last = pipe.num_stages - 1
+        fwd_c = tuple(cm.forward_s(model, tokens, seq, s.tp, layers, include_head=st == last)
+                      for st in range(pipe.num_stages))
+        bwd_c = tuple(cm.backward_s(model, tokens, seq, s.tp, layers, include_head=st == last)
+                      for st in range(pipe.num_stages))
+        fwd, bwd = fwd_c, bwd_c
         gather = _zero3_gather_s(cm, model, task, layers)
         if gather:
             stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9 * layers / model.num_layers
             scatter = cm.reduce_scatter_s(stage_bytes, list(task.allocation.mesh))
-            fwd, bwd = max(fwd, gather), max(bwd, gather + scatter)
+            fwd = tuple(max(f, gather) for f in fwd_c)
+            bwd = tuple(max(b, gather + scatter) for b in bwd_c)
         act = cm.activation_gb(model, stage.micro_batch_size, seq, s.tp, layers, recompute)
         p2p = 0.0
         if pipe.num_stages > 1:
             a, b = task.allocation.device(0, 0, 0), task.allocation.device(0, 1, 0)
             p2p = cm.p2p_s(tokens * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
-        costs[pipe.name] = PipeCosts((fwd,) * pipe.num_stages, (bwd,) * pipe.num_stages,
-                                     (act,) * pipe.num_stages, p2p)
-        compute_only[pipe.name] = (cm.forward_s(model, tokens, seq, s.tp, layers),
-                                   cm.backward_s(model, tokens, seq, s.tp, layers))
+        costs[pipe.name] = PipeCosts(fwd, bwd, (act,) * pipe.num_stages, p2p)
+        compute_only[pipe.name] = (fwd_c, bwd_c)
     return costs, compute_only
 
 
@@ -147,8 +159,9 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
         for name, pipe in stage.schedule.pipes.items():
             task = _task_of_pipe(plan, stage, pipe.model)
             model = getattr(models, pipe.model)
-            fwd_flops = forward_flops(model, stage.micro_batch_size * seq, seq / 2,
-                                      num_layers=model.num_layers / pipe.num_stages) / task.allocation.strategy.tp
+            tp = task.allocation.strategy.tp
+            fwd_flops = [_stage_flops(model, stage.micro_batch_size * seq, seq / 2, pipe.num_stages, st) / tp
+                         for st in range(pipe.num_stages)]
             per_pipe[name] = (task.name, fwd_flops, compute_only[name])
         for action, a_start in result.start.items():
             if not action.is_compute:
@@ -157,9 +170,9 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
             is_fwd = action.kind == "F"
             t0, t1 = now + a_start, now + result.end[action]
             devices = stage_devices[(task_name, action.stage)]
-            busy = fwd_busy if is_fwd else bwd_busy
-            spans.append(Span(devices, task_name, "forward" if is_fwd else "backward", t0, min(t1, t0 + busy),
-                              fwd_flops if is_fwd else 2.0 * fwd_flops))
+            busy = (fwd_busy if is_fwd else bwd_busy)[action.stage]
+            flops = fwd_flops[action.stage] * (1.0 if is_fwd else 2.0)
+            spans.append(Span(devices, task_name, "forward" if is_fwd else "backward", t0, min(t1, t0 + busy), flops))
             if t1 - t0 > busy * (1 + 1e-9):  # communication-bound (ZeRO-3 gathers)
                 spans.append(Span(devices, task_name, "allgather", t0, t1))
         runs.append(PipelineRun(label if len(tasks) > 1 else tasks[0].name, now, result.makespan,

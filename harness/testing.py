@@ -1,0 +1,30 @@
+"""Helpers to build configs, contexts and plans in tests, notebooks and scripts.
+
+``context(["model=7b", "cluster.num_nodes=1"])`` composes the same config ``python -m harness``
+would, and returns the PlanContext a system plans with; ``plan_for(...)`` also plans.
+"""
+from __future__ import annotations
+
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from harness.app import compose
+from harness.config import RunConfig
+from harness.plan import Plan
+from harness.runner import build_context
+from harness.system import PlanContext
+
+
+def run_config(overrides: list[str]) -> RunConfig:
+    return OmegaConf.to_object(compose(overrides))
+
+
+def context(overrides: list[str]) -> PlanContext:
+    return build_context(run_config(overrides))
+
+
+def plan_for(overrides: list[str]) -> tuple[Plan, PlanContext, RunConfig]:
+    """Compose, build the context and plan with the system named by ``+system=...``."""
+    run = run_config(overrides)
+    ctx = build_context(run)
+    return get_class(run.system.impl)(run.system).plan(ctx), ctx, run

@@ -1,0 +1,76 @@
+"""Simulated generation against hand-computed timelines.
+
+A profile table makes every op time a round number: prefill 10 ms and decode step 1 ms whatever
+the batch (two equal points -> flat interpolation), so the expected timelines can be worked out
+by hand (comments below).
+"""
+import numpy as np
+import pytest
+
+from harness.backends.sim.generation import simulate_generation
+from harness.costmodel import CostModel, ProfileTable
+from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Task
+from harness.testing import run_config
+
+PROFILE = """op,model,tp,num_tokens,time_s
+prefill,tiny,1,1,0.010
+prefill,tiny,1,100000,0.010
+decode_step,tiny,1,1,0.001
+decode_step,tiny,1,100000,0.001
+"""
+
+
+@pytest.fixture
+def setup(tmp_path):
+    path = tmp_path / "profile.csv"
+    path.write_text(PROFILE)
+    run = run_config(["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster=h100_8x"])
+    cm = CostModel(run.cluster, run.workload, ProfileTable.from_csv(str(path)))
+    return cm, run.model.actor
+
+
+def _gen(cm, model, policy, dp=1):
+    task = Task("gen", "generate", "actor", Allocation(tuple(range(dp)), ParallelStrategy(dp=dp)))
+    prompts = np.array([4, 4, 4, 4])
+    outputs = np.array([1, 2, 3, 6])
+    return simulate_generation(cm, task, policy, model, prompts, outputs, 0.0, kv_capacity_gb=10.0, max_gen_len=16)
+
+
+def test_continuous_batching_timeline(setup):
+    # max batch 2. t=0 admit s0,s1, prefill -> 10; 1 step -> s0 done at 11.
+    # admit s2, prefill -> 21; 1 step -> s1 done at 22. admit s3, prefill -> 32;
+    # 2 steps -> s2 done at 34; 4 more steps -> s3 done at 38.
+    cm, model = setup
+    res = _gen(cm, model, GenerationPolicy("continuous", max_batch_size=2))
+    assert [r.finish_s for r in res.samples] == pytest.approx([0.011, 0.022, 0.034, 0.038])
+    assert res.end_s == pytest.approx(0.038)
+
+
+def test_static_batching_decodes_until_longest(setup):
+    # rounds of 2. Round 1: prefill -> 10, decode max(1,2)=2 steps -> 12 (s0 at 11, s1 at 12).
+    # Round 2: prefill -> 22, decode max(3,6)=6 steps -> 28 (s2 at 25, s3 at 28).
+    cm, model = setup
+    res = _gen(cm, model, GenerationPolicy("static", max_batch_size=2))
+    assert [r.finish_s for r in res.samples] == pytest.approx([0.011, 0.012, 0.025, 0.028])
+    assert res.end_s == pytest.approx(0.028)
+
+
+def test_instances_split_samples_round_robin(setup):
+    # 2 instances: {s0, s2} and {s1, s3}, continuous, unlimited batch.
+    # inst 0: prefill -> 10, s0 done at 11, s2 at 13. inst 1: prefill -> 10, s1 at 12, s3 at 16.
+    cm, model = setup
+    res = _gen(cm, model, GenerationPolicy("continuous"), dp=2)
+    assert [r.finish_s for r in res.samples] == pytest.approx([0.011, 0.012, 0.013, 0.016])
+    assert [i.end_s for i in res.instances] == pytest.approx([0.013, 0.016])
+    assert {span.devices for span in res.instances[1].spans} == {(1,)}
+
+
+def test_kv_capacity_limits_the_batch(setup):
+    # KV reserved per sample = prompt + max_gen_len = 4 + 16 = 20 tokens; a capacity of 45 tokens
+    # admits 2 at a time, which gives the max-batch-2 timeline.
+    cm, model = setup
+    task = Task("gen", "generate", "actor", Allocation((0,), ParallelStrategy()))
+    kv_gb = cm.kv_cache_gb(model, 45, 1, 1)
+    res = simulate_generation(cm, task, GenerationPolicy("continuous"), model, np.array([4, 4, 4, 4]),
+                              np.array([1, 2, 3, 6]), 0.0, kv_gb, 16)
+    assert res.end_s == pytest.approx(0.038)
