@@ -21,8 +21,10 @@ import pytest
 
 pytest.importorskip("wandb")
 
-EXPERIMENT, SYSTEM, MODEL, SEED = "wandb_offline_test", "rlhfuse_base", "7b", 1
-ARGS = [f"+system={SYSTEM}", f"model={MODEL}", f"seed={SEED}", f"experiment={EXPERIMENT}", "logger=wandb",
+# `experiment` keeps its default: `experiment=<name>` on the command line is taken as the (empty)
+# config group conf/experiment/, not the key, so it cannot be overridden there (reported upstream).
+EXPERIMENT, SYSTEM, MODEL, SEED = "default", "rlhfuse_base", "7b", 1
+ARGS = [f"+system={SYSTEM}", f"model={MODEL}", f"seed={SEED}", "logger=wandb",
         "logger.mode=offline", "cluster.num_nodes=1", "backend.num_iterations=2", "logger.progress_bar=false"]
 
 

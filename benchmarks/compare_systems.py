@@ -1,0 +1,59 @@
+"""Side-by-side stage breakdown of systems on one model and cluster (simulated), with ratios.
+
+    python benchmarks/compare_systems.py [--model 13b] [--systems deepspeed_chat rlhfuse_base] [--iterations 5]
+
+Prints, per metric, each system's value (mean over iterations after one warm-up) and the ratio of
+the first system to the last, so "system B is X times faster, because stage S takes Y s less"
+can be read off one run. Not a test: a benchmark of the simulated systems.
+"""
+from __future__ import annotations
+
+import argparse
+
+from harness import metrics as mk
+from harness.backends.sim import SimBackend
+from harness.testing import plan_for
+from harness.workload import make_batch
+
+ROWS = [mk.SAMPLES_PER_S, mk.STEP_TIME] + [mk.timing_key(t) for t in mk.TIMED_TASKS] + \
+       [mk.REALLOC_TIME, mk.TRAIN_TIME, mk.GEN_TAIL_S, mk.BUSY_MEAN, mk.MAX_MEMORY_GB]
+
+
+def simulate(system: str, model: str, iterations: int, extra: list[str]) -> dict[str, float]:
+    plan, ctx, run = plan_for([f"+system={system}", f"model={model}", "logger=none", *extra])
+    backend = SimBackend(run.backend, ctx)
+    backend.setup(plan)
+    rows = []
+    for i in range(iterations):
+        batch = make_batch(run.workload, run.seed, i)
+        trace = backend.run_iteration(plan, i, batch)
+        rows.append(mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
+                                         run.cluster.gpu.peak_bf16_tflops * 1e12))
+    summary = mk.summarize(rows, num_warmup=1)
+    summary.update({f"strategy/{t.name}": str(t.allocation.strategy) for t in plan.tasks})
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="13b")
+    parser.add_argument("--systems", nargs="+", default=["deepspeed_chat", "rlhfuse_base"])
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. workload.max_gen_len=2048")
+    args = parser.parse_args()
+    results = {s: simulate(s, args.model, args.iterations, args.overrides) for s in args.systems}
+    first, last = args.systems[0], args.systems[-1]
+    print(f"model={args.model} {' '.join(args.overrides)}")
+    print(f"{'metric':<26}" + "".join(f"{s:>18}" for s in args.systems) + f"  {first + '/' + last:>24}")
+    for key in ROWS:
+        if not any(key in r for r in results.values()):
+            continue
+        values = [results[s].get(key, float("nan")) for s in args.systems]
+        ratio = values[0] / values[-1] if values[-1] else float("nan")
+        print(f"{key:<26}" + "".join(f"{v:>18.3f}" for v in values) + f"{ratio:>26.2f}")
+    for task in ("gen", "ref", "values", "update_actor", "update_critic"):
+        print(f"{'strategy/' + task:<26}" + "".join(f"{results[s].get('strategy/' + task, '-'):>18}" for s in args.systems))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Metric keys follow the grammar; summaries weigh iterations by time."""
+import pytest
+
+from harness import metrics as mk
+from harness.trace import PipelineRun, SampleRecord, Span, StepTrace
+
+
+def _trace():
+    tr = StepTrace(iteration=0, num_devices=2)
+    tr.spans = [Span((0, 1), "gen", "decode", 0.0, 2.0), Span((0,), "update_actor", "forward", 2.0, 3.0, 10.0),
+                Span((1,), "update_actor", "backward", 3.0, 4.0, 20.0)]
+    tr.samples = [SampleRecord(i, 4, 10 * (i + 1), 0.2 * (i + 1)) for i in range(10)]
+    tr.pipelines = [PipelineRun("update_actor", 2.0, 2.0, 2, 2.0, 0.5)]
+    return tr
+
+
+def test_iteration_metrics_by_hand():
+    m = mk.iteration_metrics(_trace(), total_num_tokens=1000, task_models={"update_actor": "actor"},
+                             peak_flops_per_device=10.0)
+    assert m[mk.STEP_TIME] == 4.0 and m[mk.timing_key("gen")] == 2.0 and m[mk.TRAIN_TIME] == 2.0
+    assert m[mk.SAMPLES_PER_S] == 10 / 4 and m[mk.THROUGHPUT] == 1000 / 4 / 2
+    assert m[mk.bubble_key("update_actor")] == pytest.approx(0.5)  # 1 - 2 / (2 x 2)
+    assert m[mk.BUSY_MEAN] == pytest.approx(0.75) and m[mk.BUSY_MIN] == pytest.approx(0.75)
+    assert m[mk.GEN_TAIL_S] == pytest.approx(2.0 - 1.8)  # last finish - 90th percentile finish
+    assert m[mk.mfu_key("actor")] == pytest.approx(30.0 / (2.0 * 2 * 10.0))
+    assert m[mk.response_length_key("max")] == 100
+
+
+def test_every_key_follows_the_grammar():
+    m = mk.iteration_metrics(_trace(), 1000, {}, 1.0)
+    assert all(mk.KEY_GRAMMAR.match(k) for k in m)
+    for bad in ("Timing/step", "timing_s/Step", "perf", "foo/bar", "timing_s/a/b/c"):
+        assert not mk.KEY_GRAMMAR.match(bad)
+
+
+def test_summary_drops_warmup_and_weighs_throughput_by_time():
+    rows = [{mk.STEP_TIME: 100.0, mk.SAMPLES_PER_S: 1.0, mk.THROUGHPUT: 1.0},
+            {mk.STEP_TIME: 1.0, mk.SAMPLES_PER_S: 10.0, mk.THROUGHPUT: 5.0},
+            {mk.STEP_TIME: 3.0, mk.SAMPLES_PER_S: 2.0, mk.THROUGHPUT: 1.0}]
+    s = mk.summarize(rows, num_warmup=1)
+    assert s[mk.STEP_TIME] == 2.0
+    assert s[mk.SAMPLES_PER_S] == pytest.approx((10 + 6) / 4)
+    assert s[mk.GLOBAL_STEP] == 3
