@@ -6,7 +6,7 @@ defaults lists, so an unknown key or a value of the wrong type fails at composit
 before any work starts.
 
 System configs are not defined here: each system module defines a dataclass that extends
-:class:`SystemConfig` and registers it (``harness`` never imports ``systems``/``baselines``;
+:class:`SystemConfig` and registers it as ``schema/<name>`` (``harness`` never imports ``systems``/``baselines``;
 they are discovered through the ``rlhf_harness.systems`` entry-point group).
 """
 from __future__ import annotations
@@ -155,9 +155,8 @@ def register_configs() -> None:
     """Register the schemas; YAML options name them in their defaults lists."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="llama", name="llama_schema", node=LlamaConfig)
-    cs.store(group="model", name="models_schema", node=ModelsConfig)
-    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
-    cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
-    cs.store(group="backend", name="backend_schema", node=BackendConfig)
-    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+    # Schemas live in their own group so they do not show up as options of the real groups;
+    # a YAML option names its schema with ``defaults: [{/schema@_here_: cluster}, _self_]``.
+    for name, node in (("llama", LlamaConfig), ("models", ModelsConfig), ("cluster", ClusterConfig),
+                       ("workload", WorkloadConfig), ("backend", BackendConfig), ("logger", LoggerConfig)):
+        cs.store(group="schema", name=name, node=node)

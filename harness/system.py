@@ -50,5 +50,6 @@ class System(abc.ABC):
 
 
 def register_system_config(name: str, node: type) -> None:
-    """Register a system's schema as ``system/<name>_schema``; ``conf/system/<name>.yaml`` extends it."""
-    ConfigStore.instance().store(group="system", name=f"{name}_schema", node=node)
+    """Register a system's schema as ``schema/<name>``; ``conf/system/<name>.yaml`` extends it with
+    ``defaults: [{/schema@_here_: <name>}, _self_]``."""
+    ConfigStore.instance().store(group="schema", name=name, node=node)
