@@ -23,15 +23,29 @@ shards optimizer states across dp, as Megatron-LM does for RLHFuse's training en
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
 
 from harness.config import SystemConfig
 from harness.errors import PlanError
 from harness.estimate import generation_s, inference_s, representative_batch, training_s
 from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task
 from harness.system import PlanContext, System, register_system_config
-from harness.workflow import PPO_TASKS, full_mesh, ppo_tasks, single_pipe_stage, weight_movement
+from harness.workflow import (PPO_TASKS, check_layout_fits, full_mesh, ppo_tasks, single_pipe_stage,
+                              weight_movement)
+
+
+@dataclass
+class TaskLayouts:
+    """Optional fixed layouts ``dp<D>tp<T>pp<P>`` per task; None = search."""
+
+    gen: Optional[str] = None
+    ref: Optional[str] = None
+    reward: Optional[str] = None
+    values: Optional[str] = None
+    update_actor: Optional[str] = None
+    update_critic: Optional[str] = None
 
 
 @dataclass
@@ -40,6 +54,19 @@ class RLHFuseBaseConfig(SystemConfig):
     impl: str = "systems.rlhfuse.base.RLHFuseBase"
     zero_stage: int = 1  # distributed optimizer for training (Megatron-LM style)
     max_gen_batch_size: int = 256  # per generation instance (continuous batching slots)
+    # Pin a task's layout instead of searching it, e.g. system.layouts.gen=dp32tp8pp1
+    layouts: TaskLayouts = field(default_factory=TaskLayouts)
+
+
+_LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)$")
+
+
+def parse_layout(text: str, zero_stage: int, what: str) -> ParallelStrategy:
+    m = _LAYOUT_RE.match(text.strip())
+    if not m:
+        raise PlanError(f"system.layouts.{what}={text!r}: expected the form dp<D>tp<T>pp<P>, e.g. dp32tp8pp1")
+    dp, tp, pp = (int(g) for g in m.groups())
+    return ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage)
 
 
 def _divisors(n: int) -> list[int]:
@@ -93,7 +120,14 @@ class RLHFuseBase(System):
         seq_max = int(w.prompt_len.max + w.max_gen_len)
         chosen: dict[str, SearchResult] = {}
 
-        def cands(role: str, zero: int = 0):
+        pinned_layouts = {t: getattr(self.cfg.layouts, t) for t in PPO_TASKS if getattr(self.cfg.layouts, t)}
+
+        def cands(role: str, zero: int = 0, task: str = ""):
+            if task in pinned_layouts:  # pinned by the user: checked, not searched
+                pinned = parse_layout(pinned_layouts[task], zero, task)
+                check_layout_fits(pinned, n, ctx.cluster.gpus_per_node, ctx.model(role).num_layers,
+                                  f"rlhfuse_base {task} (system.layouts.{task})")
+                return [pinned]
             return candidate_strategies(n, ctx.cluster.gpus_per_node, ctx.model(role).num_layers, zero)
 
         # Training first: its states stay resident and bound what is left for the other tasks.
@@ -109,7 +143,7 @@ class RLHFuseBase(System):
                     raise PlanError(f"needs {need:.1f} GB")
                 task = Task(task_name, "train", role, Allocation(mesh, s))
                 return training_s(ctx, task, stage, w.mini_batch_size, batch)
-            chosen[task_name] = search(cands(role, self.cfg.zero_stage), score_train, task_name)
+            chosen[task_name] = search(cands(role, self.cfg.zero_stage, task_name), score_train, task_name)
             s = chosen[task_name].strategy
             resident_gb[role] = cm.training_state_gb(ctx.model(role), s.dp, s.tp, s.pp, s.zero_stage)
 
@@ -120,7 +154,7 @@ class RLHFuseBase(System):
                 if cm.weights_gb(ctx.model(role), s.tp, s.pp) + sum(resident_gb.values()) > capacity:
                     raise PlanError("weights do not fit")
                 return inference_s(ctx, Task(task_name, "inference", role, Allocation(mesh, s)), batch)
-            chosen[task_name] = search(cands(role), score_inf, task_name)
+            chosen[task_name] = search(cands(role, 0, task_name), score_inf, task_name)
             if task_name in ("ref", "reward"):
                 s = chosen[task_name].strategy
                 resident_gb[role] = cm.weights_gb(ctx.model(role), s.tp, s.pp)
@@ -133,7 +167,7 @@ class RLHFuseBase(System):
             if free < cm.kv_cache_gb(actor, seq_max, s.tp, s.pp):
                 raise PlanError(f"only {free:.1f} GB left for the KV cache")
             return generation_s(ctx, Task("gen", "generate", "actor", Allocation(mesh, s)), policy, batch, free)
-        chosen["gen"] = search(cands("actor"), score_gen, "gen")
+        chosen["gen"] = search(cands("actor", 0, "gen"), score_gen, "gen")
         return self._assemble(ctx, chosen, policy)
 
     def _assemble(self, ctx: PlanContext, chosen: dict[str, SearchResult], policy: GenerationPolicy) -> Plan:
