@@ -54,7 +54,10 @@ class DeepSpeedChat(System):
         if gbs % cfg.mini_batch_size:
             raise PlanError(f"system.mini_batch_size={cfg.mini_batch_size} must divide the global batch {gbs}")
         zero = ParallelStrategy(dp=n, tp=1, pp=1, zero_stage=cfg.zero_stage)
-        gen = ParallelStrategy(dp=n // gen_tp if n % gen_tp == 0 else 0, tp=gen_tp, pp=1)
+        if gen_tp < 1 or per_node % gen_tp or n % gen_tp:
+            raise PlanError(f"deepspeed_chat generation (system.gen_tp): tp={gen_tp} must divide the {per_node} "
+                            f"GPUs of a node (the hybrid engine's tensor parallelism stays on NVLink)")
+        gen = ParallelStrategy(dp=n // gen_tp, tp=gen_tp, pp=1)
         check_layout_fits(gen, n, per_node, ctx.models.actor.num_layers, "deepspeed_chat generation (system.gen_tp)")
         num_instances = gen.dp
         if cfg.generation_batch_size % num_instances:

@@ -52,14 +52,14 @@ def main(cfg: DictConfig) -> float | None:
         if not multirun:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        path = results.record_failure(cfg.results_dir, cfg.experiment, job, e)
+        path = results.record_failure(cfg.results_dir, cfg.experiment_name, job, e)
         print(f"[harness] job failed ({type(e).__name__}): {e}\n  recorded in {path}", file=sys.stderr)
         return None
     except Exception as e:  # noqa: BLE001 - a sweep must survive one broken job
         if not multirun:
             raise
         traceback.print_exc()
-        path = results.record_failure(cfg.results_dir, cfg.experiment, job, e)
+        path = results.record_failure(cfg.results_dir, cfg.experiment_name, job, e)
         print(f"[harness] job crashed ({type(e).__name__}); recorded in {path}", file=sys.stderr)
         return None
     print(format_summary(outcome))

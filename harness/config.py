@@ -145,7 +145,7 @@ class RunConfig:
     workload: WorkloadConfig = MISSING
     backend: BackendConfig = MISSING
     logger: LoggerConfig = MISSING
-    experiment: str = "default"
+    experiment_name: str = "default"  # results/<experiment_name>/... and the W&B group (verl: trainer.experiment_name)
     seed: int = 0
     results_dir: str = "results"
     overwrite: bool = False  # re-run even if a finished result exists

@@ -20,7 +20,7 @@ from harness import results
 from harness.config import RunConfig
 from harness.costmodel import CostModel, ProfileTable
 from harness.errors import ConfigError
-from harness.loggers import WandbLogger
+from harness.loggers import WandbLogger, resolve_mode
 from harness.memory_check import check_plan_memory
 from harness.plan import Plan
 from harness.schedule import to_csv
@@ -60,6 +60,7 @@ def build_context(run: RunConfig) -> PlanContext:
         if not Path(run.backend.profile_table).is_file():
             raise ConfigError(f"backend.profile_table={run.backend.profile_table!r}: no such file")
         profile = ProfileTable.from_csv(run.backend.profile_table)
+    resolve_mode(run.logger)  # a bad logger.mode fails here, before any folder exists
     cost_model = CostModel(cluster, run.workload, profile)
     return PlanContext(models=run.model, cluster=cluster, workload=run.workload,
                        cost_model=cost_model, seed=run.seed)
@@ -94,24 +95,24 @@ def execute(cfg: DictConfig) -> RunOutcome:
     system: System = get_class(run.system.impl)(run.system)
     label = model_label(run.model)
 
+    path = results.run_path(run.results_dir, run.experiment_name, system.name, label, run.seed)
+    if results.is_finished(path) and not run.overwrite:
+        summary = json.loads((path / results.SUMMARY_FILE).read_text())["metrics"]
+        print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
+        return RunOutcome(path, summary, skipped=True)
+
     start = time.perf_counter()
     plan = system.plan(ctx)
     plan_s = time.perf_counter() - start
     plan.validate(ctx.num_devices)
     memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
 
-    path = results.run_path(run.results_dir, run.experiment, system.name, label, run.seed)
-    if results.is_finished(path) and not run.overwrite:
-        summary = json.loads((path / results.SUMMARY_FILE).read_text())["metrics"]
-        print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
-        return RunOutcome(path, summary, skipped=True)
-
     backend = get_class(cfg.backend._target_)(run.backend, ctx)
     task_models = {t.name: t.model for t in plan.tasks}
     peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
     with results.RunFolder(path) as folder:
         _write_static_files(folder, cfg, plan)
-        logger = WandbLogger(run.logger, folder.staging, run.experiment, f"{system.name}-{label}-seed{run.seed}",
+        logger = WandbLogger(run.logger, folder.staging, run.experiment_name, f"{system.name}-{label}-seed{run.seed}",
                              OmegaConf.to_container(cfg, resolve=True))
         rows, traces = [], []
         try:
@@ -143,7 +144,7 @@ def execute(cfg: DictConfig) -> RunOutcome:
         logger.finish()
         results.write_json(folder.path(results.SUMMARY_FILE), {
             "metrics": summary, "info": plan_info(plan, memory),
-            "run": {"experiment": run.experiment, "system": system.name, "model": label, "seed": run.seed,
+            "run": {"experiment": run.experiment_name, "system": system.name, "model": label, "seed": run.seed,
                     "backend": run.backend.name, "cluster": run.cluster.name,
                     "num_devices": ctx.num_devices, "wandb_mode": logger.mode}})
         final = folder.commit()

@@ -21,10 +21,8 @@ import pytest
 
 pytest.importorskip("wandb")
 
-# `experiment` keeps its default: `experiment=<name>` on the command line is taken as the (empty)
-# config group conf/experiment/, not the key, so it cannot be overridden there (reported upstream).
-EXPERIMENT, SYSTEM, MODEL, SEED = "default", "rlhfuse_base", "7b", 1
-ARGS = [f"+system={SYSTEM}", f"model={MODEL}", f"seed={SEED}", "logger=wandb",
+EXPERIMENT, SYSTEM, MODEL, SEED = "wandb_readback", "rlhfuse_base", "7b", 1
+ARGS = [f"+system={SYSTEM}", f"model={MODEL}", f"seed={SEED}", f"experiment_name={EXPERIMENT}", "logger=wandb",
         "logger.mode=offline", "cluster.num_nodes=1", "backend.num_iterations=2", "logger.progress_bar=false"]
 
 
@@ -185,7 +183,7 @@ def test_run_name_group_and_config(wandb_record):
     assert config["system"]["name"] == SYSTEM
     assert config["model"]["actor"]["name"] == MODEL
     assert config["seed"] == SEED
-    assert config["experiment"] == EXPERIMENT
+    assert config["experiment_name"] == EXPERIMENT
     assert config["backend"]["num_iterations"] == 2
 
 
