@@ -154,14 +154,14 @@ def execute(cfg: DictConfig) -> RunOutcome:
 def format_summary(outcome: RunOutcome) -> str:
     s = outcome.summary
     lines = [f"run: {outcome.path}",
-             f"  {'samples/s':<28}{s.get(mk.SAMPLES_PER_S, float('nan')):>12.3f}",
-             f"  {'tokens/s/GPU':<28}{s.get(mk.THROUGHPUT, float('nan')):>12.1f}",
-             f"  {'step (s)':<28}{s.get(mk.STEP_TIME, float('nan')):>12.2f}"]
+             f"  {'samples/s':<38}{s.get(mk.SAMPLES_PER_S, float('nan')):>12.3f}",
+             f"  {'tokens/s/GPU':<38}{s.get(mk.THROUGHPUT, float('nan')):>12.1f}",
+             f"  {'step (s)':<38}{s.get(mk.STEP_TIME, float('nan')):>12.2f}"]
     for key in sorted(k for k in s if k.startswith("timing_s/") and k not in (mk.STEP_TIME,)):
-        lines.append(f"  {key:<28}{s[key]:>12.3f}")
+        lines.append(f"  {key:<38}{s[key]:>12.3f}")
     for key in sorted(k for k in s if k.startswith("pipeline/bubble_frac/")):
-        lines.append(f"  {key:<28}{s[key]:>12.3f}")
+        lines.append(f"  {key:<38}{s[key]:>12.3f}")
     for key in (mk.BUSY_MEAN, mk.MAX_MEMORY_GB, mk.GEN_TAIL_S):
         if key in s:
-            lines.append(f"  {key:<28}{s[key]:>12.3f}")
+            lines.append(f"  {key:<38}{s[key]:>12.3f}")
     return "\n".join(lines)

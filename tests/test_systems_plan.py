@@ -6,7 +6,7 @@ from harness.plan import Plan
 from harness.testing import plan_for
 
 SYSTEMS = ["deepspeed_chat", "rlhfuse_base"]
-MODELS = ["7b", "13b", "33b", "65b", "70b", "13b_33b", "33b_13b", "33b_65b", "65b_33b"]
+MODELS = ["tiny", "tiny2", "7b", "13b", "33b", "65b", "70b", "13b_33b", "33b_13b", "33b_65b", "65b_33b"]
 
 
 @pytest.mark.parametrize("model", MODELS)
