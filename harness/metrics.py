@@ -13,7 +13,8 @@ Per iteration (``iteration_metrics``):
 - ``perf/mfu/actor``, ``perf/mfu/critic``: training FLOPs / (train-task wall time x its devices x
   peak FLOP/s). ``perf/max_memory_gb``: largest per-device memory peak the backend reported.
 - ``gen/tail_s``: time from when 90% of samples have finished to when the last one finishes.
-  ``gen/migrated_samples``, ``gen/tail_instances``: reported by backends that migrate (counters).
+  ``gen/migrated_samples``, ``gen/tail_instances``, ``gen/migration_threshold_frac`` (R_t as a
+  fraction of the batch): reported by backends that execute a migration policy (counters).
 - ``pipeline/bubble_frac/<task>`` = 1 - (sum of forward/backward time over the pipeline's ranks)
   / (ranks x makespan), over all of the task's pipeline runs in the iteration (RLHFuse section 7's
   definition); ``pipeline/makespan_s/<task>`` (sum over mini-batches); ``pipeline/peak_activation_gb/<task>``.
@@ -45,6 +46,7 @@ MAX_MEMORY_GB = "perf/max_memory_gb"
 GEN_TAIL_S = "gen/tail_s"
 MIGRATED_SAMPLES = "gen/migrated_samples"
 TAIL_INSTANCES = "gen/tail_instances"
+MIGRATION_THRESHOLD_FRAC = "gen/migration_threshold_frac"
 BUSY_MEAN = "util/gpu_busy_frac/mean"
 BUSY_MIN = "util/gpu_busy_frac/min"
 GLOBAL_STEP = "training/global_step"

@@ -109,66 +109,108 @@ def search(candidates: Iterable[ParallelStrategy], score: Callable[[ParallelStra
     return SearchResult(best[1], best[0], tried)
 
 
+class LayoutSearch:
+    """The per-task brute-force layout search, shared by RLHFuse-Base and RLHFuse.
+
+    Training layouts are searched first, since their states stay resident and bound the memory
+    left for everything else; then inference, then generation (whose KV cache gets what is left).
+    """
+
+    def __init__(self, ctx: PlanContext, cfg: "RLHFuseBaseConfig"):
+        self.ctx, self.cfg = ctx, cfg
+        self.cm, self.w, self.n = ctx.cost_model, ctx.workload, ctx.num_devices
+        self.mesh = full_mesh(self.n)
+        self.batch = representative_batch(ctx)
+        self.capacity = self.cm.hbm_capacity_gb
+        self.seq_max = int(self.w.prompt_len.max + self.w.max_gen_len)
+        self.chosen: dict[str, SearchResult] = {}
+        self.resident_gb: dict[str, float] = {}
+        self.pinned = {t: getattr(cfg.layouts, t) for t in PPO_TASKS if getattr(cfg.layouts, t)}
+
+    def candidates(self, role: str, zero: int = 0, task: str = "") -> list[ParallelStrategy]:
+        if task in self.pinned:  # pinned by the user: checked, not searched
+            pinned = parse_layout(self.pinned[task], zero, task)
+            check_layout_fits(pinned, self.n, self.ctx.cluster.gpus_per_node, self.ctx.model(role).num_layers,
+                              f"{self.cfg.name} {task} (system.layouts.{task})")
+            return [pinned]
+        return list(candidate_strategies(self.n, self.ctx.cluster.gpus_per_node, self.ctx.model(role).num_layers, zero))
+
+    def training_memory_gb(self, role: str, s: ParallelStrategy, peak_in_flight_mbs: int) -> float:
+        model = self.ctx.model(role)
+        return self.cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage) + peak_in_flight_mbs * \
+            self.cm.activation_gb(model, self.w.micro_batch_size, self.seq_max, s.tp, model.num_layers / s.pp,
+                                  self.w.activation_recompute)
+
+    def search_training(self) -> None:
+        w, cm = self.w, self.cm
+        for task_name, role in (("update_actor", "actor"), ("update_critic", "critic")):
+            def score(s: ParallelStrategy, task_name=task_name, role=role) -> float:
+                stage = single_pipe_stage(task_name, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
+                peak_mbs = min(s.pp, next(iter(stage.schedule.pipes.values())).num_mbs)
+                need = self.training_memory_gb(role, s, peak_mbs)
+                if need + sum(self.resident_gb.values()) > self.capacity:
+                    raise PlanError(f"needs {need:.1f} GB")
+                task = Task(task_name, "train", role, Allocation(self.mesh, s))
+                return training_s(self.ctx, task, stage, w.mini_batch_size, self.batch)
+            self.chosen[task_name] = search(self.candidates(role, self.cfg.zero_stage, task_name), score, task_name)
+            s = self.chosen[task_name].strategy
+            self.resident_gb[role] = cm.training_state_gb(self.ctx.model(role), s.dp, s.tp, s.pp, s.zero_stage)
+
+    def _inference_fits(self, roles: list[str], s: ParallelStrategy) -> None:
+        need = sum(self.cm.weights_gb(self.ctx.model(r), s.tp, s.pp) for r in roles)
+        if need + sum(self.resident_gb.values()) > self.capacity:
+            raise PlanError(f"weights need {need:.1f} GB")
+
+    def search_inference(self, shared: bool = False) -> None:
+        """One layout per inference task, or (``shared``) one layout for all three, scored by their sum."""
+        tasks = ("ref", "reward", "values")
+        if shared:
+            roles = [PPO_TASKS[t][1] for t in tasks]
+
+            def score_all(s: ParallelStrategy) -> float:
+                self._inference_fits(roles, s)
+                return sum(inference_s(self.ctx, Task(t, "inference", r, Allocation(self.mesh, s)), self.batch)
+                           for t, r in zip(tasks, roles))
+            pinned = next((t for t in tasks if t in self.pinned), "ref")
+            result = search(self.candidates("actor", 0, pinned), score_all, "inference (shared layout)")
+            self.chosen.update({t: result for t in tasks})
+        else:
+            for task_name in tasks:
+                role = PPO_TASKS[task_name][1]
+
+                def score(s: ParallelStrategy, task_name=task_name, role=role) -> float:
+                    self._inference_fits([role], s)
+                    return inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
+                self.chosen[task_name] = search(self.candidates(role, 0, task_name), score, task_name)
+        for task_name in ("ref", "reward"):
+            s = self.chosen[task_name].strategy
+            self.resident_gb[PPO_TASKS[task_name][1]] = self.cm.weights_gb(self.ctx.model(PPO_TASKS[task_name][1]), s.tp, s.pp)
+
+    def kv_capacity_gb(self, s: ParallelStrategy) -> float:
+        return self.capacity - sum(self.resident_gb.values()) - self.cm.weights_gb(self.ctx.model("actor"), s.tp, s.pp)
+
+    def search_generation(self, policy: GenerationPolicy) -> None:
+        actor = self.ctx.model("actor")
+
+        def score(s: ParallelStrategy) -> float:
+            free = self.kv_capacity_gb(s)
+            if free < self.cm.kv_cache_gb(actor, self.seq_max, s.tp, s.pp):
+                raise PlanError(f"only {free:.1f} GB left for the KV cache")
+            return generation_s(self.ctx, Task("gen", "generate", "actor", Allocation(self.mesh, s)), policy,
+                                self.batch, free)
+        self.chosen["gen"] = search(self.candidates("actor", 0, "gen"), score, "gen")
+
+
 class RLHFuseBase(System):
     cfg: RLHFuseBaseConfig
 
     def plan(self, ctx: PlanContext) -> Plan:
-        cm, w, n = ctx.cost_model, ctx.workload, ctx.num_devices
-        mesh = full_mesh(n)
-        batch = representative_batch(ctx)
-        capacity = cm.hbm_capacity_gb
-        seq_max = int(w.prompt_len.max + w.max_gen_len)
-        chosen: dict[str, SearchResult] = {}
-
-        pinned_layouts = {t: getattr(self.cfg.layouts, t) for t in PPO_TASKS if getattr(self.cfg.layouts, t)}
-
-        def cands(role: str, zero: int = 0, task: str = ""):
-            if task in pinned_layouts:  # pinned by the user: checked, not searched
-                pinned = parse_layout(pinned_layouts[task], zero, task)
-                check_layout_fits(pinned, n, ctx.cluster.gpus_per_node, ctx.model(role).num_layers,
-                                  f"rlhfuse_base {task} (system.layouts.{task})")
-                return [pinned]
-            return candidate_strategies(n, ctx.cluster.gpus_per_node, ctx.model(role).num_layers, zero)
-
-        # Training first: its states stay resident and bound what is left for the other tasks.
-        resident_gb: dict[str, float] = {}
-        for task_name, role in (("update_actor", "actor"), ("update_critic", "critic")):
-            def score_train(s: ParallelStrategy, task_name=task_name, role=role) -> float:
-                stage = single_pipe_stage(task_name, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
-                model = ctx.model(role)
-                peak_mbs = min(s.pp, stage.schedule.pipes[role[0].upper()].num_mbs)
-                need = cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage) + peak_mbs * cm.activation_gb(
-                    model, w.micro_batch_size, seq_max, s.tp, model.num_layers / s.pp, w.activation_recompute)
-                if need + sum(resident_gb.values()) > capacity:
-                    raise PlanError(f"needs {need:.1f} GB")
-                task = Task(task_name, "train", role, Allocation(mesh, s))
-                return training_s(ctx, task, stage, w.mini_batch_size, batch)
-            chosen[task_name] = search(cands(role, self.cfg.zero_stage, task_name), score_train, task_name)
-            s = chosen[task_name].strategy
-            resident_gb[role] = cm.training_state_gb(ctx.model(role), s.dp, s.tp, s.pp, s.zero_stage)
-
-        for task_name in ("ref", "reward", "values"):
-            role = PPO_TASKS[task_name][1]
-
-            def score_inf(s: ParallelStrategy, task_name=task_name, role=role) -> float:
-                if cm.weights_gb(ctx.model(role), s.tp, s.pp) + sum(resident_gb.values()) > capacity:
-                    raise PlanError("weights do not fit")
-                return inference_s(ctx, Task(task_name, "inference", role, Allocation(mesh, s)), batch)
-            chosen[task_name] = search(cands(role, 0, task_name), score_inf, task_name)
-            if task_name in ("ref", "reward"):
-                s = chosen[task_name].strategy
-                resident_gb[role] = cm.weights_gb(ctx.model(role), s.tp, s.pp)
-
+        layouts = LayoutSearch(ctx, self.cfg)
+        layouts.search_training()
+        layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
-
-        def score_gen(s: ParallelStrategy) -> float:
-            actor = ctx.model("actor")
-            free = capacity - sum(resident_gb.values()) - cm.weights_gb(actor, s.tp, s.pp)
-            if free < cm.kv_cache_gb(actor, seq_max, s.tp, s.pp):
-                raise PlanError(f"only {free:.1f} GB left for the KV cache")
-            return generation_s(ctx, Task("gen", "generate", "actor", Allocation(mesh, s)), policy, batch, free)
-        chosen["gen"] = search(cands("actor", 0, "gen"), score_gen, "gen")
-        return self._assemble(ctx, chosen, policy)
+        layouts.search_generation(policy)
+        return self._assemble(ctx, layouts.chosen, policy)
 
     def _assemble(self, ctx: PlanContext, chosen: dict[str, SearchResult], policy: GenerationPolicy) -> Plan:
         w, mesh = ctx.workload, full_mesh(ctx.num_devices)

@@ -1,8 +1,7 @@
-"""Simulated actor generation, token step by token step (DESIGN section 4).
+"""Simulated actor generation, token step by token step (DESIGN section 4; RLHFuse section 4).
 
 Each data-parallel replica of the ``gen`` task's allocation is one generation instance (tp x pp
-devices). Samples are dealt to instances round-robin. Two batching policies, from
-``Plan.generation``:
+devices). Samples are dealt to instances round-robin. Batching policies, from ``Plan.generation``:
 
 - ``continuous`` (Orca / vLLM): an instance admits waiting samples whenever a slot and KV memory
   are free, runs one prefill for the newly admitted prompts, then decode steps over all running
@@ -12,18 +11,45 @@ devices). Samples are dealt to instances round-robin. Two batching policies, fro
   ``max_batch_size``; each round prefills, then decodes until its *longest* sample ends, with the
   batch size fixed and contexts padded (finished rows keep computing).
 
+**Long-tail migration** (RLHFuse section 4, ``GenerationPolicy.migration``): when fewer than
+``threshold_frac`` of the batch's samples are unfinished, every unfinished sample moves to the
+``num_tail_instances`` instances that hold the most unfinished samples; the other instances are
+released (their devices go to inference). The moved state is either the KV cache (bytes over the
+links between the instances) or only the tokens (tiny transfer; the receiver re-prefills the
+context). Instances are independent until the migration, so the migration time is found from an
+unmigrated run and the instances are then replayed up to it, which is exact.
+
 Each decode step costs ``CostModel.decode_step_s(batch, context tokens, tp, pp)`` (roofline:
-weights and KV streamed vs. FLOPs). Steps between two batch changes form one span per device.
+weights and KV streamed vs. FLOPs). Steps between two batch changes form one span.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from harness.costmodel import CostModel
+from harness.costmodel.llama import kv_bytes_per_token
 from harness.plan import GenerationPolicy, Task
 from harness.trace import SampleRecord, Span
+
+
+@dataclass
+class _Sample:
+    sample_id: int
+    prompt_len: int
+    output_len: int
+    generated: int = 0
+    has_kv: bool = False  # context already in this instance's KV cache (no prefill needed)
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def left(self) -> int:
+        return self.output_len - self.generated
 
 
 @dataclass
@@ -34,79 +60,73 @@ class InstanceResult:
     peak_kv_tokens: int = 0
 
 
-@dataclass
-class GenerationResult:
-    samples: list[SampleRecord]
-    instances: list[InstanceResult]
+class ContinuousInstance:
+    """One generation instance with continuous batching; can stop at a time and take or give samples."""
+
+    def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
+                 max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord]):
+        self.cm, self.model, self.devices, self.tp, self.pp = cm, model, devices, tp, pp
+        self.now = start_s
+        self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
+        self.waiting: list[_Sample] = []
+        self.running: list[_Sample] = []
+        self.reserved = 0
+        self.finishes = finishes
+        self.result = InstanceResult(devices, start_s)
 
     @property
-    def end_s(self) -> float:
-        return max(i.end_s for i in self.instances)
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
 
+    def _span(self, start: float, end: float, kind: str) -> None:
+        self.result.spans.append(Span(self.devices, "gen", kind, start, end))
 
-def _decode_run(cm: CostModel, model, batch: int, context_total: int, num_steps: int, tp: int, pp: int,
-                context_growth_per_step: int) -> float:
-    """Time of ``num_steps`` decode steps with a fixed batch whose total context grows each step."""
-    total = 0.0
-    for j in range(num_steps):
-        total += cm.decode_step_s(model, batch, context_total + j * context_growth_per_step, tp, pp)
-    return total
-
-
-def _spans(devices, start: float, end: float, kind: str, flops: float = 0.0) -> list[Span]:
-    return [Span(tuple(devices), "gen", kind, start, end, flops)]
-
-
-def _continuous(cm: CostModel, model, devices, prompts: np.ndarray, outputs: np.ndarray, ids: np.ndarray,
-                start: float, tp: int, pp: int, max_batch: int, kv_capacity_tokens: int, max_gen_len: int,
-                finishes: list[SampleRecord]) -> InstanceResult:
-    res = InstanceResult(tuple(devices), start)
-    waiting = list(range(len(ids)))
-    running_ctx: list[int] = []  # current context length of each running sample
-    running_left: list[int] = []  # tokens still to generate
-    running_idx: list[int] = []
-    reserved = 0
-    now = start
-    while waiting or running_idx:
-        admitted = []
-        while waiting and len(running_idx) + len(admitted) < max_batch:
-            i = waiting[0]
-            need = int(prompts[i]) + max_gen_len
-            if reserved + need > kv_capacity_tokens and (running_idx or admitted):
+    def _admit(self) -> None:
+        admitted: list[_Sample] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            need = self.waiting[0].prompt_len + self.max_gen_len
+            if self.reserved + need > self.kv_capacity_tokens and (self.running or admitted):
                 break
-            waiting.pop(0)
-            reserved += need
-            admitted.append(i)
-        if admitted:
-            tokens = int(sum(prompts[i] for i in admitted))
-            dt = cm.prefill_s(model, tokens, tp, pp)
-            res.spans += _spans(devices, now, now + dt, "prefill")
-            now += dt
-            for i in admitted:
-                running_idx.append(i)
-                running_ctx.append(int(prompts[i]))
-                running_left.append(int(outputs[i]))
-        res.peak_kv_tokens = max(res.peak_kv_tokens, sum(running_ctx) + sum(running_left))
-        # run until the next sample finishes (the batch is fixed until then)
-        num_steps = min(running_left)
-        batch = len(running_idx)
-        dt = _decode_run(cm, model, batch, sum(running_ctx), num_steps, tp, pp, batch)
-        res.spans += _spans(devices, now, now + dt, "decode")
-        now += dt
-        keep = []
-        for k, i in enumerate(running_idx):
-            running_ctx[k] += num_steps
-            running_left[k] -= num_steps
-            if running_left[k] == 0:
-                finishes.append(SampleRecord(int(ids[i]), int(prompts[i]), int(outputs[i]), now))
-                reserved -= int(prompts[i]) + max_gen_len
-            else:
-                keep.append(k)
-        running_idx = [running_idx[k] for k in keep]
-        running_ctx = [running_ctx[k] for k in keep]
-        running_left = [running_left[k] for k in keep]
-    res.end_s = now
-    return res
+            sample = self.waiting.pop(0)
+            self.reserved += need
+            admitted.append(sample)
+        to_prefill = sum(s.context for s in admitted if not s.has_kv)
+        if to_prefill:
+            dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp)
+            self._span(self.now, self.now + dt, "prefill")
+            self.now += dt
+        for s in admitted:
+            s.has_kv = True
+        self.running.extend(admitted)
+
+    def run(self, until_s: float = math.inf) -> None:
+        """Generate until every sample finished, or until the first step that ends at/after ``until_s``."""
+        while (self.waiting or self.running) and self.now < until_s:
+            self._admit()
+            batch = len(self.running)
+            ctx = sum(s.context for s in self.running)
+            self.result.peak_kv_tokens = max(self.result.peak_kv_tokens, ctx + sum(s.left for s in self.running))
+            num_steps, start = min(s.left for s in self.running), self.now
+            done_steps = 0
+            while done_steps < num_steps and self.now < until_s:
+                self.now += self.cm.decode_step_s(self.model, batch, ctx + done_steps * batch, self.tp, self.pp)
+                done_steps += 1
+            self._span(start, self.now, "decode")
+            still = []
+            for s in self.running:
+                s.generated += done_steps
+                if s.left == 0:
+                    self.finishes.append(SampleRecord(s.sample_id, s.prompt_len, s.output_len, self.now))
+                    self.reserved -= s.prompt_len + self.max_gen_len
+                else:
+                    still.append(s)
+            self.running = still
+        self.result.end_s = self.now
+
+    def take_unfinished(self) -> list[_Sample]:
+        out = self.running + self.waiting
+        self.running, self.waiting, self.reserved = [], [], 0
+        return out
 
 
 def _static(cm: CostModel, model, devices, prompts: np.ndarray, outputs: np.ndarray, ids: np.ndarray,
@@ -118,19 +138,96 @@ def _static(cm: CostModel, model, devices, prompts: np.ndarray, outputs: np.ndar
         p, o, batch = prompts[sel], outputs[sel], len(ids[sel])
         padded_prompt = int(p.max())
         dt = cm.prefill_s(model, padded_prompt * batch, tp, pp)
-        res.spans += _spans(devices, now, now + dt, "prefill")
+        res.spans.append(Span(tuple(devices), "gen", "prefill", now, now + dt))
         now += dt
         num_steps = int(o.max())
-        per_step_start = now
-        dt = _decode_run(cm, model, batch, padded_prompt * batch, num_steps, tp, pp, batch)
-        step_s = dt / num_steps
-        for k in range(batch):  # finish times by linear interpolation over this round's steps
-            finishes.append(SampleRecord(int(ids[sel][k]), int(p[k]), int(o[k]), per_step_start + step_s * int(o[k])))
-        res.spans += _spans(devices, now, now + dt, "decode")
-        now += dt
+        step_times = [cm.decode_step_s(model, batch, (padded_prompt + j) * batch, tp, pp) for j in range(num_steps)]
+        elapsed = np.cumsum(step_times)
+        for k in range(batch):  # a row's last token comes out at the end of its own step
+            finishes.append(SampleRecord(int(ids[sel][k]), int(p[k]), int(o[k]), now + float(elapsed[int(o[k]) - 1])))
+        res.spans.append(Span(tuple(devices), "gen", "decode", now, now + float(elapsed[-1])))
+        now += float(elapsed[-1])
         res.peak_kv_tokens = max(res.peak_kv_tokens, (padded_prompt + num_steps) * batch)
     res.end_s = now
     return res
+
+
+@dataclass
+class GenerationResult:
+    samples: list[SampleRecord]
+    instances: list[InstanceResult]
+    migrated_samples: int = 0
+    tail_instances: int = 0
+    migration_s: float | None = None  # when the migration happened
+
+    @property
+    def end_s(self) -> float:
+        return max(i.end_s for i in self.instances)
+
+    def device_free_s(self) -> dict[int, float]:
+        """When each generation device is released (instances released at migration free early)."""
+        return {d: inst.end_s for inst in self.instances for d in inst.devices}
+
+
+def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, outputs, start_s, kv_tokens,
+                    max_gen_len, finishes) -> list[ContinuousInstance]:
+    s = task.allocation.strategy
+    instances = []
+    for k in range(s.dp):
+        inst = ContinuousInstance(cm, model, task.allocation.replica_devices(k), s.tp, s.pp, start_s,
+                                  policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes)
+        inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in range(k, len(prompts), s.dp)]
+        instances.append(inst)
+    return instances
+
+
+def _migration_time(finish_times: list[float], num_samples: int, threshold: int) -> float | None:
+    """First time the number of unfinished samples drops below ``threshold``."""
+    times = sorted(finish_times)
+    for finished, t in enumerate(times, start=1):
+        if num_samples - finished < threshold:
+            return t if num_samples - finished > 0 else None
+    return None
+
+
+def _transfer_s(cm: CostModel, model, samples: list[_Sample], src: ContinuousInstance, dst: ContinuousInstance,
+                transfer: str) -> float:
+    if not samples or src is dst:
+        return 0.0
+    if transfer == "kv":
+        per_device = sum(s.context for s in samples if s.has_kv) * kv_bytes_per_token(model) / (src.tp * src.pp)
+    else:  # token ids only (int32); the receiver re-prefills
+        per_device = 4.0 * sum(s.context for s in samples)
+    return cm.p2p_s(per_device, src.devices[0], dst.devices[0])
+
+
+def _migrate(cm: CostModel, model, instances: list[ContinuousInstance], num_targets: int, transfer: str) -> tuple[int, int]:
+    """Move every unfinished sample to the ``num_targets`` instances holding the most; returns
+    (samples moved, instances kept). Instances run on after their incoming transfers end."""
+    order = sorted(range(len(instances)), key=lambda k: (-instances[k].num_unfinished, k))
+    targets = [instances[k] for k in order[:num_targets] if instances[k].num_unfinished > 0] or [instances[order[0]]]
+    moved = 0
+    arrivals = {id(t): t.now for t in targets}
+    for k in order[len(targets):]:
+        src = instances[k]
+        samples = src.take_unfinished()
+        if not samples:
+            continue
+        moved += len(samples)
+        for j, sample in enumerate(samples):  # spread round-robin over the targets
+            dst = targets[(k + j) % len(targets)]
+            sent = [sample]
+            dt = _transfer_s(cm, model, sent, src, dst, transfer)
+            src.result.spans.append(Span(src.devices, "gen", "migrate", src.now, src.now + dt, 0.0))
+            src.now += dt
+            arrivals[id(dst)] = max(arrivals[id(dst)], src.now)
+            if transfer != "kv":
+                sample.has_kv = False
+            dst.waiting.append(sample)
+        src.result.end_s = src.now
+    for t in targets:
+        t.now = arrivals[id(t)]
+    return moved, len(targets)
 
 
 def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, model, prompt_lens: np.ndarray,
@@ -138,24 +235,39 @@ def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, mod
                         max_gen_len: int) -> GenerationResult:
     s = task.allocation.strategy
     kv_per_token_gb = cm.kv_cache_gb(model, 1, s.tp, s.pp)
-    kv_capacity_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40
-    ids = np.arange(len(prompt_lens))
+    kv_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40
     finishes: list[SampleRecord] = []
-    instances = []
-    for k in range(s.dp):
-        mine = ids[k::s.dp]
-        devices = task.allocation.replica_devices(k)
-        if len(mine) == 0:
-            instances.append(InstanceResult(tuple(devices), start_s))
-            continue
-        if policy.batching == "static":
-            size = policy.max_batch_size or len(mine)
-            inst = _static(cm, model, devices, prompt_lens[mine], output_lens[mine], mine, start_s,
-                           s.tp, s.pp, size, finishes)
-        else:
-            max_batch = policy.max_batch_size or len(mine)
-            inst = _continuous(cm, model, devices, prompt_lens[mine], output_lens[mine], mine, start_s,
-                               s.tp, s.pp, max_batch, kv_capacity_tokens, max_gen_len, finishes)
-        instances.append(inst)
-    finishes.sort(key=lambda r: r.sample_id)
-    return GenerationResult(finishes, instances)
+    if policy.batching == "static":
+        ids = np.arange(len(prompt_lens))
+        instances = []
+        for k in range(s.dp):
+            mine = ids[k::s.dp]
+            instances.append(_static(cm, model, task.allocation.replica_devices(k), prompt_lens[mine],
+                                     output_lens[mine], mine, start_s, s.tp, s.pp,
+                                     policy.max_batch_size or max(len(mine), 1), finishes))
+        finishes.sort(key=lambda r: r.sample_id)
+        return GenerationResult(finishes, instances)
+
+    def fresh():
+        out: list[SampleRecord] = []
+        return _make_instances(cm, task, policy, model, prompt_lens, output_lens, start_s, kv_tokens,
+                               max_gen_len, out), out
+
+    instances, finishes = fresh()
+    for inst in instances:
+        inst.run()
+    result = GenerationResult(finishes, [i.result for i in instances])
+    mig = policy.migration
+    if mig is not None and s.dp > 1:
+        threshold = math.ceil(mig.threshold_frac * len(prompt_lens))
+        t_m = _migration_time([f.finish_s for f in finishes], len(prompt_lens), threshold)
+        if t_m is not None:
+            instances, finishes = fresh()  # replay up to the migration time (instances are independent)
+            for inst in instances:
+                inst.run(until_s=t_m)
+            moved, kept = _migrate(cm, model, instances, mig.num_tail_instances, mig.transfer)
+            for inst in instances:
+                inst.run()
+            result = GenerationResult(finishes, [i.result for i in instances], moved, kept, t_m)
+    result.samples.sort(key=lambda r: r.sample_id)
+    return result

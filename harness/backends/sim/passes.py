@@ -34,6 +34,7 @@ class PassResult:
     end_s: float
     pipelines: list[PipelineRun]
     samples: list[SampleRecord] = field(default_factory=list)
+    generation: object = None  # GenerationResult of a generate task
 
 
 def _zero3_gather_s(cm: CostModel, model, task: Task, num_layers: float) -> float:
@@ -122,6 +123,29 @@ def _task_of_pipe(plan: Plan, stage: TrainingStage, model_role: str) -> Task:
     raise PlanError(f"training stage {stage.tasks} has a pipe for {model_role} but no task training it")
 
 
+def pipe_stage_devices(plan: Plan, stage: TrainingStage) -> dict[tuple[str, int], tuple[int, ...]]:
+    """Devices that run (pipe, stage) across all data-parallel groups.
+
+    A stage may hold K pipes of one model per group of ranks (RLHFuse's fused schedules put K1
+    actor pipes beside K2 critic pipes). Pipe k of a model (k-th of that model's pipes, in the
+    schedule's order) in group g is data-parallel replica ``g*K + k`` of the model's task."""
+    out: dict[tuple[str, int], tuple[int, ...]] = {}
+    by_model: dict[str, list[str]] = {}
+    for name, pipe in stage.schedule.pipes.items():
+        by_model.setdefault(pipe.model, []).append(name)
+    for model, names in by_model.items():
+        task = _task_of_pipe(plan, stage, model)
+        alloc, num_pipes = task.allocation, len(names)
+        if alloc.strategy.dp % num_pipes:
+            raise PlanError(f"training stage {stage.tasks}: {num_pipes} {model} pipes per group do not divide "
+                            f"dp={alloc.strategy.dp}")
+        groups = alloc.strategy.dp // num_pipes
+        for k, name in enumerate(names):
+            for st in range(stage.schedule.pipes[name].num_stages):
+                out[(name, st)] = tuple(d for g in range(groups) for d in alloc.stage_devices(g * num_pipes + k, st))
+    return out
+
+
 def _grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
     """(communication, optimizer) seconds after each mini-batch's pipeline."""
     s = task.allocation.strategy
@@ -139,16 +163,11 @@ def _grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
 def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq_lens: np.ndarray,
                       recompute: str, start_s: float) -> PassResult:
     tasks = [plan.task(n) for n in stage.tasks]
-    num_replicas = {t.allocation.strategy.dp for t in tasks}
-    if len(num_replicas) != 1:
-        raise PlanError(f"training stage {stage.tasks}: tasks have different dp {sorted(num_replicas)}")
-    dp = num_replicas.pop()
     spans: list[Span] = []
     runs: list[PipelineRun] = []
     now = start_s
     label = "+".join(stage.tasks)
-    stage_devices = {(t.name, p): tuple(d for k in range(dp) for d in t.allocation.stage_devices(k, p))
-                     for t in tasks for p in range(t.allocation.strategy.pp)}
+    stage_devices = pipe_stage_devices(plan, stage)
     for mb_index in range(stage.num_minibatches):
         lo = mb_index * plan.mini_batch_size
         seq = float(seq_lens[lo:lo + plan.mini_batch_size].mean())
@@ -169,7 +188,7 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
             task_name, fwd_flops, (fwd_busy, bwd_busy) = per_pipe[action.pipe]
             is_fwd = action.kind == "F"
             t0, t1 = now + a_start, now + result.end[action]
-            devices = stage_devices[(task_name, action.stage)]
+            devices = stage_devices[(action.pipe, action.stage)]
             busy = (fwd_busy if is_fwd else bwd_busy)[action.stage]
             flops = fwd_flops[action.stage] * (1.0 if is_fwd else 2.0)
             spans.append(Span(devices, task_name, "forward" if is_fwd else "backward", t0, min(t1, t0 + busy), flops))
@@ -178,16 +197,14 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
         runs.append(PipelineRun(label if len(tasks) > 1 else tasks[0].name, now, result.makespan,
                                 len(result.busy), pipeline_busy, max(result.peak_memory.values())))
         now += result.makespan
-        sync_end = now
-        for task in tasks:
+        for task in tasks:  # tasks of one stage share devices: their syncs and steps run in turn
             model = getattr(models, task.model)
             comm, optim = _grad_sync_s(cm, task, model)
             mesh = task.allocation.mesh
             if comm > 0:
                 spans.append(Span(mesh, task.name, "allreduce", now, now + comm))
             spans.append(Span(mesh, task.name, "optimizer", now + comm, now + comm + optim))
-            sync_end = max(sync_end, now + comm + optim)
-        now = sync_end
+            now += comm + optim
     return PassResult(spans, now, runs)
 
 
