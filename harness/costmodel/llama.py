@@ -66,13 +66,13 @@ class ModelDims:
         """A :class:`ModelDims` from a ``LlamaConfig`` dataclass, an OmegaConf ``DictConfig``
         or a mapping. ``ModelDims`` passes through unchanged (the fast path).
 
-        Reading a ``DictConfig`` costs tens of microseconds, so those are memoised by object
-        identity (a strong reference is kept, so an id is never reused while cached). Model
+        Reading a config costs microseconds (tens for a ``DictConfig``), so configs other than
+        plain dicts are memoised by object identity (a strong reference is kept, so an id is never reused while cached). Model
         configs are treated as immutable once they have been handed to the cost model.
         """
         if type(cfg) is ModelDims:
             return cfg
-        if isinstance(cfg, DictConfig):
+        if not isinstance(cfg, dict):  # DictConfig or LlamaConfig dataclass: memoise by identity
             hit = _DICTCONFIG_CACHE.get(id(cfg))
             if hit is not None and hit[0] is cfg:
                 return hit[1]

@@ -11,9 +11,10 @@ Model (all three inference tasks share one allocation in a fused plan):
   the critic's weights resharded from the training layout (``realloc`` bytes over the links);
   ref and reward weights are resident (their memory is counted by the memory check);
 - it then repeatedly takes up to ``micro_batch_size`` finished samples (waiting for the next
-  finish when none is ready) and runs ref, reward and critic forward passes on them; with pp
-  stages a micro-batch costs the sum of its stage times when the pipeline is empty and the
-  slowest stage's time when it follows another micro-batch (steady-state pipelining);
+  finish when none is ready) and runs ref, reward and critic forward passes on them, stage by
+  stage (each pipeline stage runs the three models in turn); the replica's first stage takes
+  the next micro-batch after the slowest stage's time (steady-state pipelining), and a
+  micro-batch completes no earlier than the previous one plus that time;
 - samples are taken in finish order by whichever replica is free first (work-conserving).
 """
 from __future__ import annotations
@@ -35,19 +36,29 @@ class StreamingResult:
     end_s: dict[str, float]  # per inference task
 
 
-def _load_s(cm: CostModel, move: WeightMovement | None, model, devices: tuple[int, ...]) -> float:
-    """Time for a replica to fetch its share of moved weights (slowest of its devices)."""
+def _load_times(cm: CostModel, move: WeightMovement | None, model) -> dict[int, float]:
+    """Per device: time to fetch its share of the moved weights."""
     if move is None:
-        return 0.0
+        return {}
     layer_bytes = cm.weights_gb(model, 1, 1) * 1e9 / model.num_layers
-    transfers = reallocation_transfers(move.source, move.target, model.num_layers, layer_bytes, cm.gpus_per_node)
-    wanted = set(devices)
-    worst = 0.0
-    for tr in transfers:
-        if tr.device in wanted and tr.bytes > 0:
+    out = {}
+    for tr in reallocation_transfers(move.source, move.target, model.num_layers, layer_bytes, cm.gpus_per_node):
+        if tr.bytes > 0:
             link = cm.intra_node if tr.intra_node else cm.inter_node
-            worst = max(worst, link.latency_us * 1e-6 + tr.bytes / (link.bandwidth_gbps * 1e9 * link.efficiency_frac))
-    return worst
+            out[tr.device] = link.latency_us * 1e-6 + tr.bytes / (link.bandwidth_gbps * 1e9 * link.efficiency_frac)
+    return out
+
+
+def _stage_times(cm: CostModel, tasks: list[Task], models: dict, tokens: float, seq: float, tp: int,
+                 pp: int) -> dict[str, list[float]]:
+    """Forward time of each pipeline stage for each task (stages are equal but for the head on the last)."""
+    out = {}
+    for t in tasks:
+        model = models[t.model]
+        layers = model.num_layers / pp
+        body = cm.forward_s(model, tokens, seq, tp, layers, include_head=False) if pp > 1 else 0.0
+        out[t.name] = [body] * (pp - 1) + [cm.forward_s(model, tokens, seq, tp, layers, include_head=True)]
+    return out
 
 
 def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[str, object],
@@ -59,16 +70,17 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
     ready_s = [r.finish_s for r in order]
     lengths = np.array([r.prompt_len + r.response_len for r in order], dtype=float)
     spans: list[Span] = []
-    heap: list[tuple[float, int]] = []
-    pipeline_free = {}
+    heap: list[tuple[float, int]] = []  # (when stage 0 of replica k can take a micro-batch, k)
+    last_done: dict[int, float] = {}
+    loads = [_load_times(cm, moves.get(t.name), models[t.model]) for t in tasks]
     for k in range(s.dp):
         devices = alloc.replica_devices(k)
         start = max(device_free_s.get(d, 0.0) for d in devices)
-        load = sum(_load_s(cm, moves.get(t.name), models[t.model], devices) for t in tasks)
+        load = sum(max((times.get(d, 0.0) for d in devices), default=0.0) for times in loads)
         if load > 0:
             spans.append(Span(devices, "values", "realloc", start, start + load))
         heapq.heappush(heap, (start + load, k))
-        pipeline_free[k] = -1.0
+        last_done[k] = start + load
     end = {t.name: 0.0 for t in tasks}
     next_sample = 0
     while next_sample < len(order):
@@ -80,16 +92,21 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
         tokens = float(lengths[next_sample:take].sum())
         seq = tokens / (take - next_sample)
         next_sample = take
-        now = t0
-        for task in tasks:
-            model = models[task.model]
-            stage = [cm.forward_s(model, tokens, seq, s.tp, model.num_layers / s.pp, include_head=p == s.pp - 1)
-                     for p in range(s.pp)]
-            busy = max(stage) if pipeline_free[k] >= now else sum(stage)
-            for p in range(s.pp):
-                spans.append(Span(alloc.stage_devices(k, p), task.name, "forward", now, now + stage[p]))
-            now += busy
-            end[task.name] = max(end[task.name], now)
-        pipeline_free[k] = now
-        heapq.heappush(heap, (now, k))
+        # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
+        # stage time is the sum over the three models
+        per_task = _stage_times(cm, tasks, models, tokens, seq, s.tp, s.pp)
+        stage = [sum(per_task[t.name][p] for t in tasks) for p in range(s.pp)]
+        clock = t0
+        for p in range(s.pp):
+            offset = clock
+            for t in tasks:
+                dt = per_task[t.name][p]
+                spans.append(Span(alloc.stage_devices(k, p), t.name, "forward", offset, offset + dt))
+                offset += dt
+            clock += stage[p]
+        done = max(clock, last_done[k] + max(stage))  # behind the previous micro-batch in the pipeline
+        last_done[k] = done
+        for t in tasks:
+            end[t.name] = max(end[t.name], done)
+        heapq.heappush(heap, (t0 + max(stage), k))
     return StreamingResult(spans, end)

@@ -1,0 +1,124 @@
+"""RLHFuse inter-stage fusion planning (RLHFuse, NSDI'25, arXiv 2409.13221, section 4).
+
+Generation and inference are split into per-sample subtasks: a finished sample goes to ref,
+reward and critic inference at once. When fewer than R_t samples remain unfinished, they migrate
+to ``m`` generation instances and the freed devices run inference. This module decides:
+
+- ``BS_max``: the decode batch size beyond which step latency stops being flat (decoding is
+  memory-bound up to it: weights are streamed once per step whatever the batch). Found from the
+  cost model (or a profile table) as the largest batch whose step time is within ``flat_tol``
+  (10%) of the batch-1 step at the same per-sample context.
+- ``m = max(ceil(R_t / BS_max), ceil(R_t * KV(max-length sample) / KV capacity per instance))``:
+  enough tail instances to keep decode latency flat and to hold the tail's KV cache.
+- ``R_t``: chosen by simulating generation + streaming inference for R_t from 5% to 95% of the
+  batch (step 5%; and 0 = streaming without migration) with the workload's output-length
+  distribution, keeping the fastest; re-chosen whenever the plan is made for a different
+  workload. ``system.migration_frac`` pins it.
+- the one inference layout shared by ref, reward and critic: the candidate whose streaming
+  inference ends first behind a probe migration (R_t = 20%).
+
+Everything here scores candidates with the simulator's own models (:mod:`harness.estimate`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from harness.costmodel import CostModel
+from harness.costmodel.llama import kv_bytes_per_token
+from typing import Callable
+
+from harness.plan import GenerationPolicy, MigrationPolicy, ParallelStrategy, Task, WeightMovement
+from harness.system import PlanContext
+
+DEFAULT_FRACS = tuple(round(0.05 * k, 2) for k in range(1, 20))
+
+
+def max_flat_batch_size(cm: CostModel, model, tp: int, pp: int, context_len: int, flat_tol: float = 0.1,
+                        limit: int = 4096) -> int:
+    """BS_max: the largest batch whose decode step is within ``flat_tol`` of the batch-1 step."""
+    base = cm.decode_step_s(model, 1, context_len, tp, pp)
+    lo, hi = 1, limit
+    if cm.decode_step_s(model, hi, hi * context_len, tp, pp) <= base * (1 + flat_tol):
+        return hi
+    while hi - lo > 1:  # step time grows monotonically with the batch
+        mid = (lo + hi) // 2
+        if cm.decode_step_s(model, mid, mid * context_len, tp, pp) <= base * (1 + flat_tol):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def num_tail_instances(threshold_samples: int, bs_max: int, kv_bytes_max_sample: float,
+                       kv_capacity_bytes_per_instance: float, num_instances: int) -> int:
+    by_batch = math.ceil(threshold_samples / bs_max)
+    by_memory = math.ceil(threshold_samples * kv_bytes_max_sample / kv_capacity_bytes_per_instance)
+    return max(1, min(num_instances, max(by_batch, by_memory)))
+
+
+@dataclass
+class MigrationChoice:
+    policy: MigrationPolicy
+    bs_max: int
+    curve: dict[float, float]  # R_t fraction -> estimated generation+inference seconds
+
+
+def migration_policy(ctx: PlanContext, gen: Task, frac: float, kv_capacity_gb: float, transfer: str,
+                     bs_max: int) -> MigrationPolicy:
+    actor = ctx.model("actor")
+    s = gen.allocation.strategy
+    threshold = math.ceil(frac * ctx.workload.global_batch_size)
+    max_len = int(ctx.workload.prompt_len.max + ctx.workload.max_gen_len)
+    kv_instance_bytes = kv_capacity_gb * 1e9 * s.tp * s.pp  # capacity per device x devices of the instance
+    m = num_tail_instances(threshold, bs_max, kv_bytes_per_token(actor) * max_len, kv_instance_bytes, s.dp)
+    return MigrationPolicy(threshold_frac=frac, num_tail_instances=m, transfer=transfer)
+
+
+def _streaming_end_s(ctx: PlanContext, gen_result, inference: list[Task], moves: dict) -> float:
+    from harness.backends.sim.streaming import simulate_streaming_inference
+
+    free = {d: 0.0 for t in inference for d in t.allocation.mesh}
+    free.update(gen_result.device_free_s())
+    models = {t.model: ctx.model(t.model) for t in inference}
+    streamed = simulate_streaming_inference(ctx.cost_model, inference, models, gen_result.samples, free,
+                                            ctx.workload.micro_batch_size, moves)
+    return max(streamed.end_s.values())
+
+
+def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[ParallelStrategy],
+                       make_inference: Callable[[ParallelStrategy], tuple[list[Task], dict[str, WeightMovement]]],
+                       base_policy: GenerationPolicy, kv_capacity_gb: float, transfer: str,
+                       fracs: tuple[float, ...] = DEFAULT_FRACS, pinned_frac: float | None = None,
+                       probe_frac: float = 0.2) -> tuple[MigrationChoice, ParallelStrategy]:
+    """Choose the shared inference layout (scored with streaming behind a probe migration at
+    ``probe_frac``), then R_t for it over ``{0} U fracs`` (0 = stream without migrating)."""
+    from harness.backends.sim.generation import simulate_generation
+    from harness.estimate import representative_batch
+
+    s = gen.allocation.strategy
+    actor = ctx.model("actor")
+    typical_context = int(ctx.workload.prompt_len.median + ctx.workload.output_len.median)
+    bs_max = max_flat_batch_size(ctx.cost_model, actor, s.tp, s.pp, typical_context)
+    batch = representative_batch(ctx)
+
+    def generate(frac: float):
+        mig = migration_policy(ctx, gen, frac, kv_capacity_gb, transfer, bs_max) if frac > 0 else None
+        policy = GenerationPolicy(base_policy.batching, base_policy.max_batch_size, True, mig)
+        res = simulate_generation(ctx.cost_model, gen, policy, actor, batch.prompt_lens, batch.output_lens, 0.0,
+                                  kv_capacity_gb, ctx.workload.max_gen_len)
+        return mig, res
+
+    probe = generate(pinned_frac if pinned_frac is not None else probe_frac)[1]
+    scored = [(_streaming_end_s(ctx, probe, *make_inference(layout)), i) for i, layout in enumerate(inference_layouts)]
+    layout = inference_layouts[min(scored)[1]]
+    inference, moves = make_inference(layout)
+    curve: dict[float, float] = {}
+    best: tuple[float, MigrationPolicy] | None = None
+    for frac in (pinned_frac,) if pinned_frac is not None else (0.0,) + tuple(fracs):
+        mig, res = generate(frac)
+        t = _streaming_end_s(ctx, res, inference, moves)
+        curve[frac] = t
+        if best is None or t < best[0] - 1e-12:
+            best = (t, mig or MigrationPolicy(0.0, 0, transfer))
+    return MigrationChoice(best[1], bs_max, curve), layout

@@ -1,0 +1,255 @@
+"""RLHFuse (Zhong et al., NSDI'25, arXiv 2409.13221): ``+system=rlhfuse``.
+
+RLHFuse-Base (:mod:`systems.rlhfuse.base`) plus the paper's two stage fusions, each switchable so
+that an ablation is one override:
+
+- **Inter-stage fusion** (section 4, ``system.inter_stage``): generation streams each finished
+  sample to ref/reward/critic inference, and the long tail migrates to a few instances so the
+  others run inference (:mod:`systems.rlhfuse.inter` chooses R_t, ``m`` and BS_max). The three
+  inference tasks share one layout so a freed replica can run all of them on a sample.
+- **Intra-stage fusion** (section 5, ``system.intra_stage``): actor and critic training run as
+  one fused bidirectional pipeline schedule found by search (:mod:`systems.rlhfuse.intra`).
+  Candidate layouts: equal tp for both models (merging ``s`` stages of the smaller-tp model into
+  one rank of the larger tp is the same as laying that model out at the larger tp with ``pp/s``
+  stages, so equal tp covers it), actor ``pp_a`` and critic ``pp_c`` near the ones the base search
+  chose, ``N = lcm(pp_a, pp_c)`` ranks per group, ``G = devices / (N tp)`` groups; each candidate
+  is scored with the greedy fused schedule, the best one is then annealed.
+
+What is reimplemented: the planning algorithms and the policies as plan data; what is modelled:
+their execution, by the simulator (and later the real backend) from that data.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from harness.config import SystemConfig  # noqa: F401  (schema base, via RLHFuseBaseConfig)
+from harness.errors import PlanError
+from harness.plan import (Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task,
+                          TrainingStage, WeightMovement)
+from harness.schedule import PipeCosts, simulate
+from harness.system import PlanContext, System, register_system_config
+from harness.workflow import full_mesh, ppo_tasks, single_pipe_stage, weight_movement
+from systems.rlhfuse.base import LayoutSearch, RLHFuseBaseConfig, _divisors
+from systems.rlhfuse.inter import choose_inter_stage
+
+
+@dataclass
+class RLHFuseConfig(RLHFuseBaseConfig):
+    name: str = "rlhfuse"
+    impl: str = "systems.rlhfuse.system.RLHFuse"
+    inter_stage: bool = True  # section 4: sample streaming + long-tail migration
+    intra_stage: bool = True  # section 5: fused actor+critic pipeline schedule
+    migration_frac: Optional[float] = None  # R_t / batch; None = chosen by simulation over 5%..95%
+    migration_transfer: str = "kv"  # kv | tokens (re-prefill on arrival)
+    fuse_seed: int = 0
+    fuse_time_limit_s: float = 20.0  # annealing budget for the chosen layout
+    fuse_max_steps: Optional[int] = None  # deterministic budget (overrides the time limit when set)
+    fuse_workers: int = 1  # independent annealing seeds in parallel
+
+
+@dataclass
+class FusedCandidate:
+    actor: ParallelStrategy
+    critic: ParallelStrategy
+    pipes: dict
+    costs: dict
+    estimate_s: float
+
+
+def _pp_choices(base_pp: int, num_layers: int) -> list[int]:
+    return sorted({p for p in (base_pp // 2, base_pp, base_pp * 2) if 1 <= p <= num_layers})
+
+
+class RLHFuse(System):
+    cfg: RLHFuseConfig
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        if self.cfg.migration_transfer not in ("kv", "tokens"):
+            raise PlanError(f"system.migration_transfer={self.cfg.migration_transfer!r}; use kv or tokens")
+        if self.cfg.migration_frac is not None and not 0.0 <= self.cfg.migration_frac < 1.0:
+            raise PlanError(f"system.migration_frac={self.cfg.migration_frac} must be in [0, 1)")
+        layouts = LayoutSearch(ctx, self.cfg)
+        layouts.search_training()
+        layouts.search_inference()
+        policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
+        layouts.search_generation(policy)
+        notes: dict = {f"search/{k}": str(r.strategy) for k, r in layouts.chosen.items()}
+        allocs = {name: Allocation(full_mesh(ctx.num_devices), r.strategy) for name, r in layouts.chosen.items()}
+        training = self._training(ctx, layouts, allocs, notes)
+        if self.cfg.inter_stage:
+            policy, stream_moves = self._inter_stage(ctx, layouts, allocs, policy, notes)
+        tasks, moves = self._weight_movements(allocs)
+        if self.cfg.inter_stage:
+            moves += list(stream_moves.values())
+        tasks += ppo_tasks(allocs, {t.name.split("_", 2)[2]: t.name for t in tasks})
+        plan = Plan(
+            system=self.cfg.name, tasks=tasks, training=training, generation=policy, weight_movements=moves,
+            resident=[ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train"),
+                      ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")],
+            overlaps=[("gen", t) for t in ("ref", "reward", "values")] if self.cfg.inter_stage else [],
+            global_batch_size=ctx.workload.global_batch_size, mini_batch_size=ctx.workload.mini_batch_size,
+            notes=notes)
+        return plan
+
+    # ---- weight movements ---------------------------------------------------------------------
+    def _weight_movements(self, allocs: dict) -> tuple[list[Task], list[WeightMovement]]:
+        """Actor train -> gen always moves (a realloc task). Critic train -> inference moves as a task
+        when stages are sequential; with streaming, each inference replica fetches it on arrival."""
+        tasks, moves = [], []
+        gen_task, gen_move = weight_movement("actor", "gen", allocs["update_actor"], allocs["gen"])
+        tasks.append(gen_task)
+        moves.append(gen_move)
+        src, dst = allocs["update_critic"], allocs["values"]
+        if not self.cfg.inter_stage and (src.strategy != dst.strategy or src.mesh != dst.mesh):
+            task, move = weight_movement("critic", "values", src, dst)
+            tasks.append(task)
+            moves.append(move)
+        return tasks, moves
+
+    # ---- inter-stage fusion (section 4) -----------------------------------------------------
+    def _inter_stage(self, ctx, layouts: LayoutSearch, allocs, policy, notes) -> tuple[GenerationPolicy, dict]:
+        """Choose the shared inference layout and R_t together (:func:`choose_inter_stage`)."""
+        gen = Task("gen", "generate", "actor", allocs["gen"])
+        roles = (("ref", "ref"), ("reward", "reward"), ("values", "critic"))
+        pinned = next((t for t in ("ref", "reward", "values") if t in layouts.pinned), "ref")
+        candidates = []
+        for cand in layouts.candidates("actor", 0, pinned):
+            try:
+                layouts._inference_fits([r for _, r in roles], cand)
+            except PlanError:
+                continue
+            candidates.append(cand)
+        if not candidates:
+            raise PlanError("rlhfuse: no shared inference layout fits in memory (try system.inter_stage=false)")
+        mesh = full_mesh(ctx.num_devices)
+
+        def make_inference(strategy: ParallelStrategy):
+            alloc = Allocation(mesh, strategy)
+            tasks = [Task(n, "inference", m, alloc) for n, m in roles]
+            moves = {}
+            if allocs["update_critic"].strategy != strategy or allocs["update_critic"].mesh != mesh:
+                moves["values"] = WeightMovement("values", "critic", allocs["update_critic"], alloc)
+            return tasks, moves
+
+        kv_gb = layouts.kv_capacity_gb(allocs["gen"].strategy)
+        choice, layout = choose_inter_stage(ctx, gen, candidates, make_inference, policy, kv_gb,
+                                            self.cfg.migration_transfer, pinned_frac=self.cfg.migration_frac)
+        for name, _ in roles:
+            allocs[name] = Allocation(mesh, layout)
+        mig = choice.policy
+        notes.update({"inference/shared_layout": str(layout), "migration/threshold_frac": mig.threshold_frac,
+                      "migration/num_tail_instances": mig.num_tail_instances, "migration/bs_max": choice.bs_max,
+                      "migration/transfer": mig.transfer,
+                      "migration/curve_s": {f"{k:.2f}": round(v, 4) for k, v in choice.curve.items()}})
+        stream_moves = make_inference(layout)[1]
+        return GenerationPolicy("continuous", policy.max_batch_size, True,
+                                mig if mig.threshold_frac > 0 else None), stream_moves
+
+    # ---- intra-stage fusion (section 5) -----------------------------------------------------
+    def _training(self, ctx, layouts: LayoutSearch, allocs: dict, notes: dict) -> list[TrainingStage]:
+        w = ctx.workload
+        if not self.cfg.intra_stage:
+            return [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size,
+                                      w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
+        from systems.rlhfuse.intra import greedy_schedule, search_fused_schedule
+
+        best: FusedCandidate | None = None
+        tried = 0
+        for cand in self._fused_candidates(ctx, layouts):
+            tried += 1
+            sched = greedy_schedule(cand.pipes, cand.costs, self._mem_cap(ctx, layouts, cand))
+            cand.estimate_s = simulate(sched, cand.costs, record_times=False).makespan
+            if best is None or cand.estimate_s < best.estimate_s:
+                best = cand
+        if best is None:
+            raise PlanError("rlhfuse: no fused actor+critic layout fits (try system.intra_stage=false)")
+        result = search_fused_schedule(best.pipes, best.costs, mem_cap=self._mem_cap(ctx, layouts, best),
+                                       seed=self.cfg.fuse_seed, time_limit_s=self.cfg.fuse_time_limit_s,
+                                       max_steps=self.cfg.fuse_max_steps, num_workers=self.cfg.fuse_workers)
+        n, tp = ctx.num_devices, best.actor.tp
+        num_ranks = math.lcm(best.actor.pp, best.critic.pp)
+        allocs["update_actor"] = Allocation(full_mesh(n), best.actor)
+        allocs["update_critic"] = Allocation(self._reversed_mesh(n, tp, num_ranks, best.critic.pp), best.critic)
+        notes.update({"fused/actor": str(best.actor), "fused/critic": str(best.critic), "fused/candidates": tried,
+                      "fused/makespan_s": round(result.makespan, 6), "fused/lower_bound_s": round(result.lower_bound, 6),
+                      "fused/serial_makespan_s": round(result.serial_makespan, 6),
+                      "fused/greedy_makespan_s": round(result.greedy_makespan, 6),
+                      "fused/bubble_frac": round(result.bubble_frac, 4),
+                      "fused/serial_bubble_frac": round(self._serial_bubble(best), 4),
+                      "fused/search_s": round(result.search_s, 2)})
+        return [TrainingStage(("update_actor", "update_critic"), result.schedule,
+                              w.global_batch_size // w.mini_batch_size, w.micro_batch_size)]
+
+    @staticmethod
+    def _serial_bubble(cand: FusedCandidate) -> float:
+        from systems.rlhfuse.intra import serial_schedule
+
+        res = simulate(serial_schedule(cand.pipes), cand.costs, record_times=False)
+        return res.bubble_frac
+
+    @staticmethod
+    def _reversed_mesh(n: int, tp: int, num_ranks: int, pp: int) -> tuple[int, ...]:
+        """Critic mesh whose replica ``g*K2 + j``, stage s sits on logical rank N-1-(j*pp+s) of group g."""
+        groups, per_group = n // (num_ranks * tp), num_ranks // pp
+        mesh = []
+        for g in range(groups):
+            for j in range(per_group):
+                for s in range(pp):
+                    rank = g * num_ranks + num_ranks - 1 - (j * pp + s)
+                    mesh.extend(rank * tp + t for t in range(tp))
+        return tuple(mesh)
+
+    def _mem_cap(self, ctx, layouts: LayoutSearch, cand: FusedCandidate) -> float:
+        cm = ctx.cost_model
+        states = cm.training_state_gb(ctx.model("actor"), cand.actor.dp, cand.actor.tp, cand.actor.pp, cand.actor.zero_stage) + \
+            cm.training_state_gb(ctx.model("critic"), cand.critic.dp, cand.critic.tp, cand.critic.pp, cand.critic.zero_stage)
+        others = layouts.resident_gb.get("ref", 0.0) + layouts.resident_gb.get("reward", 0.0)
+        return layouts.capacity - states - others
+
+    def _fused_candidates(self, ctx, layouts: LayoutSearch):
+        from systems.rlhfuse.intra import fused_pipes
+
+        w, cm, n = ctx.workload, ctx.cost_model, ctx.num_devices
+        base_a, base_c = layouts.chosen["update_actor"].strategy, layouts.chosen["update_critic"].strategy
+        actor, critic = ctx.model("actor"), ctx.model("critic")
+        seq = float((layouts.batch.prompt_lens + layouts.batch.output_lens).mean())
+        tokens = w.micro_batch_size * seq
+        for tp in sorted({base_a.tp, base_c.tp}):
+            for pp_a in _pp_choices(base_a.pp, actor.num_layers):
+                for pp_c in _pp_choices(base_c.pp, critic.num_layers):
+                    num_ranks = math.lcm(pp_a, pp_c)
+                    if n % (num_ranks * tp) or tp not in _divisors(ctx.cluster.gpus_per_node):
+                        continue
+                    groups = n // (num_ranks * tp)
+                    dp_a, dp_c = groups * num_ranks // pp_a, groups * num_ranks // pp_c
+                    if w.mini_batch_size % (dp_a * w.micro_batch_size) or w.mini_batch_size % (dp_c * w.micro_batch_size):
+                        continue
+                    sa = ParallelStrategy(dp_a, tp, pp_a, self.cfg.zero_stage)
+                    sc = ParallelStrategy(dp_c, tp, pp_c, self.cfg.zero_stage)
+                    m_a = w.mini_batch_size // (dp_a * w.micro_batch_size)
+                    m_c = w.mini_batch_size // (dp_c * w.micro_batch_size)
+                    pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
+                    costs = {}
+                    for name, pipe in pipes.items():
+                        model, s = (actor, sa) if pipe.model == "actor" else (critic, sc)
+                        layers = model.num_layers / pipe.num_stages
+                        last = pipe.num_stages - 1
+                        fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last)
+                                    for st in range(pipe.num_stages))
+                        bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last)
+                                    for st in range(pipe.num_stages))
+                        # activation memory at the longest sequence, as the memory check counts it
+                        act = cm.activation_gb(model, w.micro_batch_size, layouts.seq_max, tp, layers,
+                                               w.activation_recompute)
+                        p2p = cm.p2p_s(tokens * model.hidden_size * 2 / tp, 0, tp) if pipe.num_stages > 1 else 0.0
+                        costs[name] = PipeCosts(fwd, bwd, (act,) * pipe.num_stages, p2p)
+                    cand = FusedCandidate(sa, sc, pipes, costs, math.inf)
+                    act_need = max(c.activation[0] for c in costs.values())
+                    if self._mem_cap(ctx, layouts, cand) < 2 * act_need:
+                        continue
+                    yield cand
+
+
+register_system_config("rlhfuse", RLHFuseConfig)
