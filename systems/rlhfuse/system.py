@@ -160,7 +160,12 @@ class RLHFuse(System):
         for cand in self._fused_candidates(ctx, layouts):
             tried += 1
             sched = greedy_schedule(cand.pipes, cand.costs, self._mem_cap(ctx, layouts, cand))
-            cand.estimate_s = simulate(sched, cand.costs, record_times=False).makespan
+            # per mini-batch: the fused pipeline, then both models' gradient sync and optimizer step
+            cand.estimate_s = simulate(sched, cand.costs, record_times=False).makespan + \
+                self._sync_s(ctx, cand.actor, "actor", full_mesh(ctx.num_devices)) + \
+                self._sync_s(ctx, cand.critic, "critic",
+                             self._reversed_mesh(ctx.num_devices, cand.critic.tp,
+                                                 math.lcm(cand.actor.pp, cand.critic.pp), cand.critic.pp))
             if best is None or cand.estimate_s < best.estimate_s:
                 best = cand
         if best is None:
@@ -181,6 +186,13 @@ class RLHFuse(System):
                       "fused/search_s": round(result.search_s, 2)})
         return [TrainingStage(("update_actor", "update_critic"), result.schedule,
                               w.global_batch_size // w.mini_batch_size, w.micro_batch_size)]
+
+    @staticmethod
+    def _sync_s(ctx, strategy: ParallelStrategy, role: str, mesh: tuple[int, ...]) -> float:
+        from harness.backends.sim.passes import grad_sync_s
+
+        task = Task(f"update_{role}", "train", role, Allocation(mesh, strategy))
+        return sum(grad_sync_s(ctx.cost_model, task, ctx.model(role)))
 
     @staticmethod
     def _serial_bubble(cand: FusedCandidate) -> float:

@@ -146,7 +146,7 @@ def pipe_stage_devices(plan: Plan, stage: TrainingStage) -> dict[tuple[str, int]
     return out
 
 
-def _grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
+def grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
     """(communication, optimizer) seconds after each mini-batch's pipeline."""
     s = task.allocation.strategy
     stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9
@@ -199,7 +199,7 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
         now += result.makespan
         for task in tasks:  # tasks of one stage share devices: their syncs and steps run in turn
             model = getattr(models, task.model)
-            comm, optim = _grad_sync_s(cm, task, model)
+            comm, optim = grad_sync_s(cm, task, model)
             mesh = task.allocation.mesh
             if comm > 0:
                 spans.append(Span(mesh, task.name, "allreduce", now, now + comm))

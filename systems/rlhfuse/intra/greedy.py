@@ -7,9 +7,15 @@ This module owns one event-driven pass over (pipes, costs) that emits a valid pe
 - time advances from event to event (an action ends, or a waiting action's input arrives after
   its ``p2p`` delay); whenever a rank is idle it picks among its *ready* actions (every
   dependency has ended and arrived by now);
-- priority: the larger model first (larger mean per-stage ``F + B`` per micro-batch; model 1 on
-  ties), then backward before forward (frees activation memory), then the lower micro-batch,
-  then the pipe name;
+- priority (``policy="larger"``, the paper's rule and the default): the larger model first
+  (larger mean per-stage ``F + B`` per micro-batch; model 1 on ties), then backward before
+  forward (frees activation memory), then the lower micro-batch, then the pipe name;
+- two more policies give the annealer other starting points (``search`` keeps the best):
+  ``"alternate"`` -- backward before forward, then the model that did *not* run the rank's
+  previous action (so the two models interleave like a bidirectional pipeline), then the larger
+  model; ``"alternate_model"`` -- the other model first, then backward before forward. On equal
+  models the fixed preference floods the ranks with model-1 forwards and starves model 2's
+  pipeline; alternating keeps both pipelines moving;
 - memory (when ``mem_cap`` is given): a forward may start only if the rank's in-flight
   activation memory stays within the cap *and* the state stays safe, in the banker's-algorithm
   sense: for some model ``x``, every rank keeps room for one more activation of ``x`` on top of
@@ -78,11 +84,40 @@ class _MemoryGuard:
         self.held_by[model][rank] += delta
 
 
+def chain_tails(model) -> list[float]:
+    """Per action: the longest chain of dependent work that must still follow it (its own
+    micro-batch's later forwards and backwards, with latencies): the "bottom level" of classic
+    critical-path list scheduling."""
+    n = model.num_actions
+    succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    for v in range(n):
+        for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])):
+            if d >= 0:
+                succs[d].append((v, lat))
+    tail = [-1.0] * n
+    for root in range(n):
+        stack = [root]
+        while stack:
+            v = stack[-1]
+            todo = [w for w, _ in succs[v] if tail[w] < 0]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            tail[v] = max((lat + model.dur[w] + tail[w] for w, lat in succs[v]), default=0.0)
+    return tail
+
+
+POLICIES = ("larger", "alternate", "alternate_model", "critical_path")
+
+
 def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
-                    mem_cap: float | None = None) -> Schedule:
+                    mem_cap: float | None = None, policy: str = "larger") -> Schedule:
     """Event-driven greedy list schedule (module docstring). Raises ScheduleError if the pass gets
     stuck, which the memory-safety rule rules out for fused layouts whose cap admits one
     activation of each model per rank."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown greedy policy {policy!r}; known: {', '.join(POLICIES)}")
     pipes = dict(pipes)
     schedule = Schedule(pipes, {})
     model = sim_model(schedule, costs)
@@ -100,7 +135,19 @@ def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
         need[m][home[v]] = max(need[m][home[v]], delta[v])
     guard = _MemoryGuard(mem_cap, len(ranks), models, need)
     act_model = [mindex[a.pipe] for a in acts]
-    key = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
+    static = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
+    last_model = [-1] * len(ranks)
+
+    tail = chain_tails(model)
+
+    def key(v: int, r: int) -> tuple:
+        k = static[v]
+        if policy == "larger":
+            return k
+        if policy == "critical_path":
+            return (-tail[v], *k)
+        other = act_model[v] == last_model[r]
+        return (k[1], other, *k) if policy == "alternate" else (other, k[1], *k)
 
     succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     missing = [0] * n
@@ -123,16 +170,20 @@ def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
         for r in range(len(ranks)):
             if not idle[r] or not available[r]:
                 continue
-            best = None
+            best, best_key = None, None
             for v in available[r]:
-                if ready_at[v] <= t + _EPS and (best is None or key[v] < key[best]):
+                if ready_at[v] <= t + _EPS:
+                    k = key(v, r)
+                    if best is not None and k >= best_key:
+                        continue
                     if delta[v] > 0 and not guard.allows(r, act_model[v], delta[v]):
                         continue
-                    best = v
+                    best, best_key = v, k
             if best is None:
                 continue
             available[r].remove(best)
             order[r].append(best)
+            last_model[r] = act_model[best]
             if delta[best] > 0:
                 guard.add(r, act_model[best], delta[best])
             idle[r] = False

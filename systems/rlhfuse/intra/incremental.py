@@ -226,3 +226,42 @@ class OrderState:
         seq[i], seq[i + 1] = a, b
         self.pos[a], self.pos[b] = i, i + 1
         self._pending = None
+
+    # ---- critical path ---------------------------------------------------------------------
+    def critical_swaps(self, rng) -> list[tuple[int, int]]:
+        """Trace one critical path back from the last-finishing action (ties broken with
+        ``rng``) and return the adjacent swaps at the two ends of each of its rank blocks (runs of
+        consecutive actions on one rank, each starting as the previous ends): as in job-shop
+        scheduling, reordering inside a block cannot shorten the path, so only swaps at block
+        boundaries can lower the makespan."""
+        start, end, seqs, rank_of, pos = self.start, self.end, self.seqs, self.rank_of, self.pos
+        dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
+        x, best = -1, -1.0
+        for s in seqs:
+            if s and end[s[-1]] > best:
+                x, best = s[-1], end[s[-1]]
+        swaps: list[tuple[int, int]] = []
+        block_end = None  # (rank, position of the block's last action)
+        while x >= 0:
+            st = start[x]
+            r, p = rank_of[x], pos[x]
+            options = []
+            if p > 0 and end[seqs[r][p - 1]] == st:
+                options.append(seqs[r][p - 1])
+            for d, lat in ((dep_a[x], lat_a[x]), (dep_b[x], lat_b[x])):
+                if d >= 0 and end[d] + lat == st:
+                    options.append(d)
+            if block_end is None:
+                block_end = (r, p)
+            nxt = options[rng.randrange(len(options))] if len(options) > 1 else (
+                options[0] if options else -1)
+            if nxt < 0 or rank_of[nxt] != r or pos[nxt] != p - 1:
+                # the block on rank r runs from position p to block_end[1]
+                first, last = p, block_end[1]
+                if last - first >= 1:
+                    swaps.append((r, first))
+                    if last - 1 != first:
+                        swaps.append((r, last - 1))
+                block_end = None
+            x = nxt
+        return swaps
