@@ -6,10 +6,18 @@ This module owns the search loop; the incremental timing it scores with lives in
 
 - **Neighbourhood** (as in the paper): swap two adjacent actions on one rank. A proposal that
   would deadlock or break the activation-memory cap is discarded and another one drawn, so every
-  step evaluates a valid schedule.
+  step evaluates a valid schedule. With probability ``q_critical`` the swap is drawn from the
+  ends of the blocks of a critical path (see ``OrderState.critical_swaps``: only those swaps can
+  shorten the path), otherwise uniformly over all adjacent pairs. Uniform swaps alone barely
+  move a schedule of thousands of actions: on 16+16 stages x 16+16 micro-batches they left the
+  makespan where the greedy start had it after 30 000 steps; mixing in critical swaps reaches the
+  lower bound in seconds.
 - **Phase 1** (makespan): energy = makespan; Metropolis acceptance ``exp(-dE / T)`` with geometric
   cooling from ``T0`` to ``T1`` (both relative to the mean action time) over the phase's step or
-  time budget, whichever runs out first. Stops early when the makespan reaches the lower bound.
+  time budget, whichever runs out first. The uniform number ``u`` of the acceptance test is drawn
+  *before* the move is timed, so the move is accepted iff its makespan is at most
+  ``current - T ln u`` (the same law as Metropolis), and re-timing stops as soon as it proves the
+  makespan will exceed that threshold. Stops early when the makespan reaches the lower bound.
 - **Phase 2** (memory): from the best phase-1 order, energy = the largest per-rank peak of
   in-flight activation memory (plus a tiny share of the sum of the per-rank peaks, so that moves
   lowering a non-maximal rank are not blind), accepting only moves whose makespan does not exceed
@@ -18,8 +26,9 @@ This module owns the search loop; the incremental timing it scores with lives in
   the rest, including whatever phase 1 left unused.
 - **Determinism**: all randomness comes from ``random.Random(seed)``; with ``max_steps`` and no
   time limit the result is a pure function of the inputs. :func:`anneal_seeds` runs several seeds
-  (in worker processes when ``num_workers > 1``) and keeps the best by (makespan, peak memory,
-  seed), which stays deterministic given (seeds, max_steps).
+  (in worker processes when ``num_workers > 1``), seed ``k`` from the ``k``-th of the given
+  starting orders (cycling), and keeps the best by (makespan, peak memory, seed), which stays
+  deterministic given (starts, seeds, max_steps).
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness.schedule import SimModel
-from systems.rlhfuse.intra.incremental import OrderState
+from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 
 _EPS = 1e-9
 MAX_DRAWS = 1000  # proposals tried per step before the step is counted as a rejected one
@@ -44,8 +53,9 @@ class AnnealParams:
     time_limit_s: float | None = 60.0
     max_steps: int | None = None
     phase1_frac: float = 0.8
-    t0_rel: float = 0.5    # start temperature / mean action time
-    t1_rel: float = 0.005  # final temperature / mean action time
+    t0_rel: float = 1.0    # start temperature / mean action time
+    t1_rel: float = 0.02   # final temperature / mean action time
+    q_critical: float = 0.8
     memory_phase: bool = True
 
 
@@ -59,6 +69,7 @@ class AnnealOutcome:
     steps_memory: int
     seed: int
     elapsed_s: float
+    start_index: int = 0
 
 
 class _Budget:
@@ -75,40 +86,57 @@ class _Budget:
             f = max(f, (time.perf_counter() - self.t_start) / self.seconds if self.seconds > 0 else 1.0)
         return f
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t_start
 
+class _Proposer:
+    """Draws valid adjacent swaps: critical-block ends with probability ``q``, else uniform."""
 
-def _propose(state: OrderState, rng: random.Random, ranks: list[int]):
-    """Draw adjacent swaps until one is valid; returns its (makespan, peak) or None."""
-    seqs = state.seqs
-    for _ in range(MAX_DRAWS):
-        r = ranks[rng.randrange(len(ranks))]
-        i = rng.randrange(len(seqs[r]) - 1)
-        out = state.try_swap(r, i)
-        if out is not None:
-            return out
-    return None
+    def __init__(self, state: OrderState, rng: random.Random, q: float):
+        self.state, self.rng, self.q = state, rng, q
+        self.ranks = [r for r, s in enumerate(state.seqs) if len(s) > 1]
+        self.critical: list[tuple[int, int]] | None = None
+
+    def changed(self) -> None:
+        self.critical = None
+
+    def propose(self, threshold: float):
+        state, rng, seqs = self.state, self.rng, self.state.seqs
+        for _ in range(MAX_DRAWS):
+            if rng.random() < self.q:
+                if self.critical is None:
+                    self.critical = state.critical_swaps(rng)
+                if not self.critical:
+                    continue
+                r, i = self.critical[rng.randrange(len(self.critical))]
+            else:
+                r = self.ranks[rng.randrange(len(self.ranks))]
+                i = rng.randrange(len(seqs[r]) - 1)
+            out = state.try_swap(r, i, threshold)
+            if out is not None:
+                return out
+        return None
 
 
 def _phase_makespan(state: OrderState, rng: random.Random, budget: _Budget, lower_bound: float,
-                    temps: tuple[float, float], ranks: list[int]) -> tuple[list[list[int]], float, int]:
+                    temps: tuple[float, float], q: float) -> tuple[list[list[int]], float, int]:
     t0, t1 = temps
+    proposer = _Proposer(state, rng, q)
     cur = state.makespan()
     best, best_seqs, step = cur, state.snapshot(), 0
-    target = lower_bound * (1 + 1e-12) + _EPS
+    target = lower_bound + _EPS * max(1.0, abs(lower_bound))
     while best > target:
         frac = budget.frac(step)
         if frac >= 1.0:
             break
         step += 1
-        out = _propose(state, rng, ranks)
+        temp = t0 * (t1 / t0) ** frac
+        threshold = cur - temp * math.log(1.0 - rng.random())  # accept iff makespan <= this
+        out = proposer.propose(threshold)
         if out is None:
             continue
         new = out[0]
-        delta = new - cur
-        if delta <= 0 or rng.random() < math.exp(-delta / (t0 * (t1 / t0) ** frac)):
+        if new <= threshold:
             state.commit()
+            proposer.changed()
             cur = new
             if new < best - _EPS:
                 best, best_seqs = new, state.snapshot()
@@ -124,8 +152,9 @@ def _mem_energy(state: OrderState, max_peak: float, r: int | None = None, rank_p
 
 
 def _phase_memory(state: OrderState, rng: random.Random, budget: _Budget, makespan_cap: float,
-                  temps: tuple[float, float], ranks: list[int], floor: float):
+                  temps: tuple[float, float], floor: float):
     t0, t1 = temps
+    proposer = _Proposer(state, rng, 0.0)
     cur = _mem_energy(state, state.max_peak())
     best_peak, best_seqs, step = state.max_peak(), state.snapshot(), 0
     limit = makespan_cap + _EPS
@@ -134,7 +163,7 @@ def _phase_memory(state: OrderState, rng: random.Random, budget: _Budget, makesp
         if frac >= 1.0:
             break
         step += 1
-        out = _propose(state, rng, ranks)
+        out = proposer.propose(limit)
         if out is None:
             continue
         new_makespan, new_peak = out
@@ -160,42 +189,47 @@ def anneal(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
     p = params or AnnealParams()
     t_begin = time.perf_counter()
     rng = random.Random(p.seed)
-    state = OrderState(model, seqs, mem_cap)
-    ranks = [r for r, s in enumerate(state.seqs) if len(s) > 1]
-    if not ranks:
+    tails = chain_tails(model)
+    state = OrderState(model, seqs, mem_cap, tails)
+    if not any(len(s) > 1 for s in state.seqs):
         return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0)
     mean_dur = sum(model.dur) / max(len(model.dur), 1) or 1.0
     temps = (p.t0_rel * mean_dur, p.t1_rel * mean_dur)
     frac1 = p.phase1_frac if p.memory_phase else 1.0
     steps1 = None if p.max_steps is None else int(round(p.max_steps * frac1))
     secs1 = None if p.time_limit_s is None else p.time_limit_s * frac1
-    best_seqs, best, steps_1 = _phase_makespan(state, rng, _Budget(steps1, secs1), lower_bound, temps, ranks)
+    best_seqs, best, steps_1 = _phase_makespan(state, rng, _Budget(steps1, secs1), lower_bound,
+                                               temps, p.q_critical)
     steps_2 = 0
     if p.memory_phase:
-        state = OrderState(model, best_seqs, mem_cap)
+        state = OrderState(model, best_seqs, mem_cap, tails)
         left_steps = None if p.max_steps is None else p.max_steps - steps_1
         left_s = None if p.time_limit_s is None else p.time_limit_s - (time.perf_counter() - t_begin)
         floor = max(max(model.mem_delta, default=0.0), 0.0)
         mem_temps = (p.t0_rel * max(floor, _EPS), p.t1_rel * max(floor, _EPS))
         best_seqs, _, steps_2 = _phase_memory(state, rng, _Budget(left_steps, left_s), best,
-                                              mem_temps, ranks, floor)
-    final = OrderState(model, best_seqs, mem_cap)
+                                              mem_temps, floor)
+    final = OrderState(model, best_seqs, mem_cap, tails)
     return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
                          steps_2, p.seed, time.perf_counter() - t_begin)
 
 
 def _worker(args) -> AnnealOutcome:
-    model, seqs, lower_bound, mem_cap, params = args
-    return anneal(model, seqs, lower_bound, mem_cap, params)
+    model, seqs, lower_bound, mem_cap, params, start_index = args
+    out = anneal(model, seqs, lower_bound, mem_cap, params)
+    out.start_index = start_index
+    return out
 
 
-def anneal_seeds(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
+def anneal_seeds(model: SimModel, starts: Sequence[Sequence[Sequence[int]]], lower_bound: float,
                  mem_cap: float | None, seeds: Sequence[int], params: AnnealParams,
                  num_workers: int = 1) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
-    """Anneal every seed (``num_workers`` processes when > 1); returns (best, all). Best = lowest
-    makespan, then lowest peak memory, then lowest seed."""
-    jobs = [(model, [list(s) for s in seqs], lower_bound, mem_cap,
-             AnnealParams(**{**params.__dict__, "seed": seed})) for seed in seeds]
+    """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (``num_workers``
+    processes when > 1); returns (best, all). Best = lowest makespan, then lowest peak memory,
+    then lowest seed."""
+    jobs = [(model, [list(s) for s in starts[k % len(starts)]], lower_bound, mem_cap,
+             AnnealParams(**{**params.__dict__, "seed": seed}), k % len(starts))
+            for k, seed in enumerate(seeds)]
     workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
     if workers == 1:
         outcomes = [_worker(job) for job in jobs]

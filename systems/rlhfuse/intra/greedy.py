@@ -10,12 +10,19 @@ This module owns one event-driven pass over (pipes, costs) that emits a valid pe
 - priority (``policy="larger"``, the paper's rule and the default): the larger model first
   (larger mean per-stage ``F + B`` per micro-batch; model 1 on ties), then backward before
   forward (frees activation memory), then the lower micro-batch, then the pipe name;
-- two more policies give the annealer other starting points (``search`` keeps the best):
+- more policies give the annealer other starting points (``search`` tries them all and
+  anneals from the best), each falling back on the paper's order to break ties:
   ``"alternate"`` -- backward before forward, then the model that did *not* run the rank's
-  previous action (so the two models interleave like a bidirectional pipeline), then the larger
-  model; ``"alternate_model"`` -- the other model first, then backward before forward. On equal
-  models the fixed preference floods the ranks with model-1 forwards and starves model 2's
-  pipeline; alternating keeps both pipelines moving;
+  previous action (the two models interleave like a bidirectional pipeline);
+  ``"alternate_model"`` -- the other model first, then backward before forward;
+  ``"critical_path"`` -- the longest chain of dependent work still to follow first (classic
+  critical-path list scheduling: early-stage forwards, last-stage backwards);
+  ``"fifo"`` -- the lowest micro-batch first, then the longest chain. On two equal models the
+  paper's fixed preference floods the ranks with model-1 forwards and starves model 2's pipeline
+  (16+16 stages, 16+16 micro-batches: 151 vs a lower bound of 117 in units of one forward);
+  the other orders keep both pipelines moving;
+- ``window`` (optional): at most ``ceil(window * (S - s))`` micro-batches in flight on stage ``s``
+  of an ``S``-stage pipe (``window=1`` is 1F1B's limit); this bounds memory without a cap;
 - memory (when ``mem_cap`` is given): a forward may start only if the rank's in-flight
   activation memory stays within the cap *and* the state stays safe, in the banker's-algorithm
   sense: for some model ``x``, every rank keeps room for one more activation of ``x`` on top of
@@ -33,8 +40,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
+from math import ceil, inf
 
 from harness.schedule import PipeCosts, PipeSpec, Schedule, ScheduleError, sim_model
+from systems.rlhfuse.intra.incremental import chain_tails
 from systems.rlhfuse.intra.pipes import model_index
 
 _EPS = 1e-9
@@ -84,70 +93,59 @@ class _MemoryGuard:
         self.held_by[model][rank] += delta
 
 
-def chain_tails(model) -> list[float]:
-    """Per action: the longest chain of dependent work that must still follow it (its own
-    micro-batch's later forwards and backwards, with latencies): the "bottom level" of classic
-    critical-path list scheduling."""
-    n = model.num_actions
-    succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    for v in range(n):
-        for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])):
-            if d >= 0:
-                succs[d].append((v, lat))
-    tail = [-1.0] * n
-    for root in range(n):
-        stack = [root]
-        while stack:
-            v = stack[-1]
-            todo = [w for w, _ in succs[v] if tail[w] < 0]
-            if todo:
-                stack.extend(todo)
-                continue
-            stack.pop()
-            tail[v] = max((lat + model.dur[w] + tail[w] for w, lat in succs[v]), default=0.0)
-    return tail
+POLICIES = ("larger", "alternate", "alternate_model", "critical_path", "fifo")
 
 
-POLICIES = ("larger", "alternate", "alternate_model", "critical_path")
+def _priority(policy: str, static: list[tuple], tail: list[float], act_model: list[int],
+              last_model: list[int]):
+    """The key function of a policy: ``key(action, rank)``, smaller runs first."""
+    if policy == "larger":
+        return lambda v, r: static[v]
+    if policy == "critical_path":
+        return lambda v, r: (-tail[v], *static[v])
+    if policy == "fifo":
+        return lambda v, r: (static[v][2], -tail[v], *static[v])
+    if policy == "alternate":
+        return lambda v, r: (static[v][1], act_model[v] == last_model[r], *static[v])
+    return lambda v, r: (act_model[v] == last_model[r], static[v][1], *static[v])
 
 
 def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
-                    mem_cap: float | None = None, policy: str = "larger") -> Schedule:
+                    mem_cap: float | None = None, policy: str = "larger",
+                    window: float | None = None) -> Schedule:
     """Event-driven greedy list schedule (module docstring). Raises ScheduleError if the pass gets
     stuck, which the memory-safety rule rules out for fused layouts whose cap admits one
     activation of each model per rank."""
     if policy not in POLICIES:
         raise ValueError(f"unknown greedy policy {policy!r}; known: {', '.join(POLICIES)}")
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be > 0, got {window}")
     pipes = dict(pipes)
     schedule = Schedule(pipes, {})
     model = sim_model(schedule, costs)
     ranks = schedule.ranks
     rank_pos = {r: i for i, r in enumerate(ranks)}
-    n = model.num_actions
+    n, R = model.num_actions, len(ranks)
     acts, dur, delta = model.actions, model.dur, model.mem_delta
     home = [rank_pos[r] for r in model.home]
-    prio = model_priority(pipes, costs)
     mindex = model_index(pipes)
-    models = sorted(set(mindex.values()))
-    need = [[0.0] * len(ranks) for _ in range(max(models) + 1)]
-    for v in range(n):
-        m = mindex[acts[v].pipe]
-        need[m][home[v]] = max(need[m][home[v]], delta[v])
-    guard = _MemoryGuard(mem_cap, len(ranks), models, need)
     act_model = [mindex[a.pipe] for a in acts]
+    models = sorted(set(act_model))
+    need = [[0.0] * R for _ in range(max(models) + 1)]
+    for v in range(n):
+        need[act_model[v]][home[v]] = max(need[act_model[v]][home[v]], delta[v])
+    guard = _MemoryGuard(mem_cap, R, models, need)
+    prio = model_priority(pipes, costs)
     static = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
-    last_model = [-1] * len(ranks)
-
-    tail = chain_tails(model)
-
-    def key(v: int, r: int) -> tuple:
-        k = static[v]
-        if policy == "larger":
-            return k
-        if policy == "critical_path":
-            return (-tail[v], *k)
-        other = act_model[v] == last_model[r]
-        return (k[1], other, *k) if policy == "alternate" else (other, k[1], *k)
+    last_model = [-1] * R
+    key = _priority(policy, static, chain_tails(model), act_model, last_model)
+    slot = {(a.pipe, a.stage): i for i, a in enumerate(acts) if a.kind == "F" and a.mb == 0}
+    stage_slot = [slot[(a.pipe, a.stage)] for a in acts]
+    limit = [n] * n
+    if window is not None:
+        for v, a in enumerate(acts):
+            limit[stage_slot[v]] = max(1, ceil(window * (pipes[a.pipe].num_stages - a.stage)))
+    in_flight = [0] * n  # indexed by stage slot
 
     succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     missing = [0] * n
@@ -157,59 +155,62 @@ def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
                 succs[d].append((v, lat))
                 missing[v] += 1
     ready_at = [0.0] * n
-    available: list[list[int]] = [[] for _ in ranks]  # deps done (maybe not yet arrived)
+    available: list[list[int]] = [[] for _ in ranks]  # deps done (input may still be in transit)
     for v in range(n):
         if missing[v] == 0:
             available[home[v]].append(v)
+
+    def pick(r: int, t: float) -> int | None:
+        best, best_key = None, None
+        for v in available[r]:
+            if ready_at[v] > t + _EPS:
+                continue
+            k = key(v, r)
+            if best is not None and k >= best_key:
+                continue
+            if acts[v].kind == "F" and (in_flight[stage_slot[v]] >= limit[stage_slot[v]] or
+                                        not guard.allows(r, act_model[v], delta[v])):
+                continue
+            best, best_key = v, k
+        return best
+
     order: list[list[int]] = [[] for _ in ranks]
-    busy_until = [0.0] * len(ranks)
-    idle = [True] * len(ranks)
+    idle = [True] * R
     running: list[tuple[float, int]] = []  # (end time, action)
     t, done = 0.0, 0
     while done < n:
-        for r in range(len(ranks)):
-            if not idle[r] or not available[r]:
+        for r in range(R):
+            v = pick(r, t) if idle[r] and available[r] else None
+            if v is None:
                 continue
-            best, best_key = None, None
-            for v in available[r]:
-                if ready_at[v] <= t + _EPS:
-                    k = key(v, r)
-                    if best is not None and k >= best_key:
-                        continue
-                    if delta[v] > 0 and not guard.allows(r, act_model[v], delta[v]):
-                        continue
-                    best, best_key = v, k
-            if best is None:
-                continue
-            available[r].remove(best)
-            order[r].append(best)
-            last_model[r] = act_model[best]
-            if delta[best] > 0:
-                guard.add(r, act_model[best], delta[best])
+            available[r].remove(v)
+            order[r].append(v)
+            last_model[r] = act_model[v]
+            if acts[v].kind == "F":
+                in_flight[stage_slot[v]] += 1
+                guard.add(r, act_model[v], delta[v])
             idle[r] = False
-            busy_until[r] = t + dur[best]
-            heapq.heappush(running, (busy_until[r], best))
+            heapq.heappush(running, (t + dur[v], v))
         # next event: an action ends, or an available action's input arrives on an idle rank
-        pending = [ready_at[v] for r in range(len(ranks)) if idle[r] for v in available[r]
-                   if ready_at[v] > t + _EPS]
-        nxt = min(pending, default=float("inf"))
+        nxt = min((ready_at[v] for r in range(R) if idle[r] for v in available[r]
+                   if ready_at[v] > t + _EPS), default=inf)
         if running and running[0][0] <= nxt:
             nxt = running[0][0]
-        if nxt == float("inf"):
-            stuck = {ranks[r]: len(order[r]) for r in range(len(ranks)) if available[r]}
+        if nxt == inf:
+            stuck = {ranks[r]: len(order[r]) for r in range(R) if available[r]}
             raise ScheduleError(f"greedy scheduler is stuck at t={t:g} (memory cap {mem_cap}); "
                                 f"ranks with waiting work at steps {stuck}")
         t = nxt
         while running and running[0][0] <= t + _EPS:
             end, v = heapq.heappop(running)
-            r = home[v]
-            idle[r] = True
+            idle[home[v]] = True
             done += 1
-            if delta[v] < 0:
-                guard.add(r, act_model[v], delta[v])
+            if acts[v].kind == "B":
+                in_flight[stage_slot[v]] -= 1
+                guard.add(home[v], act_model[v], delta[v])
             for w, lat in succs[v]:
                 ready_at[w] = max(ready_at[w], end + lat)
                 missing[w] -= 1
                 if missing[w] == 0:
                     available[home[w]].append(w)
-    return Schedule(pipes, {ranks[r]: [acts[v] for v in order[r]] for r in range(len(ranks))})
+    return Schedule(pipes, {ranks[r]: [acts[v] for v in order[r]] for r in range(R)})

@@ -33,39 +33,71 @@ from collections.abc import Sequence
 from harness.schedule import ScheduleError, SimModel
 
 _EPS = 1e-9
+ABORTED = float("inf")  # makespan reported for a trial swap cut short by its threshold
+
+
+def chain_tails(model: SimModel) -> list[float]:
+    """Per action: the longest chain of dependent work that must still follow it (the later
+    forwards and backwards of its micro-batch, with latencies): the "bottom level" of classic
+    critical-path list scheduling, and a lower bound on how long the schedule lasts after it."""
+    n = model.num_actions
+    succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    for v in range(n):
+        for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])):
+            if d >= 0:
+                succs[d].append((v, lat))
+    tail = [-1.0] * n
+    for root in range(n):
+        stack = [root]
+        while stack:
+            v = stack[-1]
+            todo = [w for w, _ in succs[v] if tail[w] < 0]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            tail[v] = max((lat + model.dur[w] + tail[w] for w, lat in succs[v]), default=0.0)
+    return tail
 
 
 class OrderState:
     """Per-rank orders (encoded ids) with cached timing and memory; supports trial swaps."""
 
-    def __init__(self, model: SimModel, seqs: Sequence[Sequence[int]], mem_cap: float | None = None):
+    def __init__(self, model: SimModel, seqs: Sequence[Sequence[int]], mem_cap: float | None = None,
+                 tails: list[float] | None = None):
         self.model = model
         self.mem_cap = mem_cap
         self.seqs = [list(s) for s in seqs]
         n = model.num_actions
         self.dur, self.delta = model.dur, model.mem_delta
         self.dep_a, self.dep_b, self.lat_a, self.lat_b = model.dep_a, model.dep_b, model.lat_a, model.lat_b
-        self.dsucc: list[tuple[int, ...]] = [()] * n
         succ: list[list[int]] = [[] for _ in range(n)]
         for v in range(n):
             for d in (self.dep_a[v], self.dep_b[v]):
                 if d >= 0:
                     succ[d].append(v)
         self.dsucc = [tuple(s) for s in succ]
+        self.tail = chain_tails(model) if tails is None else tails
         self.rank_of = [-1] * n
         self.pos = [-1] * n
         for r, seq in enumerate(self.seqs):
             for i, v in enumerate(seq):
                 self.rank_of[v], self.pos[v] = r, i
         self.retime()
-        self.prefix: list[list[float]] = []
+        self.prefix: list[list[float]] = []  # memory held after each position
+        self.after: list[list[float]] = []   # work left on the rank after each position
         self.peak: list[float] = []
         for seq in self.seqs:
             run, pm = 0.0, []
             for v in seq:
                 run += self.delta[v]
                 pm.append(run)
+            left, af = 0.0, [0.0] * len(seq)
+            for k in range(len(seq) - 1, -1, -1):
+                af[k] = left
+                left += self.dur[seq[k]]
             self.prefix.append(pm)
+            self.after.append(af)
             self.peak.append(max(pm, default=0.0))
         self._pending: tuple | None = None
 
@@ -109,10 +141,12 @@ class OrderState:
                     stack.append(w)
         return False
 
-    def try_swap(self, r: int, i: int) -> tuple[float, float] | None:
-        """Tentatively swap positions ``i, i+1`` of rank ``r``. Returns ``(makespan, max peak)``
-        of the new order, or None if it would deadlock or break the memory cap (nothing changed).
-        Follow with :meth:`commit` or :meth:`revert`."""
+    def try_swap(self, r: int, i: int, threshold: float = ABORTED) -> tuple[float, float] | None:
+        """Tentatively swap positions ``i, i+1`` of rank ``r``. Returns None (nothing changed) if
+        the swap would deadlock or break the memory cap; otherwise ``(makespan, max peak)`` of
+        the new order, where the makespan is :data:`ABORTED` as soon as re-timing proves it would
+        exceed ``threshold`` (an action's new end plus the work left after it on its rank, or
+        plus its chain tail). Follow with :meth:`commit` (not after an abort) or :meth:`revert`."""
         seq = self.seqs[r]
         a, b = seq[i], seq[i + 1]
         if self.dep_a[b] == a or self.dep_b[b] == a:
@@ -126,7 +160,24 @@ class OrderState:
         seq[i], seq[i + 1] = b, a
         pos = self.pos
         pos[a], pos[b] = i + 1, i
-        ns, ne = self._propagate(r, i, a, b)
+        af = self.after[r]
+        old_after = af[i]
+        af[i] = af[i + 1] + self.dur[a]
+        old_peak = self.peak[r]
+        if new_val >= old_peak:
+            rank_peak = new_val
+        elif pm[i] < old_peak:
+            rank_peak = old_peak
+        else:
+            rank_peak = max(max(pm[:i], default=new_val), new_val, max(pm[i + 1:], default=new_val))
+        max_peak = rank_peak
+        for q, pk in enumerate(self.peak):
+            if q != r and pk > max_peak:
+                max_peak = pk
+        ns, ne = self._propagate(r, i, a, b, threshold)
+        self._pending = (r, i, ns, ne, new_val, rank_peak, old_after)
+        if ns is None:
+            return ABORTED, max_peak
         end = self.end
         makespan = 0.0
         for s in self.seqs:
@@ -137,25 +188,13 @@ class OrderState:
                     e = end[x]
                 if e > makespan:
                     makespan = e
-        old_peak = self.peak[r]
-        if new_val >= old_peak:
-            rank_peak = new_val
-        elif pm[i] < old_peak:
-            rank_peak = old_peak
-        else:
-            rank_peak = max(max(pm[:i], default=new_val), new_val, max(pm[i + 1:], default=new_val))
-        peaks = self.peak
-        max_peak = rank_peak
-        for q, pk in enumerate(peaks):
-            if q != r and pk > max_peak:
-                max_peak = pk
-        self._pending = (r, i, ns, ne, new_val, rank_peak)
         return makespan, max_peak
 
-    def _propagate(self, r: int, i: int, a: int, b: int) -> tuple[dict[int, float], dict[int, float]]:
-        start, end, dur = self.start, self.end, self.dur
+    def _propagate(self, r: int, i: int, a: int, b: int, threshold: float):
+        """New start/end of every action the swap moves (dicts), or (None, None) on abort."""
+        start, end, dur, tail = self.start, self.end, self.dur, self.tail
         dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
-        dsucc, seqs, rank_of, pos = self.dsucc, self.seqs, self.rank_of, self.pos
+        dsucc, seqs, rank_of, pos, after = self.dsucc, self.seqs, self.rank_of, self.pos, self.after
         ns: dict[int, float] = {}
         ne: dict[int, float] = {}
         t0 = start[a]
@@ -171,7 +210,8 @@ class OrderState:
         while heap:
             _, _, v = pop(heap)
             queued.discard(v)
-            rq = seqs[rank_of[v]]
+            rv = rank_of[v]
+            rq = seqs[rv]
             p = pos[v]
             st = 0.0
             if p > 0:
@@ -195,8 +235,15 @@ class OrderState:
                 old = start[v]
             if st == old:
                 continue
+            e = st + dur[v]
+            if st > old:
+                rest = after[rv][p]
+                if tail[v] > rest:
+                    rest = tail[v]
+                if e + rest > threshold:
+                    return None, None
             ns[v] = st
-            ne[v] = st + dur[v]
+            ne[v] = e
             if p + 1 < len(rq):
                 w = rq[p + 1]
                 if w not in queued:
@@ -209,7 +256,7 @@ class OrderState:
         return ns, ne
 
     def commit(self) -> None:
-        r, i, ns, ne, new_val, rank_peak = self._pending
+        r, i, ns, ne, new_val, rank_peak, _ = self._pending
         start, end = self.start, self.end
         for v, s in ns.items():
             start[v] = s
@@ -220,48 +267,46 @@ class OrderState:
         self._pending = None
 
     def revert(self) -> None:
-        r, i = self._pending[0], self._pending[1]
+        r, i, old_after = self._pending[0], self._pending[1], self._pending[6]
         seq = self.seqs[r]
         a, b = seq[i + 1], seq[i]
         seq[i], seq[i + 1] = a, b
         self.pos[a], self.pos[b] = i, i + 1
+        self.after[r][i] = old_after
         self._pending = None
 
     # ---- critical path ---------------------------------------------------------------------
     def critical_swaps(self, rng) -> list[tuple[int, int]]:
-        """Trace one critical path back from the last-finishing action (ties broken with
-        ``rng``) and return the adjacent swaps at the two ends of each of its rank blocks (runs of
-        consecutive actions on one rank, each starting as the previous ends): as in job-shop
-        scheduling, reordering inside a block cannot shorten the path, so only swaps at block
-        boundaries can lower the makespan."""
+        """Trace one critical path back from a last-finishing action (ties broken with ``rng``)
+        and return the adjacent swaps at the two ends of each of its rank blocks (runs of
+        consecutive actions on one rank, each starting as the previous ends). As in job-shop
+        scheduling (the N5 neighbourhood of Nowicki and Smutnicki), reordering inside a block
+        keeps the path as long as it was, so only swaps at block ends can lower the makespan."""
         start, end, seqs, rank_of, pos = self.start, self.end, self.seqs, self.rank_of, self.pos
         dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
-        x, best = -1, -1.0
-        for s in seqs:
-            if s and end[s[-1]] > best:
-                x, best = s[-1], end[s[-1]]
+        best = max((end[s[-1]] for s in seqs if s), default=0.0)
+        lasts = [s[-1] for s in seqs if s and end[s[-1]] == best]
+        x = lasts[rng.randrange(len(lasts))] if lasts else -1
         swaps: list[tuple[int, int]] = []
-        block_end = None  # (rank, position of the block's last action)
+        block_last = -1  # position of the current block's last action
         while x >= 0:
             st = start[x]
             r, p = rank_of[x], pos[x]
+            if block_last < 0:
+                block_last = p
             options = []
             if p > 0 and end[seqs[r][p - 1]] == st:
                 options.append(seqs[r][p - 1])
             for d, lat in ((dep_a[x], lat_a[x]), (dep_b[x], lat_b[x])):
                 if d >= 0 and end[d] + lat == st:
                     options.append(d)
-            if block_end is None:
-                block_end = (r, p)
             nxt = options[rng.randrange(len(options))] if len(options) > 1 else (
                 options[0] if options else -1)
-            if nxt < 0 or rank_of[nxt] != r or pos[nxt] != p - 1:
-                # the block on rank r runs from position p to block_end[1]
-                first, last = p, block_end[1]
-                if last - first >= 1:
-                    swaps.append((r, first))
-                    if last - 1 != first:
-                        swaps.append((r, last - 1))
-                block_end = None
+            if nxt < 0 or rank_of[nxt] != r or pos[nxt] != p - 1:  # the block is p..block_last
+                if block_last > p:
+                    swaps.append((r, p))
+                    if block_last - 1 != p:
+                        swaps.append((r, block_last - 1))
+                block_last = -1
             x = nxt
         return swaps
