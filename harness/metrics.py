@@ -7,7 +7,9 @@ Per iteration (``iteration_metrics``):
 - ``timing_s/step``: iteration makespan (first span start is 0 by construction).
 - ``timing_s/<task>``: wall time from a task's first span start to its last span end, for ``gen``,
   ``ref``, ``reward``, ``values``, ``update_actor``, ``update_critic``, ``param_sync``; every
-  ``realloc*`` task adds into ``timing_s/realloc``; ``timing_s/train`` spans all train tasks.
+  ``realloc*`` task adds into ``timing_s/realloc``; ``timing_s/train`` spans all train tasks;
+  ``timing_s/gen_inference`` spans generation and the three inference tasks together (with
+  inter-stage fusion they overlap, so this is the number fusion shortens).
 - ``perf/samples_per_s``: samples in the batch / step time. ``perf/throughput``: tokens (prompt +
   response) / step time / number of devices (verl's tokens/s/GPU). ``perf/total_num_tokens``.
 - ``perf/mfu/actor``, ``perf/mfu/critic``: training FLOPs / (train-task wall time x its devices x
@@ -37,6 +39,7 @@ from harness.trace import COMPUTE_SPAN_KINDS, StepTrace
 
 STEP_TIME = "timing_s/step"
 TRAIN_TIME = "timing_s/train"
+GEN_INFERENCE_TIME = "timing_s/gen_inference"
 PLAN_TIME = "timing_s/plan"
 REALLOC_TIME = "timing_s/realloc"
 SAMPLES_PER_S = "perf/samples_per_s"
@@ -112,6 +115,9 @@ def _timing(trace: StepTrace) -> dict[str, float]:
             realloc += ends[task] - starts[task]
     if any(t.startswith("realloc") for t in starts):
         out[REALLOC_TIME] = realloc
+    gen_inf = [t for t in ("gen", "ref", "reward", "values") if t in starts]
+    if "gen" in starts:
+        out[GEN_INFERENCE_TIME] = max(ends[t] for t in gen_inf) - min(starts[t] for t in gen_inf)
     train = [t for t in TRAIN_TASKS if t in starts]
     if train:
         out[TRAIN_TIME] = max(ends[t] for t in train) - min(starts[t] for t in train)

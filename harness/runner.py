@@ -34,6 +34,7 @@ class RunOutcome:
     path: Path
     summary: dict[str, float]
     skipped: bool
+    info: dict[str, Any] | None = None
 
 
 def model_label(models) -> str:
@@ -97,9 +98,9 @@ def execute(cfg: DictConfig) -> RunOutcome:
 
     path = results.run_path(run.results_dir, run.experiment_name, system.name, label, run.seed)
     if results.is_finished(path) and not run.overwrite:
-        summary = json.loads((path / results.SUMMARY_FILE).read_text())["metrics"]
+        stored = json.loads((path / results.SUMMARY_FILE).read_text())
         print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
-        return RunOutcome(path, summary, skipped=True)
+        return RunOutcome(path, stored["metrics"], skipped=True, info=stored.get("info"))
 
     start = time.perf_counter()
     plan = system.plan(ctx)
@@ -142,13 +143,14 @@ def execute(cfg: DictConfig) -> RunOutcome:
                            trace_devices(ctx.num_devices, run.cluster.gpus_per_node))
         logger.log_summary(summary)
         logger.finish()
+        info = plan_info(plan, memory)
         results.write_json(folder.path(results.SUMMARY_FILE), {
-            "metrics": summary, "info": plan_info(plan, memory),
+            "metrics": summary, "info": info,
             "run": {"experiment": run.experiment_name, "system": system.name, "model": label, "seed": run.seed,
                     "backend": run.backend.name, "cluster": run.cluster.name,
                     "num_devices": ctx.num_devices, "wandb_mode": logger.mode}})
         final = folder.commit()
-    return RunOutcome(final, summary, skipped=False)
+    return RunOutcome(final, summary, skipped=False, info=info)
 
 
 def format_summary(outcome: RunOutcome) -> str:
@@ -161,7 +163,13 @@ def format_summary(outcome: RunOutcome) -> str:
         lines.append(f"  {key:<38}{s[key]:>12.3f}")
     for key in sorted(k for k in s if k.startswith("pipeline/bubble_frac/")):
         lines.append(f"  {key:<38}{s[key]:>12.3f}")
-    for key in (mk.BUSY_MEAN, mk.MAX_MEMORY_GB, mk.GEN_TAIL_S):
+    for key in (mk.BUSY_MEAN, mk.MAX_MEMORY_GB, mk.GEN_TAIL_S, mk.MIGRATED_SAMPLES, mk.TAIL_INSTANCES,
+                mk.MIGRATION_THRESHOLD_FRAC):
         if key in s:
             lines.append(f"  {key:<38}{s[key]:>12.3f}")
+    notes = {k: v for k, v in (outcome.info or {}).items()
+             if k.startswith("notes/") and not isinstance(v, dict) and not k.startswith("notes/search/")}
+    if notes:
+        lines.append("  plan notes:")
+        lines += [f"    {k.removeprefix('notes/'):<36}{v!s:>12}" for k, v in notes.items()]
     return "\n".join(lines)

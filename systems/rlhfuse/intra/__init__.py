@@ -11,7 +11,7 @@ against a lower bound and the serial 1F1B baseline.
 - :mod:`.anneal` -- the two-phase simulated annealing, one or several seeds;
 - :mod:`.search` -- :func:`search_fused_schedule`, everything above end to end.
 """
-from systems.rlhfuse.intra.anneal import AnnealOutcome, AnnealParams, anneal, anneal_seeds
+from systems.rlhfuse.intra.anneal import AnnealOutcome, AnnealParams, anneal_orders, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound, lower_bound_terms
 from systems.rlhfuse.intra.greedy import greedy_schedule, model_priority
 from systems.rlhfuse.intra.incremental import OrderState
@@ -23,6 +23,6 @@ __all__ = [
     "fused_pipes", "fused_costs", "serial_schedule", "pipe_names", "model_index", "model_labels",
     "greedy_schedule", "model_priority",
     "LowerBound", "lower_bound", "lower_bound_terms",
-    "OrderState", "AnnealParams", "AnnealOutcome", "anneal", "anneal_seeds",
+    "OrderState", "AnnealParams", "AnnealOutcome", "anneal_orders", "anneal_seeds",
     "FusedResult", "search_fused_schedule",
 ]

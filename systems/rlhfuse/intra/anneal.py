@@ -19,9 +19,12 @@ This module owns the search loop; the incremental timing it scores with lives in
   ``current - T ln u`` (the same law as Metropolis), and re-timing stops as soon as it proves the
   makespan will exceed that threshold. Stops early when the makespan reaches the lower bound.
 - **Phase 2** (memory): from the best phase-1 order, energy = the largest per-rank peak of
-  in-flight activation memory (plus a tiny share of the sum of the per-rank peaks, so that moves
+  in-flight activation memory (plus a tiny share of the mean per-rank peak, so that moves
   lowering a non-maximal rank are not blind), accepting only moves whose makespan does not exceed
-  phase 1's best. Stops early at the trivial memory bound (the largest single activation).
+  phase 1's best (re-timing aborts past it). With probability ``q_memory`` the swap is one that
+  can lower a peak: the action at a peak position of a rank at the largest peak with its
+  successor. Stops early at the trivial memory bound (the largest single activation) or after
+  ``memory_stall_steps`` steps without a lower peak.
 - **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``; phase 2 gets
   the rest, including whatever phase 1 left unused.
 - **Determinism**: all randomness comes from ``random.Random(seed)``; with ``max_steps`` and no
@@ -57,6 +60,8 @@ class AnnealParams:
     t1_rel: float = 0.02   # final temperature / mean action time
     q_critical: float = 0.8
     memory_phase: bool = True
+    q_memory: float = 0.5
+    memory_stall_steps: int | None = 20_000  # end phase 2 after this many steps without gain
 
 
 @dataclass
@@ -88,25 +93,35 @@ class _Budget:
 
 
 class _Proposer:
-    """Draws valid adjacent swaps: critical-block ends with probability ``q``, else uniform."""
+    """Draws valid adjacent swaps: with probability ``q`` a targeted one (``critical``: the ends
+    of a critical path's rank blocks; ``memory``: a swap that lowers a peak of the rank with the
+    largest peak, i.e. the action at a peak position with the next one), else a uniform one."""
 
-    def __init__(self, state: OrderState, rng: random.Random, q: float):
-        self.state, self.rng, self.q = state, rng, q
+    def __init__(self, state: OrderState, rng: random.Random, q: float, target: str = "critical"):
+        self.state, self.rng, self.q, self.target = state, rng, q, target
         self.ranks = [r for r, s in enumerate(state.seqs) if len(s) > 1]
-        self.critical: list[tuple[int, int]] | None = None
+        self.targeted: list[tuple[int, int]] | None = None
 
     def changed(self) -> None:
-        self.critical = None
+        self.targeted = None
+
+    def _targets(self) -> list[tuple[int, int]]:
+        state = self.state
+        if self.target == "critical":
+            return state.critical_swaps(self.rng)
+        top = state.max_peak()
+        return [(r, k) for r, pk in enumerate(state.peak) if pk >= top - _EPS
+                for k, held in enumerate(state.prefix[r][:-1]) if held >= top - _EPS]
 
     def propose(self, threshold: float):
         state, rng, seqs = self.state, self.rng, self.state.seqs
         for _ in range(MAX_DRAWS):
             if rng.random() < self.q:
-                if self.critical is None:
-                    self.critical = state.critical_swaps(rng)
-                if not self.critical:
+                if self.targeted is None:
+                    self.targeted = self._targets()
+                if not self.targeted:
                     continue
-                r, i = self.critical[rng.randrange(len(self.critical))]
+                r, i = self.targeted[rng.randrange(len(self.targeted))]
             else:
                 r = self.ranks[rng.randrange(len(self.ranks))]
                 i = rng.randrange(len(seqs[r]) - 1)
@@ -152,15 +167,15 @@ def _mem_energy(state: OrderState, max_peak: float, r: int | None = None, rank_p
 
 
 def _phase_memory(state: OrderState, rng: random.Random, budget: _Budget, makespan_cap: float,
-                  temps: tuple[float, float], floor: float):
+                  temps: tuple[float, float], floor: float, q: float, stall_steps: int | None):
     t0, t1 = temps
-    proposer = _Proposer(state, rng, 0.0)
+    proposer = _Proposer(state, rng, q, target="memory")
     cur = _mem_energy(state, state.max_peak())
-    best_peak, best_seqs, step = state.max_peak(), state.snapshot(), 0
+    best_peak, best_seqs, step, best_step = state.max_peak(), state.snapshot(), 0, 0
     limit = makespan_cap + _EPS
     while best_peak > floor + _EPS:
         frac = budget.frac(step)
-        if frac >= 1.0:
+        if frac >= 1.0 or (stall_steps is not None and step - best_step >= stall_steps):
             break
         step += 1
         out = proposer.propose(limit)
@@ -170,20 +185,21 @@ def _phase_memory(state: OrderState, rng: random.Random, budget: _Budget, makesp
         if new_makespan > limit:
             state.revert()
             continue
-        r, rank_peak = state._pending[0], state._pending[5]
+        r, rank_peak = state.pending_rank_peak()
         energy = _mem_energy(state, new_peak, r, rank_peak)
         delta = energy - cur
         if delta <= 0 or rng.random() < math.exp(-delta / (t0 * (t1 / t0) ** frac)):
             state.commit()
+            proposer.changed()
             cur = energy
             if new_peak < best_peak - _EPS:
-                best_peak, best_seqs = new_peak, state.snapshot()
+                best_peak, best_seqs, best_step = new_peak, state.snapshot(), step
         else:
             state.revert()
     return best_seqs, best_peak, step
 
 
-def anneal(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
+def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
            mem_cap: float | None = None, params: AnnealParams | None = None) -> AnnealOutcome:
     """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank)."""
     p = params or AnnealParams()
@@ -208,7 +224,7 @@ def anneal(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
         floor = max(max(model.mem_delta, default=0.0), 0.0)
         mem_temps = (p.t0_rel * max(floor, _EPS), p.t1_rel * max(floor, _EPS))
         best_seqs, _, steps_2 = _phase_memory(state, rng, _Budget(left_steps, left_s), best,
-                                              mem_temps, floor)
+                                              mem_temps, floor, p.q_memory, p.memory_stall_steps)
     final = OrderState(model, best_seqs, mem_cap, tails)
     return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
                          steps_2, p.seed, time.perf_counter() - t_begin)
@@ -216,7 +232,7 @@ def anneal(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
 
 def _worker(args) -> AnnealOutcome:
     model, seqs, lower_bound, mem_cap, params, start_index = args
-    out = anneal(model, seqs, lower_bound, mem_cap, params)
+    out = anneal_orders(model, seqs, lower_bound, mem_cap, params)
     out.start_index = start_index
     return out
 

@@ -88,6 +88,15 @@ class _MemoryGuard:
                 return True
         return False
 
+    @classmethod
+    def for_model(cls, cap: float | None, num_ranks: int, act_model: list[int], home: list[int],
+                  delta: list[float]) -> "_MemoryGuard":
+        models = sorted(set(act_model))
+        need = [[0.0] * num_ranks for _ in range(max(models) + 1)]
+        for v, m in enumerate(act_model):
+            need[m][home[v]] = max(need[m][home[v]], delta[v])
+        return cls(cap, num_ranks, models, need)
+
     def add(self, rank: int, model: int, delta: float) -> None:
         self.held[rank] += delta
         self.held_by[model][rank] += delta
@@ -110,6 +119,29 @@ def _priority(policy: str, static: list[tuple], tail: list[float], act_model: li
     return lambda v, r: (act_model[v] == last_model[r], static[v][1], *static[v])
 
 
+def _stage_limits(pipes: Mapping[str, PipeSpec], acts: list, window: float | None):
+    """Per action: an id of its (pipe, stage), and the in-flight limit of each such id."""
+    slot = {(a.pipe, a.stage): i for i, a in enumerate(acts) if a.kind == "F" and a.mb == 0}
+    stage_slot = [slot[(a.pipe, a.stage)] for a in acts]
+    limit = [len(acts)] * len(acts)
+    if window is not None:
+        for v, a in enumerate(acts):
+            limit[stage_slot[v]] = max(1, ceil(window * (pipes[a.pipe].num_stages - a.stage)))
+    return stage_slot, limit
+
+
+def _dependents(model) -> tuple[list[list[tuple[int, float]]], list[int]]:
+    """Per action: (dependent action, latency) pairs, and how many dependencies it has."""
+    succs: list[list[tuple[int, float]]] = [[] for _ in range(model.num_actions)]
+    missing = [0] * model.num_actions
+    for v in range(model.num_actions):
+        for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])):
+            if d >= 0:
+                succs[d].append((v, lat))
+                missing[v] += 1
+    return succs, missing
+
+
 def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
                     mem_cap: float | None = None, policy: str = "larger",
                     window: float | None = None) -> Schedule:
@@ -130,30 +162,14 @@ def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
     home = [rank_pos[r] for r in model.home]
     mindex = model_index(pipes)
     act_model = [mindex[a.pipe] for a in acts]
-    models = sorted(set(act_model))
-    need = [[0.0] * R for _ in range(max(models) + 1)]
-    for v in range(n):
-        need[act_model[v]][home[v]] = max(need[act_model[v]][home[v]], delta[v])
-    guard = _MemoryGuard(mem_cap, R, models, need)
+    guard = _MemoryGuard.for_model(mem_cap, R, act_model, home, delta)
     prio = model_priority(pipes, costs)
     static = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
     last_model = [-1] * R
     key = _priority(policy, static, chain_tails(model), act_model, last_model)
-    slot = {(a.pipe, a.stage): i for i, a in enumerate(acts) if a.kind == "F" and a.mb == 0}
-    stage_slot = [slot[(a.pipe, a.stage)] for a in acts]
-    limit = [n] * n
-    if window is not None:
-        for v, a in enumerate(acts):
-            limit[stage_slot[v]] = max(1, ceil(window * (pipes[a.pipe].num_stages - a.stage)))
+    stage_slot, limit = _stage_limits(pipes, acts, window)
     in_flight = [0] * n  # indexed by stage slot
-
-    succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    missing = [0] * n
-    for v in range(n):
-        for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])):
-            if d >= 0:
-                succs[d].append((v, lat))
-                missing[v] += 1
+    succs, missing = _dependents(model)
     ready_at = [0.0] * n
     available: list[list[int]] = [[] for _ in ranks]  # deps done (input may still be in transit)
     for v in range(n):

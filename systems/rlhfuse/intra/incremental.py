@@ -255,6 +255,10 @@ class OrderState:
                     push(heap, (start[w], w, w))
         return ns, ne
 
+    def pending_rank_peak(self) -> tuple[int, float]:
+        """(rank, its new peak) of the trial swap awaiting commit/revert."""
+        return self._pending[0], self._pending[5]
+
     def commit(self) -> None:
         r, i, ns, ne, new_val, rank_peak, _ = self._pending
         start, end = self.start, self.end

@@ -44,6 +44,8 @@ class FusedResult:
     best_seed: int = 0
     best_start: str = ""
     start_makespan: float = 0.0
+    steps_memory: int = 0       # of ``steps``, those spent in the memory phase
+    steps_per_s: float = 0.0    # annealing steps (trial swaps timed) per second, best seed
 
     @property
     def gap_to_lower_bound_frac(self) -> float:
@@ -61,7 +63,8 @@ class FusedResult:
             "greedy_peak_memory": self.greedy_peak_memory, "bubble_frac": self.bubble_frac,
             "search_s": self.search_s, "valid": self.valid, "steps": self.steps,
             "best_seed": self.best_seed, "best_start": self.best_start,
-            "start_makespan": self.start_makespan, "lower_bound_terms": dict(self.bound_terms),
+            "start_makespan": self.start_makespan, "steps_memory": self.steps_memory,
+            "steps_per_s": self.steps_per_s, "lower_bound_terms": dict(self.bound_terms),
         }
 
 
@@ -70,7 +73,7 @@ def _encode(schedule: Schedule, costs: Mapping[str, PipeCosts]) -> list[list[int
     return [model.encode(schedule.order.get(r, []), r) for r in schedule.ranks]
 
 
-START_WINDOWS = (None, 2.0)
+START_WINDOWS = (None, 1.5, 2.0, 3.0)
 
 
 def starting_points(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
@@ -135,4 +138,5 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         bubble_frac=result.bubble_frac, search_s=time.perf_counter() - t_begin, valid=valid,
         steps=best.steps, greedy_peak_memory=greedy_sim.max_peak_memory,
         bound_terms=bound.terms(), seeds=seeds, best_seed=best.seed, best_start=start_name,
-        start_makespan=start_sim.makespan)
+        start_makespan=start_sim.makespan, steps_memory=best.steps_memory,
+        steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0)

@@ -1,0 +1,120 @@
+"""Command line for RLHFuse intra-stage fusion (NSDI'25, arXiv 2409.13221, section 5): search a
+fused schedule of two models' training pipelines running in opposite directions, and compare it
+with the serial 1F1B baseline and the lower bound.
+
+    python -m systems.rlhfuse.fuse --stages 16 8 --microbatches 16 32 --fwd 2 1 --mem 2 1 \\
+        --time-limit 60 --workers 2 --json --out fused.csv
+
+Model 1 is the ``N1``-stage one. ``--fwd`` is the per-stage forward time of one micro-batch,
+``--bwd`` the backward time (default twice the forward), ``--mem`` the activation memory one
+in-flight micro-batch holds on a stage, ``--microbatches`` counts per pipeline. With ``--json`` it
+prints one JSON object; otherwise a short table and the rank x step grid. ``--out`` writes the
+schedule CSV (``harness.schedule.to_csv``). Bad input exits with status 2 and a message.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from math import lcm
+
+from harness.schedule import ascii_grid, simulate, to_csv
+from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m systems.rlhfuse.fuse",
+                                description="Search a fused two-model pipeline schedule "
+                                            "(RLHFuse section 5).")
+    p.add_argument("--stages", nargs=2, type=int, required=True, metavar=("N1", "N2"))
+    p.add_argument("--microbatches", nargs=2, type=int, required=True, metavar=("M1", "M2"),
+                   help="micro-batches per pipeline of each model")
+    p.add_argument("--fwd", nargs=2, type=float, required=True, metavar=("F1", "F2"),
+                   help="per-stage forward time of one micro-batch")
+    p.add_argument("--bwd", nargs=2, type=float, metavar=("B1", "B2"),
+                   help="per-stage backward time (default: 2 x forward)")
+    p.add_argument("--mem", nargs=2, type=float, required=True, metavar=("A1", "A2"),
+                   help="activation memory of one in-flight micro-batch on a stage")
+    p.add_argument("--mem-cap", type=float, help="cap on a rank's in-flight activation memory")
+    p.add_argument("--p2p", type=float, default=0.0, help="time to move activations between ranks")
+    p.add_argument("--models", nargs=2, default=("actor", "critic"), metavar=("NAME1", "NAME2"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                   help="search time per seed (default 60)")
+    p.add_argument("--max-steps", type=int, help="annealing steps per seed (deterministic budget)")
+    p.add_argument("--workers", type=int, default=1, help="seeds annealed in parallel processes")
+    p.add_argument("--seeds", type=int, help="number of seeds (default: --workers)")
+    p.add_argument("--out", help="write the schedule as CSV here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    positive = {"--stages": args.stages, "--microbatches": args.microbatches, "--fwd": args.fwd,
+                "--mem": args.mem}
+    if args.bwd is not None:
+        positive["--bwd"] = args.bwd
+    for flag, values in positive.items():
+        if any(v <= 0 for v in values):
+            p.error(f"{flag} values must be > 0, got {' '.join(f'{v:g}' for v in values)}")
+    for flag, value, ok in (("--mem-cap", args.mem_cap, args.mem_cap is None or args.mem_cap > 0),
+                            ("--p2p", args.p2p, args.p2p >= 0),
+                            ("--time-limit", args.time_limit, args.time_limit > 0),
+                            ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1),
+                            ("--workers", args.workers, args.workers >= 1),
+                            ("--seeds", args.seeds, args.seeds is None or args.seeds >= 1)):
+        if not ok:
+            p.error(f"{flag} must be positive (>= 0 for --p2p), got {value:g}")
+    if args.models[0] == args.models[1]:
+        p.error(f"--models needs two different names, got {args.models[0]!r} twice")
+
+
+def _table(summary: dict) -> str:
+    rows = [
+        ("makespan", f"{summary['makespan']:g}"),
+        ("lower bound", f"{summary['lower_bound']:g} (gap {100 * summary['gap_to_lower_bound_frac']:.2f}%)"),
+        ("serial 1F1B", f"{summary['serial_makespan']:g} "
+                        f"(speedup {summary['speedup_vs_serial']:.3f}x)"),
+        ("greedy", f"{summary['greedy_makespan']:g}"),
+        ("peak memory", f"{summary['peak_memory']:g} (serial {summary['serial_peak_memory']:g})"),
+        ("bubble", f"{100 * summary['bubble_frac']:.1f}%"),
+        ("search", f"{summary['search_s']:.1f} s, {summary['steps']} steps, start "
+                   f"{summary['best_start']}"),
+        ("valid", str(summary["valid"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    _check(p, args)
+    (n1, n2), (m1, m2) = args.stages, args.microbatches
+    try:
+        pipes = fused_pipes(n1, n2, m1, m2, *args.models)
+        bwd1, bwd2 = args.bwd if args.bwd is not None else (None, None)
+        costs = fused_costs(pipes, args.fwd[0], args.fwd[1], bwd1, bwd2, args.mem[0], args.mem[1],
+                            p2p=args.p2p)
+        result = search_fused_schedule(pipes, costs, mem_cap=args.mem_cap, seed=args.seed,
+                                       time_limit_s=args.time_limit, max_steps=args.max_steps,
+                                       num_workers=args.workers, num_seeds=args.seeds)
+    except ValueError as err:
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        to_csv(result.schedule, args.out)
+    summary = {"stages": [n1, n2], "microbatches": [m1, m2], "num_ranks": lcm(n1, n2),
+               "pipes": {name: list(pipe.stage_to_rank) for name, pipe in pipes.items()},
+               **result.summary()}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(_table(summary))
+        print()
+        print(ascii_grid(result.schedule, simulate(result.schedule, costs, record_times=False)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

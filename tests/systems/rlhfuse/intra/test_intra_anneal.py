@@ -1,0 +1,132 @@
+"""Incremental re-timing and the annealer (RLHFuse section 5): agreement with simulate,
+deadlock and memory guards, determinism."""
+import random
+
+import pytest
+
+from harness.schedule import Schedule, ScheduleError, sim_model, simulate
+from systems.rlhfuse.intra import (AnnealParams, OrderState, anneal_orders, anneal_seeds,
+                                   fused_costs, fused_pipes, greedy_schedule, lower_bound)
+from systems.rlhfuse.intra.incremental import ABORTED
+
+
+def _setup(n1, n2, m1, m2, p2p=0.0, policy="larger"):
+    pipes = fused_pipes(n1, n2, m1, m2)
+    costs = fused_costs(pipes, 1.0, 0.7, mem1=1.0, mem2=0.5, p2p=p2p)
+    start = greedy_schedule(pipes, costs, policy=policy)
+    model = sim_model(start, costs)
+    seqs = [model.encode(start.order[r], r) for r in start.ranks]
+    return pipes, costs, start, model, seqs
+
+
+def _decode(model, ranks, seqs, pipes):
+    return Schedule(pipes, {r: [model.actions[v] for v in s] for r, s in zip(ranks, seqs)})
+
+
+@pytest.mark.parametrize("n1,n2,m1,m2,p2p", [(4, 2, 3, 5, 0.0), (8, 4, 8, 16, 0.25), (4, 4, 2, 2, 0.1)])
+def test_incremental_state_matches_simulate_along_a_random_walk(n1, n2, m1, m2, p2p):
+    pipes, costs, start, model, seqs = _setup(n1, n2, m1, m2, p2p)
+    state = OrderState(model, seqs)
+    rng = random.Random(1)
+    for step in range(3000):
+        r = rng.randrange(len(state.seqs))
+        out = state.try_swap(r, rng.randrange(len(state.seqs[r]) - 1))
+        if out is None:
+            continue
+        if rng.random() < 0.7:
+            state.commit()
+        else:
+            state.revert()
+        if step % 500 == 0:
+            sched = _decode(model, start.ranks, state.seqs, pipes)
+            res = simulate(sched, costs)
+            fresh = OrderState(model, state.seqs)
+            assert state.makespan() == pytest.approx(res.makespan)
+            assert state.max_peak() == pytest.approx(res.max_peak_memory)
+            assert state.start == pytest.approx(fresh.start)
+            for mine, theirs in zip(state.after + state.prefix, fresh.after + fresh.prefix):
+                assert mine == pytest.approx(theirs)
+
+
+def test_trial_swap_reports_the_makespan_simulate_would():
+    pipes, costs, start, model, seqs = _setup(4, 2, 4, 4, 0.1)
+    state = OrderState(model, seqs)
+    rng = random.Random(3)
+    checked = 0
+    while checked < 200:
+        r = rng.randrange(len(state.seqs))
+        i = rng.randrange(len(state.seqs[r]) - 1)
+        out = state.try_swap(r, i)
+        if out is None:
+            continue
+        res = simulate(_decode(model, start.ranks, state.seqs, pipes), costs)
+        assert out == pytest.approx((res.makespan, res.max_peak_memory))
+        state.revert()
+        checked += 1
+
+
+def test_rejected_swaps_are_exactly_the_deadlocking_ones():
+    pipes, costs, start, model, seqs = _setup(4, 4, 3, 3)
+    state = OrderState(model, seqs)
+    for r, seq in enumerate(state.seqs):
+        for i in range(len(seq) - 1):
+            trial = [list(s) for s in state.seqs]
+            trial[r][i], trial[r][i + 1] = trial[r][i + 1], trial[r][i]
+            try:
+                simulate(_decode(model, start.ranks, trial, pipes), costs)
+                deadlocks = False
+            except ScheduleError:
+                deadlocks = True
+            out = state.try_swap(r, i)
+            assert (out is None) == deadlocks, (r, i)
+            if out is not None:
+                state.revert()
+
+
+def test_memory_cap_blocks_swaps_and_threshold_aborts():
+    pipes, costs, start, model, seqs = _setup(4, 2, 4, 4)
+    tight = OrderState(model, seqs, mem_cap=OrderState(model, seqs).max_peak())
+    loose = OrderState(model, seqs)
+    blocked = aborted = 0
+    for r, seq in enumerate(loose.seqs):
+        for i in range(len(seq) - 1):
+            a = loose.try_swap(r, i, threshold=loose.makespan())
+            b = tight.try_swap(r, i)
+            if a is not None:
+                if a[0] == ABORTED:
+                    aborted += 1
+                loose.revert()
+                if b is None:
+                    blocked += 1
+                    assert a[1] > tight.mem_cap
+            if b is not None:
+                assert b[1] <= tight.mem_cap
+                tight.revert()
+    assert blocked > 0 and aborted > 0
+    assert loose.seqs == seqs
+
+
+def test_anneal_is_deterministic_and_improves():
+    pipes, costs, start, model, seqs = _setup(8, 4, 8, 8)
+    lb = lower_bound(pipes, costs)
+    params = AnnealParams(seed=5, time_limit_s=None, max_steps=3000)
+    a = anneal_orders(model, seqs, lb, None, params)
+    b = anneal_orders(model, seqs, lb, None, params)
+    assert a.seqs == b.seqs and a.steps == b.steps
+    assert a.makespan <= simulate(start, costs).makespan
+    assert a.makespan >= lb
+    assert a.steps <= 3000
+
+
+def test_parallel_seeds_equal_serial_seeds():
+    pipes, costs, start, model, seqs = _setup(4, 2, 4, 6)
+    other = greedy_schedule(pipes, costs, policy="alternate")
+    starts = [seqs, [model.encode(other.order[r], r) for r in other.ranks]]
+    params = AnnealParams(time_limit_s=None, max_steps=1500)
+    lb = lower_bound(pipes, costs)
+    one, all_one = anneal_seeds(model, starts, lb, None, [3, 4, 5], params, num_workers=1)
+    two, all_two = anneal_seeds(model, starts, lb, None, [3, 4, 5], params, num_workers=2)
+    assert [o.seqs for o in all_one] == [o.seqs for o in all_two]
+    assert (one.seed, one.seqs) == (two.seed, two.seqs)
+    assert [o.start_index for o in all_one] == [0, 1, 0]
+    assert one == min(all_one, key=lambda o: (o.makespan, o.peak_memory, o.seed))

@@ -1,0 +1,56 @@
+"""``python -m systems.rlhfuse.fuse``: JSON output, CSV output, errors (exit 2)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.schedule import from_csv, validate
+from systems.rlhfuse.intra import fused_pipes
+
+
+def _run(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "systems.rlhfuse.fuse", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_json_smoke_and_csv(tmp_path):
+    out = tmp_path / "fused.csv"
+    proc = _run("--stages", 4, 2, "--microbatches", 4, 8, "--fwd", 2, 1, "--mem", 2, 1,
+                "--max-steps", 2000, "--json", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    for key in ("makespan", "lower_bound", "serial_makespan", "greedy_makespan", "peak_memory",
+                "serial_peak_memory", "bubble_frac", "search_s", "valid", "gap_to_lower_bound_frac",
+                "steps"):
+        assert key in data
+    assert data["valid"] is True
+    assert data["lower_bound"] <= data["makespan"] <= data["serial_makespan"]
+    assert data["gap_to_lower_bound_frac"] == pytest.approx(data["makespan"] / data["lower_bound"] - 1)
+    assert data["num_ranks"] == 4 and list(data["pipes"]) == ["A", "Ca", "Cb"]
+    sched = from_csv(str(out), fused_pipes(4, 2, 4, 8))
+    validate(sched)
+
+
+def test_table_and_grid_without_json():
+    proc = _run("--stages", 2, 2, "--microbatches", 2, 2, "--fwd", 1, 1, "--bwd", 2, 2,
+                "--mem", 1, 1, "--mem-cap", 3, "--max-steps", 500, "--seed", 3)
+    assert proc.returncode == 0, proc.stderr
+    assert "makespan" in proc.stdout and "lower bound" in proc.stdout
+    assert "r0 |" in proc.stdout and "A0F0" in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stages", 0, 2, "--microbatches", 1, 1, "--fwd", 1, 1, "--mem", 1, 1], "--stages"),
+    (["--stages", 2, 2, "--microbatches", 1, -1, "--fwd", 1, 1, "--mem", 1, 1], "--microbatches"),
+    (["--stages", 2, 2, "--microbatches", 1, 1, "--fwd", 0, 1, "--mem", 1, 1], "--fwd"),
+    (["--stages", 2, 2, "--microbatches", 1, 1, "--fwd", 1, 1, "--mem", 1, 0], "--mem"),
+    (["--stages", 2, 2, "--microbatches", 1, 1, "--fwd", 1, 1, "--bwd", 1, -2, "--mem", 1, 1], "--bwd"),
+    (["--stages", 2, 2, "--microbatches", 2, 2, "--fwd", 1, 1, "--mem", 1, 1, "--mem-cap", 1],
+     "below the peak"),
+    (["--stages", 2, 2, "--microbatches", 1, 1, "--fwd", 1, 1], "--mem"),
+])
+def test_bad_input_exits_2(args, message):
+    proc = _run(*args, "--max-steps", 10)
+    assert proc.returncode == 2
+    assert message in proc.stderr
