@@ -13,7 +13,9 @@ that an ablation is one override:
   one rank of the larger tp is the same as laying that model out at the larger tp with ``pp/s``
   stages, so equal tp covers it), actor ``pp_a`` and critic ``pp_c`` near the ones the base search
   chose, ``N = lcm(pp_a, pp_c)`` ranks per group, ``G = devices / (N tp)`` groups; each candidate
-  is scored with the greedy fused schedule, the best one is then annealed.
+  is scored by its best starting schedule (the greedy policies of :mod:`.intra.search`) plus
+  gradient sync and optimizer step; the best one is then annealed under the memory left next to
+  the resident states.
 
 What is reimplemented: the planning algorithms and the policies as plan data; what is modelled:
 their execution, by the simulator (and later the real backend) from that data.
@@ -153,15 +155,20 @@ class RLHFuse(System):
         if not self.cfg.intra_stage:
             return [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size,
                                       w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
-        from systems.rlhfuse.intra import greedy_schedule, search_fused_schedule
+        from systems.rlhfuse.intra import search_fused_schedule, serial_schedule
+        from systems.rlhfuse.intra.search import starting_points
 
         best: FusedCandidate | None = None
         tried = 0
         for cand in self._fused_candidates(ctx, layouts):
             tried += 1
-            sched = greedy_schedule(cand.pipes, cand.costs, self._mem_cap(ctx, layouts, cand))
+            serial = serial_schedule(cand.pipes)
+            cap = self._mem_cap(ctx, layouts, cand)
+            if simulate(serial, cand.costs, record_times=False).max_peak_memory > cap:
+                continue  # not even serial 1F1B fits next to the resident states
+            starts = starting_points(cand.pipes, cand.costs, cap, serial)
             # per mini-batch: the fused pipeline, then both models' gradient sync and optimizer step
-            cand.estimate_s = simulate(sched, cand.costs, record_times=False).makespan + \
+            cand.estimate_s = starts[0][2].makespan + \
                 self._sync_s(ctx, cand.actor, "actor", full_mesh(ctx.num_devices)) + \
                 self._sync_s(ctx, cand.critic, "critic",
                              self._reversed_mesh(ctx.num_devices, cand.critic.tp,
