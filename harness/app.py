@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> float | None:
     job = {"system": cfg.system.name if "system" in cfg else None, "seed": cfg.seed,
            "overrides": list(HydraConfig.get().overrides.task)}
     try:
-        outcome = execute(cfg)
+        outcome = execute(cfg, list(HydraConfig.get().overrides.task))
     except HarnessError as e:
         if not multirun:
             print(f"error: {e}", file=sys.stderr)

@@ -1,11 +1,16 @@
 """The results tree (DESIGN section 8) and its one loader.
 
-``results/<experiment>/<system>/<model>/seed<k>/`` holds the resolved config (``config.yaml``),
+``results/<experiment>/<system>[,<variant>]/<model>/seed<k>/`` holds the resolved config (``config.yaml``),
 ``plan.json``, ``schedules/*.csv``, ``trace.json`` (Chrome trace), ``metrics.jsonl`` (one line per
 iteration) and ``summary.json``. A run is written into a hidden sibling folder and renamed into
 place only when complete, so a crash or a refused plan never leaves a half-written run; a folder
 with ``summary.json`` is a finished run and is skipped when a sweep is resumed. Failed sweep jobs
 append one JSON line to ``results/<experiment>/failures.jsonl``.
+
+The *variant* names every command-line override that changes what runs, other than the system,
+model and seed (e.g. ``system.migration_frac=0.1,workload.max_gen_len=2048``), so a sweep over a
+system or workload parameter gets one folder per point; bookkeeping keys (logger, results
+location, experiment name, overwrite, number of measured iterations) are not part of it.
 
 Figure code reads results only through :func:`load_results`.
 """
@@ -26,8 +31,31 @@ CONFIG_FILE = "config.yaml"
 FAILURES_FILE = "failures.jsonl"
 
 
-def run_path(root: str | Path, experiment: str, system: str, model: str, seed: int) -> Path:
-    return Path(root) / experiment / system / model / f"seed{seed}"
+# Overrides that do not change what runs (or are already in the path) stay out of the variant.
+NON_VARIANT_KEYS = ("system", "model", "seed", "experiment_name", "results_dir", "overwrite",
+                    "backend.num_iterations", "backend.num_warmup_iterations")
+NON_VARIANT_GROUPS = ("logger", "llama", "hydra")  # and everything under them
+VARIANT_SEPARATOR = ","
+
+
+def variant_label(overrides: list[str]) -> str:
+    """Canonical ``key=value`` list (sorted, comma-joined) of the overrides that define a variant."""
+    from urllib.parse import quote
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parts = []
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        key = o.key_or_group
+        if key in NON_VARIANT_KEYS or key.split(".")[0].split("@")[0] in NON_VARIANT_GROUPS:
+            continue
+        parts.append(f"{key}={quote(o.value_string if hasattr(o, 'value_string') else str(o.value()), safe='=.-_+:')}")
+    return VARIANT_SEPARATOR.join(sorted(parts))
+
+
+def run_path(root: str | Path, experiment: str, system: str, model: str, seed: int, variant: str = "") -> Path:
+    folder = f"{system}{VARIANT_SEPARATOR}{variant}" if variant else system
+    return Path(root) / experiment / folder / model / f"seed{seed}"
 
 
 def is_finished(path: Path) -> bool:
@@ -94,8 +122,27 @@ def record_failure(root: str | Path, experiment: str, run: dict[str, Any], error
     return path
 
 
+def _variant_columns(variant: str) -> dict[str, Any]:
+    """``system.migration_frac=0.1`` -> column ``system.migration_frac`` = 0.1 (numbers parsed)."""
+    from urllib.parse import unquote
+
+    out: dict[str, Any] = {}
+    for part in filter(None, variant.split(VARIANT_SEPARATOR)):
+        key, _, value = part.partition("=")
+        text = unquote(value)
+        try:
+            out[key] = int(text)
+        except ValueError:
+            try:
+                out[key] = float(text)
+            except ValueError:
+                out[key] = text
+    return out
+
+
 def load_results(root: str | Path = "results", experiment: str | None = None):
-    """One row per finished run: experiment, system, model, seed, path, then every summary key."""
+    """One row per finished run: experiment, system, variant, model, seed, path, one column per
+    variant override, then every summary metric and ``info/`` fact."""
     import pandas as pd
 
     root = Path(root)
@@ -105,9 +152,10 @@ def load_results(root: str | Path = "results", experiment: str | None = None):
         run = summary_path.parent
         with open(summary_path) as f:
             summary = json.load(f)
+        system, _, variant = run.parents[1].name.partition(VARIANT_SEPARATOR)
         rows.append({
-            "experiment": run.parents[2].name, "system": run.parents[1].name, "model": run.parent.name,
-            "seed": int(run.name.removeprefix("seed")), "path": str(run), **summary.get("metrics", {}),
-            **{f"info/{k}": v for k, v in summary.get("info", {}).items()},
+            "experiment": run.parents[2].name, "system": system, "variant": variant, "model": run.parent.name,
+            "seed": int(run.name.removeprefix("seed")), "path": str(run), **_variant_columns(variant),
+            **summary.get("metrics", {}), **{f"info/{k}": v for k, v in summary.get("info", {}).items()},
         })
     return pd.DataFrame(rows)

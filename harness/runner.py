@@ -86,7 +86,8 @@ def _write_static_files(folder: results.RunFolder, cfg: DictConfig, plan: Plan) 
         to_csv(stage.schedule, folder.path(f"schedules/{'+'.join(stage.tasks)}.csv"))
 
 
-def execute(cfg: DictConfig) -> RunOutcome:
+def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
+    """Run one benchmark; ``overrides`` (the command line's) define the results variant."""
     if OmegaConf.is_missing(cfg, "system"):
         from harness.app import discover_systems
         raise ConfigError("no system chosen: add +system=<name> to the command line "
@@ -96,7 +97,8 @@ def execute(cfg: DictConfig) -> RunOutcome:
     system: System = get_class(run.system.impl)(run.system)
     label = model_label(run.model)
 
-    path = results.run_path(run.results_dir, run.experiment_name, system.name, label, run.seed)
+    variant = results.variant_label(overrides or [])
+    path = results.run_path(run.results_dir, run.experiment_name, system.name, label, run.seed, variant)
     if results.is_finished(path) and not run.overwrite:
         stored = json.loads((path / results.SUMMARY_FILE).read_text())
         print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
@@ -113,7 +115,8 @@ def execute(cfg: DictConfig) -> RunOutcome:
     peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
     with results.RunFolder(path) as folder:
         _write_static_files(folder, cfg, plan)
-        logger = WandbLogger(run.logger, folder.staging, run.experiment_name, f"{system.name}-{label}-seed{run.seed}",
+        run_name = f"{system.name}-{label}-seed{run.seed}" + (f"-{variant}" if variant else "")
+        logger = WandbLogger(run.logger, folder.staging, run.experiment_name, run_name,
                              OmegaConf.to_container(cfg, resolve=True))
         rows, traces = [], []
         try:
@@ -146,7 +149,8 @@ def execute(cfg: DictConfig) -> RunOutcome:
         info = plan_info(plan, memory)
         results.write_json(folder.path(results.SUMMARY_FILE), {
             "metrics": summary, "info": info,
-            "run": {"experiment": run.experiment_name, "system": system.name, "model": label, "seed": run.seed,
+            "run": {"experiment": run.experiment_name, "system": system.name, "variant": variant, "model": label,
+                    "seed": run.seed,
                     "backend": run.backend.name, "cluster": run.cluster.name,
                     "num_devices": ctx.num_devices, "wandb_mode": logger.mode}})
         final = folder.commit()

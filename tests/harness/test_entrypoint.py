@@ -19,6 +19,7 @@ from harness.plan import Plan
 from harness.schedule import from_csv
 
 FAST = ("logger=none", "cluster.num_nodes=1", "backend.num_iterations=2", "logger.progress_bar=false")
+VARIANT = "cluster.num_nodes=1"  # the results variant FAST implies (iterations and logger are not part of it)
 RUN_FILES = ("summary.json", "metrics.jsonl", "plan.json", "config.yaml", "trace.json")
 
 
@@ -48,7 +49,7 @@ def single_run(tmp_path_factory, run_harness):
     results_dir = tmp / "results"
     proc = run_harness(harness_args("+system=rlhfuse_base", "model=7b", results_dir=results_dir), cwd=tmp / "cwd")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc, results_dir, results_dir / "default" / "rlhfuse_base" / "7b" / "seed0", tmp / "cwd"
+    return proc, results_dir, results_dir / "default" / f"rlhfuse_base,{VARIANT}" / "7b" / "seed0", tmp / "cwd"
 
 
 def test_single_run_prints_summary_table(single_run):
@@ -165,7 +166,7 @@ SWEEP = ("-m", "+system=deepspeed_chat,rlhfuse_base", "model=7b")
 def test_sweep_runs_every_job_and_resume_skips_them(tmp_path, run_harness):
     results_dir = tmp_path / "results"
     args = harness_args(*SWEEP, results_dir=results_dir)
-    runs = [results_dir / "default" / system / "7b" / "seed0" for system in ("deepspeed_chat", "rlhfuse_base")]
+    runs = [results_dir / "default" / f"{system},{VARIANT}" / "7b" / "seed0" for system in ("deepspeed_chat", "rlhfuse_base")]
 
     first = run_harness(args, cwd=tmp_path / "cwd")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -204,8 +205,8 @@ def test_sweep_records_a_failing_job_and_finishes_the_others(tmp_path, run_harne
     assert "mini_batch_size=256" in failure["error"] and "128" in failure["error"]
     assert "workload.global_batch_size=128" in failure["overrides"]
 
-    assert not (results_dir / "default" / "deepspeed_chat").exists()
-    ok = results_dir / "default" / "rlhfuse_base" / "7b" / "seed0"
+    assert not list((results_dir / "default").glob("deepspeed_chat*"))
+    ok = next((results_dir / "default").glob("rlhfuse_base,*")) / "7b" / "seed0"
     for name in RUN_FILES:
         assert (ok / name).is_file(), ok / name
     assert json.loads((ok / "summary.json").read_text())["metrics"]["perf/samples_per_s"] > 0

@@ -5,7 +5,7 @@ offline run is read back from ``<run folder>/wandb/``: with ``wandb leet inspect
 wandb CLI's own reader of the ``.wandb`` transaction log), or, where that CLI cannot run, by
 parsing the log here (W&B's LevelDB-style record log of ``wandb_internal_pb2.Record`` messages).
 Checked: every iteration's history equals ``metrics.jsonl``, the summary equals ``summary.json``,
-the run's name is ``<system>-<model>-seed<k>`` and its group the experiment.
+the run's name is ``<system>-<model>-seed<k>[-<variant>]`` and its group the experiment.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("wandb")
 
 EXPERIMENT, SYSTEM, MODEL, SEED = "wandb_readback", "rlhfuse_base", "7b", 1
+VARIANT = "cluster.num_nodes=1"
 ARGS = [f"+system={SYSTEM}", f"model={MODEL}", f"seed={SEED}", f"experiment_name={EXPERIMENT}", "logger=wandb",
         "logger.mode=offline", "cluster.num_nodes=1", "backend.num_iterations=2", "logger.progress_bar=false"]
 
@@ -128,7 +129,7 @@ def offline_run(tmp_path_factory, run_harness):
     results_dir = tmp / "results"
     proc = run_harness([*ARGS, f"results_dir={results_dir}"], cwd=tmp / "cwd")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_dir = results_dir / EXPERIMENT / SYSTEM / MODEL / f"seed{SEED}"
+    run_dir = results_dir / EXPERIMENT / f"{SYSTEM},{VARIANT}" / MODEL / f"seed{SEED}"
     files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, f"expected one offline .wandb log under {run_dir / 'wandb'}, found {files}"
     return run_dir, files[0]
@@ -175,7 +176,7 @@ def test_summary_equals_summary_json(offline_run, wandb_record):
 
 
 def test_run_name_group_and_config(wandb_record):
-    assert wandb_record["name"] == f"{SYSTEM}-{MODEL}-seed{SEED}"
+    assert wandb_record["name"] == f"{SYSTEM}-{MODEL}-seed{SEED}-{VARIANT}"
     assert wandb_record["group"] == EXPERIMENT
     assert wandb_record["job_type"] == "benchmark"
     assert wandb_record["project"] == "rlhf-fusion-harness"
