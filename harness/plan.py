@@ -11,6 +11,7 @@ may choose by itself:
 - a **generation policy** (static or continuous batching, streaming, migration) as data;
 - **weight movements** between layouts, so their cost is simulated and their bytes moved for real;
 - **resident states**: which model states stay in device memory all iteration (for the memory check);
+- **offloaded** models: weights kept in host memory and copied in before each use (ReaLHF);
 - **overlaps**: pairs of tasks allowed to share devices at the same time.
 
 Device order inside a mesh is tp fastest, then pp, then dp: mesh index
@@ -159,6 +160,7 @@ class Plan:
     generation: GenerationPolicy = field(default_factory=GenerationPolicy)
     weight_movements: list[WeightMovement] = field(default_factory=list)
     resident: list[ResidentState] = field(default_factory=list)
+    offloaded: list[str] = field(default_factory=list)  # models kept in host memory, loaded per use
     overlaps: list[tuple[str, str]] = field(default_factory=list)
     global_batch_size: int = 512
     mini_batch_size: int = 64
@@ -214,6 +216,10 @@ class Plan:
                     raise PlanError(f"training stage lists {name}, which is not a train task")
         for a, b in self.overlaps:
             self.task(a), self.task(b)
+        resident_models = {r.model for r in self.resident}
+        both = resident_models & set(self.offloaded)
+        if both:
+            raise PlanError(f"models {sorted(both)} are listed both as resident and as offloaded")
 
     # ---- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -245,6 +251,7 @@ class Plan:
             weight_movements=[WeightMovement(w["task"], w["model"], alloc(w["source"]), alloc(w["target"]))
                               for w in d["weight_movements"]],
             resident=[ResidentState(**r) for r in d["resident"]],
+            offloaded=list(d.get("offloaded", [])),
             overlaps=[tuple(o) for o in d["overlaps"]],
             global_batch_size=d["global_batch_size"],
             mini_batch_size=d["mini_batch_size"],

@@ -119,7 +119,8 @@ class SimBackend(Backend):
             spans = [s for inst in gen.instances for s in inst.spans]
             return PassResult(spans, gen.end_s, [], gen.samples, generation=gen)
         if task.kind == "inference":
-            return simulate_inference(cm, task, model, seq_lens, ctx.workload.micro_batch_size, start)
+            return simulate_inference(cm, task, model, seq_lens, ctx.workload.micro_batch_size, start,
+                                      offloaded=task.model in plan.offloaded)
         if task.kind == "weight_movement":
             if name not in moves:
                 raise PlanError(f"weight-movement task {name} has no WeightMovement in the plan")

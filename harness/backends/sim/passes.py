@@ -9,7 +9,10 @@
   cost model (ZeRO-3 adds weight gathers in forward and backward and a gradient reduce-scatter,
   overlapped with compute); then gradients are synchronised across dp (all-reduce, or
   reduce-scatter + all-gather under ZeRO-1/2) and the optimizer steps.
-- Weight movement: :func:`harness.realloc.reallocation_transfers` bytes per device over its tier.
+- Weight movement: :func:`harness.realloc.reallocation_transfers` bytes per device over its tier,
+  bounded by the senders' links as well.
+- Offloaded models (``Plan.offloaded``) copy their weights in from host memory (PCIe) before
+  each inference pass.
 """
 from __future__ import annotations
 
@@ -52,13 +55,17 @@ def _stage_flops(model, num_tokens: float, context_len: float, pp: int, stage: i
 
 
 def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, micro_batch_size: int,
-                       start_s: float) -> PassResult:
+                       start_s: float, offloaded: bool = False) -> PassResult:
     """Forward passes pipelined over pp stages: stage p of micro-batch m starts once stage p-1
     finished it and stage p finished micro-batch m-1, so the pass takes sum(stage) + (M-1) max(stage)."""
     s = task.allocation.strategy
     layers = model.num_layers / s.pp
     gather = _zero3_gather_s(cm, model, task, layers)
     spans: list[Span] = []
+    if offloaded:  # weights live in host memory between uses: copy them in over PCIe first
+        load_s = cm.host_transfer_s(cm.weights_gb(model, s.tp, s.pp) * 1e9)
+        spans.append(Span(task.allocation.mesh, task.name, "load", start_s, start_s + load_s))
+        start_s += load_s
     end = start_s
     for k in range(s.dp):
         mine = seq_lens[k::s.dp]
@@ -208,18 +215,29 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
     return PassResult(spans, now, runs)
 
 
-def simulate_weight_movement(cm: CostModel, move: WeightMovement, model, start_s: float) -> PassResult:
+def weight_movement_s(cm: CostModel, move: WeightMovement, model) -> tuple[float, list]:
+    """Duration of a weight movement and its per-device transfers.
+
+    Receivers: each device receives its bytes over its tier. Senders: the moved bytes leave the
+    source devices, spread evenly over them; when few devices feed many (a small training pool
+    syncing many generation replicas) the senders' links are the bottleneck."""
     layer_bytes = cm.weights_gb(model, 1, 1) * 1e9 / model.num_layers
-    transfers = reallocation_transfers(move.source, move.target, model.num_layers, layer_bytes,
-                                       cm.gpus_per_node)
-    spans: list[Span] = []
-    end = start_s
+    transfers = reallocation_transfers(move.source, move.target, model.num_layers, layer_bytes, cm.gpus_per_node)
+    moved = [t for t in transfers if t.bytes > 0]
+    if not moved:
+        return 0.0, []
+
+    def link_s(num_bytes: float, intra: bool) -> float:
+        link = cm.intra_node if intra else cm.inter_node
+        return link.latency_us * 1e-6 + num_bytes / (link.bandwidth_gbps * 1e9 * link.efficiency_frac)
+
+    receive = max(link_s(t.bytes, t.intra_node) for t in moved)
+    send = link_s(sum(t.bytes for t in moved) / len(move.source.mesh), all(t.intra_node for t in moved))
+    return max(receive, send), moved
+
+
+def simulate_weight_movement(cm: CostModel, move: WeightMovement, model, start_s: float) -> PassResult:
+    duration, moved = weight_movement_s(cm, move, model)
     kind = "param_sync" if move.task == "param_sync" else "realloc"
-    for tr in transfers:
-        if tr.bytes <= 0:
-            continue
-        link = cm.intra_node if tr.intra_node else cm.inter_node
-        dt = link.latency_us * 1e-6 + tr.bytes / (link.bandwidth_gbps * 1e9 * link.efficiency_frac)
-        spans.append(Span((tr.device,), move.task, kind, start_s, start_s + dt, 0.0, tr.bytes))
-        end = max(end, start_s + dt)
-    return PassResult(spans, end, [])
+    spans = [Span((t.device,), move.task, kind, start_s, start_s + duration, 0.0, t.bytes) for t in moved]
+    return PassResult(spans, start_s + duration, [])
