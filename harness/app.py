@@ -24,9 +24,14 @@ ENTRY_POINT_GROUP = "rlhf_harness.systems"
 
 
 def discover_systems() -> list[str]:
+    """Import every registered system module; one that fails to import is reported, not fatal."""
     names = []
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+        try:
+            ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not take the others down
+            print(f"[harness] warning: system {ep.name!r} ({ep.value}) failed to import: {e}", file=sys.stderr)
+            continue
         names.append(ep.name)
     return names
 

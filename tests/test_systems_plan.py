@@ -5,14 +5,20 @@ from harness.memory_check import check_plan_memory
 from harness.plan import Plan
 from harness.testing import plan_for
 
-SYSTEMS = ["deepspeed_chat", "rlhfuse_base"]
 MODELS = ["tiny", "tiny2", "7b", "13b", "33b", "65b", "70b", "13b_33b", "33b_13b", "33b_65b", "65b_33b"]
+PAPER_PAIRS = ["13b_33b", "33b_13b", "33b_65b", "65b_33b"]
+# Searches get small deterministic budgets here; their quality is checked in their own tests.
+FAST = {"realhf": ["system.max_steps=5"],
+        "rlhfuse": ["system.fuse_max_steps=50", "system.migration_frac=0.2"]}
+CASES = [(s, m) for s in ("deepspeed_chat", "rlhfuse_base", "realhf_heuristic", "realhf") for m in MODELS] + \
+        [("rlhfuse", m) for m in ["tiny", "13b", *PAPER_PAIRS]] + \
+        [(s, m) for s in ("interleaved", "disaggregated") for m in ["13b", *PAPER_PAIRS]]
+SYSTEMS = ["deepspeed_chat", "rlhfuse_base"]
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("system", SYSTEMS)
+@pytest.mark.parametrize(("system", "model"), CASES)
 def test_system_plans_model_on_default_cluster(system, model):
-    plan, ctx, _ = plan_for([f"+system={system}", f"model={model}"])
+    plan, ctx, _ = plan_for([f"+system={system}", f"model={model}", *FAST.get(system, [])])
     plan.validate(ctx.num_devices)
     report = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
     assert max(report.peak_gb.values()) <= ctx.cost_model.hbm_capacity_gb

@@ -13,7 +13,7 @@ that an ablation is one override:
   one rank of the larger tp is the same as laying that model out at the larger tp with ``pp/s``
   stages, so equal tp covers it), actor ``pp_a`` and critic ``pp_c`` near the ones the base search
   chose, ``N = lcm(pp_a, pp_c)`` ranks per group, ``G = devices / (N tp)`` groups; each candidate
-  is scored by its best starting schedule (the greedy policies of :mod:`.intra.search`) plus
+  is scored by its best quick schedule (serial 1F1B or two greedy policies) plus
   gradient sync and optimizer step; the best one is then annealed under the memory left next to
   the resident states.
 
@@ -30,11 +30,15 @@ from harness.config import SystemConfig  # noqa: F401  (schema base, via RLHFuse
 from harness.errors import PlanError
 from harness.plan import (Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task,
                           TrainingStage, WeightMovement)
-from harness.schedule import PipeCosts, simulate
+from harness.schedule import PipeCosts, ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
 from harness.workflow import full_mesh, ppo_tasks, single_pipe_stage, weight_movement
 from systems.rlhfuse.base import LayoutSearch, RLHFuseBaseConfig, _divisors
 from systems.rlhfuse.inter import choose_inter_stage
+
+
+# Greedy policies used to score candidate fused layouts (the chosen layout's search tries all).
+CANDIDATE_POLICIES = ("larger", "fifo")
 
 
 @dataclass
@@ -155,8 +159,7 @@ class RLHFuse(System):
         if not self.cfg.intra_stage:
             return [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size,
                                       w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
-        from systems.rlhfuse.intra import search_fused_schedule, serial_schedule
-        from systems.rlhfuse.intra.search import starting_points
+        from systems.rlhfuse.intra import greedy_schedule, search_fused_schedule, serial_schedule
 
         best: FusedCandidate | None = None
         tried = 0
@@ -166,9 +169,16 @@ class RLHFuse(System):
             cap = self._mem_cap(ctx, layouts, cand)
             if simulate(serial, cand.costs, record_times=False).max_peak_memory > cap:
                 continue  # not even serial 1F1B fits next to the resident states
-            starts = starting_points(cand.pipes, cand.costs, cap, serial)
+            # quick score: the better of two greedy policies (the search later tries all of them)
+            quick = [simulate(serial, cand.costs, record_times=False).makespan]
+            for policy in CANDIDATE_POLICIES:
+                try:
+                    quick.append(simulate(greedy_schedule(cand.pipes, cand.costs, cap, policy=policy), cand.costs,
+                                          record_times=False).makespan)
+                except ScheduleError:
+                    continue
             # per mini-batch: the fused pipeline, then both models' gradient sync and optimizer step
-            cand.estimate_s = starts[0][2].makespan + \
+            cand.estimate_s = min(quick) + \
                 self._sync_s(ctx, cand.actor, "actor", full_mesh(ctx.num_devices)) + \
                 self._sync_s(ctx, cand.critic, "critic",
                              self._reversed_mesh(ctx.num_devices, cand.critic.tp,

@@ -1,0 +1,204 @@
+"""The Interleaving placement strategy of Xiao et al., "An Adaptive Placement and Parallelism
+Framework for Accelerating RLHF Training" (arXiv 2312.11819, published as FlexRLHF), as a plan:
+``+system=interleaved``.
+
+What the original does: instead of the co-located ("flattening") strategy that puts all four
+models on every device, it places models that do not depend on each other on *exclusive* groups
+of devices and orchestrates them so that they run at the same time. In a PPO iteration the
+reference and reward models both consume only the generated responses and not each other's
+output, so they get disjoint device groups and their inference passes overlap; the samples are
+gathered, forwarded to each group and the results scattered back across the groups. Actor and
+critic (trained every iteration) keep the whole cluster. The paper argues this removes memory
+redundancy (ref and reward are each stored on half of the devices instead of on all of them) and
+communication (smaller groups for ref/reward inference).
+
+What we reimplement, as plan data:
+
+- **Placement**: actor generation, actor and critic training and critic inference (``values``)
+  on all devices; ref on the first group of nodes, reward on the second (halves of the nodes; on
+  an odd number of nodes the larger model's group gets the extra node; on a one-node cluster the
+  node's GPUs are halved). ``ref`` and ``reward`` read only ``responses``, so the simulator's list
+  scheduler starts both as soon as generation ends and they run concurrently on their disjoint
+  meshes; ``values`` (all devices) waits for both.
+- **Parallelism**: every task's (dp, tp, pp) is chosen by the same brute-force search over the
+  cost model that RLHFuse-Base uses (:class:`systems.rlhfuse.base.LayoutSearch`), restricted to the
+  task's device group: the placement is the only difference from ``rlhfuse_base``. Generation uses
+  continuous batching with the same per-instance batch limit, and the actor's (critic's) weights
+  are resharded from the training layout to the generation (``values``) layout when they differ.
+- **Memory**: actor and critic training states are resident on all devices; ref weights only on
+  the ref group and reward weights only on the reward group, which leaves more room for the KV
+  cache than co-location does.
+
+Modelled rather than executed: the gather / forward / scatter of samples between groups moves only
+token ids (a few hundred KB per iteration for 512 samples of at most a few thousand tokens), which
+is negligible next to the passes themselves and is not simulated. Not modelled: the paper's
+automatic search over placements (the placement here is the fixed interleaving one), and any
+overlap of ref/reward with training across iterations.
+
+The pool helpers here (:class:`PoolLayoutSearch`, :func:`split_cluster`, :func:`assemble_plan`)
+are shared with ``baselines/disaggregated.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from harness.config import SystemConfig
+from harness.costmodel.llama import num_params
+from harness.errors import PlanError
+from harness.plan import Allocation, GenerationPolicy, Plan, ResidentState, Task
+from harness.estimate import inference_s
+from harness.system import PlanContext, System, register_system_config
+from harness.workflow import PPO_TASKS, full_mesh, ppo_tasks, single_pipe_stage, weight_movement
+from systems.rlhfuse.base import LayoutSearch, RLHFuseBaseConfig, SearchResult, search
+
+
+@dataclass
+class InterleavedConfig(SystemConfig):
+    name: str = "interleaved"
+    impl: str = "baselines.interleaved.Interleaved"
+    zero_stage: int = 1  # distributed optimizer for actor/critic training (as rlhfuse_base)
+    max_gen_batch_size: int = 256  # continuous-batching slots per generation instance (as rlhfuse_base)
+
+
+# ---- helpers shared with baselines/disaggregated.py -------------------------------------------
+
+def layout_search_config(name: str, zero_stage: int, max_gen_batch_size: int) -> RLHFuseBaseConfig:
+    """The RLHFuse-Base search settings with nothing pinned: every layout is searched."""
+    return RLHFuseBaseConfig(name=name, zero_stage=zero_stage, max_gen_batch_size=max_gen_batch_size)
+
+
+class PoolLayoutSearch(LayoutSearch):
+    """RLHFuse-Base's per-task layout search restricted to a pool of devices (``mesh``).
+
+    Candidates are every (dp, tp, pp) over ``len(mesh)`` devices; scores come from the same
+    simulator task models on the pool's own devices. ``resident_gb`` holds what else stays on the
+    pool's devices all iteration (set it before searching when other pools' states share them)."""
+
+    def __init__(self, ctx: PlanContext, cfg: RLHFuseBaseConfig, mesh: tuple[int, ...]):
+        super().__init__(ctx, cfg)
+        self.mesh, self.n = tuple(mesh), len(mesh)
+
+    def _inference_fits(self, roles: list[str], s) -> None:
+        """Weights plus one layer's forward activations (as :mod:`harness.memory_check` counts an
+        inference task) must fit beside the resident states."""
+        weights = sum(self.cm.weights_gb(self.ctx.model(r), s.tp, s.pp) for r in roles)
+        act = max(self.cm.activation_gb(self.ctx.model(r), self.w.micro_batch_size, self.seq_max, s.tp, 1, "none")
+                  for r in roles)
+        if weights + act + sum(self.resident_gb.values()) > self.capacity:
+            raise PlanError(f"weights need {weights:.1f} GB, activations {act:.1f} GB")
+
+    def search_inference_tasks(self, task_names=("ref", "reward", "values")) -> None:
+        """Each inference task's layout in turn, ref and reward weights resident once chosen."""
+        for task_name in task_names:
+            self.search_inference_task(task_name)
+
+    def search_inference_task(self, task_name: str) -> SearchResult:
+        """One inference task's layout on this pool; ref/reward weights become resident here."""
+        role = PPO_TASKS[task_name][1]
+
+        def score(s) -> float:
+            self._inference_fits([role], s)
+            return inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
+        self.chosen[task_name] = search(self.candidates(role, 0, task_name), score,
+                                        f"{task_name} on {self.n} devices")
+        if task_name in ("ref", "reward"):
+            s = self.chosen[task_name].strategy
+            self.resident_gb[role] = self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp)
+        return self.chosen[task_name]
+
+
+def split_cluster(ctx: PlanContext, first_nodes: Optional[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two disjoint pools covering the cluster: the first ``first_nodes`` whole nodes and the rest,
+    or (``first_nodes`` None, required on a one-node cluster) the two halves of the node's GPUs."""
+    per_node, num_nodes, n = ctx.cluster.gpus_per_node, ctx.cluster.num_nodes, ctx.num_devices
+    if first_nodes is None:
+        if num_nodes != 1 or per_node < 2:
+            raise PlanError(f"splitting GPUs within a node needs a one-node cluster with >= 2 GPUs "
+                            f"(got {num_nodes} nodes x {per_node} GPUs)")
+        cut = per_node // 2
+    else:
+        if not 1 <= first_nodes < num_nodes:
+            raise PlanError(f"a split of whole nodes needs 1 <= {first_nodes} < {num_nodes} nodes")
+        cut = first_nodes * per_node
+    return tuple(range(cut)), tuple(range(cut, n))
+
+
+def reshard(allocs: dict[str, Allocation], pairs, kind: str = "realloc") -> tuple[list[Task], list, dict[str, str]]:
+    """Weight-movement tasks for ``(model, consumer, source_task)`` pairs whose layouts differ
+    (as RLHFuse-Base); ``kind="param_sync"`` always moves (the consumer's devices hold nothing)."""
+    tasks, moves, moved = [], [], {}
+    for model, consumer, source in pairs:
+        src, dst = allocs[source].strategy, allocs[consumer].strategy
+        if kind == "param_sync" or (src.tp, src.pp) != (dst.tp, dst.pp) or src.zero_stage == 3:
+            task, move = weight_movement(model, consumer, allocs[source], allocs[consumer], kind=kind)
+            tasks.append(task)
+            moves.append(move)
+            moved[consumer] = task.name
+    return tasks, moves, moved
+
+
+def assemble_plan(ctx: PlanContext, name: str, chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]],
+                  policy: GenerationPolicy, actor_sync: str = "realloc", notes: Optional[dict] = None) -> Plan:
+    """A sequential-stage PPO plan from searched layouts placed on per-task meshes. The actor's
+    weights reach ``gen`` by ``actor_sync`` (``realloc`` on shared devices, ``param_sync`` to a
+    separate generation pool, whose shadow weights then stay resident there)."""
+    w = ctx.workload
+    allocs = {t: Allocation(meshes[t], r.strategy) for t, r in chosen.items()}
+    tasks, moves, moved = reshard(allocs, [("actor", "gen", "update_actor")], kind=actor_sync)
+    more_tasks, more_moves, more_moved = reshard(allocs, [("critic", "values", "update_critic")])
+    tasks, moves, moved = tasks + more_tasks, moves + more_moves, {**moved, **more_moved}
+    tasks += ppo_tasks(allocs, moved)
+    training = [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size,
+                                  w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
+    resident = [ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train"),
+                ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")]
+    if actor_sync == "param_sync":
+        resident.append(ResidentState("actor", "gen", "weights"))  # the shadow actor
+    search_notes = {f"search/{k}": f"{r.strategy} on {len(meshes[k])} devices ({r.num_candidates} candidates, "
+                                   f"est. {r.time_s:.2f} s)" for k, r in chosen.items()}
+    return Plan(system=name, tasks=tasks, training=training, generation=policy, weight_movements=moves,
+                resident=resident, global_batch_size=w.global_batch_size, mini_batch_size=w.mini_batch_size,
+                notes={**search_notes, **(notes or {})})
+
+
+# ---- the interleaving strategy ------------------------------------------------------------------
+
+def ref_reward_groups(ctx: PlanContext) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ref on the first half of the nodes, reward on the second; an odd node goes to the larger model."""
+    num_nodes = ctx.cluster.num_nodes
+    if num_nodes == 1:
+        return split_cluster(ctx, None)
+    ref_larger = num_params(ctx.model("ref")) >= num_params(ctx.model("reward"))
+    return split_cluster(ctx, (num_nodes + 1) // 2 if ref_larger else num_nodes // 2)
+
+
+class Interleaved(System):
+    cfg: InterleavedConfig
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        cfg = self.cfg
+        search_cfg = layout_search_config(cfg.name, cfg.zero_stage, cfg.max_gen_batch_size)
+        everywhere = full_mesh(ctx.num_devices)
+        full = PoolLayoutSearch(ctx, search_cfg, everywhere)
+        full.search_training()  # actor/critic states on all devices bound what is left for the rest
+        ref_mesh, reward_mesh = ref_reward_groups(ctx)
+        meshes = {t: everywhere for t in PPO_TASKS}
+        group_gb = []
+        for task_name, mesh in (("ref", ref_mesh), ("reward", reward_mesh)):
+            group = PoolLayoutSearch(ctx, search_cfg, mesh)
+            group.resident_gb = dict(full.resident_gb)
+            full.chosen[task_name] = group.search_inference_task(task_name)
+            group_gb.append(group.resident_gb[PPO_TASKS[task_name][1]])
+            meshes[task_name] = mesh
+        # On every device either ref or reward weights are resident: the larger bounds the rest.
+        full.resident_gb["ref|reward"] = max(group_gb)
+        full.search_inference_task("values")
+        policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
+        full.search_generation(policy)
+        notes = {"placement": f"ref on devices {ref_mesh[0]}..{ref_mesh[-1]}, reward on devices "
+                              f"{reward_mesh[0]}..{reward_mesh[-1]}, everything else on all {ctx.num_devices}"}
+        return assemble_plan(ctx, cfg.name, full.chosen, meshes, policy, notes=notes)
+
+
+register_system_config("interleaved", InterleavedConfig)

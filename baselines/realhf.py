@@ -1,0 +1,283 @@
+"""ReaLHF-style parameter reallocation (Mei et al., "ReaLHF: Optimized RLHF Training for Large
+Language Models through Parameter Reallocation", arXiv 2406.14088; later "ReaL", MLSys'25):
+``+system=realhf`` and ``+system=realhf_heuristic``.
+
+What the original does: it treats a PPO iteration as a dataflow graph of model function calls
+(actor generate; ref, reward and critic inference; actor and critic train) and gives *each call*
+its own device mesh and (dp, tp, pp), moving a model's parameters between the layouts of its
+consecutive calls ("parameter reallocation"). Calls on disjoint meshes run concurrently. Its
+planner searches this space with MCMC over an estimator of the iteration time. The upstream
+planner was disabled in its own releases, so this is a reimplementation of the design, not a port.
+
+What we reimplement:
+
+- **Search space per call**: meshes that are a contiguous aligned slice of one node (1, 2, 4, 8
+  GPUs) or a contiguous range of whole nodes; tp within a node; pp (<= layers) and dp filling the
+  mesh; training calls need the mini-batch to split into micro-batches per replica;
+  memory-feasible plans only (the harness memory check).
+- **Search**: simulated annealing (Metropolis with a linearly cooled temperature) that changes one
+  call's choice at a time (its strategy on the same mesh, or a new mesh and strategy), scored by
+  the simulated makespan of an iteration: calls start when their inputs are ready and their
+  devices free, so disjoint meshes overlap and overlapping ones serialise; reallocation costs come
+  from :func:`harness.realloc.reallocation_transfers`. Task durations are the simulator's own task
+  models (:mod:`harness.estimate`), cached per (call, mesh, strategy). Deterministic for a seed
+  with ``system.max_steps``; ``system.search_time_s`` bounds it in time otherwise. The best plan
+  found is kept, and the start is returned if nothing beats it under the full simulator.
+- **Offloading**: ref and reward weights may live in host memory and be copied in before each use
+  (``system.offload_ref_reward``: auto = only when keeping them resident does not fit).
+- ``realhf_heuristic``: every call on all GPUs with tp = GPUs per node and pp = number of nodes
+  (the baseline ReaLHF compares its search against); when a model has fewer layers than nodes, pp
+  is the largest divisor of the node count within the layers and dp takes the rest.
+
+What we model: every call's execution (generation with continuous batching, as ReaLHF's generation
+uses a KV-cached engine; inference; 1F1B training) through the simulator's cost model.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from harness.config import BackendConfig, SystemConfig
+from harness.errors import PlanError
+from harness.estimate import generation_s, inference_s, representative_batch, training_s
+from harness.memory_check import check_plan_memory
+from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task
+from harness.system import PlanContext, System, register_system_config
+from harness.workflow import PPO_TASKS, ppo_tasks, single_pipe_stage, weight_movement
+from systems.rlhfuse.base import _divisors
+
+CALLS = tuple(PPO_TASKS)  # gen, ref, reward, values, update_actor, update_critic
+
+
+@dataclass
+class RealHFConfig(SystemConfig):
+    name: str = "realhf"
+    impl: str = "baselines.realhf.RealHF"
+    search: bool = True
+    search_time_s: float = 30.0  # annealing budget (wall clock)
+    max_steps: Optional[int] = None  # deterministic step budget; overrides the time budget when set
+    seed: int = 0
+    initial_temperature_frac: float = 0.05  # T0 as a fraction of the starting makespan
+    zero_stage: int = 1  # distributed optimizer in training calls
+    max_gen_batch_size: int = 256
+    offload_ref_reward: str = "auto"  # auto | true | false
+
+
+@dataclass
+class RealHFHeuristicConfig(RealHFConfig):
+    name: str = "realhf_heuristic"
+    impl: str = "baselines.realhf.RealHFHeuristic"
+    search: bool = False
+
+
+def mesh_options(num_nodes: int, gpus_per_node: int) -> list[tuple[int, ...]]:
+    """Contiguous aligned slices of one node (sizes dividing the node) and ranges of whole nodes."""
+    meshes = []
+    for node in range(num_nodes):
+        base = node * gpus_per_node
+        for size in _divisors(gpus_per_node)[:-1]:
+            for offset in range(0, gpus_per_node, size):
+                meshes.append(tuple(range(base + offset, base + offset + size)))
+    for start in range(num_nodes):
+        for length in range(1, num_nodes - start + 1):
+            meshes.append(tuple(range(start * gpus_per_node, (start + length) * gpus_per_node)))
+    return meshes
+
+
+def strategy_options(mesh_size: int, gpus_per_node: int, num_layers: int, train: bool, mini_batch: int,
+                     micro_batch: int, zero_stage: int) -> list[ParallelStrategy]:
+    out = []
+    for tp in _divisors(min(mesh_size, gpus_per_node)):
+        if gpus_per_node % tp or mesh_size % tp:
+            continue
+        for pp in _divisors(mesh_size // tp):
+            dp = mesh_size // (tp * pp)
+            if pp > num_layers or (train and mini_batch % (dp * micro_batch)):
+                continue
+            out.append(ParallelStrategy(dp, tp, pp, zero_stage if train else 0))
+    return out
+
+
+class RealHF(System):
+    cfg: RealHFConfig
+
+    # ---- plan construction ----------------------------------------------------------------
+    def build_plan(self, ctx: PlanContext, choice: dict[str, Allocation], offload: bool) -> Plan:
+        w = ctx.workload
+        tasks, moves, moved = [], [], {}
+        for model, consumer, source in (("actor", "gen", "update_actor"), ("critic", "values", "update_critic")):
+            if choice[source] != choice[consumer] or choice[source].strategy.zero_stage == 3:
+                task, move = weight_movement(model, consumer, choice[source], choice[consumer])
+                tasks.append(task)
+                moves.append(move)
+                moved[consumer] = task.name
+        tasks += ppo_tasks(choice, moved)
+        training = [single_pipe_stage(t, m, choice[t].strategy, w.mini_batch_size, w.micro_batch_size,
+                                      w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
+        resident = [ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train")]
+        if not offload:
+            resident += [ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")]
+        return Plan(system=self.cfg.name, tasks=tasks, training=training,
+                    generation=GenerationPolicy("continuous", self.cfg.max_gen_batch_size),
+                    weight_movements=moves, resident=resident, offloaded=["ref", "reward"] if offload else [],
+                    global_batch_size=w.global_batch_size, mini_batch_size=w.mini_batch_size)
+
+    def heuristic_choice(self, ctx: PlanContext) -> dict[str, Allocation]:
+        n, per_node, nodes = ctx.num_devices, ctx.cluster.gpus_per_node, ctx.cluster.num_nodes
+        mesh = tuple(range(n))
+        choice = {}
+        for call in CALLS:
+            layers = ctx.model(PPO_TASKS[call][1]).num_layers
+            pp = max(d for d in _divisors(nodes) if d <= layers)
+            train = PPO_TASKS[call][0] == "train"
+            choice[call] = Allocation(mesh, ParallelStrategy(nodes // pp, per_node, pp, self.cfg.zero_stage if train else 0))
+        return choice
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def _evaluator(self, ctx: PlanContext):
+        batch = representative_batch(ctx)
+        cache: dict = {}
+        w = ctx.workload
+
+        def duration(task: Task, plan: Plan, memory) -> float:
+            key = (task.name, task.allocation, task.model in plan.offloaded,
+                   round(memory.kv_capacity_gb.get(task.name, 0.0), 3))
+            if key in cache:
+                return cache[key]
+            if task.kind == "generate":
+                t = generation_s(ctx, task, plan.generation, batch, memory.kv_capacity_gb[task.name])
+            elif task.kind == "inference":
+                t = inference_s(ctx, task, batch)
+                if task.model in plan.offloaded:
+                    s = task.allocation.strategy
+                    t += ctx.cost_model.host_transfer_s(ctx.cost_model.weights_gb(ctx.model(task.model), s.tp, s.pp) * 1e9)
+            elif task.kind == "train":
+                stage = single_pipe_stage(task.name, task.model, task.allocation.strategy, w.mini_batch_size,
+                                          w.micro_batch_size, w.global_batch_size)
+                t = training_s(ctx, task, stage, w.mini_batch_size, batch)
+            else:
+                from harness.backends.sim.passes import weight_movement_s
+
+                move = next(m for m in plan.weight_movements if m.task == task.name)
+                key = (task.name, move.source, move.target)
+                if key in cache:
+                    return cache[key]
+                t = weight_movement_s(ctx.cost_model, move, ctx.model(task.model))[0]
+            cache[key] = t
+            return t
+
+        def makespan(plan: Plan) -> float:
+            """List scheduling as the simulator does: inputs ready and devices free."""
+            memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+            deps = plan.dependencies()
+            end: dict[str, float] = {}
+            free: dict[int, float] = {}
+            for name in plan.topological_order():
+                task = plan.task(name)
+                start = max([end[d] for d in deps[name]] + [free.get(d, 0.0) for d in task.allocation.mesh])
+                end[name] = start + duration(task, plan, memory)
+                for d in task.allocation.mesh:
+                    free[d] = end[name]
+            return max(end.values())
+
+        return makespan
+
+    def _plan_and_score(self, ctx, evaluate, choice) -> tuple[float, Plan]:
+        """Resident ref/reward if it fits (or offload is forced), else offloaded."""
+        modes = {"true": (True,), "false": (False,), "auto": (False, True)}.get(str(self.cfg.offload_ref_reward).lower())
+        if modes is None:
+            raise PlanError(f"system.offload_ref_reward={self.cfg.offload_ref_reward!r}; use auto, true or false")
+        last_error: PlanError | None = None
+        for offload in modes:
+            plan = self.build_plan(ctx, choice, offload)
+            try:
+                return evaluate(plan), plan
+            except PlanError as e:
+                last_error = e
+        raise last_error
+
+    # ---- search ------------------------------------------------------------------------------
+    def plan(self, ctx: PlanContext) -> Plan:
+        evaluate = self._evaluator(ctx)
+        start_choice = self.heuristic_choice(ctx)
+        start_s, start_plan = self._plan_and_score(ctx, evaluate, start_choice)
+        if not self.cfg.search:
+            start_plan.notes.update({"search/estimated_step_s": round(start_s, 4)})
+            return start_plan
+        best_s, best_plan, steps, accepted = self._anneal(ctx, evaluate, start_choice, start_s, start_plan)
+        verified = self._verify(ctx, start_plan, best_plan)
+        best_plan.notes.update({"search/start_estimate_s": round(start_s, 4), "search/best_estimate_s": round(best_s, 4),
+                                "search/steps": steps, "search/accepted": accepted, "search/seed": self.cfg.seed,
+                                "search/verified_step_s": round(verified[1], 4),
+                                "search/start_verified_step_s": round(verified[0], 4)})
+        if verified[1] > verified[0]:  # never return worse than the start, by the full simulator
+            start_plan.notes.update(best_plan.notes, **{"search/kept_start": True})
+            return start_plan
+        return best_plan
+
+    def _options(self, ctx: PlanContext):
+        w, per_node = ctx.workload, ctx.cluster.gpus_per_node
+        meshes = mesh_options(ctx.cluster.num_nodes, per_node)
+        cache: dict = {}
+
+        def strategies(call: str, mesh: tuple[int, ...]) -> list[ParallelStrategy]:
+            key = (call, len(mesh))
+            if key not in cache:
+                kind, role = PPO_TASKS[call][0], PPO_TASKS[call][1]
+                cache[key] = strategy_options(len(mesh), per_node, ctx.model(role).num_layers, kind == "train",
+                                              w.mini_batch_size, w.micro_batch_size, self.cfg.zero_stage)
+            return cache[key]
+        return meshes, strategies
+
+    def _anneal(self, ctx, evaluate, choice, current_s, current_plan):
+        rng = random.Random(self.cfg.seed)
+        meshes, strategies = self._options(ctx)
+        best = (current_s, current_plan)
+        t0 = self.cfg.initial_temperature_frac * current_s
+        deadline = time.perf_counter() + self.cfg.search_time_s
+        budget = self.cfg.max_steps
+        steps = accepted = 0
+        while (steps < budget) if budget is not None else (time.perf_counter() < deadline):
+            steps += 1
+            progress = steps / budget if budget else 1 - (deadline - time.perf_counter()) / self.cfg.search_time_s
+            temperature = max(t0 * (1.0 - progress), 1e-12)
+            call = rng.choice(CALLS)
+            mesh = choice[call].mesh if rng.random() < 0.5 else rng.choice(meshes)
+            options = strategies(call, mesh)
+            if not options:
+                continue
+            proposal = dict(choice)
+            proposal[call] = Allocation(mesh, rng.choice(options))
+            try:
+                score, plan = self._plan_and_score(ctx, evaluate, proposal)
+            except PlanError:
+                continue
+            if score <= current_s or rng.random() < math.exp(-(score - current_s) / temperature):
+                choice, current_s = proposal, score
+                accepted += 1
+                if score < best[0]:
+                    best = (score, plan)
+        return best[0], best[1], steps, accepted
+
+    def _verify(self, ctx: PlanContext, start: Plan, best: Plan) -> tuple[float, float]:
+        """Step time of both plans under the full simulator on the representative batch."""
+        from harness.backends.sim import SimBackend
+
+        batch = representative_batch(ctx)
+        out = []
+        for plan in (start, best):
+            backend = SimBackend(BackendConfig(name="sim", _target_="harness.backends.sim.SimBackend"), ctx)
+            backend.setup(plan)
+            out.append(backend.run_iteration(plan, 0, batch).makespan_s)
+        return out[0], out[1]
+
+
+class RealHFHeuristic(RealHF):
+    cfg: RealHFHeuristicConfig
+
+
+register_system_config("realhf", RealHFConfig)
+register_system_config("realhf_heuristic", RealHFHeuristicConfig)

@@ -1,0 +1,66 @@
+"""ReaLHF-style reallocation: search space, determinism, never worse than the start, offloading."""
+import pytest
+
+from baselines.realhf import mesh_options, strategy_options
+from harness.memory_check import check_plan_memory
+from harness.testing import plan_for
+
+SMALL = ["model=7b", "cluster.num_nodes=2"]
+
+
+def test_mesh_options_are_aligned_node_slices_or_whole_node_ranges():
+    meshes = mesh_options(num_nodes=2, gpus_per_node=8)
+    # per node: 8 singles + 4 pairs + 2 quads = 14, x 2 nodes; whole-node ranges: [0], [1], [0,1]
+    assert len(meshes) == 2 * 14 + 3
+    for mesh in meshes:
+        assert list(mesh) == list(range(mesh[0], mesh[0] + len(mesh)))
+        if len(mesh) < 8:
+            assert mesh[0] % len(mesh) == 0 and mesh[0] // 8 == mesh[-1] // 8
+        else:
+            assert len(mesh) % 8 == 0 and mesh[0] % 8 == 0
+
+
+def test_strategy_options_fill_the_mesh():
+    opts = strategy_options(16, 8, num_layers=32, train=True, mini_batch=64, micro_batch=1, zero_stage=1)
+    assert all(s.size == 16 and s.tp <= 8 and s.pp <= 32 and 64 % s.dp == 0 for s in opts)
+    assert {(s.dp, s.tp, s.pp) for s in opts} >= {(16, 1, 1), (2, 8, 1), (1, 8, 2)}
+
+
+def test_heuristic_layout():
+    plan, ctx, _ = plan_for(["+system=realhf_heuristic", "model=13b"])
+    for name in ("gen", "ref", "reward", "values", "update_actor", "update_critic"):
+        s = plan.task(name).allocation.strategy
+        assert (s.tp, s.pp, s.dp) == (8, 32, 1) and len(plan.task(name).allocation.mesh) == 256
+
+
+def test_search_is_deterministic_and_never_worse_than_its_start():
+    overrides = ["+system=realhf", *SMALL, "system.max_steps=40", "system.seed=3"]
+    a, _, _ = plan_for(overrides)
+    b, _, _ = plan_for(overrides)
+    assert a.to_json() == b.to_json()
+    assert a.notes["search/verified_step_s"] <= a.notes["search/start_verified_step_s"] + 1e-12
+    assert a.notes["search/best_estimate_s"] <= a.notes["search/start_estimate_s"]
+    assert a.notes["search/steps"] == 40
+
+
+def test_search_plans_use_sub_meshes_and_fit():
+    plan, ctx, _ = plan_for(["+system=realhf", *SMALL, "system.max_steps=60"])
+    plan.validate(ctx.num_devices)
+    check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    for t in plan.tasks:
+        assert set(t.allocation.mesh) <= set(range(ctx.num_devices))
+
+
+def test_offloaded_ref_and_reward_pay_a_load():
+    from harness.backends.sim import SimBackend
+    from harness.workload import make_batch
+
+    plan, ctx, run = plan_for(["+system=realhf_heuristic", *SMALL, "system.offload_ref_reward=true"])
+    assert plan.offloaded == ["ref", "reward"]
+    backend = SimBackend(run.backend, ctx)
+    trace = backend.run_iteration(plan, 0, make_batch(run.workload, run.seed, 0))
+    loads = [s for s in trace.spans if s.kind == "load"]
+    assert {s.task for s in loads} == {"ref", "reward"}
+    s = plan.task("ref").allocation.strategy
+    expected = ctx.cost_model.host_transfer_s(ctx.cost_model.weights_gb(ctx.models.ref, s.tp, s.pp) * 1e9)
+    assert loads[0].duration_s == pytest.approx(expected)
