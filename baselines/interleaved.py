@@ -46,8 +46,8 @@ from typing import Optional
 from harness.config import SystemConfig
 from harness.costmodel.llama import num_params
 from harness.errors import PlanError
-from harness.plan import Allocation, GenerationPolicy, Plan, ResidentState, Task
 from harness.estimate import inference_s
+from harness.plan import Allocation, GenerationPolicy, Plan, ResidentState, Task
 from harness.system import PlanContext, System, register_system_config
 from harness.workflow import PPO_TASKS, full_mesh, ppo_tasks, single_pipe_stage, weight_movement
 from systems.rlhfuse.base import LayoutSearch, RLHFuseBaseConfig, SearchResult, search
@@ -124,20 +124,6 @@ def split_cluster(ctx: PlanContext, first_nodes: Optional[int]) -> tuple[tuple[i
     return tuple(range(cut)), tuple(range(cut, n))
 
 
-def reshard(allocs: dict[str, Allocation], pairs, kind: str = "realloc") -> tuple[list[Task], list, dict[str, str]]:
-    """Weight-movement tasks for ``(model, consumer, source_task)`` pairs whose layouts differ
-    (as RLHFuse-Base); ``kind="param_sync"`` always moves (the consumer's devices hold nothing)."""
-    tasks, moves, moved = [], [], {}
-    for model, consumer, source in pairs:
-        src, dst = allocs[source].strategy, allocs[consumer].strategy
-        if kind == "param_sync" or (src.tp, src.pp) != (dst.tp, dst.pp) or src.zero_stage == 3:
-            task, move = weight_movement(model, consumer, allocs[source], allocs[consumer], kind=kind)
-            tasks.append(task)
-            moves.append(move)
-            moved[consumer] = task.name
-    return tasks, moves, moved
-
-
 def assemble_plan(ctx: PlanContext, name: str, chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]],
                   policy: GenerationPolicy, actor_sync: str = "realloc", notes: Optional[dict] = None) -> Plan:
     """A sequential-stage PPO plan from searched layouts placed on per-task meshes. The actor's
@@ -145,12 +131,19 @@ def assemble_plan(ctx: PlanContext, name: str, chosen: dict[str, SearchResult], 
     separate generation pool, whose shadow weights then stay resident there)."""
     w = ctx.workload
     allocs = {t: Allocation(meshes[t], r.strategy) for t, r in chosen.items()}
-    tasks, moves, moved = reshard(allocs, [("actor", "gen", "update_actor")], kind=actor_sync)
-    more_tasks, more_moves, more_moved = reshard(allocs, [("critic", "values", "update_critic")])
-    tasks, moves, moved = tasks + more_tasks, moves + more_moves, {**moved, **more_moved}
+    tasks, moves, moved = [], [], {}
+    for model, consumer, source, kind in (("actor", "gen", "update_actor", actor_sync),
+                                          ("critic", "values", "update_critic", "realloc")):
+        src, dst = allocs[source].strategy, allocs[consumer].strategy
+        # As RLHFuse-Base: reshard when the layouts differ; a sync to another pool always moves.
+        if kind == "param_sync" or (src.tp, src.pp) != (dst.tp, dst.pp) or src.zero_stage == 3:
+            task, move = weight_movement(model, consumer, allocs[source], allocs[consumer], kind=kind)
+            tasks.append(task)
+            moves.append(move)
+            moved[consumer] = task.name
     tasks += ppo_tasks(allocs, moved)
-    training = [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size,
-                                  w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
+    training = [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
+                for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
     resident = [ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train"),
                 ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")]
     if actor_sync == "param_sync":

@@ -28,6 +28,7 @@ METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
 TRACE_FILE = "trace.json"
 CONFIG_FILE = "config.yaml"
+SAMPLES_FILE = "samples.csv"  # last iteration: one row per sample (lengths, finish time)
 FAILURES_FILE = "failures.jsonl"
 
 
@@ -120,6 +121,26 @@ def record_failure(root: str | Path, experiment: str, run: dict[str, Any], error
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
     return path
+
+
+def load_run_table(run_path: str | Path, name: str):
+    """A table a run or an experiment wrote next to its results (e.g. ``samples.csv``), as a DataFrame."""
+    import pandas as pd
+
+    path = Path(run_path) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such results table (run the experiment first)")
+    return pd.read_csv(path)
+
+
+def write_table(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write rows as CSV atomically (pandas)."""
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    pd.DataFrame(rows).to_csv(tmp, index=False)
+    os.replace(tmp, path)
 
 
 def _variant_columns(variant: str) -> dict[str, Any]:

@@ -142,6 +142,9 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
         with open(folder.path(results.METRICS_FILE), "w") as f:
             for row in rows:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
+        results.write_table(folder.path(results.SAMPLES_FILE), [
+            {"sample_id": r.sample_id, "prompt_len": r.prompt_len, "response_len": r.response_len,
+             "finish_s": r.finish_s} for r in traces[-1].samples])
         write_chrome_trace(traces[-1:], str(folder.path(results.TRACE_FILE)),
                            trace_devices(ctx.num_devices, run.cluster.gpus_per_node))
         logger.log_summary(summary)
