@@ -237,12 +237,13 @@ class RealHF(System):
         meshes, strategies = self._options(ctx)
         best = (current_s, current_plan)
         t0 = self.cfg.initial_temperature_frac * current_s
-        deadline = time.perf_counter() + self.cfg.search_time_s
+        budget_s = ctx.search_budget_s(self.cfg.search_time_s)
+        deadline = time.perf_counter() + budget_s
         budget = self.cfg.max_steps
         steps = accepted = 0
         while (steps < budget) if budget is not None else (time.perf_counter() < deadline):
             steps += 1
-            progress = steps / budget if budget else 1 - (deadline - time.perf_counter()) / self.cfg.search_time_s
+            progress = steps / budget if budget else 1 - (deadline - time.perf_counter()) / max(budget_s, 1e-9)
             temperature = max(t0 * (1.0 - progress), 1e-12)
             call = rng.choice(CALLS)
             mesh = choice[call].mesh if rng.random() < 0.5 else rng.choice(meshes)

@@ -149,6 +149,8 @@ class RunConfig:
     seed: int = 0
     results_dir: str = "results"
     overwrite: bool = False  # re-run even if a finished result exists
+    # Upper bound on any system's own search time (seconds); None = each system's default.
+    planning_budget_s: Optional[float] = None
 
 
 def register_configs() -> None:

@@ -33,7 +33,7 @@ FAILURES_FILE = "failures.jsonl"
 
 
 # Overrides that do not change what runs (or are already in the path) stay out of the variant.
-NON_VARIANT_KEYS = ("system", "model", "seed", "experiment_name", "results_dir", "overwrite",
+NON_VARIANT_KEYS = ("system", "model", "seed", "experiment", "experiment_name", "results_dir", "overwrite",
                     "backend.num_iterations", "backend.num_warmup_iterations")
 NON_VARIANT_GROUPS = ("logger", "llama", "hydra")  # and everything under them
 VARIANT_SEPARATOR = ","

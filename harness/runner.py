@@ -64,7 +64,7 @@ def build_context(run: RunConfig) -> PlanContext:
     resolve_mode(run.logger)  # a bad logger.mode fails here, before any folder exists
     cost_model = CostModel(cluster, run.workload, profile)
     return PlanContext(models=run.model, cluster=cluster, workload=run.workload,
-                       cost_model=cost_model, seed=run.seed)
+                       cost_model=cost_model, seed=run.seed, planning_budget_s=run.planning_budget_s)
 
 
 def plan_info(plan: Plan, memory) -> dict[str, Any]:

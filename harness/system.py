@@ -27,6 +27,11 @@ class PlanContext:
     workload: WorkloadConfig
     cost_model: CostModel
     seed: int = 0
+    planning_budget_s: float | None = None  # caps any search a system runs (RunConfig.planning_budget_s)
+
+    def search_budget_s(self, default_s: float) -> float:
+        """A system's search time: its own default, capped by the run's planning budget."""
+        return default_s if self.planning_budget_s is None else min(default_s, self.planning_budget_s)
 
     @property
     def num_devices(self) -> int:

@@ -188,7 +188,7 @@ class RLHFuse(System):
         if best is None:
             raise PlanError("rlhfuse: no fused actor+critic layout fits (try system.intra_stage=false)")
         result = search_fused_schedule(best.pipes, best.costs, mem_cap=self._mem_cap(ctx, layouts, best),
-                                       seed=self.cfg.fuse_seed, time_limit_s=self.cfg.fuse_time_limit_s,
+                                       seed=self.cfg.fuse_seed, time_limit_s=ctx.search_budget_s(self.cfg.fuse_time_limit_s),
                                        max_steps=self.cfg.fuse_max_steps, num_workers=self.cfg.fuse_workers)
         n, tp = ctx.num_devices, best.actor.tp
         num_ranks = math.lcm(best.actor.pp, best.critic.pp)
