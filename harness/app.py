@@ -48,6 +48,11 @@ def main(cfg: DictConfig) -> float | None:
     from harness import results
     from harness.runner import execute, format_summary
 
+    if cfg.get("experiment_runner"):  # a non-benchmark experiment (e.g. a schedule table)
+        from hydra.utils import get_method
+
+        print(f"[harness] experiment {cfg.experiment_name}: wrote {get_method(cfg.experiment_runner)(cfg)}")
+        return None
     multirun = _is_multirun()
     job = {"system": cfg.system.name if "system" in cfg else None, "seed": cfg.seed,
            "overrides": list(HydraConfig.get().overrides.task)}

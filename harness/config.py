@@ -151,6 +151,10 @@ class RunConfig:
     overwrite: bool = False  # re-run even if a finished result exists
     # Upper bound on any system's own search time (seconds); None = each system's default.
     planning_budget_s: Optional[float] = None
+    # Experiments that are not benchmark runs (schedule tables) name a function to call instead
+    # (``module.function(cfg)``), with its parameters; see conf/experiment/.
+    experiment_runner: Optional[str] = None
+    experiment_params: Any = None
 
 
 def register_configs() -> None:

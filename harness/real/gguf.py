@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
-            10: "<u8", 11: "<i8", 12: "<f8"}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q",
+            12: "<d"}  # struct (and numpy) codes of the scalar metadata types
 _STRING, _ARRAY = 8, 9
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 8, 30
 _BLOCKS = {  # type -> (weights per block, numpy dtype of one block)

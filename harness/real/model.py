@@ -221,7 +221,7 @@ class DecoderLayer(nn.Module):
 
 
 def build_positions_and_mask(shape: tuple[int, int], device, attention_mask: Tensor | None,
-                             segment_ids: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                             segment_ids: Tensor | None) -> tuple[Tensor, Tensor]:
     """Positions (B, T) and the (B, 1, T, T) boolean attention mask of a batch without a cache.
 
     ``attention_mask`` (B, T), 1 for real tokens, covers right- or left-padded batches (positions
@@ -239,7 +239,7 @@ def build_positions_and_mask(shape: tuple[int, int], device, attention_mask: Ten
         seg_start = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
         return idx - seg_start, (causal & same)[:, None]
     if attention_mask is None:
-        return torch.arange(t, device=device).expand(b, t), None
+        return torch.arange(t, device=device).expand(b, t), causal[:, None]
     valid = attention_mask.to(device).bool()
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     mask = causal & valid[:, None, :]

@@ -1,0 +1,146 @@
+"""Schedule experiments of the RLHFuse paper (section 7): Table 3 and Figure 10.
+
+Both are searches over the pipeline schedule IR with per-stage costs from the cost model, not
+benchmark runs, so they are experiment *runners*: ``conf/experiment/{table3_schedules,
+fig10_schedule}.yaml`` name them (``experiment_runner``) and ``python -m harness
++experiment=<name>`` calls them. They write CSV tables under ``results/<experiment>/`` that the
+figure modules read through :mod:`harness.results`.
+
+- Table 3: for 33B/13B at (actor pp, critic pp) = (8, 4) and (8, 8) and 65B/33B at (16, 8) and
+  (16, 16), each with 8-64 micro-batches per actor pipeline: serial 1F1B (actor then critic),
+  the greedy fused schedule, the searched fused schedule, "1F1B+" (each model with half the pipeline
+  stages and twice the data parallelism, run serially), and the lower bound; peak activation memory
+  relative to serial 1F1B.
+- Figure 10: the fused schedule of one 16-stage 65B actor pipeline with two 8-stage 33B critic
+  pipelines in reverse, with every action's start and end, and the per-rank activation memory over
+  time next to serial 1F1B's.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness import results
+from harness.runner import build_context
+from harness.schedule import PipeCosts, Schedule, simulate
+from systems.rlhfuse.intra import fused_pipes, greedy_schedule, search_fused_schedule, serial_schedule
+
+
+def _stage_costs(cm, model, num_stages: int, tokens: float, seq: float, tp: int, act_seq: float, mbs: int,
+                 recompute: str) -> tuple[tuple, tuple, float]:
+    layers = model.num_layers / num_stages
+    last = num_stages - 1
+    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=s == last) for s in range(num_stages))
+    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=s == last) for s in range(num_stages))
+    return fwd, bwd, cm.activation_gb(model, mbs, act_seq, tp, layers, recompute)
+
+
+def _pipes_and_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: int, m_a: int, tp: int):
+    """Fused layout with K1*M1 = K2*M2 (the global batch is fixed across both models)."""
+    cm, w = ctx.cost_model, ctx.workload
+    actor, critic = ctx.model("actor"), ctx.model("critic")
+    num_ranks = math.lcm(pp_a, pp_c)
+    k_a, k_c = num_ranks // pp_a, num_ranks // pp_c
+    m_c = max(1, m_a * k_a // k_c)
+    seq = float(w.prompt_len.median + w.output_len.median)
+    tokens = w.micro_batch_size * seq
+    pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
+    costs = {}
+    for name, pipe in pipes.items():
+        model = actor if pipe.model == "actor" else critic
+        fwd, bwd, act = _stage_costs(cm, model, pipe.num_stages, tokens, seq, tp, seq, w.micro_batch_size,
+                                     w.activation_recompute)
+        costs[name] = PipeCosts(fwd, bwd, (act,) * pipe.num_stages, 0.0)
+    return pipes, costs, m_c
+
+
+def _one_f_one_b_plus(ctx, pp_a: int, pp_c: int, m_a: int, m_c: int, tp: int) -> tuple[float, float]:
+    """Each model on half the stages with twice the replicas (half the micro-batches), serially."""
+    pipes, costs, _ = _pipes_and_costs(ctx, "", "", max(1, pp_a // 2), max(1, pp_c // 2), max(1, m_a // 2), tp)
+    # keep the critic's micro-batch count consistent with the halved replica count
+    res = simulate(serial_schedule(pipes), costs, record_times=False)
+    return res.makespan, res.max_peak_memory
+
+
+def table3_schedules(cfg: DictConfig) -> Path:
+    params = cfg.experiment_params
+    out = []
+    for case in params.cases:
+        ctx = build_context(OmegaConf.to_object(_with_models(cfg, case.actor, case.critic)))
+        for m_a in params.microbatches:
+            pipes, costs, m_c = _pipes_and_costs(ctx, case.actor, case.critic, case.pp_actor, case.pp_critic, m_a,
+                                                 params.tp)
+            serial = simulate(serial_schedule(pipes), costs, record_times=False)
+            greedy = simulate(greedy_schedule(pipes, costs), costs, record_times=False)
+            fused = search_fused_schedule(pipes, costs, seed=params.seed, time_limit_s=params.search_time_s,
+                                          num_workers=1)
+            plus_makespan, plus_peak = _one_f_one_b_plus(ctx, case.pp_actor, case.pp_critic, m_a, m_c, params.tp)
+            out.append({
+                "pair": f"{case.actor}/{case.critic}", "pp_actor": case.pp_actor, "pp_critic": case.pp_critic,
+                "microbatches_actor": m_a, "microbatches_critic": m_c,
+                "serial_s": serial.makespan, "greedy_s": greedy.makespan, "fused_s": fused.makespan,
+                "one_f_one_b_plus_s": plus_makespan, "lower_bound_s": fused.lower_bound,
+                "fused_speedup": serial.makespan / fused.makespan,
+                "fused_memory_ratio": fused.peak_memory / serial.max_peak_memory,
+                "greedy_memory_ratio": greedy.max_peak_memory / serial.max_peak_memory,
+                "one_f_one_b_plus_memory_ratio": plus_peak / serial.max_peak_memory,
+                "gap_to_lower_bound_frac": fused.makespan / fused.lower_bound - 1.0, "search_s": fused.search_s,
+            })
+            print(f"[table3] {case.actor}/{case.critic} pp {case.pp_actor}/{case.pp_critic} M={m_a}: "
+                  f"serial {serial.makespan:.4f} fused {fused.makespan:.4f} LB {fused.lower_bound:.4f}")
+    path = Path(cfg.results_dir) / cfg.experiment_name / "table3.csv"
+    results.write_table(path, out)
+    return path
+
+
+def _with_models(cfg: DictConfig, actor: str, critic: str) -> DictConfig:
+    """The run config with actor/ref = ``actor`` and critic/reward = ``critic`` (paper pairs)."""
+    from harness.app import compose
+
+    return compose([f"model={actor}_{critic}", "+system=rlhfuse_base", f"results_dir={cfg.results_dir}"])
+
+
+def _timeline(schedule: Schedule, costs: dict, label: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    res = simulate(schedule, costs, record_times=True)
+    actions, memory = [], []
+    for rank in schedule.order:
+        held, events = 0.0, []
+        for action in schedule.order[rank]:
+            if not action.is_compute:
+                continue
+            pipe = schedule.pipes[action.pipe]
+            start, end = res.start[action], res.end[action]
+            actions.append({"schedule": label, "rank": rank, "pipe": action.pipe, "model": pipe.model,
+                            "stage": action.stage, "kind": action.kind, "mb": action.mb, "start_s": start, "end_s": end})
+            act = costs[action.pipe].activation[action.stage]
+            events.append((start, act) if action.kind == "F" else (end, -act))
+        for t, delta in sorted(events):
+            held += delta
+            memory.append({"schedule": label, "rank": rank, "time_s": t, "activation_gb": held})
+    return actions, memory
+
+
+def fig10_schedule(cfg: DictConfig) -> Path:
+    params = cfg.experiment_params
+    ctx = build_context(OmegaConf.to_object(_with_models(cfg, "65b", "33b")))
+    pipes, costs, _ = _pipes_and_costs(ctx, "65b", "33b", 16, 8, params.microbatches, params.tp)
+    fused = search_fused_schedule(pipes, costs, seed=params.seed, time_limit_s=params.search_time_s)
+    rows, mem = [], []
+    for label, sched in (("fused", fused.schedule), ("serial_1f1b", serial_schedule(pipes))):
+        a, m = _timeline(sched, costs, label)
+        rows += a
+        mem += m
+    actor_alone = {k: v for k, v in pipes.items() if v.model == "actor"}
+    alone = simulate(serial_schedule(actor_alone), {k: costs[k] for k in actor_alone}, record_times=False)
+    folder = Path(cfg.results_dir) / cfg.experiment_name
+    results.write_table(folder / "actions.csv", rows)
+    results.write_table(folder / "memory.csv", mem)
+    results.write_table(folder / "summary.csv", [{
+        "fused_s": fused.makespan, "serial_s": fused.serial_makespan, "actor_alone_1f1b_s": alone.makespan,
+        "lower_bound_s": fused.lower_bound, "fused_peak_gb": fused.peak_memory,
+        "serial_peak_gb": fused.serial_peak_memory, "search_s": fused.search_s}])
+    print(f"[fig10] fused {fused.makespan:.4f} s, 65B actor alone {alone.makespan:.4f} s, serial {fused.serial_makespan:.4f} s")
+    return folder
