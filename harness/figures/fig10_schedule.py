@@ -31,7 +31,7 @@ def draw(root: str | Path) -> list[Path]:
     ax.set(xlabel="time (ms)", ylabel="pipeline rank", title=f"fused schedule: {1e3 * summary['fused_s']:.1f} ms "
            f"(serial 1F1B {1e3 * summary['serial_s']:.1f} ms, lower bound {1e3 * summary['lower_bound_s']:.1f} ms)")
     ax.invert_yaxis()
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=5)
     for label, sched in (("fused", "fused"), ("serial 1F1B", "serial_1f1b")):
         per_time = memory[memory["schedule"] == sched]
         peak = per_time.groupby("rank")["activation_gb"].max()

