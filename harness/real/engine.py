@@ -189,13 +189,13 @@ class GenerationEngine:
             tokens[i, : len(c)] = torch.tensor(c)
             mask[i, : len(c)] = 1
         slots = torch.tensor([s.slot for s in group])
-        logits = self.model(tokens.to(self.device), attention_mask=mask.to(self.device),
-                            cache=self.cache, slots=slots)
         lengths = mask.sum(1)
+        logits = self.model(tokens.to(self.device), attention_mask=mask.to(self.device),
+                            cache=self.cache, slots=slots, output_index=lengths - 1)
         self.cache.advance(slots, lengths)
         for s, n in zip(group, lengths.tolist()):
             s.cached += n
-        return logits[torch.arange(len(group)), (lengths - 1).to(logits.device)]
+        return logits
 
     def _done(self, s: _Sample) -> str | None:
         n = len(s.tokens)

@@ -122,6 +122,8 @@ class GGUFFile:
         if info.ggml_type not in _BLOCKS:
             raise GGUFError(f"tensor {name}: ggml type {info.ggml_type} is not supported by this reader")
         per_block, dt = _BLOCKS[info.ggml_type]
+        if count % per_block:
+            raise GGUFError(f"tensor {name}: {count} weights are not whole blocks of {per_block}")
         blocks = np.frombuffer(self._mm, dtype=dt, count=count // per_block, offset=info.offset)
         d = blocks["d"].astype(np.float32)[:, None]
         if info.ggml_type == GGML_Q8_0:

@@ -274,13 +274,17 @@ class PipelineStage(nn.Module):
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, cache: KVCache | None = None,
-                slots: Tensor | None = None) -> Tensor:
+                slots: Tensor | None = None, output_index: Tensor | None = None) -> Tensor:
         """``cache``/``slots``: decode against a :class:`KVCache` (right padding only, via
-        ``attention_mask``; call ``cache.advance(slots, attention_mask.sum(1))`` after the pass)."""
+        ``attention_mask``; call ``cache.advance(slots, attention_mask.sum(1))`` after the pass).
+        ``output_index`` (B,): run the head on that position of each row only (output (B, vocab)
+        or (B,)), as generation needs just the last token's logits."""
         b, t = x.shape[:2]
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("packed sequences (segment_ids) are not supported with a KV cache")
+            if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+                raise ValueError("with a KV cache, batches must be right-padded")
             slots = torch.arange(b) if slots is None else slots.long()
             mask = None
             if positions is None:
@@ -295,6 +299,8 @@ class PipelineStage(nn.Module):
             h = layer(h, positions, mask, cache, slots)
         if self.head is None:
             return h
+        if output_index is not None:
+            h = h[torch.arange(b, device=h.device), output_index.to(h.device)]
         out = self.head(self.norm(h))
         return out.squeeze(-1) if self.args.value_head else out
 
