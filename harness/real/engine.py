@@ -18,6 +18,11 @@ Holtzman et al. 2020) truncation. Each sample owns a ``torch.Generator`` seeded 
 sample id) and draws one uniform number per token, so its tokens do not depend on batching,
 admission order or migration. Reported log-probs are those of the tempered distribution
 (``log_softmax(logits / temperature)``; plain ``log_softmax`` when greedy), before top-p.
+
+The cache (:class:`~harness.real.model.KVCache`) has one slot per batch place and holds keys after
+rotary embedding; each step runs at most two forwards, one for decoding samples (one new token
+each) and one for samples being prefilled (right-padded). Tiny models on a small shared CPU run
+far faster with ``torch.set_num_threads(1)``.
 """
 from __future__ import annotations
 

@@ -131,5 +131,8 @@ class GGUFFile:
         else:
             q = blocks["q"]
             nibbles = np.concatenate([q & 0x0F, q >> 4], axis=1).astype(np.float32)
-            w = d * (nibbles - 8.0) if info.ggml_type == GGML_Q4_0 else d * nibbles + blocks["m"].astype(np.float32)[:, None]
+            if info.ggml_type == GGML_Q4_0:
+                w = d * (nibbles - 8.0)
+            else:
+                w = d * nibbles + blocks["m"].astype(np.float32)[:, None]
         return torch.from_numpy(np.ascontiguousarray(w)).reshape(info.shape)

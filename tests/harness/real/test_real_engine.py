@@ -32,7 +32,8 @@ def reference_decode(model, prompt, sampling, sample_id, target_len=None):
 
 def _workload(n=7, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (int(k),), generator=gen).tolist() for k in torch.randint(1, 16, (n,), generator=gen)]
+    lengths = torch.randint(1, 16, (n,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (k,), generator=gen).tolist() for k in lengths]
     targets = [int(t) for t in torch.randint(1, 24, (n,), generator=gen)]
     return prompts, targets
 
@@ -136,7 +137,8 @@ def test_migration_continues_exactly(tiny_model, with_kv, sampling):
     assert sorted(f.sample_id for f in finished) == list(range(7))
     for f in finished:
         assert f.tokens == expected[f.sample_id].tokens, f.sample_id
-        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(expected[f.sample_id].logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(expected[f.sample_id].logprobs),
+                                   atol=1e-4, rtol=0)
 
 
 def test_sample_tokens():

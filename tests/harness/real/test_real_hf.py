@@ -18,7 +18,8 @@ pytest.importorskip("safetensors")
 
 
 def _save_hf(tmp_path, model) -> None:
-    kwargs = {"safe_serialization": True} if "safe_serialization" in inspect.signature(model.save_pretrained).parameters else {}
+    params = inspect.signature(model.save_pretrained).parameters
+    kwargs = {"safe_serialization": True} if "safe_serialization" in params else {}
     model.save_pretrained(tmp_path, **kwargs)  # transformers 5 always writes safetensors
 
 

@@ -28,7 +28,8 @@ def test_seeded_init_and_shapes(tiny_model):
     cfg = load_llama_config("tiny")
     same = LlamaModel.from_config(cfg, seed=1)
     other = LlamaModel.from_config(cfg, seed=2)
-    for (name, a), b, c in zip(tiny_model.state_dict().items(), same.state_dict().values(), other.state_dict().values()):
+    states = zip(tiny_model.state_dict().items(), same.state_dict().values(), other.state_dict().values())
+    for (name, a), b, c in states:
         assert torch.equal(a, b), name
         assert name.endswith("norm.weight") or not torch.equal(a, c), name
     x = _tokens(3, 7)

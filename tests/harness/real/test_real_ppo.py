@@ -11,7 +11,9 @@ def _padded(batch=6, length=11, seed=0, offsets=False):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, length + 1, (batch,), generator=gen)
     lengths[0] = length
-    starts = torch.randint(0, length, (batch,), generator=gen) % (length - lengths + 1) if offsets else torch.zeros(batch, dtype=torch.long)
+    starts = torch.zeros(batch, dtype=torch.long)
+    if offsets:  # contiguous valid runs that do not start at 0
+        starts = torch.randint(0, length, (batch,), generator=gen) % (length - lengths + 1)
     idx = torch.arange(length)
     mask = ((idx >= starts[:, None]) & (idx < (starts + lengths)[:, None])).float()
     rewards = torch.randn(batch, length, generator=gen, dtype=torch.float64)
