@@ -50,15 +50,16 @@ def draw(root: str | Path) -> list[Path]:
         sns.barplot(df[df["max_gen_len"] == cap], x="pair", y="perf/samples_per_s", hue="System", hue_order=order,
                     order=[style.PAIR_LABELS[p] for p in style.PAIR_ORDER], palette=style.palette(), ax=ax)
         ax.set(title=f"max generation length {cap}", xlabel="actor/critic", ylabel="throughput (samples/s)")
-        ax.legend().set_visible(i == len(caps) - 1)
         if i == len(caps) - 1:
-            ax.legend(fontsize=7, loc="upper right")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="system")
+        else:
+            ax.get_legend().remove()
         sp = speedups(df[df["max_gen_len"] == cap])
         ax2 = axes[1][i]
         if sp.empty:
             continue
         base_order = [b for b in order if b != "RLHFuse"]
-        sns.barplot(sp, x="Baseline", y="speedup", hue="pair", order=base_order, ax=ax2, palette="Greys")
+        sns.barplot(sp, x="Baseline", y="speedup", hue="pair", order=base_order, ax=ax2, palette="mako")
         for j, label in enumerate(base_order):
             key = next((k for k, v in style.SYSTEM_LABELS.items() if v == label), None)
             if key in PAPER_SPEEDUP:
@@ -68,6 +69,6 @@ def draw(root: str | Path) -> list[Path]:
         ax2.axhline(1.0, color="black", lw=0.8)
         ax2.set(xlabel="", ylabel="RLHFuse speedup (x)", title="RLHFuse over each baseline (band: paper)")
         ax2.tick_params(axis="x", labelrotation=20)
-        ax2.legend(fontsize=7)
+        ax2.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return style.save(fig, root, EXPERIMENT)

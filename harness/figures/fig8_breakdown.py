@@ -49,8 +49,10 @@ def draw(root: str | Path) -> list[Path]:
                            hatch="//" if system == "rlhfuse" else None, edgecolor="white")
                     bottom += value
                 ticks.append(x)
-                labels.append(f"{style.PAIR_LABELS[model]}\n{'Fused' if system == 'rlhfuse' else 'Base'}")
+                labels.append("Fused" if system == "rlhfuse" else "Base")
                 x += 1
+            ax.text(x - 1.5, -0.13, style.PAIR_LABELS[model], transform=ax.get_xaxis_transform(), ha="center",
+                    fontsize=8)
             x += 0.5
         ax.set_xticks(ticks, labels, fontsize=7)
         ax.set(ylabel="iteration time (s)", title=f"max generation length {cap}")
@@ -67,7 +69,7 @@ def draw(root: str | Path) -> list[Path]:
             continue
         import seaborn as sns
 
-        sns.barplot(sp, x="part", y="speedup", hue="pair", ax=ax2, palette="Greys", order=list(PAPER))
+        sns.barplot(sp, x="part", y="speedup", hue="pair", ax=ax2, palette="mako", order=list(PAPER))
         for j, part in enumerate(PAPER):
             lo, hi = PAPER[part]
             ax2.fill_between([j - 0.45, j + 0.45], lo, hi, color=style.PAPER_COLOR, alpha=0.3, zorder=0,
