@@ -68,7 +68,9 @@ def draw(root: str | Path) -> list[Path]:
                                  label="paper" if j == 0 else None)
         ax2.axhline(1.0, color="black", lw=0.8)
         ax2.set(xlabel="", ylabel="RLHFuse speedup (x)", title="RLHFuse over each baseline (band: paper)")
-        ax2.tick_params(axis="x", labelrotation=20)
+        ax2.tick_params(axis="x", labelrotation=30)
+        for label in ax2.get_xticklabels():
+            label.set_horizontalalignment("right")
         ax2.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return style.save(fig, root, EXPERIMENT)
