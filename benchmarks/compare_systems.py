@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 
 from harness import metrics as mk
-from harness.backends.sim import SimBackend
-from harness.testing import plan_for
-from harness.workload import make_batch
+from harness.testing import simulate_iterations
 
 ROWS = [mk.SAMPLES_PER_S, mk.STEP_TIME, mk.GEN_INFERENCE_TIME] + [mk.timing_key(t) for t in mk.TIMED_TASKS] + \
        [mk.REALLOC_TIME, mk.TRAIN_TIME, mk.GEN_TAIL_S, mk.BUSY_MEAN, mk.MAX_MEMORY_GB]
@@ -25,16 +23,9 @@ ROWS = [mk.SAMPLES_PER_S, mk.STEP_TIME, mk.GEN_INFERENCE_TIME] + [mk.timing_key(
 
 def simulate(entry: str, model: str, iterations: int, extra: list[str]) -> dict[str, float]:
     system, _, own = entry.partition(":")
-    plan, ctx, run = plan_for([f"+system={system}", f"model={model}", "logger=none", *extra,
-                               *(o for o in own.split(",") if o)])
-    backend = SimBackend(run.backend, ctx)
-    backend.setup(plan)
-    rows = []
-    for i in range(iterations):
-        batch = make_batch(run.workload, run.seed, i)
-        trace = backend.run_iteration(plan, i, batch)
-        rows.append(mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
-                                         run.cluster.gpu.peak_bf16_tflops * 1e12))
+    plan, runs = simulate_iterations([f"+system={system}", f"model={model}", "logger=none", *extra,
+                                      *(o for o in own.split(",") if o)], iterations)
+    rows = [metrics for _, metrics in runs]
     summary = mk.summarize(rows, num_warmup=1)
     summary.update({f"strategy/{t.name}": str(t.allocation.strategy) for t in plan.tasks})
     for stage in plan.training:  # bubble fraction per training stage (fused or per task)

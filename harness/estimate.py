@@ -59,17 +59,14 @@ def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_si
                              ctx.workload.activation_recompute, 0.0).end_s
 
 
-def generation_and_streaming_s(ctx: PlanContext, gen: Task, policy: GenerationPolicy, inference: list[Task],
-                               moves: dict, batch: Batch, kv_capacity_gb: float) -> float:
-    """Generation (every instance, with the policy's migration) plus streaming inference: the time
-    at which the last inference pass ends. Used to choose RLHFuse's migration threshold."""
+def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task], moves: dict) -> float:
+    """When the last streaming inference pass ends behind a simulated generation (its samples'
+    finish times and device releases). Used to choose RLHFuse's migration threshold and layout."""
     from harness.backends.sim.streaming import simulate_streaming_inference
 
-    res = simulate_generation(ctx.cost_model, gen, policy, ctx.model("actor"), batch.prompt_lens,
-                              batch.output_lens, 0.0, kv_capacity_gb, ctx.workload.max_gen_len)
     free = {d: 0.0 for t in inference for d in t.allocation.mesh}
-    free.update(res.device_free_s())
+    free.update(gen_result.device_free_s())
     models = {t.model: ctx.model(t.model) for t in inference}
-    streamed = simulate_streaming_inference(ctx.cost_model, inference, models, res.samples, free,
+    streamed = simulate_streaming_inference(ctx.cost_model, inference, models, gen_result.samples, free,
                                             ctx.workload.micro_batch_size, moves)
     return max(streamed.end_s.values())

@@ -75,17 +75,6 @@ def migration_policy(ctx: PlanContext, gen: Task, frac: float, kv_capacity_gb: f
     return MigrationPolicy(threshold_frac=frac, num_tail_instances=m, transfer=transfer)
 
 
-def _streaming_end_s(ctx: PlanContext, gen_result, inference: list[Task], moves: dict) -> float:
-    from harness.backends.sim.streaming import simulate_streaming_inference
-
-    free = {d: 0.0 for t in inference for d in t.allocation.mesh}
-    free.update(gen_result.device_free_s())
-    models = {t.model: ctx.model(t.model) for t in inference}
-    streamed = simulate_streaming_inference(ctx.cost_model, inference, models, gen_result.samples, free,
-                                            ctx.workload.micro_batch_size, moves)
-    return max(streamed.end_s.values())
-
-
 def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[ParallelStrategy],
                        make_inference: Callable[[ParallelStrategy], tuple[list[Task], dict[str, WeightMovement]]],
                        base_policy: GenerationPolicy, kv_capacity_gb: float, transfer: str,
@@ -94,7 +83,7 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
     """Choose the shared inference layout (scored with streaming behind a probe migration at
     ``probe_frac``), then R_t for it over ``{0} U fracs`` (0 = stream without migrating)."""
     from harness.backends.sim.generation import simulate_generation
-    from harness.estimate import representative_batch
+    from harness.estimate import representative_batch, streaming_inference_end_s
 
     s = gen.allocation.strategy
     actor = ctx.model("actor")
@@ -110,14 +99,14 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
         return mig, res
 
     probe = generate(pinned_frac if pinned_frac is not None else probe_frac)[1]
-    scored = [(_streaming_end_s(ctx, probe, *make_inference(layout)), i) for i, layout in enumerate(inference_layouts)]
+    scored = [(streaming_inference_end_s(ctx, probe, *make_inference(layout)), i) for i, layout in enumerate(inference_layouts)]
     layout = inference_layouts[min(scored)[1]]
     inference, moves = make_inference(layout)
     curve: dict[float, float] = {}
     best: tuple[float, MigrationPolicy] | None = None
     for frac in (pinned_frac,) if pinned_frac is not None else (0.0,) + tuple(fracs):
         mig, res = generate(frac)
-        t = _streaming_end_s(ctx, res, inference, moves)
+        t = streaming_inference_end_s(ctx, res, inference, moves)
         curve[frac] = t
         if best is None or t < best[0] - 1e-12:
             best = (t, mig or MigrationPolicy(0.0, 0, transfer))

@@ -4,25 +4,14 @@ import math
 import pytest
 
 from harness import metrics as mk
-from harness.backends.sim import SimBackend
 from harness.backends.sim.passes import pipe_stage_devices
-from harness.testing import plan_for
-from harness.workload import make_batch
+from harness.testing import simulate_iterations
 
 SMALL = ["model=7b", "cluster.num_nodes=2", "system.fuse_max_steps=300"]
 
 
 def _simulate(overrides, iterations=1):
-    plan, ctx, run = plan_for(overrides)
-    backend = SimBackend(run.backend, ctx)
-    backend.setup(plan)
-    out = []
-    for it in range(iterations):
-        batch = make_batch(run.workload, run.seed, it)
-        trace = backend.run_iteration(plan, it, batch)
-        out.append((trace, mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
-                                                run.cluster.gpu.peak_bf16_tflops * 1e12)))
-    return plan, out
+    return simulate_iterations(overrides, iterations)
 
 
 def test_both_fusions_off_is_rlhfuse_base():
