@@ -1,0 +1,102 @@
+"""Process groups and point-to-point exchanges between device workers.
+
+``torch.distributed.new_group`` must be called by every rank, in the same order, for every group
+(torch.distributed docs, "Groups"). The driver therefore derives one sorted list of rank sets
+from the plan (:func:`plan_group_ranks`: each allocation's mesh, its tensor-parallel groups and
+its data-parallel groups) and every worker creates them in that order at set-up.
+
+Point-to-point traffic (pipeline activations, weight reallocation) uses the default group with
+global ranks. :func:`exchange` sends one flat buffer per (source, destination) pair, posting all
+sends and receives at once with ``batch_isend_irecv`` so no pair waits on another.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from harness.plan import Allocation, Plan
+
+
+def allocation_group_ranks(alloc: Allocation) -> set[tuple[int, ...]]:
+    s = alloc.strategy
+    out = {tuple(sorted(alloc.mesh))}
+    for k in range(s.dp):
+        for p in range(s.pp):
+            out.add(tuple(sorted(alloc.stage_devices(k, p))))
+    for p in range(s.pp):
+        for t in range(s.tp):
+            out.add(tuple(sorted(alloc.device(k, p, t) for k in range(s.dp))))
+    return out
+
+
+def plan_group_ranks(plan: Plan, extra: Iterable[Allocation] = ()) -> list[tuple[int, ...]]:
+    """Every rank set a worker may use as a group, in one deterministic order."""
+    sets: set[tuple[int, ...]] = set()
+    for alloc in [t.allocation for t in plan.tasks] + [a for m in plan.weight_movements
+                                                       for a in (m.source, m.target)] + list(extra):
+        sets |= allocation_group_ranks(alloc)
+    return sorted((r for r in sets if len(r) > 1), key=lambda r: (len(r), r))
+
+
+class Groups:
+    """Rank set -> process group (None for a set of one rank: no communication needed)."""
+
+    def __init__(self, rank: int, world_size: int, rank_sets: list[tuple[int, ...]]):
+        self.rank, self.world_size = rank, world_size
+        self._groups = {}
+        for ranks in rank_sets:
+            if len(ranks) == world_size:
+                group = dist.group.WORLD
+            else:
+                group = dist.new_group(list(ranks))
+            if rank in ranks:
+                self._groups[ranks] = group
+
+    def get(self, ranks: Iterable[int]):
+        key = tuple(sorted(ranks))
+        if len(key) == 1:
+            return None
+        if key not in self._groups:
+            raise KeyError(f"rank {self.rank}: no process group for ranks {key} (not set up from the plan)")
+        return self._groups[key]
+
+
+def exchange(rank: int, sends: dict[int, torch.Tensor], recv_numel: dict[int, int], dtype, device) -> dict[int, torch.Tensor]:
+    """Send ``sends[dst]`` to each destination and receive ``recv_numel[src]`` elements from each
+    source, all at once. Returns the received flat buffers by source rank."""
+    ops, received = [], {}
+    for peer in sorted(set(sends) | set(recv_numel)):
+        if peer in sends:
+            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), peer))
+        if peer in recv_numel:
+            buf = torch.empty(recv_numel[peer], dtype=dtype, device=device)
+            received[peer] = buf
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return received
+
+
+class PipeChannel:
+    """Activations and gradients between neighbouring pipeline stages (isend; blocking recv)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.pending: list = []
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        t = tensor.detach().contiguous()
+        self.pending.append((dist.isend(t, dst, tag=tag), t))
+
+    def recv(self, shape: tuple[int, ...], src: int, tag: int, dtype=torch.float32) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src, tag=tag)
+        return buf
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()

@@ -1,0 +1,119 @@
+"""The driver's side of a PPO iteration's data (single-controller, as in verl / HybridFlow).
+
+Owns what is the same for every system: prompt tokens drawn from (seed, iteration, sample id);
+the rollout as right-padded tensors; the KL-penalised rewards, GAE advantages (the matrix form,
+RLHFuse section 6) and returns, computed once over the whole batch in float32; whitening over the
+whole batch; and the mini-batch partition, a permutation drawn from (seed, iteration). None of it
+depends on layouts, so every system trains on identical numbers.
+
+Token positions: for a sequence of ``P`` prompt and ``R`` response tokens, the "action" at index
+``j`` of a (B, W-1) tensor is the prediction of token ``j + 1``; response actions are indices
+``P-1 .. P+R-2``. Values use the critic's output at those indices, the reward model scores the
+last token ``P+R-1``.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, masked_whiten
+from harness.workload import Batch
+
+
+def stable_seed(*parts) -> int:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int) -> list[list[int]]:
+    """Prompt ``i`` of iteration ``iteration``: ``prompt_lens[i]`` tokens uniform over the vocabulary."""
+    out = []
+    for i, n in enumerate(batch.prompt_lens.tolist()):
+        gen = torch.Generator().manual_seed(stable_seed("prompt", seed, iteration, i))
+        out.append(torch.randint(0, vocab_size, (int(n),), generator=gen).tolist())
+    return out
+
+
+@dataclass
+class Rollout:
+    tokens: np.ndarray  # (B, W) int64, right-padded with 0
+    attn: np.ndarray  # (B, W) int64
+    action_mask: np.ndarray  # (B, W-1) float32
+    old_logprobs: np.ndarray  # (B, W-1) float32
+    prompt_lens: np.ndarray
+    response_lens: np.ndarray
+
+    @property
+    def last_index(self) -> np.ndarray:
+        return self.prompt_lens + self.response_lens - 1
+
+    def new_rows(self) -> np.ndarray:
+        return np.zeros(self.action_mask.shape, dtype=np.float32)
+
+
+def build_rollout(prompts: list[list[int]], responses: dict[int, tuple[list[int], list[float]]]) -> Rollout:
+    b = len(prompts)
+    p_len = np.array([len(p) for p in prompts])
+    r_len = np.array([len(responses[i][0]) for i in range(b)])
+    width = int((p_len + r_len).max())
+    tokens = np.zeros((b, width), dtype=np.int64)
+    attn = np.zeros((b, width), dtype=np.int64)
+    mask = np.zeros((b, width - 1), dtype=np.float32)
+    old = np.zeros((b, width - 1), dtype=np.float32)
+    for i in range(b):
+        toks, lps = responses[i]
+        seq = prompts[i] + list(toks)
+        tokens[i, :len(seq)] = seq
+        attn[i, :len(seq)] = 1
+        lo = p_len[i] - 1
+        mask[i, lo:lo + len(toks)] = 1.0
+        old[i, lo:lo + len(toks)] = lps
+    return Rollout(tokens, attn, mask, old, p_len, r_len)
+
+
+def scatter_rows(parts: list[dict], shape: tuple[int, ...]) -> np.ndarray:
+    """Put each replica's outputs (``{"index", "out"}``) back in batch order."""
+    full = np.zeros(shape, dtype=np.float32)
+    for part in parts:
+        if len(part["index"]):
+            full[part["index"]] = part["out"]
+    return full
+
+
+def advantages(rollout: Rollout, ref_logprobs: np.ndarray, values: np.ndarray, scores: np.ndarray,
+               kl_coef: float, gamma: float, lam: float, whiten: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    mask = torch.as_tensor(rollout.action_mask)
+    logp, ref = torch.as_tensor(rollout.old_logprobs), torch.as_tensor(ref_logprobs)
+    vals = torch.as_tensor(values) * mask
+    rewards = kl_penalized_rewards(torch.as_tensor(scores), logp, ref, mask, kl_coef)
+    adv, ret = gae_advantages(rewards, vals, mask, gamma, lam)
+    stats = {"reward_mean": float(torch.as_tensor(scores).mean()),
+             "kl": float(masked_mean(logp - ref, mask)),
+             "token_reward_mean": float(masked_mean(rewards, mask)),
+             "advantage_mean": float(masked_mean(adv, mask)),
+             "return_mean": float(masked_mean(ret, mask)),
+             "value_mean": float(masked_mean(vals, mask))}
+    if whiten:
+        adv = masked_whiten(adv, mask)
+    return {"advantages": adv.numpy(), "returns": ret.numpy(), "old_values": vals.numpy()}, stats
+
+
+def minibatch_indices(num_samples: int, mini_batch_size: int, seed: int, iteration: int) -> list[np.ndarray]:
+    """The batch's samples in mini-batches, shuffled by (seed, iteration)."""
+    order = np.random.default_rng([seed, iteration, 0x5EED]).permutation(num_samples)
+    return [order[i:i + mini_batch_size] for i in range(0, num_samples, mini_batch_size)]
+
+
+def param_digest(state: dict[str, torch.Tensor], init: dict[str, torch.Tensor] | None) -> dict[str, float | str]:
+    """Sum, L2 norm, distance from the initial weights, and a SHA-256 of the values rounded to
+    6 decimals (exact equality only survives identical layouts; compare the floats across layouts)."""
+    flat = torch.cat([state[n].reshape(-1).double() for n in sorted(state)])
+    out: dict[str, float | str] = {"sum": float(flat.sum()), "l2": float(flat.norm())}
+    if init is not None:
+        start = torch.cat([init[n].reshape(-1).double() for n in sorted(init)])
+        out["update_l2"] = float((flat - start).norm())
+    out["sha256"] = hashlib.sha256(np.round(flat.numpy(), 6).tobytes()).hexdigest()
+    return out

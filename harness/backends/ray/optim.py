@@ -1,0 +1,143 @@
+"""Data-parallel gradient synchronisation and Adam over one flat buffer per model piece.
+
+One class covers the ZeRO stages a plan can ask for (Rajbhandari et al. 2020, "ZeRO", section 5):
+
+- stage 0: gradients are all-reduced (summed) over the dp group, every rank runs Adam on all of
+  its parameters;
+- stages 1/2: gradients are reduce-scattered, each rank keeps Adam states for and updates only
+  its ``1/dp`` shard of the flat buffer, and the updated shards are all-gathered (the distributed
+  optimizer of Megatron-LM that RLHFuse's training engine uses);
+- stage 3 (:class:`ShardedParams`): in addition the parameters themselves are kept as ``1/dp``
+  shards between uses and all-gathered into the module before a task computes with them
+  (whole-model granularity, where DeepSpeed gathers layer by layer).
+
+Gradients are *summed* over dp: the losses are already normalised by the mini-batch's token count
+(``harness.real.ppo``'s ``num_tokens``), so the sum is the gradient of the mini-batch mean whatever
+the dp and micro-batch split. Adam is elementwise, so sharding changes nothing in the math; the
+flat order is parameter-name order, the same on every rank of a dp group.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Span = tuple[str, float, float]  # (kind, start, end) in time.time() seconds
+
+# torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 has only the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class FlatAdam:
+    def __init__(self, module: nn.Module, group, group_size: int, group_rank: int, *, shard: bool,
+                 lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+        self.params = [p for _, p in sorted(module.named_parameters())]
+        self.group, self.size, self.rank = group, group_size, group_rank
+        self.shard = shard and group_size > 1
+        self.numel = sum(p.numel() for p in self.params)
+        parts = group_size if self.shard else 1
+        self.padded = -(-self.numel // parts) * parts
+        self.shard_numel = self.padded // parts
+        lo = self.rank * self.shard_numel if self.shard else 0
+        self.lo = lo
+        flat = self.flat_params()
+        self.master = nn.Parameter(flat[lo:lo + self.shard_numel].clone())
+        self.opt = torch.optim.Adam([self.master], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                    foreach=False)
+
+    def flat_params(self) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        torch.cat([p.detach().reshape(-1) for p in self.params], out=flat[:self.numel])
+        return flat
+
+    def flat_grads(self) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        i = 0
+        for p in self.params:
+            if p.grad is not None:
+                flat[i:i + p.numel()] = p.grad.reshape(-1)
+            i += p.numel()
+        return flat
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _reduce(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return flat_grad
+        if self.shard:
+            out = torch.empty(self.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
+            _reduce_scatter(out, flat_grad, group=self.group)
+            return out
+        dist.all_reduce(flat_grad, group=self.group)
+        return flat_grad
+
+    def gather_flat(self) -> torch.Tensor:
+        """The full flat parameter vector from every rank's shard."""
+        if not self.shard:
+            return self.master.detach()
+        full = torch.empty(self.padded, dtype=self.master.dtype, device=self.master.device)
+        _all_gather(full, self.master.detach().contiguous(), group=self.group)
+        return full
+
+    def write_params(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            i = 0
+            for p in self.params:
+                p.copy_(flat[i:i + p.numel()].view_as(p))
+                i += p.numel()
+
+    def step(self, write_back: bool = True) -> list[Span]:
+        """Synchronise gradients, update, and (``write_back``) refresh the module's parameters."""
+        spans: list[Span] = []
+        t0 = time.time()
+        grad = self._reduce(self.flat_grads())
+        t1 = time.time()
+        if self.size > 1:
+            spans.append(("reduce_scatter" if self.shard else "allreduce", t0, t1))
+        self.master.grad = grad
+        self.opt.step()
+        self.master.grad = None
+        t2 = time.time()
+        spans.append(("optimizer", t1, t2))
+        self.zero_grad()
+        if write_back:
+            self.write_params(self.gather_flat())
+            if self.shard:
+                spans.append(("allgather", t2, time.time()))
+        return spans
+
+
+class ShardedParams:
+    """ZeRO-3 parameters: between uses each rank keeps only its optimizer shard; :meth:`gather`
+    all-gathers them into the module and :meth:`release` frees the full copies."""
+
+    def __init__(self, module: nn.Module, optimizer: FlatAdam):
+        self.module, self.opt = module, optimizer
+        self.shapes = [p.shape for p in optimizer.params]
+        self.gathered = True
+
+    def gather(self) -> float:
+        """Materialise the full parameters; returns the bytes received."""
+        if self.gathered:
+            return 0.0
+        flat = self.opt.gather_flat()
+        with torch.no_grad():
+            i = 0
+            for p, shape in zip(self.opt.params, self.shapes):
+                n = shape.numel()
+                p.data = flat[i:i + n].view(shape).clone()
+                i += n
+        self.gathered = True
+        return float(flat.numel() - self.opt.shard_numel) * flat.element_size()
+
+    def release(self) -> None:
+        if not self.gathered:
+            return
+        for p in self.opt.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.gathered = False

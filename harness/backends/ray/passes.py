@@ -1,0 +1,204 @@
+"""The work one device does for a task: generation, an inference pass, a training stage.
+
+Each function runs on every device of the task's mesh with that device's :class:`Replica` and
+returns ``(spans, outputs)``: spans as ``(kind, start, end, flops, bytes)`` in ``time.time()``
+seconds, outputs only on the device that reports for its dp replica (last pipeline stage, tp
+rank 0). Samples are dealt to dp replicas round-robin (as the simulator deals them to generation
+instances and inference replicas); a training mini-batch is cut into dp contiguous shares, each
+share into micro-batches of ``micro_batch_size``.
+
+Pipeline parallelism executes the plan's own action list for this device's stage (the schedule
+``harness.schedule`` builds and the simulator times): ``F`` receives the activation from the
+previous stage, runs the stage and sends its output on; ``B`` receives the output gradient,
+back-propagates and sends the input gradient back. Sends are asynchronous and receives block, so
+any schedule that ``harness.schedule.validate`` accepts runs without deadlock.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from harness.backends.ray.comm import PipeChannel
+from harness.backends.ray.replica import Replica
+from harness.costmodel.llama import forward_flops
+from harness.real.engine import GenerationEngine, SamplingParams
+from harness.real.ppo import policy_loss, value_loss
+from harness.real.model import split_layers
+from harness.schedule.ir import Action
+
+SpanT = tuple[str, float, float, float, float]
+
+
+def _flops(model_cfg: dict, replica: Replica, num_tokens: float, seq_len: float) -> float:
+    s = replica.strategy
+    lo, hi = split_layers(replica.args.num_layers, s.pp)[replica.coord[1]]
+    return forward_flops(model_cfg, num_tokens, seq_len / 2, num_layers=hi - lo, include_head=replica.is_last) / s.tp
+
+
+# ---- generation -------------------------------------------------------------------------
+
+def generate(replica: Replica, p: dict[str, Any]) -> tuple[list[SpanT], Any]:
+    """Length-controlled generation of this replica's samples (continuous batching, or static
+    rounds of ``max_batch_size`` that each wait for their longest sample)."""
+    k, dp = replica.coord[0], replica.strategy.dp
+    ids = [i for i in range(len(p["prompts"])) if i % dp == k]
+    max_batch = max(1, min(p["max_batch_size"] or len(ids), len(ids)))
+    sampling = SamplingParams(temperature=p["temperature"], seed=p["sampling_seed"])
+    rounds = [ids[i:i + max_batch] for i in range(0, len(ids), max_batch)] if p["batching"] == "static" else [ids]
+    spans, finished = [], []
+
+    def on_finish(f):
+        finished.append((f.sample_id, f.tokens, f.logprobs, time.time()))
+
+    with torch.no_grad(), replica.compute():
+        replica.set_train(False)
+        for chunk in rounds:
+            engine = GenerationEngine(replica.module, max_batch_size=max_batch, sampling=sampling,
+                                      kv_capacity=int(p["kv_capacity"]))
+            for i in chunk:
+                engine.submit(i, p["prompts"][i], target_len=int(p["target_lens"][i]))
+            t0 = time.time()
+            engine.run(on_finish)
+            spans.append(("decode", t0, time.time(), 0.0, 0.0))
+    return spans, (finished if replica.coord[2] == 0 else None)
+
+
+# ---- inference --------------------------------------------------------------------------
+
+def _head_output(out: Tensor, tokens: Tensor, what: str, temperature: float, last_index: Tensor) -> Tensor:
+    if what == "logprobs":
+        logp = torch.log_softmax(out[:, :-1].float() / temperature, dim=-1)
+        return logp.gather(-1, tokens[:, 1:, None])[..., 0]
+    if what == "values":
+        return out[:, :-1].float()
+    return out[torch.arange(out.shape[0]), last_index].float()  # score of the last token
+
+
+def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
+    tokens, attn = torch.tensor(p["tokens"]), torch.tensor(p["attn"])
+    last_index = torch.tensor(p["last_index"])
+    k, dp = replica.coord[0], replica.strategy.dp
+    mbs = p["micro_batch_size"]
+    mine = np.arange(tokens.shape[0])[k::dp]
+    num_mbs = math.ceil(len(mine) / mbs)
+    if getattr(replica, "lockstep", False):  # DeepSpeed gathers inside forward: equal pass counts
+        num_mbs = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)
+    chan, spans, outputs = PipeChannel(replica.device), [], []
+    hidden = replica.args.hidden_size
+    dev = replica.device
+    with torch.no_grad(), replica.compute():
+        replica.set_train(False)
+        for m in range(num_mbs):
+            rows = torch.as_tensor(mine[m * mbs:(m + 1) * mbs], dtype=torch.long)
+            dummy = len(rows) == 0
+            x_tok = tokens[rows] if not dummy else tokens[:1]
+            x_attn = attn[rows] if not dummy else attn[:1]
+            x = x_tok.to(dev) if replica.is_first else chan.recv((len(x_tok), x_tok.shape[1], hidden),
+                                                                  replica.neighbour(-1), tag=m)
+            t0 = time.time()
+            out = replica(x, attention_mask=x_attn.to(dev))
+            t1 = time.time()
+            spans.append(("forward", t0, t1, _flops(model_cfg, replica, float(x_attn.sum()), x_attn.shape[1]), 0.0))
+            if not replica.is_last:
+                chan.send(out, replica.neighbour(1), tag=m)
+            elif not dummy:
+                outputs.append(_head_output(out, x_tok.to(dev), p["what"], p["temperature"],
+                                            last_index[rows].to(dev)).cpu())
+        chan.flush()
+    if not replica.reports:
+        return spans, None
+    out = torch.cat(outputs).numpy() if outputs else np.zeros((0,), dtype=np.float32)
+    return spans, {"index": mine, "out": out}
+
+
+# ---- training ---------------------------------------------------------------------------
+
+def _loss(out: Tensor, mb: dict[str, Tensor], p: dict[str, Any], num_tokens: float) -> tuple[Tensor, dict]:
+    mask = mb["action_mask"]
+    if p["loss"] == "actor":
+        logp = _head_output(out, mb["tokens"], "logprobs", p["temperature"], None)
+        loss, _ = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p["clip_eps"], num_tokens)
+        with torch.no_grad():
+            ratio = torch.exp(logp - mb["old_logprobs"])
+            clipped = ((ratio - 1.0).abs() > p["clip_eps"]).float()
+            stats = {"loss": float(loss), "clipfrac": float((clipped * mask).sum() / num_tokens),
+                     "approx_kl": float(((mb["old_logprobs"] - logp) * mask).sum() / num_tokens)}
+        return loss, stats
+    values = out[:, :-1].float()
+    loss, _ = value_loss(values, mb["old_values"], mb["returns"], mask, p["value_clip_eps"], num_tokens)
+    with torch.no_grad():
+        clipped = ((values - mb["old_values"]).abs() > p["value_clip_eps"]).float()
+        stats = {"loss": float(loss), "clipfrac": float((clipped * mask).sum() / num_tokens)}
+    return loss, stats
+
+
+def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, mbs: int) -> list[dict[str, Tensor]]:
+    share = len(index) // dp
+    rows = index[k * share:(k + 1) * share]
+    return [{name: v[torch.as_tensor(rows[i:i + mbs], dtype=torch.long)] for name, v in data.items()}
+            for i in range(0, len(rows), mbs)]
+
+
+def train(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
+    """One PPO epoch over the batch: one optimizer step per mini-batch."""
+    dev = replica.device
+    data = {n: torch.tensor(v, device=dev) for n, v in p["data"].items()}
+    actions = [Action.parse(a) for a in p["actions_by_stage"][replica.coord[1]]]
+    k, dp = replica.coord[0], replica.strategy.dp
+    spans: list[SpanT] = []
+    totals: dict[str, float] = {}
+    runs = []
+    hidden = replica.args.hidden_size
+    with replica.compute():
+        replica.set_train(True)
+        for index in p["minibatches"]:
+            index = np.array(index)
+            num_tokens = float(data["action_mask"][torch.tensor(index)].sum())
+            mbs = _micro_batches(data, index, k, dp, p["micro_batch_size"])
+            chan, saved = PipeChannel(dev), {}
+            first_start = None
+            for act in actions:
+                mb = mbs[act.mb]
+                shape = (mb["tokens"].shape[0], mb["tokens"].shape[1], hidden)
+                t0 = time.time()
+                first_start = t0 if first_start is None else first_start
+                if act.kind == "F":
+                    x = mb["tokens"] if replica.is_first else chan.recv(shape, replica.neighbour(-1), 2 * act.mb)
+                    if not replica.is_first:
+                        x.requires_grad_(True)
+                    out = replica(x, attention_mask=mb["attn"])
+                    if replica.is_last:
+                        loss, stats = _loss(out, mb, p, num_tokens)
+                        for key, v in stats.items():
+                            totals[key] = totals.get(key, 0.0) + v
+                        saved[act.mb] = (x, loss, None)
+                    else:
+                        chan.send(out, replica.neighbour(1), 2 * act.mb)
+                        saved[act.mb] = (x, None, out)
+                    kind, factor = "forward", 1.0
+                elif act.kind == "B":
+                    x, loss, out = saved.pop(act.mb)
+                    if replica.is_last:
+                        replica.backward(loss)
+                    else:
+                        replica.backward(None, output=out,
+                                         grad=chan.recv(tuple(out.shape), replica.neighbour(1), 2 * act.mb + 1))
+                    if not replica.is_first:
+                        chan.send(x.grad, replica.neighbour(-1), 2 * act.mb + 1)
+                    kind, factor = "backward", 2.0
+                else:
+                    continue
+                t1 = time.time()
+                flops = factor * _flops(model_cfg, replica, float(mb["attn"].sum()), mb["attn"].shape[1])
+                spans.append((kind, t0, t1, flops, 0.0))
+                if act.kind == "B":
+                    spans += [(kd, a, b, 0.0, 0.0) for kd, a, b in replica.micro_step()]
+            chan.flush()
+            runs.append((first_start, time.time()))
+            spans += [(kd, a, b, 0.0, 0.0) for kd, a, b in replica.optimizer_step()]
+    return spans, ({"stats": totals, "runs": runs} if replica.reports else {"runs": runs})

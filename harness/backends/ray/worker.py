@@ -1,0 +1,170 @@
+"""One device's worker process (a Ray actor): process groups, model replicas, task execution.
+
+The driver (:class:`harness.backends.ray.RayBackend`) creates one ``DeviceWorker`` per device,
+wires them into one ``torch.distributed`` job (gloo on CPU, NCCL on CUDA), hands every worker the
+plan, then calls :meth:`DeviceWorker.run` on the devices of each task's mesh. A worker keeps, per
+model role, a *home* replica in the layout where the model trains (actor, critic) or infers (ref,
+reward), plus copies in the layouts of other tasks, which weight movements refresh.
+
+:meth:`shutdown` ends cleanly: a barrier, then ``destroy_process_group`` (without it, gloo in
+torch 2.13 aborts the process at exit).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import socket
+import time
+from typing import Any
+
+from harness.plan import Allocation, ParallelStrategy, Plan
+
+SpanT = tuple[str, float, float, float, float]
+
+
+def alloc_from_dict(d: dict) -> Allocation:
+    return Allocation(tuple(d["mesh"]), ParallelStrategy(**d["strategy"]))
+
+
+def layout_key(alloc: Allocation) -> str:
+    """Layouts that place the same pieces on the same devices share replicas: ZeRO stages 0-2
+    differ only in how the optimizer is sharded, which matters to the home (training) replica alone."""
+    s = alloc.strategy
+    return f"{list(alloc.mesh)}:dp{s.dp}tp{s.tp}pp{s.pp}" + (":zero3" if s.zero_stage == 3 else "")
+
+
+class DeviceWorker:
+    def __init__(self, rank: int, world_size: int, options: dict[str, Any]):
+        self.rank, self.world_size, self.options = rank, world_size, options
+        self.use_cuda = options["device"] == "cuda"
+        if not self.use_cuda:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        import torch
+
+        torch.set_num_threads(int(options["torch_threads"]))
+        self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+        self.replicas: dict[tuple[str, str], Any] = {}
+        self.plan: Plan | None = None
+
+    # ---- set-up -------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port for the rendezvous (asked of worker 0)."""
+        if self.options.get("multi_node"):
+            import ray
+
+            ip = ray.util.get_node_ip_address()
+        else:
+            ip = "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def init_distributed(self, ip: str, port: int, timeout_s: float) -> int:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=ip, MASTER_PORT=str(port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        dist.init_process_group("nccl" if self.use_cuda else "gloo", init_method=f"tcp://{ip}:{port}",
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return self.rank
+
+    def setup(self, plan_json: str, setup: dict[str, Any]) -> float:
+        """Create process groups and the home replica of every model; returns seconds taken."""
+        from harness.backends.ray.comm import Groups
+
+        t0 = time.time()
+        self.plan = Plan.from_json(plan_json)
+        self.setup_info = setup
+        self.groups = Groups(self.rank, self.world_size, [tuple(r) for r in setup["groups"]])
+        for role, home in setup["homes"].items():
+            alloc = alloc_from_dict(home["allocation"])
+            if self.rank in alloc.mesh:
+                self._create(role, alloc, home)
+        return time.time() - t0
+
+    def _full_init_state(self, role: str):
+        from harness.real.model import LlamaModel
+
+        return LlamaModel(self._args(role), seed=self.setup_info["seeds"][role]).state_dict()
+
+    def _args(self, role: str):
+        from harness.real.model import ModelArgs
+
+        return ModelArgs(**self.setup_info["model_args"][role])
+
+    def _create(self, role: str, alloc: Allocation, home: dict | None) -> Any:
+        """A replica of ``role`` in ``alloc``: home replicas start from the seeded initial weights
+        (and train if ``home['hparams']``), copies start empty and are filled by a weight movement."""
+        from harness.backends.ray.replica import LocalReplica, NativeZero3Replica
+
+        args = self._args(role)
+        hparams = home.get("hparams") if home else None
+        if alloc.strategy.zero_stage == 3 and home is not None:
+            state = self._full_init_state(role)
+            if home["zero3_impl"] == "deepspeed":
+                from harness.backends.ray.zero3 import DeepSpeedReplica
+
+                replica = DeepSpeedReplica(role, args, alloc, self.rank, self.groups, self.device, state, hparams,
+                                           home.get("micro_batch_size", 1), home.get("grad_accum", 1))
+                replica.lockstep = True
+            else:
+                replica = NativeZero3Replica(role, args, alloc, self.rank, self.groups, self.device, state, hparams)
+        else:
+            state = self._full_init_state(role) if home is not None else None
+            replica = LocalReplica(role, args, alloc, self.rank, self.groups, self.device, state, hparams)
+        self.replicas[(role, layout_key(alloc))] = replica
+        return replica
+
+    def replica(self, role: str, alloc: Allocation, create: bool = False):
+        key = (role, layout_key(alloc))
+        if key not in self.replicas:
+            if not create:
+                raise RuntimeError(f"device {self.rank} holds no {role} replica in layout {layout_key(alloc)}")
+            return self._create(role, alloc, None)
+        return self.replicas[key]
+
+    # ---- tasks --------------------------------------------------------------------------
+    def run(self, spec: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+        """Execute one task's share on this device: ``spec['op']`` is generate, infer, train,
+        move (weight movement) or state (weights for the driver's digest)."""
+        from harness.backends.ray import passes
+        from harness.backends.ray.movement import gather_state, move_weights
+
+        fault = self.options.get("fault_injection")
+        if fault and fault.get("task") == spec["task"] and int(fault.get("device", -1)) == self.rank:
+            os._exit(17)  # test hook: die as a crashed worker would, without cleaning up
+        op, role = spec["op"], spec["role"]
+        alloc = alloc_from_dict(spec["allocation"])
+        model_cfg = self.setup_info["model_cfgs"][role]
+        if op == "move":
+            source = self.replica(role, alloc_from_dict(spec["source"])) if self.rank in spec["source"]["mesh"] else None
+            target = self.replica(role, alloc, create=True) if self.rank in alloc.mesh else None
+            spans, out = move_weights(self, role, source, target, alloc_from_dict(spec["source"]), alloc)
+        elif op == "state":
+            spans, out = [], gather_state(self.replica(role, alloc))
+        else:
+            fn = {"generate": passes.generate, "infer": passes.infer, "train": passes.train}[op]
+            replica = self.replica(role, alloc)
+            spans, out = fn(replica, payload) if op == "generate" else fn(replica, payload, model_cfg)
+        return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb()}
+
+    def memory_gb(self) -> float:
+        """Peak device memory: CUDA allocator peak, or the process's peak resident set on CPU."""
+        if self.use_cuda:
+            import torch
+
+            return torch.cuda.max_memory_allocated() / 1e9
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+    def shutdown(self) -> bool:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return True
