@@ -54,8 +54,16 @@ def variant_label(overrides: list[str]) -> str:
     return VARIANT_SEPARATOR.join(sorted(parts))
 
 
+MAX_FOLDER_CHARS = 150  # file systems cap a name at 255 bytes; long variants are shortened with a hash
+
+
 def run_path(root: str | Path, experiment: str, system: str, model: str, seed: int, variant: str = "") -> Path:
     folder = f"{system}{VARIANT_SEPARATOR}{variant}" if variant else system
+    if len(folder) > MAX_FOLDER_CHARS:  # the full variant is kept in summary.json ("run"."variant")
+        import hashlib
+
+        digest = hashlib.sha1(variant.encode()).hexdigest()[:10]
+        folder = f"{folder[:MAX_FOLDER_CHARS - 12]}~{digest}"
     return Path(root) / experiment / folder / model / f"seed{seed}"
 
 
@@ -174,6 +182,7 @@ def load_results(root: str | Path = "results", experiment: str | None = None):
         with open(summary_path) as f:
             summary = json.load(f)
         system, _, variant = run.parents[1].name.partition(VARIANT_SEPARATOR)
+        variant = summary.get("run", {}).get("variant", variant)  # exact even when the folder name is shortened
         rows.append({
             "experiment": run.parents[2].name, "system": system, "variant": variant, "model": run.parent.name,
             "seed": int(run.name.removeprefix("seed")), "path": str(run), **_variant_columns(variant),

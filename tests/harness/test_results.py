@@ -38,3 +38,15 @@ def test_loader_splits_system_and_variant(tmp_path):
     assert list(df["system.migration_frac"]) == [0.1, 0.2]
     assert list(df["perf/samples_per_s"]) == pytest.approx([1.0, 2.0])
     assert list(df["info/system"]) == ["rlhfuse", "rlhfuse"]
+
+
+def test_long_variants_get_a_short_unique_folder(tmp_path):
+    long_a = ",".join(f"system.layouts.task{i}=dp2tp2pp1" for i in range(12))
+    long_b = long_a.replace("task11", "task12")
+    a = results.run_path(tmp_path, "e", "rlhfuse_base", "tiny", 0, long_a)
+    b = results.run_path(tmp_path, "e", "rlhfuse_base", "tiny", 0, long_b)
+    assert a != b and len(a.parents[1].name) <= results.MAX_FOLDER_CHARS
+    a.mkdir(parents=True)
+    (a / results.SUMMARY_FILE).write_text(json.dumps({"metrics": {}, "run": {"variant": long_a}}))
+    df = results.load_results(tmp_path, "e")
+    assert df.loc[0, "variant"] == long_a and df.loc[0, "system"] == "rlhfuse_base"
