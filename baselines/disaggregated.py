@@ -50,9 +50,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from harness.backends.sim import SimBackend
-from harness.config import BackendConfig, SystemConfig
+from harness.config import SystemConfig
 from harness.errors import PlanError
+from harness.estimate import simulate_plan
 from harness.plan import GenerationPolicy, Plan
 from harness.system import PlanContext, System, register_system_config
 from harness.workload import make_batch
@@ -130,7 +130,6 @@ class SplitPlanner:
         self.ctx, self.cfg = ctx, cfg
         self.search_cfg = layout_search_config(cfg.name, cfg.zero_stage, cfg.max_gen_batch_size)
         self.policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
-        self.backend = SimBackend(BackendConfig(name="sim", _target_="harness.backends.sim.SimBackend"), ctx)
         self.batch = make_batch(ctx.workload, ctx.seed, 0)
         self._gen: dict[tuple[int, ...], SearchResult] = {}
         self._train: dict[tuple[int, ...], dict[str, SearchResult]] = {}
@@ -170,8 +169,7 @@ class SplitPlanner:
 
     def makespan_s(self, plan: Plan) -> float:
         """Simulated iteration time (checks memory first; raises PlanMemoryError if it does not fit)."""
-        self.backend.setup(plan)
-        return self.backend.run_iteration(plan, 0, self.batch).makespan_s
+        return simulate_plan(self.ctx, plan, self.batch).makespan_s
 
 
 class Disaggregated(System):

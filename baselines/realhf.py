@@ -40,9 +40,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.config import BackendConfig, SystemConfig
+from harness.config import SystemConfig
 from harness.errors import PlanError
-from harness.estimate import generation_s, inference_s, representative_batch, training_s
+from harness.estimate import generation_s, inference_s, representative_batch, simulate_plan, training_s
 from harness.memory_check import check_plan_memory
 from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task
 from harness.system import PlanContext, System, register_system_config
@@ -265,15 +265,8 @@ class RealHF(System):
 
     def _verify(self, ctx: PlanContext, start: Plan, best: Plan) -> tuple[float, float]:
         """Step time of both plans under the full simulator on the representative batch."""
-        from harness.backends.sim import SimBackend
-
         batch = representative_batch(ctx)
-        out = []
-        for plan in (start, best):
-            backend = SimBackend(BackendConfig(name="sim", _target_="harness.backends.sim.SimBackend"), ctx)
-            backend.setup(plan)
-            out.append(backend.run_iteration(plan, 0, batch).makespan_s)
-        return out[0], out[1]
+        return simulate_plan(ctx, start, batch).makespan_s, simulate_plan(ctx, best, batch).makespan_s
 
 
 class RealHFHeuristic(RealHF):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 from harness.backends.sim.generation import simulate_generation
+from harness.config import BackendConfig
 from harness.backends.sim.passes import simulate_inference, simulate_training
 from harness.plan import GenerationPolicy, Plan, Task, TrainingStage
 from harness.system import PlanContext
 from harness.workload import Batch, make_batch
 
 NUM_GEN_INSTANCES_ESTIMATED = 4
+SIM_BACKEND = BackendConfig(name="sim", _target_="harness.backends.sim.SimBackend")
 
 
 def representative_batch(ctx: PlanContext, global_batch_size: int | None = None) -> Batch:
@@ -70,3 +72,13 @@ def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task
     streamed = simulate_streaming_inference(ctx.cost_model, inference, models, gen_result.samples, free,
                                             ctx.workload.micro_batch_size, moves)
     return max(streamed.end_s.values())
+
+
+def simulate_plan(ctx: PlanContext, plan: Plan, batch: Batch | None = None):
+    """One iteration of a whole plan under the full simulator (representative batch by default):
+    the StepTrace the sim backend would report. Planners use it to verify or score whole plans."""
+    from harness.backends.sim import SimBackend
+
+    backend = SimBackend(SIM_BACKEND, ctx)
+    backend.setup(plan)
+    return backend.run_iteration(plan, 0, batch if batch is not None else representative_batch(ctx))

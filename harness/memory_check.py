@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from harness.costmodel import CostModel
 from harness.errors import PlanMemoryError
-from harness.plan import Allocation, Plan, ResidentState, Task
+from harness.plan import Allocation, Plan, Task
 from harness.schedule import PipeCosts, simulate
 
 

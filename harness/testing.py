@@ -30,21 +30,28 @@ def plan_for(overrides: list[str]) -> tuple[Plan, PlanContext, RunConfig]:
     return get_class(run.system.impl)(run.system).plan(ctx), ctx, run
 
 
+def simulate_plan_metrics(plan: Plan, ctx: PlanContext, iteration: int = 0, backend=None):
+    """One simulated iteration of ``plan``: (StepTrace, per-iteration metrics)."""
+    from harness import metrics as mk
+    from harness.backends.sim import SimBackend
+    from harness.estimate import SIM_BACKEND
+    from harness.workload import make_batch
+
+    if backend is None:
+        backend = SimBackend(SIM_BACKEND, ctx)
+        backend.setup(plan)
+    batch = make_batch(ctx.workload, ctx.seed, iteration)
+    trace = backend.run_iteration(plan, iteration, batch)
+    return trace, mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
+                                       ctx.cluster.gpu.peak_bf16_tflops * 1e12)
+
+
 def simulate_iterations(overrides: list[str], num_iterations: int = 1):
     """Plan with the system named in ``overrides`` and run ``num_iterations`` simulated iterations.
     Returns (plan, [(StepTrace, metrics dict) per iteration])."""
-    from harness import metrics as mk
     from harness.backends.sim import SimBackend
-    from harness.workload import make_batch
 
     plan, ctx, run = plan_for(overrides)
     backend = SimBackend(run.backend, ctx)
     backend.setup(plan)
-    task_models = {t.name: t.model for t in plan.tasks}
-    peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
-    out = []
-    for it in range(num_iterations):
-        batch = make_batch(run.workload, run.seed, it)
-        trace = backend.run_iteration(plan, it, batch)
-        out.append((trace, mk.iteration_metrics(trace, batch.total_num_tokens, task_models, peak_flops)))
-    return plan, out
+    return plan, [simulate_plan_metrics(plan, ctx, it, backend) for it in range(num_iterations)]

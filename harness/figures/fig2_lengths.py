@@ -15,9 +15,7 @@ EXPERIMENT = "fig2_lengths"
 def draw(root: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    df = results.load_results(root, EXPERIMENT)
-    if df.empty:
-        raise FileNotFoundError(f"no finished runs under {root}/{EXPERIMENT}: run python -m harness +experiment={EXPERIMENT}")
+    df = style.load_experiment(root, EXPERIMENT)
     style.setup()
     fig, (ax_cdf, ax_share) = plt.subplots(1, 2, figsize=(10, 3.8))
     df = df.sort_values("workload.max_gen_len")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import results
 from harness.figures import style
 
 EXPERIMENT = "fig7_throughput"
@@ -13,9 +12,7 @@ PAPER_SPEEDUP = {"deepspeed_chat": (2.5, 3.7), "realhf": (1.4, 2.4), "rlhfuse_ba
 
 
 def throughput_table(root):
-    df = results.load_results(root, EXPERIMENT)
-    if df.empty:
-        raise FileNotFoundError(f"no finished runs under {root}/{EXPERIMENT}: run python -m harness +experiment={EXPERIMENT}")
+    df = style.load_experiment(root, EXPERIMENT)
     df = df[df["model"].isin(style.PAIR_ORDER)].copy()
     df["System"] = df["system"].map(style.SYSTEM_LABELS)
     df["pair"] = df["model"].map(style.PAIR_LABELS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import results
 from harness.figures import style
 
 EXPERIMENT = "fig9_migration"
@@ -13,9 +12,7 @@ EXPERIMENT = "fig9_migration"
 def draw(root: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    df = results.load_results(root, EXPERIMENT)
-    if df.empty:
-        raise FileNotFoundError(f"no finished runs under {root}/{EXPERIMENT}: run python -m harness +experiment={EXPERIMENT}")
+    df = style.load_experiment(root, EXPERIMENT)
     style.setup()
     models = [m for m in style.PAIR_ORDER if m in set(df["model"])]
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)

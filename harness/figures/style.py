@@ -43,3 +43,14 @@ def save(fig, root: str | Path, name: str) -> list[Path]:
 
 def ordered_systems(present) -> list[str]:
     return [SYSTEM_LABELS[s] for s in SYSTEM_ORDER if s in set(present)]
+
+
+def load_experiment(root, experiment: str):
+    """Finished runs of ``experiment`` (through :func:`harness.results.load_results`); a clear error if none."""
+    from harness import results
+
+    df = results.load_results(root, experiment)
+    if df.empty:
+        raise FileNotFoundError(f"no finished runs under {root}/{experiment}: run python -m harness "
+                                f"+experiment={experiment}")
+    return df

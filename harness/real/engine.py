@@ -118,7 +118,19 @@ class _Sample:
         return self.prompt + self.tokens
 
 
-class GenerationEngine:
+class EngineLoop:
+    """The loop every engine shares: step until no sample is left. Engines implement ``has_work``
+    and ``step(on_finish)``; both :class:`GenerationEngine` and the vLLM adapter use this one."""
+
+    def run(self, on_finish: Callable[[FinishedSample], None] | None = None) -> list[FinishedSample]:
+        """Step until no sample is left; return all finished samples in finish order."""
+        done: list[FinishedSample] = []
+        while self.has_work:
+            done += self.step(on_finish)
+        return done
+
+
+class GenerationEngine(EngineLoop):
     """Continuous batching over a :class:`~harness.real.model.LlamaModel` (or a last-and-first
     :class:`~harness.real.model.PipelineStage`) with a slot-based KV cache."""
 
@@ -245,13 +257,6 @@ class GenerationEngine:
             if on_finish is not None:
                 on_finish(f)
         return finished
-
-    def run(self, on_finish: Callable[[FinishedSample], None] | None = None) -> list[FinishedSample]:
-        """Step until no sample is left; return all finished samples in finish order."""
-        done: list[FinishedSample] = []
-        while self.has_work:
-            done += self.step(on_finish)
-        return done
 
     def export_unfinished(self, with_kv: bool = True) -> list[MigratedSample]:
         """Remove every unfinished sample (running, then waiting) and return its state; with

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Hashable
 
-from harness.real.engine import FinishedSample, MigratedSample, SamplingParams, sample_seed
+from harness.real.engine import EngineLoop, FinishedSample, MigratedSample, SamplingParams, sample_seed
 
 
 class EngineUnavailableError(ImportError):
@@ -32,7 +32,7 @@ def _import_vllm():
     return vllm
 
 
-class VllmEngine:
+class VllmEngine(EngineLoop):
     """Continuous batching by vLLM over a local checkpoint directory (Hugging Face format)."""
 
     def __init__(self, model_path: str, *, max_batch_size: int = 256,
@@ -91,12 +91,6 @@ class VllmEngine:
                 if on_finish is not None:
                     on_finish(f)
         return finished
-
-    def run(self, on_finish: Callable[[FinishedSample], None] | None = None) -> list[FinishedSample]:
-        done: list[FinishedSample] = []
-        while self.has_work:
-            done += self.step(on_finish)
-        return done
 
     def export_unfinished(self, with_kv: bool = False) -> list[MigratedSample]:
         if with_kv:

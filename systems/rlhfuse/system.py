@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.config import SystemConfig  # noqa: F401  (schema base, via RLHFuseBaseConfig)
 from harness.errors import PlanError
 from harness.plan import (Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task,
                           TrainingStage, WeightMovement)

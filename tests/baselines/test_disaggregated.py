@@ -6,16 +6,12 @@ import random
 import pytest
 
 from harness import metrics as mk
-from harness.backends.sim import SimBackend
-from harness.config import BackendConfig
 from harness.costmodel.llama import num_params
 from harness.errors import PlanError
 from harness.memory_check import check_plan_memory
-from harness.metrics import iteration_metrics
 from harness.plan import Plan
 from harness.realloc import reallocation_transfers
-from harness.testing import plan_for
-from harness.workload import make_batch
+from harness.testing import plan_for, simulate_plan_metrics
 from baselines.disaggregated import coarse_splits, search_splits
 
 SMALL = ["model=7b", "cluster.num_nodes=2"]
@@ -23,12 +19,7 @@ TRAINING_TASKS = ("update_actor", "update_critic", "ref", "reward", "values")
 
 
 def simulate(plan, ctx):
-    backend = SimBackend(BackendConfig(name="sim", _target_="harness.backends.sim.SimBackend"), ctx)
-    batch = make_batch(ctx.workload, ctx.seed, 0)
-    trace = backend.run_iteration(plan, 0, batch)
-    row = iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
-                            ctx.cluster.gpu.peak_bf16_tflops * 1e12)
-    return trace, row
+    return simulate_plan_metrics(plan, ctx)
 
 
 @pytest.fixture(scope="module")

@@ -2,31 +2,22 @@
 halves whose inference runs concurrently in the simulator."""
 import pytest
 
-from harness.backends.sim import SimBackend
-from harness.config import BackendConfig
 from harness.memory_check import check_plan_memory
-from harness.metrics import iteration_metrics
 from harness.plan import Plan
-from harness.testing import context, plan_for
-from harness.workload import make_batch
+from harness.testing import context, plan_for, simulate_plan_metrics
 from baselines.interleaved import ref_reward_groups
 
 SMALL = ["model=7b", "cluster.num_nodes=2"]
 
 
 def simulate(plan, ctx):
-    backend = SimBackend(BackendConfig(name="sim", _target_="harness.backends.sim.SimBackend"), ctx)
-    batch = make_batch(ctx.workload, ctx.seed, 0)
-    trace = backend.run_iteration(plan, 0, batch)
-    row = iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
-                            ctx.cluster.gpu.peak_bf16_tflops * 1e12)
-    return trace, row
+    return simulate_plan_metrics(plan, ctx)
 
 
 def task_window(trace, task):
-    spans = [s for s in trace.spans if s.task == task]
-    assert spans, f"no spans for {task}"
-    return min(s.start_s for s in spans), max(s.end_s for s in spans)
+    window = trace.task_window(task)
+    assert window is not None, f"no spans for {task}"
+    return window
 
 
 @pytest.fixture(scope="module")
