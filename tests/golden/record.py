@@ -1,0 +1,48 @@
+"""Record (or check) the golden plans and summary metrics of every system (issue 10).
+
+``python tests/golden/record.py`` writes ``tests/golden/<system>-<model>.json``: the plan.json and
+the summary metrics of a full sim-backend run (fixed seed, deterministic search budgets). The
+golden files were recorded on the commit *before* the planning-library redesign, so
+``tests/test_golden.py`` checks that the redesign preserved behaviour.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse", "realhf", "realhf_heuristic", "interleaved",
+           "disaggregated")
+MODELS = ("13b", "65b_33b")
+# Step budgets instead of wall-clock budgets, so the searches are deterministic.
+DETERMINISTIC = {"rlhfuse": ["system.fuse_max_steps=2000"], "realhf": ["system.max_steps=200"]}
+# Wall-clock measurements: recorded for information, never compared.
+WALL_CLOCK_KEYS = ("timing_s/plan", "fused/search_s")
+
+
+def overrides(system: str, model: str, results_dir: str) -> list[str]:
+    return [f"+system={system}", f"model={model}", "logger=none", "logger.progress_bar=false",
+            f"results_dir={results_dir}", "experiment_name=golden"] + DETERMINISTIC.get(system, [])
+
+
+def run(system: str, model: str) -> dict:
+    from harness.app import compose
+    from harness.runner import execute
+
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome = execute(compose(overrides(system, model, tmp)), [])
+        plan = json.loads((outcome.path / "plan.json").read_text())
+    return {"plan": plan, "metrics": outcome.summary}
+
+
+def golden_path(system: str, model: str) -> Path:
+    return HERE / f"{system}-{model}.json"
+
+
+if __name__ == "__main__":
+    todo = [(s, m) for s in SYSTEMS for m in MODELS if not sys.argv[1:] or s in sys.argv[1:]]
+    for system, model in todo:
+        golden_path(system, model).write_text(json.dumps(run(system, model), indent=1, sort_keys=True) + "\n")
+        print("recorded", system, model, flush=True)
