@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 from harness.config import SystemConfig
 from harness.errors import PlanError
-from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState
+from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
+from harness.planning.assembler import assemble_ppo_plan
+from harness.planning.workflow import check_layout_fits, full_mesh
 from harness.system import PlanContext, System, register_system_config
-from harness.workflow import check_layout_fits, full_mesh, ppo_tasks, single_pipe_stage, weight_movement
 
 
 @dataclass
@@ -65,23 +66,12 @@ class DeepSpeedChat(System):
                             f"{num_instances} hybrid-engine TP groups (N / gen_tp)")
         train_alloc = Allocation(mesh, zero)
         allocs = {name: train_alloc for name in ("ref", "reward", "values", "update_actor", "update_critic")}
-        allocs["gen"] = Allocation(mesh, gen)
-        gather_task, gather = weight_movement("actor", "gen", train_alloc, allocs["gen"])
-        tasks = [gather_task] + ppo_tasks(allocs, moved={"gen": gather_task.name})
-        mbs = ctx.workload.micro_batch_size
-        training = [single_pipe_stage(t, m, zero, cfg.mini_batch_size, mbs, gbs)
-                    for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
-        return Plan(
-            system=cfg.name, tasks=tasks, training=training,
-            generation=GenerationPolicy(batching="static",
-                                        max_batch_size=cfg.generation_batch_size // num_instances),
-            weight_movements=[gather],
-            resident=[ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train"),
-                      ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")],
-            global_batch_size=gbs, mini_batch_size=cfg.mini_batch_size,
+        allocs["gen"] = Allocation(mesh, gen)  # the hybrid engine gathers ZeRO-3 shards into this layout
+        policy = GenerationPolicy(batching="static", max_batch_size=cfg.generation_batch_size // num_instances)
+        return assemble_ppo_plan(
+            ctx, cfg.name, allocs, policy, mini_batch_size=cfg.mini_batch_size,
             notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // cfg.generation_batch_size,
-                   "zero_stage": cfg.zero_stage},
-        )
+                   "zero_stage": cfg.zero_stage})
 
 
 register_system_config("deepspeed_chat", DeepSpeedChatConfig)

@@ -18,15 +18,14 @@ What we reimplement, as plan data:
   ``update_critic``, ``ref``, ``reward`` and ``values`` run on the training pool, ``gen`` on the
   generation pool; the meshes are disjoint and together cover the cluster.
 - **Parallelism**: each task's (dp, tp, pp) is chosen within its pool by the same brute-force
-  search over the cost model that RLHFuse-Base uses (:class:`baselines.interleaved.PoolLayoutSearch`
-  over :class:`systems.rlhfuse.base.LayoutSearch`); generation uses continuous batching with the same
+  search over the cost model that RLHFuse-Base uses (:class:`harness.planning.layout_search.PoolLayoutSearch`); generation uses continuous batching with the same
   per-instance batch limit as ``rlhfuse_base``. The generation pool runs as many shadow replicas
   as its searched dp.
 - **Synchronisation**: a ``param_sync`` weight-movement task each iteration moves the trained
   actor's weights point-to-point from its training layout to every generation replica, with the
-  tensor-parallel layout remapped (:func:`harness.realloc.reallocation_transfers`: each receiving
+  tensor-parallel layout remapped (:func:`harness.planning.realloc.reallocation_transfers`: each receiving
   replica gets one full copy of the actor, 2 bytes per parameter; the simulator bounds the time by
-  the receivers' and the senders' links, :func:`harness.backends.sim.passes.weight_movement_s`).
+  the receivers' and the senders' links, :func:`harness.planning.taskmodels.passes.weight_movement_s`).
   It is part of the iteration (``gen`` reads the synced weights), so it counts in the step time.
 - **Split**: ``system.gen_nodes`` fixes the generation pool's size; 0 (default) lets the cost
   model choose it. Each candidate split is planned (per-pool layout searches, cached per pool)
@@ -52,12 +51,13 @@ from typing import Callable
 
 from harness.config import SystemConfig
 from harness.errors import PlanError
-from harness.estimate import simulate_plan
-from harness.plan import GenerationPolicy, Plan
+from harness.plan import GenerationPolicy, MovementKind, Plan
+from harness.planning.estimate import simulate_plan
+from harness.planning.layout_search import PoolLayoutSearch
+from harness.planning.strategies import SearchResult
 from harness.system import PlanContext, System, register_system_config
 from harness.workload import make_batch
-from baselines.interleaved import PoolLayoutSearch, assemble_plan, layout_search_config, split_cluster
-from systems.rlhfuse.base import SearchResult
+from baselines.interleaved import pool_plan, split_cluster
 
 SPLIT_SEARCHES = ("refine", "exhaustive")
 TRAINING_POOL_TASKS = ("update_actor", "update_critic", "ref", "reward", "values")
@@ -100,7 +100,7 @@ def _pool_context(pool: str, mesh: tuple[int, ...]):
         yield
     except PlanError as e:
         raise PlanError(f"disaggregated {pool} pool (devices {mesh[0]}..{mesh[-1]}): "
-                        f"{str(e).removeprefix('rlhfuse_base: ')}") from e
+                        f"{str(e).removeprefix('disaggregated: ')}") from e
 
 
 def search_splits(num_nodes: int, score: Callable[[int], float], exhaustive: bool = False
@@ -128,7 +128,6 @@ class SplitPlanner:
 
     def __init__(self, ctx: PlanContext, cfg: DisaggregatedConfig):
         self.ctx, self.cfg = ctx, cfg
-        self.search_cfg = layout_search_config(cfg.name, cfg.zero_stage, cfg.max_gen_batch_size)
         self.policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
         self.batch = make_batch(ctx.workload, ctx.seed, 0)
         self._gen: dict[tuple[int, ...], SearchResult] = {}
@@ -136,7 +135,7 @@ class SplitPlanner:
 
     def gen_layout(self, mesh: tuple[int, ...]) -> SearchResult:
         if mesh not in self._gen:
-            pool = PoolLayoutSearch(self.ctx, self.search_cfg, mesh)  # nothing else resident there
+            pool = PoolLayoutSearch(self.ctx, self.cfg.name, self.cfg.zero_stage, mesh)  # nothing else resident there
             with _pool_context("generation", mesh):
                 pool.search_generation(self.policy)
             self._gen[mesh] = pool.chosen["gen"]
@@ -144,10 +143,10 @@ class SplitPlanner:
 
     def training_layouts(self, mesh: tuple[int, ...]) -> dict[str, SearchResult]:
         if mesh not in self._train:
-            pool = PoolLayoutSearch(self.ctx, self.search_cfg, mesh)
+            pool = PoolLayoutSearch(self.ctx, self.cfg.name, self.cfg.zero_stage, mesh)
             with _pool_context("training", mesh):
                 pool.search_training()
-                pool.search_inference_tasks()
+                pool.search_inference()
             self._train[mesh] = {t: pool.chosen[t] for t in TRAINING_POOL_TASKS}
         return self._train[mesh]
 
@@ -164,7 +163,7 @@ class SplitPlanner:
                  "split/gen_replicas": chosen["gen"].strategy.dp}
         if gen_nodes is not None:
             notes["split/gen_nodes"] = gen_nodes
-        return assemble_plan(self.ctx, self.cfg.name, chosen, meshes, self.policy, actor_sync="param_sync",
+        return pool_plan(self.ctx, self.cfg.name, chosen, meshes, self.policy, actor_sync=MovementKind.PARAM_SYNC,
                              notes=notes)
 
     def makespan_s(self, plan: Plan) -> float:

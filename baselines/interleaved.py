@@ -21,8 +21,8 @@ What we reimplement, as plan data:
   scheduler starts both as soon as generation ends and they run concurrently on their disjoint
   meshes; ``values`` (all devices) waits for both.
 - **Parallelism**: every task's (dp, tp, pp) is chosen by the same brute-force search over the
-  cost model that RLHFuse-Base uses (:class:`systems.rlhfuse.base.LayoutSearch`), restricted to the
-  task's device group: the placement is the only difference from ``rlhfuse_base``. Generation uses
+  cost model that RLHFuse-Base uses (:class:`harness.planning.layout_search.PoolLayoutSearch`),
+  restricted to the task's device group: the placement is the only difference from ``rlhfuse_base``. Generation uses
   continuous batching with the same per-instance batch limit, and the actor's (critic's) weights
   are resharded from the training layout to the generation (``values``) layout when they differ.
 - **Memory**: actor and critic training states are resident on all devices; ref weights only on
@@ -35,8 +35,8 @@ is negligible next to the passes themselves and is not simulated. Not modelled: 
 automatic search over placements (the placement here is the fixed interleaving one), and any
 overlap of ref/reward with training across iterations.
 
-The pool helpers here (:class:`PoolLayoutSearch`, :func:`split_cluster`, :func:`assemble_plan`)
-are shared with ``baselines/disaggregated.py``.
+The pool helpers here (:func:`split_cluster`, :func:`search_notes`) are shared with
+``baselines/disaggregated.py``; the search and the plan assembly are the planning library's.
 """
 from __future__ import annotations
 
@@ -46,11 +46,12 @@ from typing import Optional
 from harness.config import SystemConfig
 from harness.costmodel.llama import num_params
 from harness.errors import PlanError
-from harness.estimate import inference_s
-from harness.plan import Allocation, GenerationPolicy, Plan, ResidentState, Task
+from harness.plan import Allocation, GenerationPolicy, Plan
+from harness.planning.assembler import assemble_ppo_plan
+from harness.planning.layout_search import PoolLayoutSearch
+from harness.planning.strategies import SearchResult
+from harness.planning.workflow import PPO_TASKS, full_mesh
 from harness.system import PlanContext, System, register_system_config
-from harness.workflow import PPO_TASKS, full_mesh, ppo_tasks, single_pipe_stage, weight_movement
-from systems.rlhfuse.base import LayoutSearch, RLHFuseBaseConfig, SearchResult, search
 
 
 @dataclass
@@ -62,51 +63,6 @@ class InterleavedConfig(SystemConfig):
 
 
 # ---- helpers shared with baselines/disaggregated.py -------------------------------------------
-
-def layout_search_config(name: str, zero_stage: int, max_gen_batch_size: int) -> RLHFuseBaseConfig:
-    """The RLHFuse-Base search settings with nothing pinned: every layout is searched."""
-    return RLHFuseBaseConfig(name=name, zero_stage=zero_stage, max_gen_batch_size=max_gen_batch_size)
-
-
-class PoolLayoutSearch(LayoutSearch):
-    """RLHFuse-Base's per-task layout search restricted to a pool of devices (``mesh``).
-
-    Candidates are every (dp, tp, pp) over ``len(mesh)`` devices; scores come from the same
-    simulator task models on the pool's own devices. ``resident_gb`` holds what else stays on the
-    pool's devices all iteration (set it before searching when other pools' states share them)."""
-
-    def __init__(self, ctx: PlanContext, cfg: RLHFuseBaseConfig, mesh: tuple[int, ...]):
-        super().__init__(ctx, cfg)
-        self.mesh, self.n = tuple(mesh), len(mesh)
-
-    def _inference_fits(self, roles: list[str], s) -> None:
-        """Weights plus one layer's forward activations (as :mod:`harness.memory_check` counts an
-        inference task) must fit beside the resident states."""
-        weights = sum(self.cm.weights_gb(self.ctx.model(r), s.tp, s.pp) for r in roles)
-        act = max(self.cm.activation_gb(self.ctx.model(r), self.w.micro_batch_size, self.seq_max, s.tp, 1, "none")
-                  for r in roles)
-        if weights + act + sum(self.resident_gb.values()) > self.capacity:
-            raise PlanError(f"weights need {weights:.1f} GB, activations {act:.1f} GB")
-
-    def search_inference_tasks(self, task_names=("ref", "reward", "values")) -> None:
-        """Each inference task's layout in turn, ref and reward weights resident once chosen."""
-        for task_name in task_names:
-            self.search_inference_task(task_name)
-
-    def search_inference_task(self, task_name: str) -> SearchResult:
-        """One inference task's layout on this pool; ref/reward weights become resident here."""
-        role = PPO_TASKS[task_name][1]
-
-        def score(s) -> float:
-            self._inference_fits([role], s)
-            return inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
-        self.chosen[task_name] = search(self.candidates(role, 0, task_name), score,
-                                        f"{task_name} on {self.n} devices")
-        if task_name in ("ref", "reward"):
-            s = self.chosen[task_name].strategy
-            self.resident_gb[role] = self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp)
-        return self.chosen[task_name]
-
 
 def split_cluster(ctx: PlanContext, first_nodes: Optional[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Two disjoint pools covering the cluster: the first ``first_nodes`` whole nodes and the rest,
@@ -124,35 +80,17 @@ def split_cluster(ctx: PlanContext, first_nodes: Optional[int]) -> tuple[tuple[i
     return tuple(range(cut)), tuple(range(cut, n))
 
 
-def assemble_plan(ctx: PlanContext, name: str, chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]],
-                  policy: GenerationPolicy, actor_sync: str = "realloc", notes: Optional[dict] = None) -> Plan:
-    """A sequential-stage PPO plan from searched layouts placed on per-task meshes. The actor's
-    weights reach ``gen`` by ``actor_sync`` (``realloc`` on shared devices, ``param_sync`` to a
-    separate generation pool, whose shadow weights then stay resident there)."""
-    w = ctx.workload
+def search_notes(chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    return {f"search/{k}": f"{r.strategy} on {len(meshes[k])} devices ({r.num_candidates} candidates, "
+                           f"est. {r.time_s:.2f} s)" for k, r in chosen.items()}
+
+
+def pool_plan(ctx: PlanContext, name: str, chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]],
+              policy: GenerationPolicy, **kwargs) -> Plan:
+    """Searched layouts placed on per-task meshes, assembled into the PPO plan."""
     allocs = {t: Allocation(meshes[t], r.strategy) for t, r in chosen.items()}
-    tasks, moves, moved = [], [], {}
-    for model, consumer, source, kind in (("actor", "gen", "update_actor", actor_sync),
-                                          ("critic", "values", "update_critic", "realloc")):
-        src, dst = allocs[source].strategy, allocs[consumer].strategy
-        # As RLHFuse-Base: reshard when the layouts differ; a sync to another pool always moves.
-        if kind == "param_sync" or (src.tp, src.pp) != (dst.tp, dst.pp) or src.zero_stage == 3:
-            task, move = weight_movement(model, consumer, allocs[source], allocs[consumer], kind=kind)
-            tasks.append(task)
-            moves.append(move)
-            moved[consumer] = task.name
-    tasks += ppo_tasks(allocs, moved)
-    training = [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
-                for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
-    resident = [ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train"),
-                ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")]
-    if actor_sync == "param_sync":
-        resident.append(ResidentState("actor", "gen", "weights"))  # the shadow actor
-    search_notes = {f"search/{k}": f"{r.strategy} on {len(meshes[k])} devices ({r.num_candidates} candidates, "
-                                   f"est. {r.time_s:.2f} s)" for k, r in chosen.items()}
-    return Plan(system=name, tasks=tasks, training=training, generation=policy, weight_movements=moves,
-                resident=resident, global_batch_size=w.global_batch_size, mini_batch_size=w.mini_batch_size,
-                notes={**search_notes, **(notes or {})})
+    notes = {**search_notes(chosen, meshes), **kwargs.pop("notes", {})}
+    return assemble_ppo_plan(ctx, name, allocs, policy, notes=notes, **kwargs)
 
 
 # ---- the interleaving strategy ------------------------------------------------------------------
@@ -171,15 +109,14 @@ class Interleaved(System):
 
     def plan(self, ctx: PlanContext) -> Plan:
         cfg = self.cfg
-        search_cfg = layout_search_config(cfg.name, cfg.zero_stage, cfg.max_gen_batch_size)
         everywhere = full_mesh(ctx.num_devices)
-        full = PoolLayoutSearch(ctx, search_cfg, everywhere)
+        full = PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, everywhere)
         full.search_training()  # actor/critic states on all devices bound what is left for the rest
         ref_mesh, reward_mesh = ref_reward_groups(ctx)
         meshes = {t: everywhere for t in PPO_TASKS}
         group_gb = []
         for task_name, mesh in (("ref", ref_mesh), ("reward", reward_mesh)):
-            group = PoolLayoutSearch(ctx, search_cfg, mesh)
+            group = PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, mesh)
             group.resident_gb = dict(full.resident_gb)
             full.chosen[task_name] = group.search_inference_task(task_name)
             group_gb.append(group.resident_gb[PPO_TASKS[task_name][1]])
@@ -191,7 +128,7 @@ class Interleaved(System):
         full.search_generation(policy)
         notes = {"placement": f"ref on devices {ref_mesh[0]}..{ref_mesh[-1]}, reward on devices "
                               f"{reward_mesh[0]}..{reward_mesh[-1]}, everything else on all {ctx.num_devices}"}
-        return assemble_plan(ctx, cfg.name, full.chosen, meshes, policy, notes=notes)
+        return pool_plan(ctx, cfg.name, full.chosen, meshes, policy, notes=notes)
 
 
 register_system_config("interleaved", InterleavedConfig)

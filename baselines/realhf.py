@@ -17,10 +17,11 @@ What we reimplement:
   memory-feasible plans only (the harness memory check).
 - **Search**: simulated annealing (Metropolis with a linearly cooled temperature) that changes one
   call's choice at a time (its strategy on the same mesh, or a new mesh and strategy), scored by
-  the simulated makespan of an iteration: calls start when their inputs are ready and their
-  devices free, so disjoint meshes overlap and overlapping ones serialise; reallocation costs come
-  from :func:`harness.realloc.reallocation_transfers`. Task durations are the simulator's own task
-  models (:mod:`harness.estimate`), cached per (call, mesh, strategy). Deterministic for a seed
+  the makespan of an iteration under the planning library's list scheduler
+  (:mod:`harness.planning.scheduler`): calls start when their inputs are ready and their devices
+  free, so disjoint meshes overlap and overlapping ones serialise; reallocation costs come from
+  :func:`harness.planning.realloc.reallocation_transfers`. Task durations are the simulator's own task
+  models (:mod:`harness.planning.estimate`), cached per (call, mesh, strategy). Deterministic for a seed
   with ``system.max_steps``; ``system.search_time_s`` bounds it in time otherwise. The best plan
   found is kept, and the start is returned if nothing beats it under the full simulator.
 - **Offloading**: ref and reward weights may live in host memory and be copied in before each use
@@ -42,12 +43,16 @@ from typing import Optional
 
 from harness.config import SystemConfig
 from harness.errors import PlanError
-from harness.estimate import generation_s, inference_s, representative_batch, simulate_plan, training_s
-from harness.memory_check import check_plan_memory
-from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task
+from harness.interpreter import Unit
+from harness.plan import Allocation, GenerationPolicy, Plan, ParallelStrategy, TaskKind
+from harness.planning.assembler import assemble_ppo_plan
+from harness.planning.estimate import generation_s, inference_s, representative_batch, simulate_plan, training_s
+from harness.planning.memory import check_plan_memory
+from harness.planning.scheduler import schedule_durations
+from harness.planning.strategies import divisors, mesh_options, strategy_options
+from harness.planning.taskmodels.passes import weight_movement_s
+from harness.planning.workflow import PPO_TASKS, single_pipe_stage
 from harness.system import PlanContext, System, register_system_config
-from harness.workflow import PPO_TASKS, ppo_tasks, single_pipe_stage, weight_movement
-from systems.rlhfuse.base import _divisors
 
 CALLS = tuple(PPO_TASKS)  # gen, ref, reward, values, update_actor, update_critic
 
@@ -73,57 +78,13 @@ class RealHFHeuristicConfig(RealHFConfig):
     search: bool = False
 
 
-def mesh_options(num_nodes: int, gpus_per_node: int) -> list[tuple[int, ...]]:
-    """Contiguous aligned slices of one node (sizes dividing the node) and ranges of whole nodes."""
-    meshes = []
-    for node in range(num_nodes):
-        base = node * gpus_per_node
-        for size in _divisors(gpus_per_node)[:-1]:
-            for offset in range(0, gpus_per_node, size):
-                meshes.append(tuple(range(base + offset, base + offset + size)))
-    for start in range(num_nodes):
-        for length in range(1, num_nodes - start + 1):
-            meshes.append(tuple(range(start * gpus_per_node, (start + length) * gpus_per_node)))
-    return meshes
-
-
-def strategy_options(mesh_size: int, gpus_per_node: int, num_layers: int, train: bool, mini_batch: int,
-                     micro_batch: int, zero_stage: int) -> list[ParallelStrategy]:
-    out = []
-    for tp in _divisors(min(mesh_size, gpus_per_node)):
-        if gpus_per_node % tp or mesh_size % tp:
-            continue
-        for pp in _divisors(mesh_size // tp):
-            dp = mesh_size // (tp * pp)
-            if pp > num_layers or (train and mini_batch % (dp * micro_batch)):
-                continue
-            out.append(ParallelStrategy(dp, tp, pp, zero_stage if train else 0))
-    return out
-
-
 class RealHF(System):
     cfg: RealHFConfig
 
     # ---- plan construction ----------------------------------------------------------------
     def build_plan(self, ctx: PlanContext, choice: dict[str, Allocation], offload: bool) -> Plan:
-        w = ctx.workload
-        tasks, moves, moved = [], [], {}
-        for model, consumer, source in (("actor", "gen", "update_actor"), ("critic", "values", "update_critic")):
-            if choice[source] != choice[consumer] or choice[source].strategy.zero_stage == 3:
-                task, move = weight_movement(model, consumer, choice[source], choice[consumer])
-                tasks.append(task)
-                moves.append(move)
-                moved[consumer] = task.name
-        tasks += ppo_tasks(choice, moved)
-        training = [single_pipe_stage(t, m, choice[t].strategy, w.mini_batch_size, w.micro_batch_size,
-                                      w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
-        resident = [ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train")]
-        if not offload:
-            resident += [ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")]
-        return Plan(system=self.cfg.name, tasks=tasks, training=training,
-                    generation=GenerationPolicy("continuous", self.cfg.max_gen_batch_size),
-                    weight_movements=moves, resident=resident, offloaded=["ref", "reward"] if offload else [],
-                    global_batch_size=w.global_batch_size, mini_batch_size=w.mini_batch_size)
+        return assemble_ppo_plan(ctx, self.cfg.name, choice, GenerationPolicy("continuous", self.cfg.max_gen_batch_size),
+                                 offloaded=("ref", "reward") if offload else ())
 
     def heuristic_choice(self, ctx: PlanContext) -> dict[str, Allocation]:
         n, per_node, nodes = ctx.num_devices, ctx.cluster.gpus_per_node, ctx.cluster.num_nodes
@@ -131,7 +92,7 @@ class RealHF(System):
         choice = {}
         for call in CALLS:
             layers = ctx.model(PPO_TASKS[call][1]).num_layers
-            pp = max(d for d in _divisors(nodes) if d <= layers)
+            pp = max(d for d in divisors(nodes) if d <= layers)
             train = PPO_TASKS[call][0] == "train"
             choice[call] = Allocation(mesh, ParallelStrategy(nodes // pp, per_node, pp, self.cfg.zero_stage if train else 0))
         return choice
@@ -142,26 +103,25 @@ class RealHF(System):
         cache: dict = {}
         w = ctx.workload
 
-        def duration(task: Task, plan: Plan, memory) -> float:
+        def duration(unit: Unit, plan: Plan, memory) -> float:
+            (task,) = unit.tasks
             key = (task.name, task.allocation, task.model in plan.offloaded,
                    round(memory.kv_capacity_gb.get(task.name, 0.0), 3))
             if key in cache:
                 return cache[key]
-            if task.kind == "generate":
+            if task.kind == TaskKind.GENERATE:
                 t = generation_s(ctx, task, plan.generation, batch, memory.kv_capacity_gb[task.name])
-            elif task.kind == "inference":
+            elif task.kind == TaskKind.INFERENCE:
                 t = inference_s(ctx, task, batch)
                 if task.model in plan.offloaded:
                     s = task.allocation.strategy
                     t += ctx.cost_model.host_transfer_s(ctx.cost_model.weights_gb(ctx.model(task.model), s.tp, s.pp) * 1e9)
-            elif task.kind == "train":
+            elif task.kind == TaskKind.TRAIN:
                 stage = single_pipe_stage(task.name, task.model, task.allocation.strategy, w.mini_batch_size,
                                           w.micro_batch_size, w.global_batch_size)
                 t = training_s(ctx, task, stage, w.mini_batch_size, batch)
             else:
-                from harness.backends.sim.passes import weight_movement_s
-
-                move = next(m for m in plan.weight_movements if m.task == task.name)
+                move = plan.movement_of(task.name)
                 key = (task.name, move.source, move.target)
                 if key in cache:
                     return cache[key]
@@ -170,18 +130,9 @@ class RealHF(System):
             return t
 
         def makespan(plan: Plan) -> float:
-            """List scheduling as the simulator does: inputs ready and devices free."""
+            """The plan's units list-scheduled (as the simulator does) with cached task durations."""
             memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
-            deps = plan.dependencies()
-            end: dict[str, float] = {}
-            free: dict[int, float] = {}
-            for name in plan.topological_order():
-                task = plan.task(name)
-                start = max([end[d] for d in deps[name]] + [free.get(d, 0.0) for d in task.allocation.mesh])
-                end[name] = start + duration(task, plan, memory)
-                for d in task.allocation.mesh:
-                    free[d] = end[name]
-            return max(end.values())
+            return schedule_durations(plan, ctx.num_devices, lambda unit: duration(unit, plan, memory)).makespan_s
 
         return makespan
 

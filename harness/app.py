@@ -1,8 +1,7 @@
 """Entry point: ``python -m harness +system=<name> model=<size> [overrides]`` (DESIGN sections 1, 9).
 
-Registers the typed schemas, discovers systems through the ``rlhf_harness.systems`` entry-point
-group (importing each registers its config schema; the harness never imports systems by name),
-then hands control to Hydra. Errors caused by input (:class:`harness.errors.HarnessError`) end a
+Registers the typed schemas, discovers systems (:mod:`harness.discovery`: importing each registers
+its config schema; the harness never imports systems by name), then hands control to Hydra. Errors caused by input (:class:`harness.errors.HarnessError`) end a
 single run with one paragraph on stderr and exit code 2, before any result is written; in a sweep
 (``-m``) a failing job is recorded in ``results/<experiment>/failures.jsonl`` and the sweep goes on.
 """
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import traceback
-from importlib.metadata import entry_points
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -18,23 +16,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from harness.config import register_configs
+from harness.discovery import discover_systems
 from harness.errors import HarnessError
-
-ENTRY_POINT_GROUP = "rlhf_harness.systems"
-
-
-def discover_systems() -> list[str]:
-    """Import every registered system module; one that fails to import is reported, not fatal."""
-    names = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()
-        except Exception as e:  # noqa: BLE001 - a broken plugin must not take the others down
-            print(f"[harness] warning: system {ep.name!r} ({ep.value}) failed to import: {e}", file=sys.stderr)
-            continue
-        names.append(ep.name)
-    return names
-
 
 def _is_multirun() -> bool:
     try:

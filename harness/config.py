@@ -157,6 +157,10 @@ class RunConfig:
     experiment_params: Any = None
 
 
+# Schemas of the harness's own groups (everything else under ``schema/`` is a system's).
+CORE_SCHEMAS = ("llama", "models", "cluster", "workload", "backend", "backend_sim", "backend_ray", "logger")
+
+
 def register_configs() -> None:
     """Register the schemas; YAML options name them in their defaults lists."""
     cs = ConfigStore.instance()

@@ -3,16 +3,23 @@
 A :class:`Plan` is everything a backend needs to execute one PPO iteration, and nothing a backend
 may choose by itself:
 
-- the **workflow**: tasks (``gen``, ``ref``, ``reward``, ``values``, ``update_actor``,
-  ``update_critic``, and weight-movement tasks ``param_sync``/``realloc_*``) whose dependency
-  edges are derived from the data keys each task reads and writes;
+- the **workflow**: tasks, each with a :class:`TaskKind` and a :class:`ModelRole` (semantics are
+  never read from task names), whose dependency edges are derived from the data keys each task
+  reads and writes (:meth:`Plan.dependencies`), and **stream edges** (``Task.stream_from``): an
+  inference task that consumes a generate task's samples one by one as they finish, instead of
+  waiting for the whole batch (RLHFuse section 4);
 - an **allocation** per task: a device mesh and a parallel strategy (dp, tp, pp), checked;
 - **training stages**: pipeline schedules (``harness.schedule``) run once per mini-batch;
 - a **generation policy** (static or continuous batching, streaming, migration) as data;
-- **weight movements** between layouts, so their cost is simulated and their bytes moved for real;
+- **weight movements** between layouts (:class:`MovementKind`: a reallocation task, a parameter
+  sync to a separate pool, or a fetch by each replica of the consuming task as it starts), so their
+  cost is simulated and their bytes moved for real;
 - **resident states**: which model states stay in device memory all iteration (for the memory check);
 - **offloaded** models: weights kept in host memory and copied in before each use (ReaLHF);
-- **overlaps**: pairs of tasks allowed to share devices at the same time.
+- **training stages**: a stage with several tasks is a fused pipeline (RLHFuse section 5).
+
+:meth:`Plan.features` lists what a plan asks of a backend (streaming, migration, fused training,
+offloading); a backend refuses the features it cannot execute before any work starts.
 
 Device order inside a mesh is tp fastest, then pp, then dp: mesh index
 ``(dp_rank * pp + pp_rank) * tp + tp_rank``. Tensor-parallel groups therefore stay inside a node.
@@ -24,14 +31,69 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, Optional
 
 from harness.errors import PlanError
 from harness.schedule.ir import Schedule
 from harness.schedule.io import schedule_from_dict, schedule_to_dict
 
-MODEL_ROLES = ("actor", "critic", "ref", "reward")
-TASK_KINDS = ("generate", "inference", "train", "weight_movement")
+class _ValueEnum(str, Enum):
+    """A string enum that prints (and serialises) as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TaskKind(_ValueEnum):
+    """What a task does; backends dispatch on it (one handler per kind)."""
+
+    GENERATE = "generate"
+    INFERENCE = "inference"
+    TRAIN = "train"
+    WEIGHT_MOVEMENT = "weight_movement"
+
+
+class ModelRole(_ValueEnum):
+    """The four models of a PPO iteration."""
+
+    ACTOR = "actor"
+    CRITIC = "critic"
+    REF = "ref"
+    REWARD = "reward"
+
+
+class MovementKind(_ValueEnum):
+    """How a :class:`WeightMovement` runs."""
+
+    REALLOC = "realloc"  # its own task, between layouts over (partly) shared devices (ReaLHF)
+    PARAM_SYNC = "param_sync"  # its own task, to a separate generation pool's shadow copy
+    PER_REPLICA = "per_replica"  # no task: each replica of the consuming task fetches its share as it starts
+
+
+class Feature(_ValueEnum):
+    """Plan features a backend may not execute (see :meth:`Plan.features`)."""
+
+    STREAMING = "sample streaming from generation into inference (RLHFuse inter-stage fusion)"
+    MIGRATION = "long-tail migration of unfinished samples (RLHFuse inter-stage fusion)"
+    FUSED_TRAINING = "fused training stages (RLHFuse intra-stage fusion)"
+    OFFLOAD = "offloading model weights to host memory"
+    PER_REPLICA_MOVEMENT = "weight movements performed by the consuming task's replicas"
+
+
+MODEL_ROLES = tuple(r.value for r in ModelRole)
+TASK_KINDS = tuple(k.value for k in TaskKind)
+
+
+def _plain(value: Any) -> Any:
+    """Enums as their values, recursively (for JSON)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -81,29 +143,47 @@ class Allocation:
 @dataclass(frozen=True)
 class Task:
     name: str
-    kind: str  # one of TASK_KINDS
-    model: str  # one of MODEL_ROLES
+    kind: TaskKind
+    model: ModelRole
     allocation: Allocation
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
+    # Inference only: the generate task whose samples this task consumes one by one as they finish
+    # (a stream edge). None = it waits for its inputs as a whole.
+    stream_from: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if self.kind not in TASK_KINDS:
-            raise PlanError(f"task {self.name}: unknown kind {self.kind!r}, expected one of {TASK_KINDS}")
-        if self.model not in MODEL_ROLES:
-            raise PlanError(f"task {self.name}: unknown model {self.model!r}, expected one of {MODEL_ROLES}")
+        try:
+            object.__setattr__(self, "kind", TaskKind(self.kind))
+        except ValueError:
+            raise PlanError(f"task {self.name}: unknown kind {self.kind!r}, expected one of {TASK_KINDS}") from None
+        try:
+            object.__setattr__(self, "model", ModelRole(self.model))
+        except ValueError:
+            raise PlanError(f"task {self.name}: unknown model {self.model!r}, expected one of {MODEL_ROLES}") from None
+        object.__setattr__(self, "reads", tuple(self.reads))
+        object.__setattr__(self, "writes", tuple(self.writes))
+        if self.stream_from is not None and self.kind != TaskKind.INFERENCE:
+            raise PlanError(f"task {self.name}: only inference tasks consume a stream (stream_from="
+                            f"{self.stream_from!r} on a {self.kind} task)")
 
 
 @dataclass(frozen=True)
 class WeightMovement:
-    """Weights of ``model`` move from the ``source`` layout to the ``target`` layout inside task
-    ``task`` (``param_sync`` to a separate generation pool, or ``realloc`` between layouts over
-    overlapping devices)."""
+    """Weights of ``model`` move from the ``source`` layout to the ``target`` layout. ``task`` is
+    the weight-movement task that does it (``REALLOC``, ``PARAM_SYNC``), or, for ``PER_REPLICA``,
+    the task whose replicas each fetch their share as they start (RLHFuse's critic resharding
+    onto devices freed by generation)."""
 
     task: str
-    model: str
+    model: ModelRole
     source: Allocation
     target: Allocation
+    kind: MovementKind = MovementKind.REALLOC
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", ModelRole(self.model))
+        object.__setattr__(self, "kind", MovementKind(self.kind))
 
 
 @dataclass(frozen=True)
@@ -118,6 +198,11 @@ class TrainingStage:
     schedule: Schedule
     num_minibatches: int
     micro_batch_size: int
+
+    @property
+    def fused(self) -> bool:
+        """Several tasks share one pipeline schedule (RLHFuse section 5)."""
+        return len(self.tasks) > 1
 
 
 @dataclass(frozen=True)
@@ -134,7 +219,6 @@ class MigrationPolicy:
 class GenerationPolicy:
     batching: str = "continuous"  # continuous | static (every instance decodes until its longest sample ends)
     max_batch_size: Optional[int] = None  # per instance; None = limited by KV capacity only
-    stream_to_inference: bool = False  # finished samples go to inference at once (inter-stage fusion)
     migration: Optional[MigrationPolicy] = None
 
     def __post_init__(self) -> None:
@@ -147,9 +231,14 @@ class ResidentState:
     """The state of ``model`` laid out as in task ``task`` stays in device memory all iteration.
     ``what`` is ``train`` (weights, grads, optimizer states) or ``weights`` (bf16 weights only)."""
 
-    model: str
+    model: ModelRole
     task: str
     what: str = "weights"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", ModelRole(self.model))
+        if self.what not in ("train", "weights"):
+            raise PlanError(f"resident state of {self.model}: what={self.what!r}, expected train or weights")
 
 
 @dataclass
@@ -161,7 +250,6 @@ class Plan:
     weight_movements: list[WeightMovement] = field(default_factory=list)
     resident: list[ResidentState] = field(default_factory=list)
     offloaded: list[str] = field(default_factory=list)  # models kept in host memory, loaded per use
-    overlaps: list[tuple[str, str]] = field(default_factory=list)
     global_batch_size: int = 512
     mini_batch_size: int = 64
     notes: dict[str, Any] = field(default_factory=dict)  # system-specific facts shown in plan.json
@@ -195,6 +283,34 @@ class Plan:
             pending.remove(ready[0])
         return done
 
+    def tasks_of(self, kind: TaskKind) -> list[Task]:
+        return [t for t in self.tasks if t.kind == kind]
+
+    def stream_edges(self) -> list[tuple[str, str]]:
+        """(generate task, inference task) pairs: samples flow one by one along each edge."""
+        return [(t.stream_from, t.name) for t in self.tasks if t.stream_from is not None]
+
+    def stage_of(self, task: str) -> Optional[TrainingStage]:
+        return next((st for st in self.training if task in st.tasks), None)
+
+    def movement_of(self, task: str) -> Optional[WeightMovement]:
+        return next((m for m in self.weight_movements if m.task == task), None)
+
+    def features(self) -> list[Feature]:
+        """What this plan asks of a backend beyond sequential tasks on meshes."""
+        out = []
+        if self.stream_edges():
+            out.append(Feature.STREAMING)
+        if self.generation.migration is not None:
+            out.append(Feature.MIGRATION)
+        if any(st.fused or len(st.schedule.pipes) > 1 for st in self.training):
+            out.append(Feature.FUSED_TRAINING)
+        if self.offloaded:
+            out.append(Feature.OFFLOAD)
+        if any(m.kind == MovementKind.PER_REPLICA for m in self.weight_movements):
+            out.append(Feature.PER_REPLICA_MOVEMENT)
+        return out
+
     def devices(self) -> list[int]:
         return sorted({d for t in self.tasks for d in t.allocation.mesh})
 
@@ -214,8 +330,16 @@ class Plan:
             for name in stage.tasks:
                 if self.task(name).kind != "train":
                     raise PlanError(f"training stage lists {name}, which is not a train task")
-        for a, b in self.overlaps:
-            self.task(a), self.task(b)
+        names_set = set(names)
+        for source, target in self.stream_edges():
+            if source not in names_set or self.task(source).kind != TaskKind.GENERATE:
+                raise PlanError(f"task {target} streams from {source!r}, which is not a generate task of the plan")
+        for m in self.weight_movements:
+            if m.task not in names_set:
+                raise PlanError(f"weight movement of {m.model} names task {m.task!r}, which the plan does not have")
+            owner = self.task(m.task)
+            if (owner.kind == TaskKind.WEIGHT_MOVEMENT) == (m.kind == MovementKind.PER_REPLICA):
+                raise PlanError(f"weight movement {m.task} of kind {m.kind} is attached to a {owner.kind} task")
         resident_models = {r.model for r in self.resident}
         both = resident_models & set(self.offloaded)
         if both:
@@ -223,7 +347,7 @@ class Plan:
 
     # ---- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = _plain(asdict(self))
         d["training"] = [
             {**{k: v for k, v in asdict(s).items() if k != "schedule"}, "schedule": schedule_to_dict(s.schedule)}
             for s in self.training
@@ -241,18 +365,35 @@ class Plan:
         gen = dict(d["generation"])
         if gen.get("migration"):
             gen["migration"] = MigrationPolicy(**gen["migration"])
+        # plan.json written before the explicit IR: streaming was a generation flag, movements
+        # had no kind (param_sync by name; attached to a non-movement task = per replica)
+        legacy_streaming = gen.pop("stream_to_inference", False)
+        kinds = {t["name"]: t["kind"] for t in d["tasks"]}
+        gen_task = next((t["name"] for t in d["tasks"] if t["kind"] == "generate"), None)
+
+        def movement_kind(w: dict) -> str:
+            if "kind" in w:
+                return w["kind"]
+            if kinds.get(w["task"]) != "weight_movement":
+                return MovementKind.PER_REPLICA
+            return MovementKind.PARAM_SYNC if w["task"] == "param_sync" else MovementKind.REALLOC
+
+        def stream_from(t: dict) -> Optional[str]:
+            if "stream_from" in t:
+                return t["stream_from"]
+            return gen_task if legacy_streaming and t["kind"] == "inference" else None
+
         return Plan(
             system=d["system"],
             tasks=[Task(t["name"], t["kind"], t["model"], alloc(t["allocation"]),
-                        tuple(t["reads"]), tuple(t["writes"])) for t in d["tasks"]],
+                        tuple(t["reads"]), tuple(t["writes"]), stream_from(t)) for t in d["tasks"]],
             training=[TrainingStage(tuple(s["tasks"]), schedule_from_dict(s["schedule"]),
                                     s["num_minibatches"], s["micro_batch_size"]) for s in d["training"]],
             generation=GenerationPolicy(**gen),
-            weight_movements=[WeightMovement(w["task"], w["model"], alloc(w["source"]), alloc(w["target"]))
-                              for w in d["weight_movements"]],
+            weight_movements=[WeightMovement(w["task"], w["model"], alloc(w["source"]), alloc(w["target"]),
+                                             movement_kind(w)) for w in d["weight_movements"]],
             resident=[ResidentState(**r) for r in d["resident"]],
             offloaded=list(d.get("offloaded", [])),
-            overlaps=[tuple(o) for o in d["overlaps"]],
             global_batch_size=d["global_batch_size"],
             mini_batch_size=d["mini_batch_size"],
             notes=d.get("notes", {}),

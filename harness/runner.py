@@ -2,7 +2,8 @@
 
 The runner never branches on which system runs: it builds the system named by ``system.impl`` and
 the backend named by ``backend._target_``, asks the system for a Plan, checks the plan (structure,
-device memory) before anything is written, executes it, and measures the StepTraces.
+device memory, features the backend executes) before anything is written, executes it, and
+measures the StepTraces.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from harness.config import RunConfig
 from harness.costmodel import CostModel, ProfileTable
 from harness.errors import ConfigError
 from harness.loggers import WandbLogger, resolve_mode
-from harness.memory_check import check_plan_memory
+from harness.discovery import discover_systems
+from harness.planning.memory import check_plan_memory
 from harness.plan import Plan
 from harness.schedule import to_csv
 from harness.system import PlanContext, System
@@ -89,7 +91,6 @@ def _write_static_files(folder: results.RunFolder, cfg: DictConfig, plan: Plan) 
 def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
     """Run one benchmark; ``overrides`` (the command line's) define the results variant."""
     if OmegaConf.is_missing(cfg, "system"):
-        from harness.app import discover_systems
         raise ConfigError("no system chosen: add +system=<name> to the command line "
                           f"(available: {', '.join(sorted(discover_systems()))})")
     run: RunConfig = OmegaConf.to_object(cfg)
@@ -111,6 +112,7 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
     memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
 
     backend = get_class(cfg.backend._target_)(run.backend, ctx)
+    backend.check(plan)  # features the backend cannot execute: refused before anything is written
     task_models = {t.name: t.model for t in plan.tasks}
     peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
     with results.RunFolder(path) as folder:

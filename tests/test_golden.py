@@ -4,6 +4,13 @@ Every system plans and runs (sim backend, 5 iterations, fixed seed, step-budgete
 ``model=13b`` and ``model=65b_33b``; the plan and the summary metrics must equal the golden files
 in ``tests/golden/``, recorded before the redesign (``tests/golden/record.py``). Wall-clock
 measurements (planning time, search time) are the only values not compared.
+
+The golden plans were written in the IR before the redesign; they are read back with
+``Plan.from_dict`` (which reads that format) and compared with the new plans in the new format.
+One intentional difference, applied to the golden plan explicitly here: a reallocation whose
+source and target layouts are the same (same mesh and (dp, tp, pp), source not ZeRO-3) moves no
+bytes, and the one resharding rule of the plan assembler no longer emits a task for it (ReaLHF's
+heuristic plan had two such zero-byte tasks; their duration was 0, so no metric changes).
 """
 from __future__ import annotations
 
@@ -16,6 +23,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
 import record  # noqa: E402
 
+from harness.plan import Plan  # noqa: E402
+from harness.planning.assembler import needs_movement  # noqa: E402
+
 
 def without_wall_clock(d):
     if isinstance(d, dict):
@@ -25,10 +35,25 @@ def without_wall_clock(d):
     return d
 
 
+def without_zero_byte_moves(plan: Plan) -> Plan:
+    """The golden plan without reallocation tasks between identical layouts (see the docstring)."""
+    drop = {m.task: m for m in plan.weight_movements if m.kind == "realloc" and not needs_movement(m.source, m.target)}
+    for name, move in drop.items():
+        consumer = name.removeprefix(f"realloc_{move.model}_")
+        plan.tasks = [t for t in plan.tasks if t.name != name]
+        plan.tasks = [t if t.name != consumer else type(t)(
+            t.name, t.kind, t.model, t.allocation,
+            tuple(f"{move.model}_weights" if r == f"{move.model}_weights@{consumer}" else r for r in t.reads),
+            t.writes, t.stream_from) for t in plan.tasks]
+    plan.weight_movements = [m for m in plan.weight_movements if m.task not in drop]
+    return plan
+
+
 @pytest.mark.parametrize("model", record.MODELS)
 @pytest.mark.parametrize("system", record.SYSTEMS)
 def test_plan_and_metrics_match_golden(system, model):
     golden = json.loads(record.golden_path(system, model).read_text())
     now = json.loads(json.dumps(record.run(system, model)))
     assert without_wall_clock(now["metrics"]) == without_wall_clock(golden["metrics"])
-    assert without_wall_clock(now["plan"]) == without_wall_clock(golden["plan"])
+    expected = without_zero_byte_moves(Plan.from_dict(golden["plan"])).to_dict()
+    assert without_wall_clock(now["plan"]) == without_wall_clock(json.loads(json.dumps(expected)))

@@ -1,7 +1,7 @@
 """Every system x model preset composes, plans, validates and fits on the default cluster."""
 import pytest
 
-from harness.memory_check import check_plan_memory
+from harness.planning.memory import check_plan_memory
 from harness.plan import Plan
 from harness.testing import plan_for
 

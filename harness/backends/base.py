@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 
 from harness.config import BackendConfig
+from harness.errors import PlanError
 from harness.plan import Plan
 from harness.system import PlanContext
 from harness.trace import StepTrace
@@ -19,6 +20,18 @@ class Backend(abc.ABC):
     def __init__(self, cfg: BackendConfig, ctx: PlanContext):
         self.cfg = cfg
         self.ctx = ctx
+
+    def unsupported(self, plan: Plan) -> list[str]:
+        """What in ``plan`` this backend cannot execute, one phrase each (empty: all of it).
+        Default: everything is supported."""
+        return []
+
+    def check(self, plan: Plan) -> None:
+        """Refuse a plan with unsupported features before any work starts (PlanError naming them)."""
+        missing = self.unsupported(plan)
+        if missing:
+            raise PlanError(f"backend={self.cfg.name} cannot execute this {plan.system} plan: "
+                            + "; ".join(missing) + ". Run it with backend=sim, or choose a plan without them")
 
     def setup(self, plan: Plan) -> None:
         """Prepare to run ``plan`` (start workers, place weights). Default: nothing."""

@@ -2,8 +2,7 @@
 
 This module owns every external form of a :class:`Schedule`:
 
-- :func:`ascii_grid` -- rank x step table of action tokens, used in every validation error so a
-  broken schedule can be read at a glance (and in logs / reports);
+- :func:`ascii_grid` (from :mod:`.grid`) -- rank x step table of action tokens;
 - :func:`to_csv` / :func:`from_csv` (and ``*_string``) -- one row per rank: ``rank`` then one
   column per step holding an action token, in the spirit of torch.distributed.pipelining's CSV
   schedules, with our ``pipe`` prefix (``A2F0``) so fused actor/critic schedules round-trip;
@@ -17,38 +16,11 @@ import io as _stdio
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from harness.schedule.grid import ascii_grid  # noqa: F401 - re-exported as part of the IO forms
 from harness.schedule.ir import Action, PipeSpec, Schedule
 
 if TYPE_CHECKING:  # pragma: no cover
     from harness.schedule.simulate import SimResult
-
-
-def ascii_grid(schedule: Schedule, results: "SimResult | None" = None,
-               highlight: Mapping[int, int] | None = None) -> str:
-    """Rows are ranks, columns are step indices, cells are action tokens padded to one width.
-    ``highlight`` maps rank -> step to bracket (e.g. where a rank is stuck); with ``results``
-    each row gets its busy/idle time and a footer gives makespan and bubble fraction."""
-    ranks = schedule.ranks
-    highlight = dict(highlight or {})
-    steps = max((len(schedule.order.get(r, [])) for r in ranks), default=0)
-    width = max((len(a.token()) for a in schedule.actions()), default=1) + 2
-    label = max((len(f"r{r}") for r in ranks), default=2)
-    lines = [" " * label + " |" + "".join(f"{i:^{width}}" for i in range(steps))]
-    for rank in ranks:
-        actions = schedule.order.get(rank, [])
-        cells = []
-        for step in range(steps):
-            token = actions[step].token() if step < len(actions) else "."
-            cells.append(f"[{token}]".center(width) if highlight.get(rank) == step
-                         else token.center(width))
-        row = f"{f'r{rank}':>{label}} |" + "".join(cells)
-        if results is not None:
-            row += f" | busy={results.busy.get(rank, 0.0):g} idle={results.idle.get(rank, 0.0):g}"
-        lines.append(row.rstrip())
-    if results is not None:
-        lines.append(f"makespan={results.makespan:g} bubble={results.bubble_frac:.3f} "
-                     f"peak_mem={results.max_peak_memory:g}")
-    return "\n".join(lines)
 
 
 def _pipes_dict(pipes: Mapping[str, PipeSpec] | Iterable[PipeSpec]) -> dict[str, PipeSpec]:

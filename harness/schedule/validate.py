@@ -1,7 +1,7 @@
 """Validation of pipeline schedules (DESIGN section 3).
 
 This module owns the rules a schedule must obey before anyone times or runs it, and the error
-text that explains a broken one (always with the rank x step grid from ``io.ascii_grid``):
+text that explains a broken one (always with the rank x step grid from ``grid.ascii_grid``):
 
 - structure: every action names a known pipe, a stage and micro-batch in range, and sits on the
   rank that holds its stage (``stage_to_rank``); every ``F(pipe, stage, mb)`` appears exactly once,
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from harness.schedule.io import ascii_grid
+from harness.schedule.grid import ascii_grid
 from harness.schedule.ir import Action, PipeSpec, Schedule
 from harness.schedule.lower import comm_partner, recv_before, send_after
 

@@ -17,7 +17,7 @@ to ``m`` generation instances and the freed devices run inference. This module d
 - the one inference layout shared by ref, reward and critic: the candidate whose streaming
   inference ends first behind a probe migration (R_t = 20%).
 
-Everything here scores candidates with the simulator's own models (:mod:`harness.estimate`).
+Everything here scores candidates with the simulator's own models (:mod:`harness.planning.estimate`).
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
                        probe_frac: float = 0.2) -> tuple[MigrationChoice, ParallelStrategy]:
     """Choose the shared inference layout (scored with streaming behind a probe migration at
     ``probe_frac``), then R_t for it over ``{0} U fracs`` (0 = stream without migrating)."""
-    from harness.backends.sim.generation import simulate_generation
-    from harness.estimate import representative_batch, streaming_inference_end_s
+    from harness.planning.taskmodels.generation import simulate_generation
+    from harness.planning.estimate import representative_batch, streaming_inference_end_s
 
     s = gen.allocation.strategy
     actor = ctx.model("actor")
@@ -93,7 +93,7 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
 
     def generate(frac: float):
         mig = migration_policy(ctx, gen, frac, kv_capacity_gb, transfer, bs_max) if frac > 0 else None
-        policy = GenerationPolicy(base_policy.batching, base_policy.max_batch_size, True, mig)
+        policy = GenerationPolicy(base_policy.batching, base_policy.max_batch_size, migration=mig)
         res = simulate_generation(ctx.cost_model, gen, policy, actor, batch.prompt_lens, batch.output_lens, 0.0,
                                   kv_capacity_gb, ctx.workload.max_gen_len)
         return mig, res

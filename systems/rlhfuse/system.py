@@ -27,12 +27,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from harness.errors import PlanError
-from harness.plan import (Allocation, GenerationPolicy, ParallelStrategy, Plan, ResidentState, Task,
-                          TrainingStage, WeightMovement)
+from harness.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
+                          WeightMovement)
+from harness.planning.assembler import assemble_ppo_plan, needs_movement, single_pipe_stages
+from harness.planning.layout_search import LayoutSearch
+from harness.planning.strategies import divisors
+from harness.planning.taskmodels.passes import grad_sync_s
+from harness.planning.workflow import full_mesh
 from harness.schedule import PipeCosts, ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
-from harness.workflow import full_mesh, ppo_tasks, single_pipe_stage, weight_movement
-from systems.rlhfuse.base import LayoutSearch, RLHFuseBaseConfig, _divisors
+from systems.rlhfuse.base import RLHFuseBaseConfig, layout_search
 from systems.rlhfuse.inter import choose_inter_stage
 
 
@@ -75,7 +79,7 @@ class RLHFuse(System):
             raise PlanError(f"system.migration_transfer={self.cfg.migration_transfer!r}; use kv or tokens")
         if self.cfg.migration_frac is not None and not 0.0 <= self.cfg.migration_frac < 1.0:
             raise PlanError(f"system.migration_frac={self.cfg.migration_frac} must be in [0, 1)")
-        layouts = LayoutSearch(ctx, self.cfg)
+        layouts = layout_search(ctx, self.cfg)
         layouts.search_training()
         layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
@@ -84,37 +88,12 @@ class RLHFuse(System):
         allocs = {name: Allocation(full_mesh(ctx.num_devices), r.strategy) for name, r in layouts.chosen.items()}
         training = self._training(ctx, layouts, allocs, notes)
         if self.cfg.inter_stage:
-            policy, stream_moves = self._inter_stage(ctx, layouts, allocs, policy, notes)
-        tasks, moves = self._weight_movements(allocs)
-        if self.cfg.inter_stage:
-            moves += list(stream_moves.values())
-        tasks += ppo_tasks(allocs, {t.name.split("_", 2)[2]: t.name for t in tasks})
-        plan = Plan(
-            system=self.cfg.name, tasks=tasks, training=training, generation=policy, weight_movements=moves,
-            resident=[ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train"),
-                      ResidentState("ref", "ref", "weights"), ResidentState("reward", "reward", "weights")],
-            overlaps=[("gen", t) for t in ("ref", "reward", "values")] if self.cfg.inter_stage else [],
-            global_batch_size=ctx.workload.global_batch_size, mini_batch_size=ctx.workload.mini_batch_size,
-            notes=notes)
-        return plan
-
-    # ---- weight movements ---------------------------------------------------------------------
-    def _weight_movements(self, allocs: dict) -> tuple[list[Task], list[WeightMovement]]:
-        """Actor train -> gen always moves (a realloc task). Critic train -> inference moves as a task
-        when stages are sequential; with streaming, each inference replica fetches it on arrival."""
-        tasks, moves = [], []
-        gen_task, gen_move = weight_movement("actor", "gen", allocs["update_actor"], allocs["gen"])
-        tasks.append(gen_task)
-        moves.append(gen_move)
-        src, dst = allocs["update_critic"], allocs["values"]
-        if not self.cfg.inter_stage and (src.strategy != dst.strategy or src.mesh != dst.mesh):
-            task, move = weight_movement("critic", "values", src, dst)
-            tasks.append(task)
-            moves.append(move)
-        return tasks, moves
+            policy = self._inter_stage(ctx, layouts, allocs, policy, notes)
+        return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=training,
+                                 stream_inference=self.cfg.inter_stage, notes=notes)
 
     # ---- inter-stage fusion (section 4) -----------------------------------------------------
-    def _inter_stage(self, ctx, layouts: LayoutSearch, allocs, policy, notes) -> tuple[GenerationPolicy, dict]:
+    def _inter_stage(self, ctx, layouts: LayoutSearch, allocs, policy, notes) -> GenerationPolicy:
         """Choose the shared inference layout and R_t together (:func:`choose_inter_stage`)."""
         gen = Task("gen", "generate", "actor", allocs["gen"])
         roles = (("ref", "ref"), ("reward", "reward"), ("values", "critic"))
@@ -122,7 +101,7 @@ class RLHFuse(System):
         candidates = []
         for cand in layouts.candidates("actor", 0, pinned):
             try:
-                layouts._inference_fits([r for _, r in roles], cand)
+                layouts.inference_fits([r for _, r in roles], cand)
             except PlanError:
                 continue
             candidates.append(cand)
@@ -133,9 +112,10 @@ class RLHFuse(System):
         def make_inference(strategy: ParallelStrategy):
             alloc = Allocation(mesh, strategy)
             tasks = [Task(n, "inference", m, alloc) for n, m in roles]
-            moves = {}
-            if allocs["update_critic"].strategy != strategy or allocs["update_critic"].mesh != mesh:
-                moves["values"] = WeightMovement("values", "critic", allocs["update_critic"], alloc)
+            moves = {}  # as the assembler decides it: the critic fetched per inference replica
+            if needs_movement(allocs["update_critic"], alloc):
+                moves["values"] = WeightMovement("values", "critic", allocs["update_critic"], alloc,
+                                                 MovementKind.PER_REPLICA)
             return tasks, moves
 
         kv_gb = layouts.kv_capacity_gb(allocs["gen"].strategy)
@@ -148,16 +128,14 @@ class RLHFuse(System):
                       "migration/num_tail_instances": mig.num_tail_instances, "migration/bs_max": choice.bs_max,
                       "migration/transfer": mig.transfer,
                       "migration/curve_s": {f"{k:.2f}": round(v, 4) for k, v in choice.curve.items()}})
-        stream_moves = make_inference(layout)[1]
-        return GenerationPolicy("continuous", policy.max_batch_size, True,
-                                mig if mig.threshold_frac > 0 else None), stream_moves
+        return GenerationPolicy("continuous", policy.max_batch_size,
+                                migration=mig if mig.threshold_frac > 0 else None)
 
     # ---- intra-stage fusion (section 5) -----------------------------------------------------
     def _training(self, ctx, layouts: LayoutSearch, allocs: dict, notes: dict) -> list[TrainingStage]:
         w = ctx.workload
         if not self.cfg.intra_stage:
-            return [single_pipe_stage(t, m, allocs[t].strategy, w.mini_batch_size, w.micro_batch_size,
-                                      w.global_batch_size) for t, m in (("update_actor", "actor"), ("update_critic", "critic"))]
+            return single_pipe_stages(ctx, allocs, w.mini_batch_size)
         from systems.rlhfuse.intra import greedy_schedule, search_fused_schedule, serial_schedule
 
         best: FusedCandidate | None = None
@@ -205,8 +183,6 @@ class RLHFuse(System):
 
     @staticmethod
     def _sync_s(ctx, strategy: ParallelStrategy, role: str, mesh: tuple[int, ...]) -> float:
-        from harness.backends.sim.passes import grad_sync_s
-
         task = Task(f"update_{role}", "train", role, Allocation(mesh, strategy))
         return sum(grad_sync_s(ctx.cost_model, task, ctx.model(role)))
 
@@ -248,7 +224,7 @@ class RLHFuse(System):
             for pp_a in _pp_choices(base_a.pp, actor.num_layers):
                 for pp_c in _pp_choices(base_c.pp, critic.num_layers):
                     num_ranks = math.lcm(pp_a, pp_c)
-                    if n % (num_ranks * tp) or tp not in _divisors(ctx.cluster.gpus_per_node):
+                    if n % (num_ranks * tp) or tp not in divisors(ctx.cluster.gpus_per_node):
                         continue
                     groups = n // (num_ranks * tp)
                     dp_a, dp_c = groups * num_ranks // pp_a, groups * num_ranks // pp_c

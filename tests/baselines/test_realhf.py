@@ -2,7 +2,7 @@
 import pytest
 
 from baselines.realhf import mesh_options, strategy_options
-from harness.memory_check import check_plan_memory
+from harness.planning.memory import check_plan_memory
 from harness.testing import plan_for
 
 SMALL = ["model=7b", "cluster.num_nodes=2"]

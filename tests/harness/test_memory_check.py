@@ -3,7 +3,7 @@ import pytest
 
 from harness.costmodel.llama import kv_bytes_per_token, num_params
 from harness.errors import PlanMemoryError
-from harness.memory_check import check_plan_memory
+from harness.planning.memory import check_plan_memory
 from harness.testing import plan_for
 
 

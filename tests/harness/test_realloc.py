@@ -2,7 +2,7 @@
 import pytest
 
 from harness.plan import Allocation, ParallelStrategy as S
-from harness.realloc import reallocation_transfers, total_bytes
+from harness.planning.realloc import reallocation_transfers, total_bytes
 
 LAYERS, LAYER_BYTES = 8, 1.0  # model = 8 bytes, so answers read as fractions x 8
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from harness.backends.base import Backend
 from harness.backends.ray.experience import stable_seed
-from harness.backends.ray.options import RayOptions, check_supported
-from harness.errors import ConfigError
-from harness.plan import Allocation, Plan, TrainingStage
+from harness.backends.ray.options import RayOptions, unsupported_features
+from harness.errors import ConfigError, PlanError
+from harness.plan import Allocation, Plan, TaskKind, TrainingStage
 from harness.real.model import ModelArgs
 from harness.trace import Span, StepTrace
 from harness.workload import Batch
@@ -47,6 +47,17 @@ def role_seeds(seed: int, args: dict[str, ModelArgs]) -> dict[str, int]:
     return seeds
 
 
+def home_task(plan: Plan, role: str):
+    """The task whose layout holds ``role``'s weights between uses: its training task, else its
+    first inference task (ref and reward are never trained)."""
+    of_role = [t for t in plan.tasks if t.model == role]
+    for kind in (TaskKind.TRAIN, TaskKind.INFERENCE):
+        for t in of_role:
+            if t.kind == kind:
+                return t
+    raise PlanError(f"plan of {plan.system} has no training or inference task for the {role} model")
+
+
 class RayBackend(Backend):
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
@@ -60,6 +71,9 @@ class RayBackend(Backend):
         self.valid: dict[tuple[str, str], int] = {}
         self.home: dict[str, Allocation] = {}
         self.init_states: dict[str, Any] = {}
+
+    def unsupported(self, plan: Plan) -> list[str]:
+        return unsupported_features(plan, self.args)
 
     # ---- set-up ---------------------------------------------------------------------------
     def _start_ray(self, num_devices: int, use_cuda: bool):
@@ -88,7 +102,7 @@ class RayBackend(Backend):
         if self.cfg.num_devices is not None and self.cfg.num_devices != n:
             raise ConfigError(f"backend.num_devices={self.cfg.num_devices} but the cluster has {n} devices "
                               f"(cluster.num_nodes x cluster.gpus_per_node); leave it null")
-        check_supported(plan, self.args)
+        self.check(plan)
         device = self._device()
         self.opts.device = device
         self.opts.multi_node = self.opts.multi_node or self.cfg.address is not None
@@ -118,9 +132,9 @@ class RayBackend(Backend):
         seeds = role_seeds(self.ctx.seed, self.args)
         stages = {name: st for st in plan.training for name in st.tasks}
         homes = {}
-        for role, task_name in (("actor", "update_actor"), ("critic", "update_critic"), ("ref", "ref"),
-                                ("reward", "reward")):
-            task = plan.task(task_name)
+        for role in ("actor", "critic", "ref", "reward"):
+            task = home_task(plan, role)
+            task_name = task.name
             alloc = task.allocation
             s = alloc.strategy
             impl = "native"

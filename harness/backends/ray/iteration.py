@@ -1,6 +1,7 @@
 """One PPO iteration of a plan on the device workers (driver side).
 
-Tasks run in the plan's dependency order, each on its own mesh; the driver routes per-sample
+The plan's units run in dependency order through the shared interpreter
+(:class:`harness.interpreter.PlanInterpreter`, one handler per task kind), each on its own mesh; the driver routes per-sample
 data (prompts, responses, log-probs, values, scores, advantages) between them. Before a task
 computes with a model it checks that the model's weights in the task's layout are current: the
 home layout always is; a copy is current after a weight-movement task refreshed it since the last
@@ -22,43 +23,53 @@ import torch
 from harness.backends.ray import experience as ex
 from harness.backends.ray.layout import assemble
 from harness.backends.ray.worker import layout_key
-from harness.plan import Allocation, Plan
+from harness.interpreter import PlanInterpreter, Unit
+from harness.plan import Allocation, Plan, TaskKind
 from harness.trace import PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
 
 INFERENCE_OUTPUT = {"ref": "logprobs", "reward": "score", "critic": "values"}
 
 
-class Iteration:
+class Iteration(PlanInterpreter):
     def __init__(self, backend, plan: Plan, iteration: int, batch: Batch):
         self.b, self.plan, self.iteration, self.batch = backend, plan, iteration, batch
         self.opts = backend.opts
         self.trace = StepTrace(iteration=iteration, num_devices=backend.ctx.num_devices)
         self.rollout: ex.Rollout | None = None
-        self.outputs: dict[str, np.ndarray] = {}
+        self.outputs: dict[str, np.ndarray] = {}  # model role -> its inference output
         self.train_data: dict[str, np.ndarray] | None = None
         self.t0 = time.time()
 
+    def handlers(self):
+        return {TaskKind.WEIGHT_MOVEMENT: self._movement_unit, TaskKind.GENERATE: self._generate_unit,
+                TaskKind.INFERENCE: self._inference_unit, TaskKind.TRAIN: self._train_unit}
+
     def run(self) -> StepTrace:
-        plan = self.plan
-        moves = {m.task: m for m in plan.weight_movements}
-        stages = {name: st for st in plan.training for name in st.tasks}
         self.prompts = ex.prompt_tokens(self.b.ctx.seed, self.iteration, self.batch, self.b.args["actor"].vocab_size)
-        for name in plan.topological_order():
-            task = plan.task(name)
-            if task.kind == "weight_movement":
-                m = moves[name]
-                source = m.source if self._current(m.model, m.source) else self.b.home[m.model]
-                self._move(name, m.model, source, m.target)
-            elif task.kind == "generate":
-                self._generate(name, task.allocation)
-            elif task.kind == "inference":
-                self._infer(name, task.model, task.allocation)
-            else:
-                self._train(name, task.model, task.allocation, stages[name])
+        self.run_units(self.plan)
         if self.opts.digest:
             self._digest()
         return self.trace
+
+    # ---- handlers, one per task kind (fused stages and streams are refused before setup) -----
+    def _movement_unit(self, unit: Unit) -> None:
+        (task,) = unit.tasks
+        m = self.plan.movement_of(task.name)
+        source = m.source if self._current(m.model, m.source) else self.b.home[m.model]
+        self._move(task.name, m.model, source, m.target)
+
+    def _generate_unit(self, unit: Unit) -> None:
+        (task,) = unit.tasks
+        self._generate(task.name, task.allocation)
+
+    def _inference_unit(self, unit: Unit) -> None:
+        for task in unit.tasks:
+            self._infer(task.name, task.model, task.allocation)
+
+    def _train_unit(self, unit: Unit) -> None:
+        for task in unit.tasks:
+            self._train(task.name, task.model, task.allocation, unit.stage)
 
     # ---- weights ----------------------------------------------------------------------------
     def _current(self, role: str, alloc: Allocation) -> bool:
@@ -109,12 +120,12 @@ class Iteration:
         results = self.b._call(name, "infer", role, alloc, payload)
         self.b.spans_from(name, results, self.t0, self.trace)
         shape = (len(r.prompt_lens),) if what == "score" else r.action_mask.shape
-        self.outputs[name] = ex.scatter_rows(self.b.outputs(results), shape)
+        self.outputs[role] = ex.scatter_rows(self.b.outputs(results), shape)
 
     def _experience(self) -> dict[str, np.ndarray]:
         if self.train_data is None:
             r, o = self.rollout, self.outputs
-            derived, stats = ex.advantages(r, o["ref"], o["values"], o["reward"], self.opts.kl_coef,
+            derived, stats = ex.advantages(r, o["ref"], o["critic"], o["reward"], self.opts.kl_coef,
                                            self.opts.gamma, self.opts.lam, self.opts.whiten_advantages)
             self.train_data = {"tokens": r.tokens, "attn": r.attn, "action_mask": r.action_mask,
                                "old_logprobs": r.old_logprobs, **derived}

@@ -1,6 +1,6 @@
 """Where each parameter of a LLaMA model lives in a (dp, tp, pp) layout, and how pieces move.
 
-The piece model is the one :mod:`harness.realloc` costs: a device at ``(dp k, pp p, tp t)`` holds
+The piece model is the one :mod:`harness.planning.realloc` costs: a device at ``(dp k, pp p, tp t)`` holds
 the layers of pipeline stage ``p`` (``harness.real.model.split_layers``; the embedding on the first
 stage, final norm and head on the last) and slice ``t`` of ``tp`` of each tensor-parallel matrix.
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, section 3): the query/key/value and

@@ -4,7 +4,7 @@
   mesh all-gathers the whole model, then every target device keeps its own (pp stage, tp slice).
 - Otherwise (ReaLHF-style reallocation, Mei et al. 2024; RLHFuse's resharding): each target device
   receives exactly the slices :func:`harness.backends.ray.layout.transfer_plan` lists -- the piece
-  model of :func:`harness.realloc.reallocation_transfers`, which the simulator costs -- one flat
+  model of :func:`harness.planning.realloc.reallocation_transfers`, which the simulator costs -- one flat
   buffer per (source, destination) pair, all pairs at once.
 
 Both return a ``realloc`` span per device with the bytes it received.

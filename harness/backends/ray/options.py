@@ -1,5 +1,6 @@
 """``backend.options`` of ``backend=ray`` (typed, unknown keys refused) and the plan features
-the real backend executes, refusing the others with one clear error before any worker starts."""
+the real backend executes (:func:`unsupported_features`; the backend refuses the others with one
+clear error before any worker starts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,7 @@ from typing import Any, Optional
 
 from harness.backends.ray.layout import check_tp
 from harness.errors import ConfigError, PlanError
-from harness.plan import Plan
+from harness.plan import Feature, ModelRole, Plan, TaskKind
 from harness.real.model import ModelArgs
 
 
@@ -61,32 +62,30 @@ class RayOptions:
         return dataclasses.asdict(self)
 
 
-def check_supported(plan: Plan, model_args: dict[str, ModelArgs]) -> None:
-    """Raise PlanError naming the first plan feature backend=ray does not execute."""
-    def refuse(what: str, layout: bool = False) -> None:
-        hint = " or pin layouts it executes (e.g. system.layouts.<task>=dp2tp2pp1)" if layout else ""
-        raise PlanError(f"backend=ray cannot execute this {plan.system} plan: {what}. Run it with backend=sim{hint}")
+# Plan features the Ray driver executes so far; the others are refused before any worker starts.
+SUPPORTED_FEATURES: frozenset[Feature] = frozenset()
 
-    g = plan.generation
-    if g.stream_to_inference or g.migration is not None:
-        refuse("sample streaming and long-tail migration (RLHFuse inter-stage fusion) are not executed yet")
-    if plan.offloaded:
-        refuse(f"offloading {plan.offloaded} to host memory is not executed")
-    for stage in plan.training:
-        if len(stage.tasks) > 1 or len(stage.schedule.pipes) > 1:
-            refuse(f"fused training stage {'+'.join(stage.tasks)} (intra-stage fusion) is not executed yet")
+
+def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[str]:
+    """Every plan feature or layout backend=ray does not execute, one phrase each."""
+    out = [f"{feature.value} is not executed yet" for feature in plan.features() if feature not in SUPPORTED_FEATURES]
+    pin = " (pin layouts it executes, e.g. system.layouts.<task>=dp2tp2pp1)"
     for t in plan.tasks:
         s = t.allocation.strategy
-        if t.kind == "generate" and s.pp > 1:
-            refuse(f"task {t.name} generates with pp={s.pp}; generation runs with pp=1 only", layout=True)
-        if t.kind == "generate" and s.zero_stage == 3:
-            refuse(f"task {t.name} generates from ZeRO-3 shards; give generation its own layout (a weight "
-                   f"movement gathers the weights, as DeepSpeed-Chat's hybrid engine does)")
+        if t.kind == TaskKind.GENERATE and s.pp > 1:
+            out.append(f"task {t.name} generates with pp={s.pp}; generation runs with pp=1 only{pin}")
+        if t.kind == TaskKind.GENERATE and s.zero_stage == 3:
+            out.append(f"task {t.name} generates from ZeRO-3 shards; give generation its own layout (a weight "
+                       f"movement gathers the weights, as DeepSpeed-Chat's hybrid engine does)")
         if s.zero_stage == 3 and (s.tp > 1 or s.pp > 1):
-            refuse(f"task {t.name} combines ZeRO-3 with tp={s.tp}, pp={s.pp}", layout=True)
-        if t.kind == "train" and t.model not in ("actor", "critic"):
-            refuse(f"task {t.name} trains {t.model}")
-        check_tp(model_args[t.model], s.tp, f"task {t.name}")
+            out.append(f"task {t.name} combines ZeRO-3 with tp={s.tp}, pp={s.pp}{pin}")
+        if t.kind == TaskKind.TRAIN and t.model not in (ModelRole.ACTOR, ModelRole.CRITIC):
+            out.append(f"task {t.name} trains {t.model}")
+        try:
+            check_tp(model_args[t.model], s.tp, f"task {t.name}")
+        except (ConfigError, PlanError) as e:
+            out.append(str(e))
     for m in plan.weight_movements:
         if m.target.strategy.zero_stage == 3:
-            refuse(f"weight movement {m.task} targets a ZeRO-3 layout")
+            out.append(f"weight movement {m.task} targets a ZeRO-3 layout")
+    return out

@@ -7,7 +7,7 @@ by hand (comments below).
 import numpy as np
 import pytest
 
-from harness.backends.sim.generation import simulate_generation
+from harness.planning.taskmodels.generation import simulate_generation
 from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Task
 
 

@@ -13,14 +13,14 @@ instance 0, which receives s3.
 import numpy as np
 import pytest
 
-from harness.backends.sim.generation import simulate_generation
+from harness.planning.taskmodels.generation import simulate_generation
 from harness.plan import Allocation, GenerationPolicy, MigrationPolicy, ParallelStrategy, Task
 
 
 def _run(setup, migration):
     cm, model = setup
     task = Task("gen", "generate", "actor", Allocation((0, 1), ParallelStrategy(dp=2)))
-    policy = GenerationPolicy("continuous", stream_to_inference=True, migration=migration)
+    policy = GenerationPolicy("continuous", migration=migration)
     return simulate_generation(cm, task, policy, model, np.array([4, 4, 4, 4]), np.array([2, 3, 10, 8]),
                                0.0, kv_capacity_gb=1.0, max_gen_len=16)
 

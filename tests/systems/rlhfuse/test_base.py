@@ -3,7 +3,7 @@ import pytest
 
 from harness.errors import PlanError
 from harness.testing import plan_for
-from systems.rlhfuse.base import candidate_strategies, parse_layout
+from harness.planning.strategies import candidate_strategies, parse_layout
 
 
 def test_candidates_cover_every_factorisation():
@@ -15,7 +15,7 @@ def test_candidates_cover_every_factorisation():
 
 def test_search_picks_the_fastest_estimate():
     """The chosen layout's estimate is <= every other feasible candidate's (recorded in notes)."""
-    from harness.estimate import inference_s, representative_batch
+    from harness.planning.estimate import inference_s, representative_batch
     from harness.plan import Allocation, Task
 
     plan, ctx, _ = plan_for(["+system=rlhfuse_base", "model=7b", "cluster.num_nodes=1"])

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from harness import metrics as mk
-from harness.backends.sim.passes import pipe_stage_devices
+from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.testing import simulate_iterations
 
 SMALL = ["model=7b", "cluster.num_nodes=2", "system.fuse_max_steps=300"]
@@ -52,7 +52,8 @@ def test_fused_training_is_not_slower_than_serial_stages():
 def test_streaming_inference_only_runs_on_released_devices(frac):
     plan, runs = _simulate(["+system=rlhfuse", *SMALL, "system.intra_stage=false", f"system.migration_frac={frac}"])
     trace, metrics = runs[0]
-    assert plan.generation.stream_to_inference and plan.generation.migration.threshold_frac == frac
+    assert plan.stream_edges() == [("gen", "ref"), ("gen", "reward"), ("gen", "values")]
+    assert plan.generation.migration.threshold_frac == frac
     released = {}
     for span in trace.spans:
         if span.task == "gen":

@@ -1,5 +1,5 @@
 """The real backend's piece model (no Ray, no processes): slicing, reassembly, tensor-parallel
-arithmetic in one process, and weight-movement plans against harness.realloc's byte counts."""
+arithmetic in one process, and weight-movement plans against harness.planning.realloc's byte counts."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +13,7 @@ from harness.backends.ray.layout import (assemble, build_local_module, coords, f
 from harness.costmodel.llama import matmul_params_per_layer
 from harness.plan import Allocation, ParallelStrategy
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
-from harness.realloc import reallocation_transfers
+from harness.planning.realloc import reallocation_transfers
 
 ARGS = ModelArgs.from_llama_config(load_llama_config("tiny"))  # 4 heads, 2 kv heads, ffn 172, 2 layers
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 2)]
@@ -67,7 +67,7 @@ def test_tensor_parallel_split_sums_to_the_full_layer(tp):
 @pytest.mark.parametrize("src,dst", [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b and a[2] <= 2 and b[2] <= 2
                                      and 4 in (a[0] * a[1] * a[2], b[0] * b[1] * b[2])])
 def test_transfer_plan_matches_realloc(src, dst):
-    """Receivers are those harness.realloc charges; layer matmul bytes agree exactly where kv heads
+    """Receivers are those harness.planning.realloc charges; layer matmul bytes agree exactly where kv heads
     are not replicated (tp <= num_kv_heads)."""
     source, target = alloc(*src), alloc(*dst)
     plan = transfer_plan(ARGS, source, target)

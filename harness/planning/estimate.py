@@ -1,24 +1,26 @@
 """Task-time estimates for planners: the simulator's own task models, run on one candidate task.
 
-Systems search layouts with the cost model (RLHFuse-Base's brute force, ReaLHF's MCMC). To score a
-candidate they need the same numbers the simulator would produce, so this module runs the sim
-backend's per-task models (:mod:`harness.backends.sim`) on a representative batch drawn from the
-workload (a pure function of the seed). Generation is estimated on the instances holding the
+Systems search layouts with the cost model (RLHFuse-Base's brute force, ReaLHF's annealing). To
+score a candidate they need the same numbers the simulator would produce, so this module runs the
+task models (:mod:`harness.planning.taskmodels`) on a representative batch drawn from the
+workload (a pure function of the seed), or a whole plan through :mod:`harness.planning.simulate`. Generation is estimated on the instances holding the
 longest samples only, because the slowest instance decides when generation ends.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from harness.backends.sim.generation import simulate_generation
-from harness.config import BackendConfig
-from harness.backends.sim.passes import simulate_inference, simulate_training
 from harness.plan import GenerationPolicy, Plan, Task, TrainingStage
+from harness.planning.memory import check_plan_memory
+from harness.planning.simulate import simulate_iteration
+from harness.planning.taskmodels.generation import simulate_generation
+from harness.planning.taskmodels.passes import simulate_inference, simulate_training
+from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
+from harness.trace import StepTrace
 from harness.workload import Batch, make_batch
 
 NUM_GEN_INSTANCES_ESTIMATED = 4
-SIM_BACKEND = BackendConfig(name="sim", _target_="harness.backends.sim.SimBackend")
 
 
 def representative_batch(ctx: PlanContext, global_batch_size: int | None = None) -> Batch:
@@ -64,8 +66,6 @@ def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_si
 def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task], moves: dict) -> float:
     """When the last streaming inference pass ends behind a simulated generation (its samples'
     finish times and device releases). Used to choose RLHFuse's migration threshold and layout."""
-    from harness.backends.sim.streaming import simulate_streaming_inference
-
     free = {d: 0.0 for t in inference for d in t.allocation.mesh}
     free.update(gen_result.device_free_s())
     models = {t.model: ctx.model(t.model) for t in inference}
@@ -74,11 +74,9 @@ def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task
     return max(streamed.end_s.values())
 
 
-def simulate_plan(ctx: PlanContext, plan: Plan, batch: Batch | None = None):
+def simulate_plan(ctx: PlanContext, plan: Plan, batch: Batch | None = None) -> StepTrace:
     """One iteration of a whole plan under the full simulator (representative batch by default):
-    the StepTrace the sim backend would report. Planners use it to verify or score whole plans."""
-    from harness.backends.sim import SimBackend
-
-    backend = SimBackend(SIM_BACKEND, ctx)
-    backend.setup(plan)
-    return backend.run_iteration(plan, 0, batch if batch is not None else representative_batch(ctx))
+    the StepTrace ``backend=sim`` would report. Checks memory first (raises PlanMemoryError).
+    Planners use it to verify or score whole plans."""
+    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    return simulate_iteration(ctx, plan, memory, 0, batch if batch is not None else representative_batch(ctx))

@@ -9,7 +9,7 @@
   cost model (ZeRO-3 adds weight gathers in forward and backward and a gradient reduce-scatter,
   overlapped with compute); then gradients are synchronised across dp (all-reduce, or
   reduce-scatter + all-gather under ZeRO-1/2) and the optimizer steps.
-- Weight movement: :func:`harness.realloc.reallocation_transfers` bytes per device over its tier,
+- Weight movement: :func:`harness.planning.realloc.reallocation_transfers` bytes per device over its tier,
   bounded by the senders' links as well.
 - Offloaded models (``Plan.offloaded``) copy their weights in from host memory (PCIe) before
   each inference pass.
@@ -24,7 +24,7 @@ from harness.costmodel import CostModel
 from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
 from harness.plan import Plan, Task, TrainingStage, WeightMovement
-from harness.realloc import reallocation_transfers
+from harness.planning.realloc import reallocation_transfers
 from harness.schedule import PipeCosts, simulate
 from harness.trace import PipelineRun, SampleRecord, Span
 
@@ -238,6 +238,6 @@ def weight_movement_s(cm: CostModel, move: WeightMovement, model) -> tuple[float
 
 def simulate_weight_movement(cm: CostModel, move: WeightMovement, model, start_s: float) -> PassResult:
     duration, moved = weight_movement_s(cm, move, model)
-    kind = "param_sync" if move.task == "param_sync" else "realloc"
+    kind = move.kind.value  # realloc | param_sync: the span kind the metrics read
     spans = [Span((t.device,), move.task, kind, start_s, start_s + duration, 0.0, t.bytes) for t in moved]
     return PassResult(spans, start_s + duration, [])

@@ -1,4 +1,5 @@
-"""Building blocks systems use to assemble plans: the PPO workflow and single-pipe training stages.
+"""The PPO workflow as tasks and data keys, weight-movement tasks, single-pipe training stages and
+layout checks: the building blocks of :mod:`harness.planning.assembler`.
 
 The PPO iteration (Ouyang et al. 2022; verl's task names) as tasks with the data keys they read
 and write; dependency edges follow from the keys (see :meth:`harness.plan.Plan.dependencies`):
@@ -16,7 +17,7 @@ A weight movement ``realloc_<model>_<task>`` reads ``<model>_weights`` and write
 from __future__ import annotations
 
 from harness.errors import PlanError
-from harness.plan import Allocation, ParallelStrategy, Task, TrainingStage, WeightMovement
+from harness.plan import Allocation, MovementKind, ParallelStrategy, Task, TrainingStage, WeightMovement
 from harness.schedule import PipeSpec, build
 
 PPO_TASKS = {
@@ -30,9 +31,11 @@ PPO_TASKS = {
 }
 
 
-def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None = None) -> list[Task]:
+def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None = None,
+              stream_from: str | None = None) -> list[Task]:
     """The six PPO tasks on the given allocations. ``moved`` maps a task to the weight-movement
-    task that prepares its weights; the task then reads the moved key."""
+    task that prepares its weights; the task then reads the moved key. With ``stream_from`` the
+    inference tasks consume that generate task's samples as they finish."""
     moved = moved or {}
     tasks = []
     for name, (kind, model, reads, writes) in PPO_TASKS.items():
@@ -40,15 +43,18 @@ def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None =
             reads = tuple(f"{model}_weights@{name}" if r == f"{model}_weights" else r for r in reads)
             if f"{model}_weights@{name}" not in reads:
                 reads = reads + (f"{model}_weights@{name}",)
-        tasks.append(Task(name, kind, model, allocations[name], reads, writes))
+        stream = stream_from if kind == "inference" else None
+        tasks.append(Task(name, kind, model, allocations[name], reads, writes, stream))
     return tasks
 
 
 def weight_movement(model: str, consumer: str, source: Allocation, target: Allocation,
-                    kind: str = "realloc") -> tuple[Task, WeightMovement]:
-    name = "param_sync" if kind == "param_sync" else f"realloc_{model}_{consumer}"
+                    kind: MovementKind = MovementKind.REALLOC) -> tuple[Task, WeightMovement]:
+    """A weight-movement task (``realloc_<model>_<consumer>`` or ``param_sync``) and its movement."""
+    kind = MovementKind(kind)
+    name = "param_sync" if kind == MovementKind.PARAM_SYNC else f"realloc_{model}_{consumer}"
     task = Task(name, "weight_movement", model, target, (f"{model}_weights",), (f"{model}_weights@{consumer}",))
-    return task, WeightMovement(name, model, source, target)
+    return task, WeightMovement(name, model, source, target, kind)
 
 
 def microbatches_per_replica(mini_batch_size: int, dp: int, micro_batch_size: int, what: str) -> int:

@@ -64,8 +64,10 @@ class ContinuousInstance:
     """One generation instance with continuous batching; can stop at a time and take or give samples."""
 
     def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
-                 max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord]):
+                 max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
+                 task_name: str):
         self.cm, self.model, self.devices, self.tp, self.pp = cm, model, devices, tp, pp
+        self.task_name = task_name
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
         self.waiting: list[_Sample] = []
@@ -79,7 +81,7 @@ class ContinuousInstance:
         return len(self.waiting) + len(self.running)
 
     def _span(self, start: float, end: float, kind: str) -> None:
-        self.result.spans.append(Span(self.devices, "gen", kind, start, end))
+        self.result.spans.append(Span(self.devices, self.task_name, kind, start, end))
 
     def _admit(self) -> None:
         admitted: list[_Sample] = []
@@ -130,7 +132,8 @@ class ContinuousInstance:
 
 
 def _static(cm: CostModel, model, devices, prompts: np.ndarray, outputs: np.ndarray, ids: np.ndarray,
-            start: float, tp: int, pp: int, round_size: int, finishes: list[SampleRecord]) -> InstanceResult:
+            start: float, tp: int, pp: int, round_size: int, finishes: list[SampleRecord],
+            task_name: str) -> InstanceResult:
     res = InstanceResult(tuple(devices), start)
     now = start
     for lo in range(0, len(ids), round_size):
@@ -138,14 +141,14 @@ def _static(cm: CostModel, model, devices, prompts: np.ndarray, outputs: np.ndar
         p, o, batch = prompts[sel], outputs[sel], len(ids[sel])
         padded_prompt = int(p.max())
         dt = cm.prefill_s(model, padded_prompt * batch, tp, pp)
-        res.spans.append(Span(tuple(devices), "gen", "prefill", now, now + dt))
+        res.spans.append(Span(tuple(devices), task_name, "prefill", now, now + dt))
         now += dt
         num_steps = int(o.max())
         step_times = [cm.decode_step_s(model, batch, (padded_prompt + j) * batch, tp, pp) for j in range(num_steps)]
         elapsed = np.cumsum(step_times)
         for k in range(batch):  # a row's last token comes out at the end of its own step
             finishes.append(SampleRecord(int(ids[sel][k]), int(p[k]), int(o[k]), now + float(elapsed[int(o[k]) - 1])))
-        res.spans.append(Span(tuple(devices), "gen", "decode", now, now + float(elapsed[-1])))
+        res.spans.append(Span(tuple(devices), task_name, "decode", now, now + float(elapsed[-1])))
         now += float(elapsed[-1])
         res.peak_kv_tokens = max(res.peak_kv_tokens, (padded_prompt + num_steps) * batch)
     res.end_s = now
@@ -175,7 +178,8 @@ def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, ou
     instances = []
     for k in range(s.dp):
         inst = ContinuousInstance(cm, model, task.allocation.replica_devices(k), s.tp, s.pp, start_s,
-                                  policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes)
+                                  policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes,
+                                  task.name)
         inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in range(k, len(prompts), s.dp)]
         instances.append(inst)
     return instances
@@ -218,7 +222,7 @@ def _migrate(cm: CostModel, model, instances: list[ContinuousInstance], num_targ
             dst = targets[(k + j) % len(targets)]
             sent = [sample]
             dt = _transfer_s(cm, model, sent, src, dst, transfer)
-            src.result.spans.append(Span(src.devices, "gen", "migrate", src.now, src.now + dt, 0.0))
+            src.result.spans.append(Span(src.devices, src.task_name, "migrate", src.now, src.now + dt, 0.0))
             src.now += dt
             arrivals[id(dst)] = max(arrivals[id(dst)], src.now)
             if transfer != "kv":
@@ -244,7 +248,7 @@ def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, mod
             mine = ids[k::s.dp]
             instances.append(_static(cm, model, task.allocation.replica_devices(k), prompt_lens[mine],
                                      output_lens[mine], mine, start_s, s.tp, s.pp,
-                                     policy.max_batch_size or max(len(mine), 1), finishes))
+                                     policy.max_batch_size or max(len(mine), 1), finishes, task.name))
         finishes.sort(key=lambda r: r.sample_id)
         return GenerationResult(finishes, instances)
 

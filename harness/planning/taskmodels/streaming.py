@@ -1,7 +1,7 @@
 """Sample-level streaming of generation output into inference (RLHFuse section 4, inter-stage fusion).
 
-With ``GenerationPolicy.stream_to_inference`` the inference tasks (``ref``, ``reward``, ``values``)
-do not wait for the whole batch: they consume samples as generation finishes them, on every
+Inference tasks with a stream edge (``Task.stream_from``: ``ref``, ``reward`` and ``values`` in
+RLHFuse's plans) do not wait for the whole batch: they consume samples as generation finishes them, on every
 inference replica whose devices generation has released (instances freed by the long-tail
 migration release theirs early; the rest at the end of generation).
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from harness.costmodel import CostModel
 from harness.plan import Task, WeightMovement
-from harness.realloc import reallocation_transfers
+from harness.planning.realloc import reallocation_transfers
 from harness.trace import SampleRecord, Span
 
 
@@ -73,12 +73,13 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
     heap: list[tuple[float, int]] = []  # (when stage 0 of replica k can take a micro-batch, k)
     last_done: dict[int, float] = {}
     loads = [_load_times(cm, moves.get(t.name), models[t.model]) for t in tasks]
+    loading = "+".join(t.name for t in tasks if t.name in moves)  # tasks whose weights are fetched per replica
     for k in range(s.dp):
         devices = alloc.replica_devices(k)
         start = max(device_free_s.get(d, 0.0) for d in devices)
         load = sum(max((times.get(d, 0.0) for d in devices), default=0.0) for times in loads)
         if load > 0:
-            spans.append(Span(devices, "values", "realloc", start, start + load))
+            spans.append(Span(devices, loading, "realloc", start, start + load))
         heapq.heappush(heap, (start + load, k))
         last_done[k] = start + load
     end = {t.name: 0.0 for t in tasks}

@@ -1,0 +1,19 @@
+"""The planning library: everything a system needs to decide a plan, and nothing that executes one.
+
+Layers (docs/ARCHITECTURE.md): ``systems/`` and ``baselines/`` sit side by side on top of this
+package; it sits on the harness core (config, plan IR, cost model, schedule IR, workload, trace);
+backends use it, it never imports a backend (a test enforces that).
+
+| module | owns |
+|---|---|
+| :mod:`.workflow` | the PPO tasks and their data keys, weight-movement tasks, single-pipe stages, layout checks |
+| :mod:`.assembler` | the one PPO plan assembler: layouts in, the whole iteration plan out (reshard rule, residency, streams) |
+| :mod:`.strategies` | (dp, tp, pp) enumeration, ReaLHF's mesh options, pinned layouts, best-of search |
+| :mod:`.layout_search` | RLHFuse-Base's per-task brute-force search (all devices or a pool) |
+| :mod:`.memory` | per-task, per-device memory feasibility of a plan |
+| :mod:`.realloc` | bytes each device receives when weights change layout (also used by the real backend) |
+| :mod:`.taskmodels` | per-task cost models: generation (with migration), streaming inference, inference, training, weight movement |
+| :mod:`.scheduler` | the one list scheduler: tasks + dependencies + meshes -> start/end times |
+| :mod:`.simulate` | whole-plan simulation through the shared interpreter (what ``backend=sim`` runs) |
+| :mod:`.estimate` | task-time and whole-plan estimates for scoring candidates |
+"""

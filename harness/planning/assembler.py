@@ -1,0 +1,85 @@
+"""The PPO plan assembler: a layout per task in, the whole PPO iteration plan out.
+
+Every system builds its plan here; a system file keeps only its own decisions (which layouts,
+which generation policy, whether inference streams, how the actor reaches generation, which
+training stages). What is decided once, here, for all of them:
+
+- **tasks and edges**: the six PPO tasks (:mod:`harness.planning.workflow`) with their data keys,
+  so dependency edges follow from the keys; with ``stream_inference`` the three inference tasks
+  get a stream edge from ``gen`` (RLHFuse section 4);
+- **resharding** (:func:`needs_movement`): a model's weights move from its training layout to a
+  consumer's layout when the two differ in mesh or (dp, tp, pp), or when the source is ZeRO-3
+  sharded and the consumer is not (DeepSpeed-Chat's hybrid engine gathers; a ZeRO-1/2 layout holds
+  full weights, so a consumer with the same (dp, tp, pp) on the same mesh reads them in place).
+  The actor reaches ``gen`` by a ``realloc`` task, or by ``param_sync`` to a separate generation
+  pool (always, since the pool holds its own shadow copy). The critic reaches ``values`` by a
+  ``realloc`` task, or, when inference streams, by each inference replica fetching its share as it
+  starts (``per_replica``: the replica's devices are only free once generation releases them);
+- **residency**: actor and critic training states stay resident; ref and reward weights too
+  unless offloaded; a separate pool's shadow actor weights;
+- **training**: each training task as its own 1F1B stage unless the system passes its stages
+  (RLHFuse's fused pipeline).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from harness.errors import PlanError
+from harness.plan import (Allocation, GenerationPolicy, MovementKind, Plan, ResidentState, TrainingStage,
+                          WeightMovement)
+from harness.planning.workflow import PPO_TASKS, ppo_tasks, single_pipe_stage, weight_movement
+from harness.system import PlanContext
+
+# (model, consumer task, source task): where each moved model's weights come from and go to
+MOVED_WEIGHTS = (("actor", "gen", "update_actor"), ("critic", "values", "update_critic"))
+TRAINING_TASKS = (("update_actor", "actor"), ("update_critic", "critic"))
+
+
+def needs_movement(source: Allocation, target: Allocation) -> bool:
+    """Whether a consumer in layout ``target`` must receive weights held in layout ``source``."""
+    s, t = source.strategy, target.strategy
+    if source.mesh != target.mesh or (s.dp, s.tp, s.pp) != (t.dp, t.tp, t.pp):
+        return True
+    return s.zero_stage == 3 and t.zero_stage != 3
+
+
+def single_pipe_stages(ctx: PlanContext, allocations: dict[str, Allocation], mini_batch_size: int) -> list[TrainingStage]:
+    w = ctx.workload
+    return [single_pipe_stage(t, m, allocations[t].strategy, mini_batch_size, w.micro_batch_size, w.global_batch_size)
+            for t, m in TRAINING_TASKS]
+
+
+def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allocation], generation: GenerationPolicy,
+                      *, training: Optional[list[TrainingStage]] = None, mini_batch_size: Optional[int] = None,
+                      actor_sync: MovementKind = MovementKind.REALLOC, stream_inference: bool = False,
+                      offloaded: Sequence[str] = (), notes: Optional[dict] = None) -> Plan:
+    """The PPO iteration plan for ``allocations`` (one per task of :data:`PPO_TASKS`)."""
+    missing = sorted(set(PPO_TASKS) - set(allocations))
+    if missing:
+        raise PlanError(f"{system}: no layout for task(s) {missing}")
+    if actor_sync == MovementKind.PER_REPLICA:
+        raise PlanError(f"{system}: the actor reaches generation by realloc or param_sync, not per replica")
+    mini_batch_size = ctx.workload.mini_batch_size if mini_batch_size is None else mini_batch_size
+    movement_tasks, movements, moved = [], [], {}
+    for model, consumer, source in MOVED_WEIGHTS:
+        src, dst = allocations[source], allocations[consumer]
+        kind = actor_sync if model == "actor" else MovementKind.REALLOC
+        if kind != MovementKind.PARAM_SYNC and not needs_movement(src, dst):
+            continue
+        if model == "critic" and stream_inference:  # fetched by each inference replica as it starts
+            movements.append(WeightMovement(consumer, model, src, dst, MovementKind.PER_REPLICA))
+            continue
+        task, move = weight_movement(model, consumer, src, dst, kind=kind)
+        movement_tasks.append(task)
+        movements.append(move)
+        moved[consumer] = task.name
+    tasks = movement_tasks + ppo_tasks(allocations, moved, stream_from="gen" if stream_inference else None)
+    resident = [ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train")]
+    resident += [ResidentState(m, m, "weights") for m in ("ref", "reward") if m not in offloaded]
+    if actor_sync == MovementKind.PARAM_SYNC:
+        resident.append(ResidentState("actor", "gen", "weights"))  # the generation pool's shadow actor
+    return Plan(system=system, tasks=tasks,
+                training=training if training is not None else single_pipe_stages(ctx, allocations, mini_batch_size),
+                generation=generation, weight_movements=movements, resident=resident, offloaded=list(offloaded),
+                global_batch_size=ctx.workload.global_batch_size, mini_batch_size=mini_batch_size,
+                notes=dict(notes or {}))

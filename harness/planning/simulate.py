@@ -1,0 +1,118 @@
+"""Whole-plan simulation: one PPO iteration of a plan over the cost model, as a StepTrace.
+
+The plan's units (:mod:`harness.interpreter`) are list-scheduled (:mod:`harness.planning.scheduler`)
+and each is timed by its task model (:mod:`harness.planning.taskmodels`), one handler per task kind:
+
+- ``generate``: token-level generation (continuous or static batching, long-tail migration);
+  instances released early by migration free their devices early;
+- ``inference``: pipelined forward passes, or, for a unit consuming a stream, samples taken as
+  generation finishes them on replicas as their devices are released (RLHFuse section 4);
+- ``train``: the stage's pipeline schedule per mini-batch (fused or not), gradient sync, optimizer;
+- ``weight_movement``: reallocation / parameter-sync bytes over the links.
+
+This is what ``backend=sim`` runs, and what planners call to score whole candidate plans; nothing
+here depends on which system produced the plan.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from harness import metrics as mk
+from harness.errors import PlanError
+from harness.interpreter import PlanInterpreter, Unit
+from harness.plan import Plan, TaskKind
+from harness.planning.memory import MemoryReport
+from harness.planning.scheduler import ListScheduler
+from harness.planning.taskmodels.generation import GenerationResult, simulate_generation
+from harness.planning.taskmodels.passes import (PassResult, simulate_inference, simulate_training,
+                                                simulate_weight_movement)
+from harness.planning.taskmodels.streaming import simulate_streaming_inference
+from harness.system import PlanContext
+from harness.trace import StepTrace
+from harness.workload import Batch
+
+
+class PlanSimulator(PlanInterpreter):
+    """Simulates one iteration of ``plan`` on ``batch``; ``memory`` is the plan's memory report
+    (KV capacity per generate task, per-device peaks)."""
+
+    def __init__(self, ctx: PlanContext, plan: Plan, memory: MemoryReport, iteration: int, batch: Batch):
+        self.ctx, self.cm, self.plan, self.memory, self.batch = ctx, ctx.cost_model, plan, memory, batch
+        self.trace = StepTrace(iteration=iteration, num_devices=ctx.num_devices)
+        self.sched = ListScheduler(plan, ctx.num_devices)
+        self.seq_lens = batch.prompt_lens + batch.output_lens
+        self.moves = {m.task: m for m in plan.weight_movements}
+        self.generated: dict[str, GenerationResult] = {}  # generate task -> its result (for streams)
+
+    def handlers(self) -> dict[TaskKind, Callable[[Unit], Any]]:
+        return {TaskKind.GENERATE: self.generate, TaskKind.INFERENCE: self.inference,
+                TaskKind.TRAIN: self.train, TaskKind.WEIGHT_MOVEMENT: self.weight_movement}
+
+    def run(self) -> StepTrace:
+        self.run_units(self.plan)
+        self.trace.memory_gb = dict(self.memory.peak_gb)
+        return self.trace
+
+    def _record(self, unit: Unit, result: PassResult, early_release_s: dict[int, float] | None = None) -> None:
+        self.sched.finish({n: result.end_s for n in unit.names}, unit.devices, result.end_s, early_release_s)
+        self.trace.spans.extend(result.spans)
+        self.trace.pipelines.extend(result.pipelines)
+        self.trace.samples.extend(result.samples)
+
+    # ---- handlers, one per task kind ------------------------------------------------------
+    def generate(self, unit: Unit) -> None:
+        (task,) = unit.tasks
+        gen = simulate_generation(self.cm, task, self.plan.generation, self.ctx.model(task.model),
+                                  self.batch.prompt_lens, self.batch.output_lens, self.sched.start_s(unit),
+                                  self.memory.kv_capacity_gb[task.name], self.ctx.workload.max_gen_len)
+        self.generated[task.name] = gen
+        spans = [s for inst in gen.instances for s in inst.spans]
+        self._record(unit, PassResult(spans, gen.end_s, [], gen.samples, generation=gen), gen.device_free_s())
+        policy = self.plan.generation.migration
+        if policy is not None:
+            self.trace.counters[mk.MIGRATED_SAMPLES] = gen.migrated_samples
+            self.trace.counters[mk.TAIL_INSTANCES] = gen.tail_instances
+            self.trace.counters[mk.MIGRATION_THRESHOLD_FRAC] = policy.threshold_frac
+
+    def inference(self, unit: Unit) -> None:
+        if unit.stream_from is not None:
+            return self._streamed_inference(unit)
+        (task,) = unit.tasks
+        result = simulate_inference(self.cm, task, self.ctx.model(task.model), self.seq_lens,
+                                    self.ctx.workload.micro_batch_size, self.sched.start_s(unit),
+                                    offloaded=task.model in self.plan.offloaded)
+        self._record(unit, result)
+
+    def _streamed_inference(self, unit: Unit) -> None:
+        gen = self.generated.get(unit.stream_from)
+        if gen is None:
+            raise PlanError(f"{unit.label} stream from {unit.stream_from}, which must run before them")
+        allocations = {t.allocation for t in unit.tasks}
+        if len(allocations) != 1:
+            raise PlanError(f"{unit.label} stream from {unit.stream_from} and must share one allocation "
+                            f"(got {[str(t.allocation.strategy) for t in unit.tasks]})")
+        mesh = list(unit.tasks[0].allocation.mesh)
+        free = {d: float(self.sched.device_free_s[d]) for d in mesh}
+        models = {t.model: self.ctx.model(t.model) for t in unit.tasks}
+        streamed = simulate_streaming_inference(self.cm, list(unit.tasks), models, gen.samples, free,
+                                                self.ctx.workload.micro_batch_size, self.moves)
+        end = max(streamed.end_s.values())
+        self.sched.finish(streamed.end_s, mesh, end)
+        self.trace.spans.extend(streamed.spans)
+
+    def train(self, unit: Unit) -> None:
+        result = simulate_training(self.cm, self.plan, unit.stage, self.ctx.models, self.seq_lens,
+                                   self.ctx.workload.activation_recompute, self.sched.start_s(unit))
+        self._record(unit, result)
+
+    def weight_movement(self, unit: Unit) -> None:
+        (task,) = unit.tasks
+        if task.name not in self.moves:
+            raise PlanError(f"weight-movement task {task.name} has no WeightMovement in the plan")
+        result = simulate_weight_movement(self.cm, self.moves[task.name], self.ctx.model(task.model),
+                                          self.sched.start_s(unit))
+        self._record(unit, result)
+
+
+def simulate_iteration(ctx: PlanContext, plan: Plan, memory: MemoryReport, iteration: int, batch: Batch) -> StepTrace:
+    return PlanSimulator(ctx, plan, memory, iteration, batch).run()

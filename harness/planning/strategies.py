@@ -1,0 +1,100 @@
+"""Strategy enumeration and the generic best-of search that planners share.
+
+- :func:`candidate_strategies`: every (dp, tp, pp) over a mesh of N devices with tp dividing the
+  GPUs of a node (tensor parallelism stays on NVLink, Megatron-LM practice) and pp within the
+  model's layers;
+- :func:`mesh_options` / :func:`strategy_options`: ReaLHF's per-call search space (aligned slices
+  of a node or ranges of whole nodes; strategies filling them, training ones splitting the
+  mini-batch into micro-batches per replica);
+- :func:`parse_layout`: a pinned ``dp<D>tp<T>pp<P>`` from the command line;
+- :func:`search`: score every candidate, skip infeasible ones (PlanError), keep the fastest, and
+  say why none fit when none does.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from harness.errors import PlanError
+from harness.plan import ParallelStrategy
+
+_LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)$")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_layout(text: str, zero_stage: int, what: str) -> ParallelStrategy:
+    m = _LAYOUT_RE.match(text.strip())
+    if not m:
+        raise PlanError(f"system.layouts.{what}={text!r}: expected the form dp<D>tp<T>pp<P>, e.g. dp32tp8pp1")
+    dp, tp, pp = (int(g) for g in m.groups())
+    return ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage)
+
+
+def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, zero_stage: int = 0,
+                         max_pp: int = 32) -> Iterable[ParallelStrategy]:
+    for tp in divisors(gpus_per_node):
+        if num_devices % tp:
+            continue
+        for pp in divisors(num_devices // tp):
+            if pp > min(num_layers, max_pp):
+                continue
+            yield ParallelStrategy(dp=num_devices // (tp * pp), tp=tp, pp=pp, zero_stage=zero_stage)
+
+
+def mesh_options(num_nodes: int, gpus_per_node: int) -> list[tuple[int, ...]]:
+    """Contiguous aligned slices of one node (sizes dividing the node) and ranges of whole nodes."""
+    meshes = []
+    for node in range(num_nodes):
+        base = node * gpus_per_node
+        for size in divisors(gpus_per_node)[:-1]:
+            for offset in range(0, gpus_per_node, size):
+                meshes.append(tuple(range(base + offset, base + offset + size)))
+    for start in range(num_nodes):
+        for length in range(1, num_nodes - start + 1):
+            meshes.append(tuple(range(start * gpus_per_node, (start + length) * gpus_per_node)))
+    return meshes
+
+
+def strategy_options(mesh_size: int, gpus_per_node: int, num_layers: int, train: bool, mini_batch: int,
+                     micro_batch: int, zero_stage: int) -> list[ParallelStrategy]:
+    out = []
+    for tp in divisors(min(mesh_size, gpus_per_node)):
+        if gpus_per_node % tp or mesh_size % tp:
+            continue
+        for pp in divisors(mesh_size // tp):
+            dp = mesh_size // (tp * pp)
+            if pp > num_layers or (train and mini_batch % (dp * micro_batch)):
+                continue
+            out.append(ParallelStrategy(dp, tp, pp, zero_stage if train else 0))
+    return out
+
+
+@dataclass
+class SearchResult:
+    strategy: ParallelStrategy
+    time_s: float
+    num_candidates: int
+
+
+def search(candidates: Iterable[ParallelStrategy], score: Callable[[ParallelStrategy], float], what: str,
+           system: str = "rlhfuse_base") -> SearchResult:
+    """The fastest candidate by ``score``; a candidate whose score raises PlanError is infeasible."""
+    best: tuple[float, ParallelStrategy] | None = None
+    tried, reasons = 0, []
+    for strategy in candidates:
+        tried += 1
+        try:
+            t = score(strategy)
+        except PlanError as e:  # infeasible candidate: skip, remember why
+            reasons.append(f"{strategy}: {e}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, strategy)
+    if best is None:
+        detail = "; ".join(reasons[:3])
+        raise PlanError(f"{system}: no feasible parallel strategy for {what} among {tried} candidates ({detail})")
+    return SearchResult(best[1], best[0], tried)
