@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from harness.backends import register_backend_configs
 from harness.config import register_configs
 from harness.discovery import discover_systems
 from harness.errors import HarnessError
@@ -61,6 +62,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def run() -> None:
     register_configs()
+    register_backend_configs()
     discover_systems()
     main()
 
@@ -72,6 +74,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
+    register_backend_configs()
     discover_systems()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="conf", version_base="1.3"):

@@ -11,7 +11,7 @@ they are discovered through the ``rlhf_harness.systems`` entry-point group).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -105,16 +105,16 @@ class WorkloadConfig:
 
 @dataclass
 class BackendConfig:
+    """Base of every backend's typed config (``harness.backends.sim.config``,
+    ``harness.backends.ray.config``); ``_target_`` names the Backend class."""
+
     name: str = MISSING
     _target_: str = MISSING
     num_iterations: int = 5
     num_warmup_iterations: int = 1
-    # sim: optional CSV of measured op times that override analytic ones.
+    # CSV of measured op times that override the cost model's analytic ones. It feeds the cost
+    # model, so it changes what planners choose under any backend and what backend=sim reports.
     profile_table: Optional[str] = None
-    # ray: cluster address (None = embedded local Ray) and devices to use.
-    address: Optional[str] = None
-    num_devices: Optional[int] = None
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,7 +143,7 @@ class RunConfig:
     model: ModelsConfig = MISSING
     cluster: ClusterConfig = MISSING
     workload: WorkloadConfig = MISSING
-    backend: BackendConfig = MISSING
+    backend: Any = MISSING  # a BackendConfig subclass (conf/backend/<name>.yaml)
     logger: LoggerConfig = MISSING
     experiment_name: str = "default"  # results/<experiment_name>/... and the W&B group (verl: trainer.experiment_name)
     seed: int = 0
@@ -158,15 +158,17 @@ class RunConfig:
 
 
 # Schemas of the harness's own groups (everything else under ``schema/`` is a system's).
-CORE_SCHEMAS = ("llama", "models", "cluster", "workload", "backend", "backend_sim", "backend_ray", "logger")
+CORE_SCHEMAS = ("llama", "models", "cluster", "workload", "logger", "backend_sim", "backend_ray")
 
 
 def register_configs() -> None:
-    """Register the schemas; YAML options name them in their defaults lists."""
+    """Register the schemas; YAML options name them in their defaults lists. Backend schemas are
+    owned by their backends (:func:`harness.backends.register_backend_configs`, called beside this
+    by the entry point)."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     # Schemas live in their own group so they do not show up as options of the real groups;
     # a YAML option names its schema with ``defaults: [{/schema@_here_: cluster}, _self_]``.
     for name, node in (("llama", LlamaConfig), ("models", ModelsConfig), ("cluster", ClusterConfig),
-                       ("workload", WorkloadConfig), ("backend", BackendConfig), ("logger", LoggerConfig)):
+                       ("workload", WorkloadConfig), ("logger", LoggerConfig)):
         cs.store(group="schema", name=name, node=node)

@@ -43,19 +43,18 @@ class Unit:
         return "+".join(self.names)
 
 
-def execution_units(plan: Plan) -> list[Unit]:
-    """The plan's units, each placed where its first task falls in :meth:`Plan.topological_order`."""
+def _group(plan: Plan) -> list[Unit]:
+    """Tasks grouped into units, in plan order of each unit's first task."""
     units: list[Unit] = []
     covered: set[str] = set()
-    for name in plan.topological_order():
-        if name in covered:
+    for task in plan.tasks:
+        if task.name in covered:
             continue
-        task = plan.task(name)
-        stage = plan.stage_of(name)
+        stage = plan.stage_of(task.name)
         if stage is not None:
             unit = Unit(TaskKind.TRAIN, tuple(plan.task(n) for n in stage.tasks), stage=stage)
         elif task.kind == TaskKind.TRAIN:
-            raise PlanError(f"task {name} of kind {task.kind} is not part of any training stage")
+            raise PlanError(f"task {task.name} of kind {task.kind} is not part of any training stage")
         elif task.stream_from is not None:
             members = tuple(t for t in plan.tasks if t.stream_from == task.stream_from)
             unit = Unit(TaskKind.INFERENCE, members, stream_from=task.stream_from)
@@ -64,6 +63,30 @@ def execution_units(plan: Plan) -> list[Unit]:
         covered.update(unit.names)
         units.append(unit)
     return units
+
+
+def execution_units(plan: Plan) -> list[Unit]:
+    """The plan's units in an order where every unit comes after all units its tasks read from.
+    Among units whose inputs are ready, the one whose earliest task comes first in
+    :meth:`Plan.topological_order` runs first (so plans without groups run in that order)."""
+    units = _group(plan)
+    position = {name: i for i, name in enumerate(plan.topological_order())}
+    unit_of = {name: k for k, unit in enumerate(units) for name in unit.names}
+    deps = plan.dependencies()
+    needs = [{unit_of[d] for n in unit.names for d in deps[n]} - {k} for k, unit in enumerate(units)]
+    key = [min(position[n] for n in unit.names) for unit in units]
+    order: list[Unit] = []
+    done: set[int] = set()
+    while len(done) < len(units):
+        ready = [k for k in range(len(units)) if k not in done and needs[k] <= done]
+        if not ready:
+            stuck = [units[k].label for k in range(len(units)) if k not in done]
+            raise PlanError(f"the plan's units {stuck} depend on each other in a cycle (a training stage or a "
+                            f"stream group needs the output of a task that needs one of its members)")
+        k = min(ready, key=lambda j: key[j])
+        done.add(k)
+        order.append(units[k])
+    return order
 
 
 class PlanInterpreter(abc.ABC):

@@ -1,65 +1,13 @@
-"""``backend.options`` of ``backend=ray`` (typed, unknown keys refused) and the plan features
-the real backend executes (:func:`unsupported_features`; the backend refuses the others with one
-clear error before any worker starts)."""
+"""The plan features and layouts ``backend=ray`` executes (:func:`unsupported_features`; the
+backend refuses the others with one clear error before any worker starts). Its typed options
+live in :mod:`.config`."""
 from __future__ import annotations
-
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Optional
 
 from harness.backends.ray.layout import check_tp
 from harness.errors import ConfigError, PlanError
+from harness.backends.ray.config import RayOptions  # noqa: F401 - historical import path
 from harness.plan import Feature, ModelRole, Plan, TaskKind
 from harness.real.model import ModelArgs
-
-
-@dataclass
-class RayOptions:
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda
-    torch_threads: int = 1  # per worker; tiny models on shared CPUs run fastest single-threaded
-    # PPO hyper-parameters: of the order of DeepSpeed-Chat's step-3 defaults; what matters here is
-    # that every system uses the same ones
-    actor_lr: float = 1e-5
-    critic_lr: float = 5e-5
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    kl_coef: float = 0.05
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip_eps: float = 0.2
-    value_clip_eps: float = 0.2
-    temperature: float = 1.0
-    whiten_advantages: bool = True
-    zero3_impl: str = "auto"  # auto (DeepSpeed when importable) | deepspeed | native
-    # failure handling (seconds)
-    setup_timeout_s: float = 600.0
-    task_timeout_s: float = 600.0
-    collective_timeout_s: float = 300.0
-    shutdown_timeout_s: float = 60.0
-    digest: bool = True  # full weights to the driver after each iteration (small models only)
-    dump_weights_dir: Optional[str] = None  # torch.save the full actor/critic there each iteration
-    multi_node: bool = False  # rendezvous on the node's IP instead of 127.0.0.1
-    fault_injection: Optional[dict[str, Any]] = None  # {task, device}: that worker dies there (tests)
-
-    @staticmethod
-    def from_config(options: dict[str, Any] | None) -> "RayOptions":
-        options = dict(options or {})
-        names = {f.name for f in dataclasses.fields(RayOptions)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ConfigError(f"backend.options: unknown key(s) {unknown} for backend=ray; known: {sorted(names)}")
-        if "adam_betas" in options:
-            options["adam_betas"] = tuple(float(b) for b in options["adam_betas"])
-        opts = RayOptions(**options)
-        if opts.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"backend.options.device={opts.device!r}: use auto, cpu or cuda")
-        if opts.zero3_impl not in ("auto", "deepspeed", "native"):
-            raise ConfigError(f"backend.options.zero3_impl={opts.zero3_impl!r}: use auto, deepspeed or native")
-        return opts
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 # Plan features the Ray driver executes so far; the others are refused before any worker starts.

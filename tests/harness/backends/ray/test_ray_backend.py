@@ -119,7 +119,7 @@ def test_dead_worker_fails_fast_with_a_clear_error(runs, run_harness, tmp_path):
     must end with the cause named, no later than the same run completing normally (plus a margin
     far below backend.options.task_timeout_s, which would be the bound of a hang)."""
     start = time.monotonic()
-    proc = run_harness(COMMON[:-1] + RUNS["rlhfuse_base"] + ["+backend.options.fault_injection={task:update_actor,device:1}"],
+    proc = run_harness(COMMON[:-1] + RUNS["rlhfuse_base"] + ["backend.options.fault_injection={task:update_actor,device:1}"],
                        tmp_path, timeout=600)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0

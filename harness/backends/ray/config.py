@@ -1,0 +1,88 @@
+"""Typed config of ``backend=ray`` (``conf/backend/ray.yaml`` extends it): registered with Hydra
+like every other group, so an unknown key or a wrong type is refused when the config is composed,
+with the same message as everywhere else. Imports neither Ray nor torch."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from harness.config import BackendConfig
+from harness.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+ZERO3_IMPLS = ("auto", "deepspeed", "native")
+
+
+@dataclass
+class FaultInjection:
+    """Test hook: the worker of ``device`` dies (exits without cleaning up) when ``task`` reaches it."""
+
+    task: Optional[str] = None  # None = no fault
+    device: int = -1
+
+
+@dataclass
+class RayOptions:
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    torch_threads: int = 1  # per worker; tiny models on shared CPUs run fastest single-threaded
+    # PPO hyper-parameters: of the order of DeepSpeed-Chat's step-3 defaults; what matters here is
+    # that every system uses the same ones
+    actor_lr: float = 1e-5
+    critic_lr: float = 5e-5
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    kl_coef: float = 0.05
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    temperature: float = 1.0
+    whiten_advantages: bool = True
+    zero3_impl: str = "auto"  # auto (DeepSpeed when importable) | deepspeed | native
+    # failure handling (seconds)
+    setup_timeout_s: float = 600.0
+    task_timeout_s: float = 600.0
+    collective_timeout_s: float = 300.0
+    shutdown_timeout_s: float = 60.0
+    digest: bool = True  # full weights to the driver after each iteration (small models only)
+    dump_weights_dir: Optional[str] = None  # torch.save the full actor/critic there each iteration
+    multi_node: bool = False  # rendezvous on the node's IP instead of 127.0.0.1
+    fault_injection: "FaultInjection" = field(default_factory=lambda: FaultInjection())
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"backend.options.device={self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.zero3_impl not in ZERO3_IMPLS:
+            raise ConfigError(f"backend.options.zero3_impl={self.zero3_impl!r}: use one of {', '.join(ZERO3_IMPLS)}")
+        if len(self.adam_betas) != 2:
+            raise ConfigError(f"backend.options.adam_betas={list(self.adam_betas)}: give two numbers")
+        self.adam_betas = [float(b) for b in self.adam_betas]
+
+    @staticmethod
+    def from_config(options: "RayOptions | dict[str, Any] | None") -> "RayOptions":
+        """The options of a composed config (already typed), or a plain dict (scripts, tests)."""
+        if isinstance(options, RayOptions):
+            return dataclasses.replace(options)
+        options = dict(options or {})
+        if isinstance(options.get("fault_injection"), dict):
+            options["fault_injection"] = FaultInjection(**options["fault_injection"])
+        names = {f.name for f in dataclasses.fields(RayOptions)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(f"backend.options: unknown key(s) {unknown} for backend=ray; known: {sorted(names)}")
+        return RayOptions(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class RayBackendConfig(BackendConfig):
+    name: str = "ray"
+    _target_: str = "harness.backends.ray.RayBackend"
+    num_iterations: int = 3
+    address: Optional[str] = None  # Ray cluster address; None = start an embedded local Ray
+    num_devices: Optional[int] = None  # must equal cluster.num_nodes x cluster.gpus_per_node when set
+    options: RayOptions = field(default_factory=RayOptions)
