@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.backends.base import Backend
@@ -29,6 +30,24 @@ from harness.workload import Batch
 
 class WorkerFailedError(RuntimeError):
     """A device worker died, raised, or did not answer in time; the run is aborted."""
+
+
+@dataclass
+class Call:
+    """Work started on some devices (one Ray object ref per device), collected by
+    :meth:`RayBackend.collect`."""
+
+    what: str
+    refs: list
+    devices: list[int]
+    timeout_s: float
+    deadline: float
+    results: list = field(default_factory=list)
+    left: set = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.refs)
+        self.left = set(range(len(self.refs)))
 
 
 def model_args(models) -> dict[str, ModelArgs]:
@@ -172,40 +191,56 @@ class RayBackend(Backend):
         }
 
     # ---- waiting on workers ---------------------------------------------------------------
+    def submit(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> "Call":
+        """Track ``refs`` (one per device, in order) as one call that must finish within ``timeout_s``."""
+        timeout_s = self.opts.task_timeout_s if timeout_s is None else timeout_s
+        return Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s)
+
+    def collect(self, calls: list["Call"]) -> "Call":
+        """Wait until one of ``calls`` has all its results and return it. Raises WorkerFailedError
+        on the first failure of any call, or when a call outlives its deadline, without waiting for
+        the others (their workers may be blocked in a collective with a dead peer)."""
+        ray = self._ray
+        owner = {ref: (call, i) for call in calls for i, ref in enumerate(call.refs) if i in call.left}
+        while True:
+            for call in calls:
+                if not call.left:
+                    return call
+            now = time.monotonic()
+            first = min(calls, key=lambda c: c.deadline)
+            if first.deadline <= now:
+                self._healthy = False
+                stuck = sorted(first.devices[i] for i in first.left)
+                raise WorkerFailedError(f"{first.what}: devices {stuck} did not finish within {first.timeout_s:.0f} s "
+                                        f"(backend.options.task_timeout_s); the run is aborted")
+            pending = [ref for ref in owner]
+            ready, _ = ray.wait(pending, num_returns=1, timeout=first.deadline - now)
+            for ref in ready:
+                call, i = owner.pop(ref)
+                d = call.devices[i]
+                try:
+                    call.results[i] = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._healthy = False
+                    raise WorkerFailedError(f"{call.what}: the worker of device {d} (pid {self._pid(d)}) died; the run "
+                                            f"is aborted and the other workers are stopped. Ray: "
+                                            f"{str(e).splitlines()[0]}") from None
+                except ray.exceptions.RayTaskError as e:
+                    self._healthy = False
+                    others = list(owner)  # every in-flight ref of every call
+                    dead = self._dead_peer(others, others, [owner[r][0].devices[owner[r][1]] for r in others])
+                    if dead is not None:  # a peer's death broke this worker's collective: report the cause
+                        raise WorkerFailedError(
+                            f"{call.what}: the worker of device {dead} (pid {self._pid(dead)}) died; the run is "
+                            f"aborted and the other workers are stopped (device {d} then failed: "
+                            f"{str(e).strip().splitlines()[-1]})") from None
+                    raise WorkerFailedError(f"{call.what}: failed on device {d}: {e}") from None
+                call.left.discard(i)
+
     def _wait(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> list:
         """Results of ``refs`` (one per device, in order); raise WorkerFailedError on the first
         failure or when ``timeout_s`` passes, without waiting for the others."""
-        ray = self._ray
-        timeout_s = self.opts.task_timeout_s if timeout_s is None else timeout_s
-        index = {ref: i for i, ref in enumerate(refs)}
-        results: list = [None] * len(refs)
-        pending, deadline = list(refs), time.monotonic() + timeout_s
-        while pending:
-            left = deadline - time.monotonic()
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0)) if left > 0 else ([], pending)
-            if not ready:
-                self._healthy = False
-                stuck = sorted(devices[index[r]] for r in pending)
-                raise WorkerFailedError(f"{what}: devices {stuck} did not finish within {timeout_s:.0f} s "
-                                        f"(backend.options.task_timeout_s); the run is aborted")
-            for ref in ready:
-                d = devices[index[ref]]
-                try:
-                    results[index[ref]] = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    self._healthy = False
-                    raise WorkerFailedError(f"{what}: the worker of device {d} (pid {self._pid(d)}) died; the run is "
-                                            f"aborted and the other workers are stopped. Ray: {str(e).splitlines()[0]}") from None
-                except ray.exceptions.RayTaskError as e:
-                    self._healthy = False
-                    dead = self._dead_peer(pending, refs, devices)
-                    if dead is not None:  # a peer's death broke this worker's collective: report the cause
-                        raise WorkerFailedError(
-                            f"{what}: the worker of device {dead} (pid {self._pid(dead)}) died; the run is aborted "
-                            f"and the other workers are stopped (device {d} then failed: "
-                            f"{str(e).strip().splitlines()[-1]})") from None
-                    raise WorkerFailedError(f"{what}: failed on device {d}: {e}") from None
-        return results
+        return self.collect([self.submit(refs, devices, what, timeout_s)]).results
 
     def _pid(self, device: int):
         return self.pids[device] if device < len(self.pids) else "?"
@@ -227,14 +262,19 @@ class RayBackend(Backend):
                     continue
         return None
 
-    def _call(self, task: str, op: str, role: str, alloc: Allocation, payload: dict | None,
-              devices: list[int] | None = None, source: Allocation | None = None) -> list[dict]:
+    def start(self, task: str, op: str, role: str, alloc: Allocation, payload: dict | None,
+              devices: list[int] | None = None, source: Allocation | None = None) -> "Call":
+        """Start one task's share on each device (without waiting); see :meth:`collect`."""
         spec = {"task": task, "op": op, "role": role, "allocation": dataclasses.asdict(alloc),
                 "source": dataclasses.asdict(source) if source is not None else None}
         devices = sorted(alloc.mesh) if devices is None else devices
         ref = self._ray.put(payload or {})
         refs = [self.workers[d].run.remote(spec, ref) for d in devices]
-        return self._wait(refs, devices, f"task {task}")
+        return self.submit(refs, devices, f"task {task}")
+
+    def _call(self, task: str, op: str, role: str, alloc: Allocation, payload: dict | None,
+              devices: list[int] | None = None, source: Allocation | None = None) -> list[dict]:
+        return self.collect([self.start(task, op, role, alloc, payload, devices, source)]).results
 
     # ---- iteration ------------------------------------------------------------------------
     def run_iteration(self, plan: Plan, iteration: int, batch: Batch) -> StepTrace:

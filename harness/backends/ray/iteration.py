@@ -1,7 +1,12 @@
 """One PPO iteration of a plan on the device workers (driver side).
 
-The plan's units run in dependency order through the shared interpreter
-(:class:`harness.interpreter.PlanInterpreter`, one handler per task kind), each on its own mesh; the driver routes per-sample
+The plan's units (:func:`harness.interpreter.execution_units`) are dispatched by one handler per
+task kind, *concurrently*: a unit starts as soon as every task it reads from has finished and no
+device it uses is busy or claimed by an earlier unit still waiting (the list-scheduling rule of
+:mod:`harness.planning.scheduler`, so on shared devices units run in plan order and on disjoint
+devices they overlap, as the simulator assumes). Each handler starts its work on the workers and
+returns a completion step, which the driver runs when every device has answered; spans carry
+the workers' own clocks, so the trace shows the real overlap. the driver routes per-sample
 data (prompts, responses, log-probs, values, scores, advantages) between them. Before a task
 computes with a model it checks that the model's weights in the task's layout are current: the
 home layout always is; a copy is current after a weight-movement task refreshed it since the last
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,7 +29,7 @@ import torch
 from harness.backends.ray import experience as ex
 from harness.backends.ray.layout import assemble
 from harness.backends.ray.worker import layout_key
-from harness.interpreter import PlanInterpreter, Unit
+from harness.interpreter import PlanInterpreter, Unit, execution_units
 from harness.plan import Allocation, Plan, TaskKind
 from harness.trace import PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
@@ -47,29 +53,68 @@ class Iteration(PlanInterpreter):
 
     def run(self) -> StepTrace:
         self.prompts = ex.prompt_tokens(self.b.ctx.seed, self.iteration, self.batch, self.b.args["actor"].vocab_size)
-        self.run_units(self.plan)
+        self._dispatch(execution_units(self.plan))
         if self.opts.digest:
             self._digest()
         return self.trace
 
-    # ---- handlers, one per task kind (fused stages and streams are refused before setup) -----
-    def _movement_unit(self, unit: Unit) -> None:
+    # ---- concurrent dispatch ----------------------------------------------------------------
+    def _devices(self, unit: Unit) -> set[int]:
+        """Every device a unit may use: its meshes, and for a weight movement its sources too."""
+        devices = set(unit.devices)
+        if unit.kind == TaskKind.WEIGHT_MOVEMENT:
+            m = self.plan.movement_of(unit.names[0])
+            devices |= set(m.source.mesh) | set(self.b.home[m.model].mesh)
+        return devices
+
+    def _dispatch(self, units: list[Unit]) -> None:
+        table, deps = self.handlers(), self.plan.dependencies()
+        finished: set[str] = set()
+        waiting = list(units)
+        running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
+        busy: set[int] = set()
+        while waiting or running:
+            claimed: set[int] = set()  # devices of earlier units still waiting: later ones may not jump them
+            for unit in list(waiting):
+                devices = self._devices(unit)
+                inside = set(unit.names)
+                ready = all(d in finished for n in unit.names for d in deps[n] if d not in inside)
+                if ready and not devices & (busy | claimed):
+                    waiting.remove(unit)
+                    call, finish = table[unit.kind](unit)
+                    running[id(call)] = (unit, call, finish, devices)
+                    busy |= devices
+                claimed |= devices
+            if not running:
+                raise RuntimeError(f"no unit of {[u.label for u in waiting]} can start (plan dependencies)")
+            call = self.b.collect([c for _, c, _, _ in running.values()])
+            unit, _, finish, devices = running.pop(id(call))
+            finish(call.results)
+            finished.update(unit.names)
+            busy -= devices
+
+    # ---- handlers, one per task kind: start the work, return (call, completion) ----------------
+    def _movement_unit(self, unit: Unit):
         (task,) = unit.tasks
         m = self.plan.movement_of(task.name)
         source = m.source if self._current(m.model, m.source) else self.b.home[m.model]
-        self._move(task.name, m.model, source, m.target)
+        return self._start_move(task.name, m.model, source, m.target)
 
-    def _generate_unit(self, unit: Unit) -> None:
+    def _generate_unit(self, unit: Unit):
         (task,) = unit.tasks
-        self._generate(task.name, task.allocation)
+        return self._generate(task.name, task.allocation)
 
-    def _inference_unit(self, unit: Unit) -> None:
-        for task in unit.tasks:
-            self._infer(task.name, task.model, task.allocation)
+    def _inference_unit(self, unit: Unit):
+        if unit.stream_from is not None or len(unit.tasks) != 1:
+            raise RuntimeError(f"backend=ray does not execute the streamed inference unit {unit.label} yet")
+        (task,) = unit.tasks
+        return self._infer(task.name, task.model, task.allocation)
 
-    def _train_unit(self, unit: Unit) -> None:
-        for task in unit.tasks:
-            self._train(task.name, task.model, task.allocation, unit.stage)
+    def _train_unit(self, unit: Unit):
+        if len(unit.tasks) != 1:
+            raise RuntimeError(f"backend=ray does not execute the fused training stage {unit.label} yet")
+        (task,) = unit.tasks
+        return self._train(task.name, task.model, task.allocation, unit.stage)
 
     # ---- weights ----------------------------------------------------------------------------
     def _current(self, role: str, alloc: Allocation) -> bool:
@@ -78,18 +123,24 @@ class Iteration(PlanInterpreter):
             return True
         return b.valid.get((role, layout_key(alloc))) == b.version[role]
 
-    def _move(self, task: str, role: str, source: Allocation, target: Allocation) -> None:
+    def _start_move(self, task: str, role: str, source: Allocation, target: Allocation):
         devices = sorted(set(source.mesh) | set(target.mesh))
-        results = self.b._call(task, "move", role, target, None, devices, source)
-        self.b.spans_from(task, results, self.t0, self.trace)
-        self.b.valid[(role, layout_key(target))] = self.b.version[role]
+        call = self.b.start(task, "move", role, target, None, devices, source)
+
+        def finish(results: list[dict]) -> None:
+            self.b.spans_from(task, results, self.t0, self.trace)
+            self.b.valid[(role, layout_key(target))] = self.b.version[role]
+        return call, finish
 
     def _ensure(self, task: str, role: str, alloc: Allocation) -> None:
-        if not self._current(role, alloc):  # the plan has no movement for it: move inside the task
-            self._move(task, role, self.b.home[role], alloc)
+        """The plan has no movement for ``alloc``: move inside the task (synchronously; Ray keeps
+        each worker's calls in submission order, so this cannot reorder collectives)."""
+        if not self._current(role, alloc):
+            call, finish = self._start_move(task, role, self.b.home[role], alloc)
+            finish(self.b.collect([call]).results)
 
     # ---- tasks ------------------------------------------------------------------------------
-    def _generate(self, name: str, alloc: Allocation) -> None:
+    def _generate(self, name: str, alloc: Allocation):
         self._ensure(name, "actor", alloc)
         policy, w = self.plan.generation, self.b.ctx.workload
         payload = {"prompts": self.prompts, "target_lens": self.batch.output_lens.tolist(),
@@ -97,7 +148,10 @@ class Iteration(PlanInterpreter):
                    "temperature": self.opts.temperature,
                    "sampling_seed": ex.stable_seed("sampling", self.b.ctx.seed, self.iteration),
                    "kv_capacity": int(self.batch.prompt_lens.max() + w.max_gen_len)}
-        results = self.b._call(name, "generate", "actor", alloc, payload)
+        return self.b.start(name, "generate", "actor", alloc, payload), \
+            lambda results: self._generated(name, results)
+
+    def _generated(self, name: str, results: list[dict]) -> None:
         self.b.spans_from(name, results, self.t0, self.trace)
         responses = {}
         for part in self.b.outputs(results):
@@ -111,16 +165,18 @@ class Iteration(PlanInterpreter):
         self.trace.samples.sort(key=lambda s: s.sample_id)
         self.rollout = ex.build_rollout(self.prompts, responses)
 
-    def _infer(self, name: str, role: str, alloc: Allocation) -> None:
+    def _infer(self, name: str, role: str, alloc: Allocation):
         self._ensure(name, role, alloc)
         r = self.rollout
         what = INFERENCE_OUTPUT[role]
         payload = {"tokens": r.tokens, "attn": r.attn, "last_index": r.last_index, "what": what,
                    "micro_batch_size": self.b.ctx.workload.micro_batch_size, "temperature": self.opts.temperature}
-        results = self.b._call(name, "infer", role, alloc, payload)
-        self.b.spans_from(name, results, self.t0, self.trace)
         shape = (len(r.prompt_lens),) if what == "score" else r.action_mask.shape
-        self.outputs[role] = ex.scatter_rows(self.b.outputs(results), shape)
+
+        def finish(results: list[dict]) -> None:
+            self.b.spans_from(name, results, self.t0, self.trace)
+            self.outputs[role] = ex.scatter_rows(self.b.outputs(results), shape)
+        return self.b.start(name, "infer", role, alloc, payload), finish
 
     def _experience(self) -> dict[str, np.ndarray]:
         if self.train_data is None:
@@ -133,7 +189,7 @@ class Iteration(PlanInterpreter):
                 self.trace.counters[f"rl/{key}"] = value
         return self.train_data
 
-    def _train(self, name: str, role: str, alloc: Allocation, stage) -> None:
+    def _train(self, name: str, role: str, alloc: Allocation, stage):
         data = self._experience()
         keep = ("tokens", "attn", "action_mask", "old_logprobs", "advantages") if role == "actor" else \
             ("tokens", "attn", "action_mask", "old_values", "returns")
@@ -146,14 +202,16 @@ class Iteration(PlanInterpreter):
         payload["actions_by_stage"] = {p: [a.token() for a in stage.schedule.order.get(r, []) if a.is_compute
                                            and a.pipe == pipe.name and a.stage == p]
                                        for p, r in enumerate(pipe.stage_to_rank)}
-        results = self.b._call(name, "train", role, alloc, payload)
+        return self.b.start(name, "train", role, alloc, payload), \
+            lambda results: self._trained(name, role, alloc, results, len(minibatches))
+
+    def _trained(self, name: str, role: str, alloc: Allocation, results: list[dict], n: int) -> None:
         self.b.spans_from(name, results, self.t0, self.trace)
         self.b.version[role] += 1
         totals: dict[str, float] = {}
         for part in self.b.outputs(results):
             for key, value in part.get("stats", {}).items():
                 totals[key] = totals.get(key, 0.0) + value
-        n = len(minibatches)
         prefix = "policy" if role == "actor" else "value"
         if "loss" in totals:
             self.trace.counters[f"rl/{prefix}_loss"] = totals["loss"] / n

@@ -41,6 +41,8 @@ RUNS = {
     "rlhfuse_base": ["+system=rlhfuse_base", "cluster.gpus_per_node=4"],
     "rlhfuse_base_tp": ["+system=rlhfuse_base", "cluster.gpus_per_node=4", "system.layouts.gen=dp1tp4pp1",
                         "system.layouts.update_actor=dp1tp4pp1", "system.layouts.values=dp2tp1pp2"],
+    # ref on devices 0-1 and reward on 2-3: disjoint meshes, so the driver runs them at once
+    "interleaved": ["+system=interleaved", "cluster.gpus_per_node=4"],
 }
 ABORT = re.compile(r"terminate called|Aborted|core dumped|SIGABRT|destroy_process_group\(\) was not called", re.I)
 
@@ -101,11 +103,39 @@ def test_same_seed_same_weights_across_systems(runs):
         summary = json.loads((_run_folder(runs["deepspeed_chat"][0]) / "summary.json").read_text())["metrics"]
         update = summary[f"rl/{role}_update_l2"]
         assert update > 1e-4  # the iterations did move the weights
-        for other in ("deepspeed_chat_native", "rlhfuse_base", "rlhfuse_base_tp"):
+        for other in ("deepspeed_chat_native", "rlhfuse_base", "rlhfuse_base_tp", "interleaved"):
             w = _flat(runs[other][0] / "w" / f"{role}.pt")
             diff = float((w - ref).norm())
             assert diff < 1e-6 * float(ref.norm()), (role, other, diff)
             assert diff < 1e-2 * update, (role, other, diff, update)
+
+
+def task_intervals(folder: Path) -> dict[str, tuple[float, float, set[int]]]:
+    """(first start, last end, devices) of every task in the last iteration's Chrome trace."""
+    events = json.loads((folder / "trace.json").read_text())["traceEvents"]
+    out: dict[str, tuple[float, float, set[int]]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            task = e["name"].split(":")[0]
+            lo, hi, devices = out.get(task, (float("inf"), float("-inf"), set()))
+            out[task] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]), devices | {e["pid"]})
+    return out
+
+
+def test_tasks_on_disjoint_meshes_run_at_the_same_time(runs):
+    """The driver dispatches every task whose inputs are ready on free devices: interleaving's ref
+    and reward (disjoint device groups, both waiting only for generation) overlap in real time, and
+    no task starts before the tasks it reads from end."""
+    intervals = task_intervals(_run_folder(runs["interleaved"][0]))
+    ref, reward = intervals["ref"], intervals["reward"]
+    assert ref[2] == {0, 1} and reward[2] == {2, 3}
+    assert max(ref[0], reward[0]) < min(ref[1], reward[1]), (ref, reward)  # the intervals overlap
+    for later in ("ref", "reward"):
+        assert intervals[later][0] >= intervals["gen"][1]
+    assert intervals["values"][0] >= max(ref[1], reward[1])  # values shares devices with both: waits
+    sequential = task_intervals(_run_folder(runs["rlhfuse_base"][0]))  # every task on all devices
+    order = sorted(sequential, key=lambda t: sequential[t][0])
+    assert all(sequential[a][1] <= sequential[b][0] for a, b in zip(order, order[1:]))
 
 
 def test_workers_shut_down_cleanly(runs):
