@@ -173,7 +173,7 @@ class RayBackend(Backend):
                                    "weight_decay": self.opts.weight_decay}
                 stage: TrainingStage = stages[task_name]
                 home["micro_batch_size"] = stage.micro_batch_size
-                home["grad_accum"] = next(iter(stage.schedule.pipes.values())).num_mbs
+                home["grad_accum"] = next(p for p in stage.schedule.pipes.values() if p.model == role).num_mbs
             homes[role] = home
             self.home[role] = alloc
             self.version[role] = 0

@@ -81,22 +81,45 @@ def exchange(rank: int, sends: dict[int, torch.Tensor], recv_numel: dict[int, in
 
 
 class PipeChannel:
-    """Activations and gradients between neighbouring pipeline stages (isend; blocking recv)."""
+    """Activations and gradients between pipeline stages, safe under NCCL as well as gloo.
+
+    A send is queued when its tensor is produced and posted together with the next receive, in one
+    ``batch_isend_irecv`` group (or alone, by :meth:`post`, before the next computation). Under
+    NCCL a send posted on its own ahead of a blocking receive can deadlock when two stages send to
+    each other at once (each send waits for a receive queued behind the other's send); grouping the
+    pending sends with the receive lets NCCL progress both, which is what torch's pipelining
+    runtime does by batching each action's point-to-point operations. Tags keep messages apart on
+    gloo; NCCL matches point-to-point operations between two ranks in posting order, which the
+    plan's validated schedules keep consistent on both sides."""
 
     def __init__(self, device):
         self.device = device
-        self.pending: list = []
+        self.queued: list = []  # P2POps not yet posted (sends)
+        self.in_flight: list = []  # (work, tensor) of posted sends
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        t = tensor.detach().contiguous()
-        self.pending.append((dist.isend(t, dst, tag=tag), t))
+        self.queued.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), dst, tag=tag))
 
     def recv(self, shape: tuple[int, ...], src: int, tag: int, dtype=torch.float32) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src, tag=tag)
+        works = self._post([dist.P2POp(dist.irecv, buf, src, tag=tag)])
+        works[-1].wait()
         return buf
 
+    def post(self) -> None:
+        """Post the queued sends (before computing, so no peer waits on a send held back)."""
+        if self.queued:
+            self._post([])
+
+    def _post(self, receives: list) -> list:
+        ops, sends = self.queued + receives, self.queued
+        self.queued = []
+        works = dist.batch_isend_irecv(ops)
+        self.in_flight += [(w, op.tensor) for w, op in zip(works, sends)]
+        return works
+
     def flush(self) -> None:
-        for work, _ in self.pending:
+        self.post()
+        for work, _ in self.in_flight:
             work.wait()
-        self.pending.clear()
+        self.in_flight.clear()

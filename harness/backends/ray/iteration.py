@@ -19,6 +19,7 @@ to ``StepTrace.extra["param_digest"]``.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,10 +32,13 @@ from harness.backends.ray.layout import assemble
 from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
 from harness.plan import Allocation, Plan, TaskKind
+from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.trace import PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
 
 INFERENCE_OUTPUT = {"ref": "logprobs", "reward": "score", "critic": "values"}
+TRAIN_KEYS = {"actor": ("tokens", "attn", "action_mask", "old_logprobs", "advantages"),
+              "critic": ("tokens", "attn", "action_mask", "old_values", "returns")}
 
 
 class Iteration(PlanInterpreter):
@@ -111,8 +115,8 @@ class Iteration(PlanInterpreter):
         return self._infer(task.name, task.model, task.allocation)
 
     def _train_unit(self, unit: Unit):
-        if len(unit.tasks) != 1:
-            raise RuntimeError(f"backend=ray does not execute the fused training stage {unit.label} yet")
+        if len(unit.tasks) > 1 or len(unit.stage.schedule.pipes) > 1:
+            return self._train_fused(unit)
         (task,) = unit.tasks
         return self._train(task.name, task.model, task.allocation, unit.stage)
 
@@ -189,13 +193,13 @@ class Iteration(PlanInterpreter):
                 self.trace.counters[f"rl/{key}"] = value
         return self.train_data
 
+    def _minibatches(self) -> list:
+        return ex.minibatch_indices(self.batch.num_samples, self.plan.mini_batch_size, self.b.ctx.seed, self.iteration)
+
     def _train(self, name: str, role: str, alloc: Allocation, stage):
         data = self._experience()
-        keep = ("tokens", "attn", "action_mask", "old_logprobs", "advantages") if role == "actor" else \
-            ("tokens", "attn", "action_mask", "old_values", "returns")
-        minibatches = ex.minibatch_indices(len(data["tokens"]), self.plan.mini_batch_size, self.b.ctx.seed,
-                                           self.iteration)
-        payload = {"data": {k: data[k] for k in keep}, "minibatches": minibatches,
+        minibatches = self._minibatches()
+        payload = {"data": {k: data[k] for k in TRAIN_KEYS[role]}, "minibatches": minibatches,
                    "micro_batch_size": stage.micro_batch_size, "loss": role, "temperature": self.opts.temperature,
                    "clip_eps": self.opts.clip_eps, "value_clip_eps": self.opts.value_clip_eps}
         pipe = next(iter(stage.schedule.pipes.values()))
@@ -205,7 +209,52 @@ class Iteration(PlanInterpreter):
         return self.b.start(name, "train", role, alloc, payload), \
             lambda results: self._trained(name, role, alloc, results, len(minibatches))
 
-    def _trained(self, name: str, role: str, alloc: Allocation, results: list[dict], n: int) -> None:
+    def _train_fused(self, unit: Unit):
+        """A fused stage (RLHFuse section 5): every device of the stage runs its logical rank's
+        action list from the plan's fused schedule, interleaving actor and critic actions."""
+        stage, data = unit.stage, self._experience()
+        minibatches = self._minibatches()
+        rank_of: dict[int, int] = {}
+        for (pipe, st), devices in pipe_stage_devices(self.plan, stage).items():
+            rank = stage.schedule.pipes[pipe].stage_to_rank[st]
+            for d in devices:
+                if rank_of.setdefault(d, rank) != rank:
+                    raise RuntimeError(f"device {d} holds logical ranks {rank_of[d]} and {rank} of {unit.label}")
+        roles = [t.model.value for t in unit.tasks]
+        payload = {"roles": roles, "minibatches": minibatches, "temperature": self.opts.temperature,
+                   "clip_eps": self.opts.clip_eps, "value_clip_eps": self.opts.value_clip_eps,
+                   "allocations": {t.model.value: dataclasses.asdict(t.allocation) for t in unit.tasks},
+                   "parts": {t.model.value: {"data": {k: data[k] for k in TRAIN_KEYS[t.model.value]},
+                                             "loss": t.model.value, "micro_batch_size": stage.micro_batch_size}
+                             for t in unit.tasks},
+                   "pipe_role": {name: pipe.model for name, pipe in stage.schedule.pipes.items()},
+                   "actions_by_device": {str(d): [a.token() for a in stage.schedule.order.get(r, []) if a.is_compute]
+                                         for d, r in rank_of.items()}}
+        first = unit.tasks[0]
+        call = self.b.start(unit.label, "train_fused", first.model.value, first.allocation, payload, unit.devices)
+        group0 = {devices[0] for devices in pipe_stage_devices(self.plan, stage).values()}
+
+        def finish(results: list[dict]) -> None:
+            for task in unit.tasks:
+                role = task.model.value
+                per_task = [{**r, "spans": r["task_spans"][role], "out": r["out"].get(role)} for r in results
+                            if role in r["task_spans"]]
+                self._trained(task.name, role, task.allocation, per_task, len(minibatches), pipelines=False)
+            self._fused_pipelines(unit.label, group0, results, len(minibatches))
+        return call, finish
+
+    def _fused_pipelines(self, label: str, ranks: set[int], results: list[dict], num_minibatches: int) -> None:
+        """One PipelineRun per mini-batch over the fused pipeline's logical ranks of group 0 (tp rank 0)."""
+        mine = [r for r in results if r["rank"] in ranks]
+        for j in range(num_minibatches):
+            start = min(run[j][0] for r in mine for run in (o["runs"] for o in r["out"].values()))
+            end = max(run[j][1] for r in mine for run in (o["runs"] for o in r["out"].values()))
+            compute = sum(min(e, end) - max(st, start) for r in mine for spans in r["task_spans"].values()
+                          for kind, st, e, *_ in spans if kind in ("forward", "backward") and st < end and e > start)
+            self.trace.pipelines.append(PipelineRun(label, start - self.t0, end - start, len(mine), compute, 0.0))
+
+    def _trained(self, name: str, role: str, alloc: Allocation, results: list[dict], n: int,
+                 pipelines: bool = True) -> None:
         self.b.spans_from(name, results, self.t0, self.trace)
         self.b.version[role] += 1
         totals: dict[str, float] = {}
@@ -218,7 +267,8 @@ class Iteration(PlanInterpreter):
             self.trace.counters[f"rl/{prefix}_clipfrac"] = totals["clipfrac"] / n
         if "approx_kl" in totals:
             self.trace.counters["rl/ppo_kl"] = totals["approx_kl"] / n
-        self._pipelines(name, alloc, results, n)
+        if pipelines:
+            self._pipelines(name, alloc, results, n)
 
     def _pipelines(self, name: str, alloc: Allocation, results: list[dict], num_minibatches: int) -> None:
         """One PipelineRun per mini-batch over dp replica 0, tp rank 0 (its pp stages)."""

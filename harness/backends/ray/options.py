@@ -11,12 +11,14 @@ from harness.real.model import ModelArgs
 
 
 # Plan features the Ray driver executes so far; the others are refused before any worker starts.
-SUPPORTED_FEATURES: frozenset[Feature] = frozenset()
+SUPPORTED_FEATURES: frozenset[Feature] = frozenset({Feature.FUSED_TRAINING})
 
 
 def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[str]:
     """Every plan feature or layout backend=ray does not execute, one phrase each."""
-    out = [f"{feature.value} is not executed yet" for feature in plan.features() if feature not in SUPPORTED_FEATURES]
+    hints = {Feature.STREAMING: " (system.inter_stage=false runs RLHFuse's intra-stage fusion alone)"}
+    out = [f"{feature.value}: not executed yet{hints.get(feature, '')}" for feature in plan.features()
+           if feature not in SUPPORTED_FEATURES]
     pin = " (pin layouts it executes, e.g. system.layouts.<task>=dp2tp2pp1)"
     for t in plan.tasks:
         s = t.allocation.strategy

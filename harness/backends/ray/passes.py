@@ -100,6 +100,7 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
             x_attn = attn[rows] if not dummy else attn[:1]
             x = x_tok.to(dev) if replica.is_first else chan.recv((len(x_tok), x_tok.shape[1], hidden),
                                                                   replica.neighbour(-1), tag=m)
+            chan.post()
             t0 = time.time()
             out = replica(x, attention_mask=x_attn.to(dev))
             t1 = time.time()
@@ -145,60 +146,100 @@ def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, 
 
 
 def train(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
-    """One PPO epoch over the batch: one optimizer step per mini-batch."""
-    dev = replica.device
-    data = {n: torch.tensor(v, device=dev) for n, v in p["data"].items()}
-    actions = [Action.parse(a) for a in p["actions_by_stage"][replica.coord[1]]]
-    k, dp = replica.coord[0], replica.strategy.dp
-    spans: list[SpanT] = []
-    totals: dict[str, float] = {}
-    runs = []
-    hidden = replica.args.hidden_size
-    with replica.compute():
-        replica.set_train(True)
+    """One PPO epoch of one model over the batch: one optimizer step per mini-batch, the plan's
+    action list for this device's pipeline stage."""
+    part = {k: p[k] for k in ("data", "loss", "micro_batch_size")}
+    fused = {**p, "parts": {replica.role: part}, "actions": p["actions_by_stage"][replica.coord[1]],
+             "pipe_role": None}
+    spans, outs = train_fused({replica.role: replica}, fused, {replica.role: model_cfg})
+    return spans[replica.role], outs[replica.role]
+
+
+def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dict[str, dict]
+                ) -> tuple[dict[str, list[SpanT]], dict[str, Any]]:
+    """One PPO epoch of every model in ``replicas`` (role -> this device's replica) through one
+    pipeline schedule: this device's logical rank runs ``p["actions"]`` in order, each action of
+    the pipe ``p["pipe_role"]`` maps to a model (RLHFuse section 5: actor and critic share ranks
+    and fill each other's bubbles). Per mini-batch, after the schedule, each model steps its
+    optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs per role."""
+    roles = list(replicas)
+    any_replica = replicas[roles[0]]
+    dev = any_replica.device
+    actions = [Action.parse(a) for a in p["actions"]]
+    pipe_role = p.get("pipe_role") or {}
+    pipes = sorted({a.pipe for a in actions})
+    tag_base = {name: i * 8192 for i, name in enumerate(pipes)}  # keeps every pipe's messages apart
+    data = {r: {n: torch.tensor(v, device=dev) for n, v in p["parts"][r]["data"].items()} for r in roles}
+    spans: dict[str, list[SpanT]] = {r: [] for r in roles}
+    totals: dict[str, dict[str, float]] = {r: {} for r in roles}
+    runs: dict[str, list] = {r: [] for r in roles}
+    contexts = [replicas[r].compute() for r in roles]
+    for c in contexts:
+        c.__enter__()
+    try:
+        for r in roles:
+            replicas[r].set_train(True)
         for index in p["minibatches"]:
             index = np.array(index)
-            num_tokens = float(data["action_mask"][torch.tensor(index)].sum())
-            mbs = _micro_batches(data, index, k, dp, p["micro_batch_size"])
-            chan, saved = PipeChannel(dev), {}
-            first_start = None
+            mbs, num_tokens, saved = {}, {}, {}
+            for r in roles:
+                rep = replicas[r]
+                num_tokens[r] = float(data[r]["action_mask"][torch.tensor(index)].sum())
+                mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p["parts"][r]["micro_batch_size"])
+                saved[r] = {}
+            chan = PipeChannel(dev)
+            first_start = {r: None for r in roles}
             for act in actions:
-                mb = mbs[act.mb]
-                shape = (mb["tokens"].shape[0], mb["tokens"].shape[1], hidden)
-                t0 = time.time()
-                first_start = t0 if first_start is None else first_start
-                if act.kind == "F":
-                    x = mb["tokens"] if replica.is_first else chan.recv(shape, replica.neighbour(-1), 2 * act.mb)
-                    if not replica.is_first:
-                        x.requires_grad_(True)
-                    out = replica(x, attention_mask=mb["attn"])
-                    if replica.is_last:
-                        loss, stats = _loss(out, mb, p, num_tokens)
-                        for key, v in stats.items():
-                            totals[key] = totals.get(key, 0.0) + v
-                        saved[act.mb] = (x, loss, None)
-                    else:
-                        chan.send(out, replica.neighbour(1), 2 * act.mb)
-                        saved[act.mb] = (x, None, out)
-                    kind, factor = "forward", 1.0
-                elif act.kind == "B":
-                    x, loss, out = saved.pop(act.mb)
-                    if replica.is_last:
-                        replica.backward(loss)
-                    else:
-                        replica.backward(None, output=out,
-                                         grad=chan.recv(tuple(out.shape), replica.neighbour(1), 2 * act.mb + 1))
-                    if not replica.is_first:
-                        chan.send(x.grad, replica.neighbour(-1), 2 * act.mb + 1)
-                    kind, factor = "backward", 2.0
-                else:
+                if not act.is_compute:
                     continue
+                r = pipe_role.get(act.pipe, roles[0])
+                rep, loss_p = replicas[r], {**p, **p["parts"][r]}
+                mb = mbs[r][act.mb]
+                tag = tag_base[act.pipe] + 2 * act.mb
+                t0 = time.time()
+                if act.kind == "F":
+                    shape = (mb["tokens"].shape[0], mb["tokens"].shape[1], rep.args.hidden_size)
+                    x = mb["tokens"] if rep.is_first else chan.recv(shape, rep.neighbour(-1), tag)
+                    chan.post()
+                    t0 = time.time()
+                    if not rep.is_first:
+                        x.requires_grad_(True)
+                    out = rep(x, attention_mask=mb["attn"])
+                    if rep.is_last:
+                        loss, stats = _loss(out, mb, loss_p, num_tokens[r])
+                        for key, v in stats.items():
+                            totals[r][key] = totals[r].get(key, 0.0) + v
+                        saved[r][act.mb] = (x, loss, None)
+                    else:
+                        chan.send(out, rep.neighbour(1), tag)
+                        saved[r][act.mb] = (x, None, out)
+                    kind, factor = "forward", 1.0
+                else:
+                    x, loss, out = saved[r].pop(act.mb)
+                    grad = None if rep.is_last else chan.recv(tuple(out.shape), rep.neighbour(1), tag + 1)
+                    chan.post()
+                    t0 = time.time()
+                    if rep.is_last:
+                        rep.backward(loss)
+                    else:
+                        rep.backward(None, output=out, grad=grad)
+                    if not rep.is_first:
+                        chan.send(x.grad, rep.neighbour(-1), tag + 1)
+                    kind, factor = "backward", 2.0
                 t1 = time.time()
-                flops = factor * _flops(model_cfg, replica, float(mb["attn"].sum()), mb["attn"].shape[1])
-                spans.append((kind, t0, t1, flops, 0.0))
+                first_start[r] = t0 if first_start[r] is None else first_start[r]
+                flops = factor * _flops(model_cfgs[r], rep, float(mb["attn"].sum()), mb["attn"].shape[1])
+                spans[r].append((kind, t0, t1, flops, 0.0))
                 if act.kind == "B":
-                    spans += [(kd, a, b, 0.0, 0.0) for kd, a, b in replica.micro_step()]
+                    spans[r] += [(kd, a, b, 0.0, 0.0) for kd, a, b in rep.micro_step()]
             chan.flush()
-            runs.append((first_start, time.time()))
-            spans += [(kd, a, b, 0.0, 0.0) for kd, a, b in replica.optimizer_step()]
-    return spans, ({"stats": totals, "runs": runs} if replica.reports else {"runs": runs})
+            end = time.time()
+            for r in roles:
+                runs[r].append((first_start[r] if first_start[r] is not None else end, end))
+            for r in roles:  # gradient sync and optimizer step, model by model in the same order everywhere
+                spans[r] += [(kd, a, b, 0.0, 0.0) for kd, a, b in replicas[r].optimizer_step()]
+    finally:
+        for c in reversed(contexts):
+            c.__exit__(None, None, None)
+    outs = {r: ({"stats": totals[r], "runs": runs[r]} if replicas[r].reports else {"runs": runs[r]}) for r in roles}
+    return spans, outs

@@ -145,6 +145,8 @@ class DeviceWorker:
             source = self.replica(role, alloc_from_dict(spec["source"])) if self.rank in spec["source"]["mesh"] else None
             target = self.replica(role, alloc, create=True) if self.rank in alloc.mesh else None
             spans, out = move_weights(self, role, source, target, alloc_from_dict(spec["source"]), alloc)
+        elif op == "train_fused":
+            return self._train_fused(payload)
         elif op == "state":
             spans, out = [], gather_state(self.replica(role, alloc))
         else:
@@ -152,6 +154,19 @@ class DeviceWorker:
             replica = self.replica(role, alloc)
             spans, out = fn(replica, payload) if op == "generate" else fn(replica, payload, model_cfg)
         return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb()}
+
+    def _train_fused(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """This device's share of a fused training stage: its replica of every model it trains."""
+        from harness.backends.ray import passes
+
+        replicas = {}
+        for role in payload["roles"]:
+            alloc = alloc_from_dict(payload["allocations"][role])
+            if self.rank in alloc.mesh:
+                replicas[role] = self.replica(role, alloc)
+        p = {**payload, "actions": payload["actions_by_device"][str(self.rank)]}
+        spans, outs = passes.train_fused(replicas, p, {r: self.setup_info["model_cfgs"][r] for r in replicas})
+        return {"rank": self.rank, "spans": [], "task_spans": spans, "out": outs, "memory_gb": self.memory_gb()}
 
     def memory_gb(self) -> float:
         """Peak device memory: CUDA allocator peak, or the process's peak resident set on CPU."""

@@ -43,6 +43,9 @@ RUNS = {
                         "system.layouts.update_actor=dp1tp4pp1", "system.layouts.values=dp2tp1pp2"],
     # ref on devices 0-1 and reward on 2-3: disjoint meshes, so the driver runs them at once
     "interleaved": ["+system=interleaved", "cluster.gpus_per_node=4"],
+    # RLHFuse's intra-stage fusion: actor and critic train in one fused pipeline on shared ranks
+    "rlhfuse_fused": ["+system=rlhfuse", "cluster.gpus_per_node=4", "system.inter_stage=false",
+                      "system.fuse_max_steps=200"],
 }
 ABORT = re.compile(r"terminate called|Aborted|core dumped|SIGABRT|destroy_process_group\(\) was not called", re.I)
 
@@ -103,7 +106,7 @@ def test_same_seed_same_weights_across_systems(runs):
         summary = json.loads((_run_folder(runs["deepspeed_chat"][0]) / "summary.json").read_text())["metrics"]
         update = summary[f"rl/{role}_update_l2"]
         assert update > 1e-4  # the iterations did move the weights
-        for other in ("deepspeed_chat_native", "rlhfuse_base", "rlhfuse_base_tp", "interleaved"):
+        for other in ("deepspeed_chat_native", "rlhfuse_base", "rlhfuse_base_tp", "interleaved", "rlhfuse_fused"):
             w = _flat(runs[other][0] / "w" / f"{role}.pt")
             diff = float((w - ref).norm())
             assert diff < 1e-6 * float(ref.norm()), (role, other, diff)
@@ -136,6 +139,33 @@ def test_tasks_on_disjoint_meshes_run_at_the_same_time(runs):
     sequential = task_intervals(_run_folder(runs["rlhfuse_base"][0]))  # every task on all devices
     order = sorted(sequential, key=lambda t: sequential[t][0])
     assert all(sequential[a][1] <= sequential[b][0] for a, b in zip(order, order[1:]))
+
+
+def test_fused_stage_runs_the_fused_schedule_on_every_rank(runs):
+    """Each device runs its logical rank's actions of the plan's fused schedule, actor and critic
+    interleaved, in the schedule's order, once per mini-batch (a driver that trained the models one
+    after the other would give every device all of one model's actions first)."""
+    from harness.plan import Plan
+    from harness.planning.taskmodels.passes import pipe_stage_devices
+
+    folder = _run_folder(runs["rlhfuse_fused"][0])
+    plan = Plan.from_json((folder / "plan.json").read_text())
+    [stage] = plan.training
+    assert stage.fused
+    rank_of = {d: stage.schedule.pipes[pipe].stage_to_rank[st]
+               for (pipe, st), devices in pipe_stage_devices(plan, stage).items() for d in devices}
+    events = json.loads((folder / "trace.json").read_text())["traceEvents"]
+    interleaved = False
+    for device, rank in rank_of.items():
+        expected = [(stage.schedule.pipes[a.pipe].model, a.kind) for a in stage.schedule.order[rank] if a.is_compute]
+        models = [m for m, _ in expected]
+        interleaved |= models != sorted(models)  # not all of one model's actions first
+        ran = [(e["name"].split(":")[0].removeprefix("update_"), "F" if e["name"].endswith(":forward") else "B")
+               for e in sorted(events, key=lambda e: e.get("ts", 0))
+               if e.get("ph") == "X" and e["pid"] == device and e["name"].startswith("update_")
+               and e["name"].split(":")[1] in ("forward", "backward")]
+        assert ran == expected * stage.num_minibatches, (device, ran, expected)
+    assert interleaved, "the searched fused schedule should interleave actor and critic actions on some rank"
 
 
 def test_workers_shut_down_cleanly(runs):
