@@ -44,6 +44,7 @@ class Call:
     deadline: float
     results: list = field(default_factory=list)
     left: set = field(default_factory=set)
+    seq: int = 0  # submission order (a worker runs its calls in this order)
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.refs)
@@ -90,6 +91,7 @@ class RayBackend(Backend):
         self.valid: dict[tuple[str, str], int] = {}
         self.home: dict[str, Allocation] = {}
         self.init_states: dict[str, Any] = {}
+        self._num_calls = 0
 
     def unsupported(self, plan: Plan) -> list[str]:
         return unsupported_features(plan, self.args)
@@ -194,7 +196,8 @@ class RayBackend(Backend):
     def submit(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> "Call":
         """Track ``refs`` (one per device, in order) as one call that must finish within ``timeout_s``."""
         timeout_s = self.opts.task_timeout_s if timeout_s is None else timeout_s
-        return Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s)
+        self._num_calls += 1
+        return Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s, seq=self._num_calls)
 
     def collect(self, calls: list["Call"]) -> "Call":
         """Wait until one of ``calls`` has all its results and return it. Raises WorkerFailedError
@@ -222,6 +225,9 @@ class RayBackend(Backend):
                     call.results[i] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     self._healthy = False
+                    # the call the worker was running when it died: its earliest unfinished one
+                    call = min((c for c in calls if any(c.devices[j] == d for j in c.left)), key=lambda c: c.seq,
+                               default=call)
                     raise WorkerFailedError(f"{call.what}: the worker of device {d} (pid {self._pid(d)}) died; the run "
                                             f"is aborted and the other workers are stopped. Ray: "
                                             f"{str(e).splitlines()[0]}") from None

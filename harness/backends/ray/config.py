@@ -16,10 +16,12 @@ ZERO3_IMPLS = ("auto", "deepspeed", "native")
 
 @dataclass
 class FaultInjection:
-    """Test hook: the worker of ``device`` dies (exits without cleaning up) when ``task`` reaches it."""
+    """Test hook: the worker of ``device`` dies (exits without cleaning up) when ``task`` reaches it
+    (with ``op``: only that operation of the task, e.g. ``gen_migrate`` mid-stream, ``train_fused``)."""
 
     task: Optional[str] = None  # None = no fault
     device: int = -1
+    op: Optional[str] = None
 
 
 @dataclass
@@ -47,7 +49,9 @@ class RayOptions:
     collective_timeout_s: float = 300.0
     shutdown_timeout_s: float = 60.0
     digest: bool = True  # full weights to the driver after each iteration (small models only)
-    dump_weights_dir: Optional[str] = None  # torch.save the full actor/critic there each iteration
+    # torch.save the full actor/critic there each iteration, with experience.npz (per-sample
+    # scores, ref log-probs, values, old log-probs) of the last iteration
+    dump_weights_dir: Optional[str] = None
     multi_node: bool = False  # rendezvous on the node's IP instead of 127.0.0.1
     fault_injection: "FaultInjection" = field(default_factory=lambda: FaultInjection())
 

@@ -23,6 +23,10 @@ from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, 
 from harness.workload import Batch
 
 
+# what each inference model's pass produces
+INFERENCE_OUTPUT = {"ref": "logprobs", "reward": "score", "critic": "values"}
+
+
 def stable_seed(*parts) -> int:
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from harness.backends.ray import experience as ex
+from harness.backends.ray.inter_stage import StreamedGeneration
 from harness.backends.ray.layout import assemble
 from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
@@ -36,7 +37,7 @@ from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.trace import PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
 
-INFERENCE_OUTPUT = {"ref": "logprobs", "reward": "score", "critic": "values"}
+INFERENCE_OUTPUT = ex.INFERENCE_OUTPUT
 TRAIN_KEYS = {"actor": ("tokens", "attn", "action_mask", "old_logprobs", "advantages"),
               "critic": ("tokens", "attn", "action_mask", "old_values", "returns")}
 
@@ -77,18 +78,38 @@ class Iteration(PlanInterpreter):
         waiting = list(units)
         running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
         busy: set[int] = set()
+        # a generate unit and the inference unit consuming its stream run as one (inter_stage.py)
+        streams = {u.stream_from: u for u in waiting if u.stream_from is not None}
+        waiting = [u for u in waiting if u.stream_from is None]
         while waiting or running:
             claimed: set[int] = set()  # devices of earlier units still waiting: later ones may not jump them
+            streamed = False
             for unit in list(waiting):
                 devices = self._devices(unit)
+                consumer = streams.get(unit.names[0]) if unit.kind == TaskKind.GENERATE else None
+                if consumer is not None:
+                    devices |= set(consumer.devices)
                 inside = set(unit.names)
                 ready = all(d in finished for n in unit.names for d in deps[n] if d not in inside)
                 if ready and not devices & (busy | claimed):
                     waiting.remove(unit)
+                    if consumer is not None:
+                        while running:  # the stream holds its devices by itself: settle the rest first
+                            done = self.b.collect([c for _, c, _, _ in running.values()])
+                            other, _, other_finish, other_devices = running.pop(id(done))
+                            other_finish(done.results)
+                            finished.update(other.names)
+                            busy -= other_devices
+                        StreamedGeneration(self, unit, consumer).run()
+                        finished.update(unit.names + consumer.names)
+                        streamed = True
+                        break  # re-scan: new units may be ready
                     call, finish = table[unit.kind](unit)
                     running[id(call)] = (unit, call, finish, devices)
                     busy |= devices
                 claimed |= devices
+            if streamed:
+                continue
             if not running:
                 raise RuntimeError(f"no unit of {[u.label for u in waiting]} can start (plan dependencies)")
             call = self.b.collect([c for _, c, _, _ in running.values()])
@@ -303,3 +324,7 @@ class Iteration(PlanInterpreter):
                 folder.mkdir(parents=True, exist_ok=True)
                 torch.save(state, folder / f"{role}.pt")
         self.trace.extra["param_digest"] = digests
+        if self.opts.dump_weights_dir and self.rollout is not None:  # what the models said of each sample
+            np.savez(Path(self.opts.dump_weights_dir) / "experience.npz", scores=self.outputs["reward"],
+                     ref_logprobs=self.outputs["ref"], values=self.outputs["critic"],
+                     old_logprobs=self.rollout.old_logprobs, action_mask=self.rollout.action_mask)

@@ -11,7 +11,8 @@ from harness.real.model import ModelArgs
 
 
 # Plan features the Ray driver executes so far; the others are refused before any worker starts.
-SUPPORTED_FEATURES: frozenset[Feature] = frozenset({Feature.FUSED_TRAINING})
+SUPPORTED_FEATURES: frozenset[Feature] = frozenset({Feature.FUSED_TRAINING, Feature.STREAMING, Feature.MIGRATION,
+                                                  Feature.PER_REPLICA_MOVEMENT})
 
 
 def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[str]:

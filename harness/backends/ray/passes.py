@@ -84,7 +84,9 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
     last_index = torch.tensor(p["last_index"])
     k, dp = replica.coord[0], replica.strategy.dp
     mbs = p["micro_batch_size"]
-    mine = np.arange(tokens.shape[0])[k::dp]
+    # samples are dealt to dp replicas round-robin, unless the driver gives one replica its rows
+    # (streamed inference: one replica takes a micro-batch of finished samples)
+    mine = np.asarray(p["rows"], dtype=np.int64) if p.get("rows") is not None else np.arange(tokens.shape[0])[k::dp]
     num_mbs = math.ceil(len(mine) / mbs)
     if getattr(replica, "lockstep", False):  # DeepSpeed gathers inside forward: equal pass counts
         num_mbs = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)

@@ -45,6 +45,7 @@ class DeviceWorker:
         torch.set_num_threads(int(options["torch_threads"]))
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
         self.replicas: dict[tuple[str, str], Any] = {}
+        self.sessions: dict[str, Any] = {}  # generate task -> streamed generation session
         self.plan: Plan | None = None
 
     # ---- set-up -------------------------------------------------------------------------
@@ -136,7 +137,8 @@ class DeviceWorker:
         from harness.backends.ray.movement import gather_state, move_weights
 
         fault = self.options.get("fault_injection")
-        if fault and fault.get("task") == spec["task"] and int(fault.get("device", -1)) == self.rank:
+        if fault and fault.get("task") == spec["task"] and int(fault.get("device", -1)) == self.rank \
+                and fault.get("op") in (None, spec["op"]):
             os._exit(17)  # test hook: die as a crashed worker would, without cleaning up
         op, role = spec["op"], spec["role"]
         alloc = alloc_from_dict(spec["allocation"])
@@ -147,12 +149,35 @@ class DeviceWorker:
             spans, out = move_weights(self, role, source, target, alloc_from_dict(spec["source"]), alloc)
         elif op == "train_fused":
             return self._train_fused(payload)
+        elif op.startswith("gen_"):
+            return self._generation_session(op, spec, payload, alloc)
         elif op == "state":
             spans, out = [], gather_state(self.replica(role, alloc))
         else:
             fn = {"generate": passes.generate, "infer": passes.infer, "train": passes.train}[op]
             replica = self.replica(role, alloc)
             spans, out = fn(replica, payload) if op == "generate" else fn(replica, payload, model_cfg)
+        return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb()}
+
+    def _generation_session(self, op: str, spec: dict, payload: dict[str, Any], alloc) -> dict[str, Any]:
+        """Streamed generation (RLHFuse section 4): open a session, advance it, export its tail,
+        migrate KV caches, close it (:mod:`harness.backends.ray.streaming`)."""
+        from harness.backends.ray import streaming
+
+        task = spec["task"]
+        spans, out = [], None
+        if op == "gen_open":
+            self.sessions[task] = streaming.GenerationSession(self.replica("actor", alloc), payload)
+        elif op == "gen_steps":
+            spans, out = self.sessions[task].steps(int(payload["max_steps"]))
+        elif op == "gen_export":
+            out = self.sessions[task].export(bool(payload["with_kv"]))
+        elif op == "gen_migrate":
+            spans = streaming.migrate(self.rank, self.sessions.get(task), payload, self.device)
+        elif op == "gen_close":
+            self.sessions.pop(task, None)
+        else:
+            raise ValueError(f"unknown generation op {op!r}")
         return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb()}
 
     def _train_fused(self, payload: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("ray")
@@ -47,7 +48,22 @@ RUNS = {
     "rlhfuse_fused": ["+system=rlhfuse", "cluster.gpus_per_node=4", "system.inter_stage=false",
                       "system.fuse_max_steps=200"],
 }
+# A long-tailed workload (16 samples, heavy tail), where RLHFuse's long-tail migration has work to
+# do: both fusions on, four generation instances, R_t = 25% of the batch.
+LONG_TAIL = ["cluster.gpus_per_node=4", "workload.global_batch_size=16", "workload.output_len.sigma=1.0",
+             "workload.max_gen_len=24", "workload.output_len.max=24"]
+RUNS.update({
+    "rlhfuse_both": ["+system=rlhfuse", *LONG_TAIL, "system.fuse_max_steps=200", "system.migration_frac=0.25",
+                     "system.layouts.gen=dp4tp1pp1", "backend.num_iterations=3"],
+    "rlhfuse_base_long_tail": ["+system=rlhfuse_base", *LONG_TAIL, "backend.num_iterations=3"],
+})
 ABORT = re.compile(r"terminate called|Aborted|core dumped|SIGABRT|destroy_process_group\(\) was not called", re.I)
+
+
+def with_common(args: list[str]) -> list[str]:
+    """COMMON overrides, unless ``args`` sets the same key."""
+    keys = {a.split("=", 1)[0] for a in args}
+    return [c for c in COMMON if c.split("=", 1)[0] not in keys] + args
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +72,7 @@ def runs(tmp_path_factory, run_harness):
     out = {}
     for name, args in RUNS.items():
         start = time.monotonic()
-        proc = run_harness(COMMON + args, root / name, timeout=600)
+        proc = run_harness(with_common(args), root / name, timeout=600)
         out[name] = (root / name, proc, time.monotonic() - start)
     return out
 
@@ -86,7 +102,8 @@ def test_runs_write_results(runs, name):
         assert key in m, key
     with open(folder / "samples.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 8 and all(int(r["response_len"]) >= 1 for r in rows)
+    expected = 16 if "workload.global_batch_size=16" in RUNS[name] else 8
+    assert len(rows) == expected and all(int(r["response_len"]) >= 1 for r in rows)
     assert (folder / "trace.json").is_file() and (folder / "metrics.jsonl").is_file()
 
 
@@ -168,6 +185,40 @@ def test_fused_stage_runs_the_fused_schedule_on_every_rank(runs):
     assert interleaved, "the searched fused schedule should interleave actor and critic actions on some rank"
 
 
+def test_rlhfuse_with_both_fusions_changes_the_schedule_not_the_math(runs):
+    """Streaming, migration and the fused pipeline on the long-tailed workload reach the same
+    weights and the same per-sample rewards, reference log-probs and values as RLHFuse-Base."""
+    for role in ("actor", "critic"):
+        ref = _flat(runs["rlhfuse_base_long_tail"][0] / "w" / f"{role}.pt")
+        w = _flat(runs["rlhfuse_both"][0] / "w" / f"{role}.pt")
+        assert float((w - ref).norm()) < 1e-6 * float(ref.norm()), role
+    base = np.load(runs["rlhfuse_base_long_tail"][0] / "w" / "experience.npz")
+    both = np.load(runs["rlhfuse_both"][0] / "w" / "experience.npz")
+    np.testing.assert_array_equal(both["action_mask"], base["action_mask"])
+    np.testing.assert_allclose(both["old_logprobs"], base["old_logprobs"], atol=1e-5)
+    mask = base["action_mask"]
+    for key in ("ref_logprobs", "values"):
+        np.testing.assert_allclose(both[key] * mask, base[key] * mask, atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(both["scores"], base["scores"], atol=1e-5)
+
+
+def test_trace_proves_streaming_and_migration(runs):
+    """Migration moved sequences (counted, with migrate spans on the senders), inference ran on
+    devices released by generation while generation still ran elsewhere, and samples were
+    inferred as they finished (the first inference pass starts before generation ends)."""
+    folder = _run_folder(runs["rlhfuse_both"][0])
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["gen/migrated_samples"] >= 1 for m in metrics), [m["gen/migrated_samples"] for m in metrics]
+    events = [e for e in json.loads((folder / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert any(e["name"] == "gen:migrate" for e in events)
+    gen = [(e["ts"], e["ts"] + e["dur"], e["pid"]) for e in events if e["name"] == "gen:decode"]
+    inference = [(e["ts"], e["ts"] + e["dur"], e["pid"]) for e in events
+                 if e["name"].split(":")[0] in ("ref", "reward", "values") and e["name"].endswith(":forward")]
+    assert min(s for s, _, _ in inference) < max(e for _, e, _ in gen)  # streaming: before generation ends
+    overlapping = [(i, g) for i in inference for g in gen if i[2] != g[2] and i[0] < g[1] and g[0] < i[1]]
+    assert overlapping, "no inference pass overlaps generation's tail on another device"
+
+
 def test_workers_shut_down_cleanly(runs):
     for name, (_, proc, _) in runs.items():
         assert "workers shut down cleanly" in proc.stdout, name
@@ -186,6 +237,25 @@ def test_dead_worker_fails_fast_with_a_clear_error(runs, run_harness, tmp_path):
     assert "task update_actor: the worker of device 1" in proc.stderr and "died" in proc.stderr
     assert elapsed < runs["rlhfuse_base"][2] + 60, (elapsed, runs["rlhfuse_base"][2])
     assert not list(tmp_path.glob("results/**/summary.json"))  # a failed run leaves no result
+
+
+@pytest.mark.parametrize("where,fault,task", [
+    ("mid-migration", "{task:gen,op:gen_migrate,device:2}", "gen"),
+    ("mid-stream", "{task:ref,op:infer,device:2}", "ref"),
+    ("mid-pipeline", "{task:update_actor+update_critic,op:train_fused,device:1}", "update_actor+update_critic"),
+])
+def test_dead_worker_during_fusion_fails_fast(runs, run_harness, tmp_path, where, fault, task):
+    """A worker dying inside a fused mechanism ends the run within a bounded time, naming the task
+    and the device, and leaves no finished result."""
+    device = fault.rsplit(":", 1)[1].rstrip("}")
+    start = time.monotonic()
+    proc = run_harness(with_common(RUNS["rlhfuse_both"] + [f"backend.options.fault_injection={fault}"]), tmp_path,
+                       timeout=600)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, where
+    assert f"task {task}: the worker of device {device}" in proc.stderr and "died" in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < runs["rlhfuse_both"][2] + 60, (where, elapsed)
+    assert not list(tmp_path.glob("results/**/summary.json"))
 
 
 def test_unsupported_plan_is_refused_before_workers_start(run_harness, tmp_path):
