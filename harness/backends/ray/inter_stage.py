@@ -10,7 +10,7 @@ one process:
    replica of the shared inference allocation) whose devices are all released takes up to
    ``micro_batch_size`` queued samples and runs ref, reward and critic forward passes on them
    (in that order, on its own devices) while generation goes on elsewhere;
-3. with a migration policy, once the unfinished samples fall to the threshold R_t, every unfinished
+3. with a migration policy, once fewer than R_t samples are unfinished, every unfinished
    sample leaves the non-tail instances for the ``num_tail_instances`` instances holding the most
    (spread round-robin, as the simulator does), its KV cache sent device to device
    (:func:`harness.backends.ray.streaming.migrate`; tokens only with ``transfer=tokens``); the
@@ -32,7 +32,7 @@ from harness.backends.ray import experience as ex
 from harness.interpreter import Unit
 from harness.trace import SampleRecord
 
-STEPS_PER_ROUND = 2
+STEPS_PER_ROUND = 1  # engine steps between two looks at the unfinished count
 
 
 class StreamedGeneration:
@@ -88,7 +88,8 @@ class StreamedGeneration:
                 active.remove(k)
                 self._release(k)
             unfinished = sum(self.left[k] for k in active)
-            if threshold is not None and 0 < unfinished <= threshold and len(active) > 1:
+            # as the simulator: migrate once fewer than R_t samples are unfinished
+            if threshold is not None and 0 < unfinished < threshold and len(active) > 1:
                 active = self._migrate(active, migration)
                 threshold = None  # the tail migrates once
         self._all("gen_close", lambda k: None, range(len(self.instances)))

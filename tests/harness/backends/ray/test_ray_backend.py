@@ -50,8 +50,9 @@ RUNS = {
 }
 # A long-tailed workload (16 samples, heavy tail), where RLHFuse's long-tail migration has work to
 # do: both fusions on, four generation instances, R_t = 25% of the batch.
+# Seed 1: the simulator migrates one sequence in iterations 1 and 2 of this plan (none in 0).
 LONG_TAIL = ["cluster.gpus_per_node=4", "workload.global_batch_size=16", "workload.output_len.sigma=1.0",
-             "workload.max_gen_len=24", "workload.output_len.max=24"]
+             "workload.max_gen_len=24", "workload.output_len.max=24", "seed=1"]
 RUNS.update({
     "rlhfuse_both": ["+system=rlhfuse", *LONG_TAIL, "system.fuse_max_steps=200", "system.migration_frac=0.25",
                      "system.layouts.gen=dp4tp1pp1", "backend.num_iterations=3"],
@@ -78,7 +79,7 @@ def runs(tmp_path_factory, run_harness):
 
 
 def _run_folder(cwd: Path) -> Path:
-    [summary] = cwd.glob("results/default/*/tiny/seed0/summary.json")
+    [summary] = cwd.glob("results/default/*/tiny/seed*/summary.json")
     return summary.parent
 
 
@@ -206,11 +207,26 @@ def test_trace_proves_streaming_and_migration(runs):
     """Migration moved sequences (counted, with migrate spans on the senders), inference ran on
     devices released by generation while generation still ran elsewhere, and samples were
     inferred as they finished (the first inference pass starts before generation ends)."""
+    from harness.plan import Plan
+    from harness.planning.memory import check_plan_memory
+    from harness.planning.simulate import simulate_iteration
+    from harness.testing import context
+    from harness.workload import make_batch
+
     folder = _run_folder(runs["rlhfuse_both"][0])
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["gen/migrated_samples"] >= 1 for m in metrics), [m["gen/migrated_samples"] for m in metrics]
+    real = [int(m["gen/migrated_samples"]) for m in metrics]
+    assert sum(real) >= 1, real
+    # the migration point agrees with the simulator's, iteration by iteration, on the same plan
+    ctx = context(with_common(RUNS["rlhfuse_both"]))
+    plan = Plan.from_json((folder / "plan.json").read_text())
+    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    sim = [int(simulate_iteration(ctx, plan, memory, it, make_batch(ctx.workload, ctx.seed, it))
+               .counters["gen/migrated_samples"]) for it in range(len(real))]
+    assert real == sim, (real, sim)
+
     events = [e for e in json.loads((folder / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
-    assert any(e["name"] == "gen:migrate" for e in events)
+    assert real[-1] > 0 and any(e["name"] == "gen:migrate" for e in events)  # the traced iteration migrated
     gen = [(e["ts"], e["ts"] + e["dur"], e["pid"]) for e in events if e["name"] == "gen:decode"]
     inference = [(e["ts"], e["ts"] + e["dur"], e["pid"]) for e in events
                  if e["name"].split(":")[0] in ("ref", "reward", "values") and e["name"].endswith(":forward")]

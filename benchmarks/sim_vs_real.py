@@ -1,0 +1,122 @@
+"""The same plans on ``backend=sim`` and ``backend=ray``, side by side in one run.
+
+    python benchmarks/sim_vs_real.py                       # rlhfuse_base vs rlhfuse, long-tailed tiny workload
+    python benchmarks/sim_vs_real.py --systems rlhfuse --iterations 4 --devices 4
+
+For every system: plan once, then run the *same plan* on the same batches with the simulator
+(the cluster's GPU cost model) and for real on CPU Ray workers (gloo), and print
+
+1. per task, its window (start, end) in the last iteration in both traces, each as a fraction of
+   that trace's step time, and the ratio of real to simulated task time;
+2. the overlap structure: which pairs of tasks run at the same time in each trace (and whether the
+   two agree), the samples migrated and the tail instances;
+3. per system, real wall-clock seconds per iteration (after one warm-up) and the simulator's
+   prediction, and the RLHFuse-Base / RLHFuse ratio of both.
+
+Absolute times cannot agree (tiny models on 2 shared CPU cores against an H100-class cost model);
+the structure should. Not a test: a benchmark; docs/SIM_VS_REAL.md shows a run and how to read it.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from harness.plan import Plan
+from harness.planning.memory import check_plan_memory
+from harness.planning.simulate import simulate_iteration
+from harness.system import PlanContext
+from harness.testing import plan_for
+from harness.trace import StepTrace
+from harness.workload import make_batch
+
+LONG_TAIL = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "workload.global_batch_size=16",
+             "workload.output_len.sigma=1.0", "workload.max_gen_len=24", "workload.output_len.max=24", "seed=1"]
+PER_SYSTEM = {"rlhfuse": ["system.fuse_max_steps=200", "system.migration_frac=0.25", "system.layouts.gen=dp4tp1pp1"]}
+
+
+def windows(trace: StepTrace) -> dict[str, tuple[float, float]]:
+    return {t: trace.task_window(t) for t in trace.tasks()}
+
+
+def overlaps(win: dict[str, tuple[float, float]], min_frac: float = 0.02) -> set[tuple[str, str]]:
+    """Pairs of tasks whose windows overlap by more than ``min_frac`` of the step."""
+    step = max(e for _, e in win.values()) - min(s for s, _ in win.values())
+    names = sorted(win)
+    return {(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+            if min(win[a][1], win[b][1]) - max(win[a][0], win[b][0]) > min_frac * step}
+
+
+def run_both(system: str, devices: int, iterations: int) -> tuple[Plan, list[StepTrace], list[StepTrace], list[float]]:
+    from harness.backends.ray import RayBackend
+
+    overrides = [f"+system={system}", *LONG_TAIL, f"cluster.gpus_per_node={devices}", "backend=ray",
+                 "backend.options.digest=false", *PER_SYSTEM.get(system, [])]
+    plan, ctx, run = plan_for(overrides)
+    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    batches = [make_batch(ctx.workload, ctx.seed, it) for it in range(iterations)]
+    sim = [simulate_iteration(ctx, plan, memory, it, b) for it, b in enumerate(batches)]
+    backend = RayBackend(run.backend, ctx)
+    real, wall = [], []
+    try:
+        backend.setup(plan)
+        for it, b in enumerate(batches):
+            t0 = time.perf_counter()
+            real.append(backend.run_iteration(plan, it, b))
+            wall.append(time.perf_counter() - t0)
+    finally:
+        backend.close()
+    return plan, sim, real, wall
+
+
+def report(system: str, plan: Plan, sim: StepTrace, real: StepTrace) -> None:
+    ws, wr = windows(sim), windows(real)
+    s_step, r_step = sim.makespan_s, real.makespan_s
+    print(f"\n== {system}: last iteration, task windows as fractions of the step "
+          f"(sim {s_step:.3g} s on the GPU model, real {r_step:.3g} s on CPU workers)")
+    print(f"  {'task':<28}{'sim start':>11}{'sim end':>11}{'real start':>11}{'real end':>11}{'real/sim time':>15}")
+
+    def cols(window, step: float) -> str:
+        return f"{window[0] / step:>11.2f}{window[1] / step:>11.2f}" if window else f"{'-':>11}{'-':>11}"
+
+    for task in sorted(set(ws) | set(wr), key=lambda t: (ws.get(t) or wr.get(t))[0]):
+        s, r = ws.get(task), wr.get(task)
+        ratio = (r[1] - r[0]) / (s[1] - s[0]) if s and r and s[1] > s[0] else float("nan")
+        print(f"  {task:<28}{cols(s, s_step)}{cols(r, r_step)}{ratio:>15.0f}")
+    os_, or_ = overlaps(ws), overlaps(wr)
+    print(f"  overlapping in both:     {sorted(os_ & or_)}")
+    print(f"  only in the simulation:  {sorted(os_ - or_)}")
+    print(f"  only in the real run:    {sorted(or_ - os_)}")
+    for key in ("gen/migrated_samples", "gen/tail_instances"):
+        if key in sim.counters or key in real.counters:
+            print(f"  {key:<24} sim {sim.counters.get(key, '-')}  real {real.counters.get(key, '-')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", nargs="+", default=["rlhfuse_base", "rlhfuse"])
+    parser.add_argument("--devices", type=int, default=4, help="CPU worker processes (= GPUs of the one node)")
+    parser.add_argument("--iterations", type=int, default=4)
+    args = parser.parse_args()
+    rows = {}
+    for system in args.systems:
+        plan, sim, real, wall = run_both(system, args.devices, args.iterations)
+        report(system, plan, sim[-1], real[-1])
+        if plan.generation.migration is not None:
+            counts = [[int(t.counters.get("gen/migrated_samples", 0)) for t in traces] for traces in (sim, real)]
+            print(f"  samples migrated per iteration: sim {counts[0]}, real {counts[1]}")
+        measured = slice(1, None) if len(wall) > 1 else slice(None)
+        rows[system] = (float(np.mean(wall[measured])), float(np.mean([t.makespan_s for t in sim[measured]])),
+                        float(np.mean([t.makespan_s for t in real[measured]])))
+    print(f"\n== per iteration (mean after 1 warm-up of {args.iterations}; {args.devices} CPU workers)")
+    print(f"  {'system':<16}{'real wall s':>12}{'real trace s':>14}{'sim s':>10}")
+    for system, (wall, sim_s, real_s) in rows.items():
+        print(f"  {system:<16}{wall:>12.3f}{real_s:>14.3f}{sim_s:>10.3g}")
+    if len(rows) >= 2:
+        (a, ra), (b, rb) = list(rows.items())[:2]
+        print(f"  {a} / {b}: real wall {ra[0] / rb[0]:.2f}x, real trace {ra[2] / rb[2]:.2f}x, sim {ra[1] / rb[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
