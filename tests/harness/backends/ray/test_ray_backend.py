@@ -57,6 +57,9 @@ RUNS.update({
     "rlhfuse_both": ["+system=rlhfuse", *LONG_TAIL, "system.fuse_max_steps=200", "system.migration_frac=0.25",
                      "system.layouts.gen=dp4tp1pp1", "backend.num_iterations=3"],
     "rlhfuse_base_long_tail": ["+system=rlhfuse_base", *LONG_TAIL, "backend.num_iterations=3"],
+    "deepspeed_chat_long_tail": ["+system=deepspeed_chat", *LONG_TAIL, "backend.num_iterations=3",
+                                 "system.mini_batch_size=4", "system.generation_batch_size=16",
+                                 "workload.micro_batch_size=1"],
 })
 ABORT = re.compile(r"terminate called|Aborted|core dumped|SIGABRT|destroy_process_group\(\) was not called", re.I)
 
@@ -188,13 +191,17 @@ def test_fused_stage_runs_the_fused_schedule_on_every_rank(runs):
 
 def test_rlhfuse_with_both_fusions_changes_the_schedule_not_the_math(runs):
     """Streaming, migration and the fused pipeline on the long-tailed workload reach the same
-    weights and the same per-sample rewards, reference log-probs and values as RLHFuse-Base."""
+    weights and the same per-sample rewards, reference log-probs and values as RLHFuse-Base (and
+    DeepSpeed-Chat the same weights and rewards)."""
     for role in ("actor", "critic"):
         ref = _flat(runs["rlhfuse_base_long_tail"][0] / "w" / f"{role}.pt")
-        w = _flat(runs["rlhfuse_both"][0] / "w" / f"{role}.pt")
-        assert float((w - ref).norm()) < 1e-6 * float(ref.norm()), role
+        for other in ("rlhfuse_both", "deepspeed_chat_long_tail"):
+            w = _flat(runs[other][0] / "w" / f"{role}.pt")
+            assert float((w - ref).norm()) < 1e-6 * float(ref.norm()), (role, other)
     base = np.load(runs["rlhfuse_base_long_tail"][0] / "w" / "experience.npz")
     both = np.load(runs["rlhfuse_both"][0] / "w" / "experience.npz")
+    ds = np.load(runs["deepspeed_chat_long_tail"][0] / "w" / "experience.npz")
+    np.testing.assert_allclose(ds["scores"], base["scores"], atol=1e-5)
     np.testing.assert_array_equal(both["action_mask"], base["action_mask"])
     np.testing.assert_allclose(both["old_logprobs"], base["old_logprobs"], atol=1e-5)
     mask = base["action_mask"]
