@@ -48,7 +48,7 @@ from harness.costmodel.llama import num_params
 from harness.errors import PlanError
 from harness.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.layout_search import PoolLayoutSearch
+from harness.planning.layout_search import PoolLayoutSearch, search_until_fits
 from harness.planning.strategies import SearchResult
 from harness.planning.workflow import PPO_TASKS, full_mesh
 from harness.system import PlanContext, System, register_system_config
@@ -108,10 +108,15 @@ class Interleaved(System):
     cfg: InterleavedConfig
 
     def plan(self, ctx: PlanContext) -> Plan:
+        return search_until_fits(lambda reserved: self._plan_pass(ctx, reserved))
+
+    def _plan_pass(self, ctx: PlanContext, reserved_gb: dict[str, float]) -> tuple[Plan, PoolLayoutSearch]:
         cfg = self.cfg
         everywhere = full_mesh(ctx.num_devices)
         full = PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, everywhere)
+        full.reserved_gb = dict(reserved_gb)
         full.search_training()  # actor/critic states on all devices bound what is left for the rest
+        full.reserved_gb = {}
         ref_mesh, reward_mesh = ref_reward_groups(ctx)
         meshes = {t: everywhere for t in PPO_TASKS}
         group_gb = []
@@ -128,7 +133,7 @@ class Interleaved(System):
         full.search_generation(policy)
         notes = {"placement": f"ref on devices {ref_mesh[0]}..{ref_mesh[-1]}, reward on devices "
                               f"{reward_mesh[0]}..{reward_mesh[-1]}, everything else on all {ctx.num_devices}"}
-        return pool_plan(ctx, cfg.name, full.chosen, meshes, policy, notes=notes)
+        return pool_plan(ctx, cfg.name, full.chosen, meshes, policy, notes=notes), full
 
 
 register_system_config("interleaved", InterleavedConfig)

@@ -35,6 +35,9 @@ class LayoutSearch:
         self.seq_max = int(self.w.prompt_len.max + self.w.max_gen_len)
         self.chosen: dict[str, SearchResult] = {}
         self.resident_gb: dict[str, float] = {}
+        # per-device memory that states chosen later will hold (e.g. ref/reward weights found by a
+        # previous pass): training candidates must leave room for it (:func:`search_until_fits`)
+        self.reserved_gb: dict[str, float] = {}
         self.pinned = {t: v for t, v in (pinned or {}).items() if v}
 
     def candidates(self, role: str, zero: int = 0, task: str = "") -> list[ParallelStrategy]:
@@ -61,8 +64,10 @@ class LayoutSearch:
                 stage = single_pipe_stage(task_name, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
                 peak_mbs = min(s.pp, next(iter(stage.schedule.pipes.values())).num_mbs)
                 need = self.training_memory_gb(role, s, peak_mbs)
-                if need + sum(self.resident_gb.values()) > self.capacity:
-                    raise PlanError(f"needs {need:.1f} GB")
+                held = sum(self.resident_gb.values()) + sum(self.reserved_gb.values())
+                if need + held > self.capacity:
+                    raise PlanError(f"needs {need:.1f} GB" + (f" beside {held:.1f} GB held by other models"
+                                                              if held else ""))
                 task = Task(task_name, "train", role, Allocation(self.mesh, s))
                 return training_s(self.ctx, task, stage, w.mini_batch_size, self.batch)
             self.chosen[task_name] = self._search(self.candidates(role, self.zero_stage, task_name), score, task_name)
@@ -70,10 +75,13 @@ class LayoutSearch:
             self.resident_gb[role] = cm.training_state_gb(self.ctx.model(role), s.dp, s.tp, s.pp, s.zero_stage)
 
     def inference_fits(self, roles: list[str], s: ParallelStrategy) -> None:
-        """Raise PlanError when the weights of ``roles`` in layout ``s`` do not fit beside the resident states."""
+        """Raise PlanError when the weights of ``roles`` in layout ``s`` do not fit beside the
+        resident states. Resident inference-only weights (ref, reward) of ``roles`` are not counted
+        twice: layout ``s`` replaces theirs; trained models' states stay resident beside it."""
         need = sum(self.cm.weights_gb(self.ctx.model(r), s.tp, s.pp) for r in roles)
-        if need + sum(self.resident_gb.values()) > self.capacity:
-            raise PlanError(f"weights need {need:.1f} GB")
+        held = sum(v for k, v in self.resident_gb.items() if not (k in roles and k in ("ref", "reward")))
+        if need + held > self.capacity:
+            raise PlanError(f"weights need {need:.1f} GB beside {held:.1f} GB resident")
 
     def search_inference(self, shared: bool = False) -> None:
         """One layout per inference task, or (``shared``) one layout for all three, scored by their sum."""
@@ -121,6 +129,35 @@ class LayoutSearch:
             return generation_s(self.ctx, Task("gen", "generate", "actor", Allocation(self.mesh, s)), policy,
                                 self.batch, free)
         self.chosen["gen"] = self._search(self.candidates("actor", 0, "gen"), score, "gen")
+
+
+def search_until_fits(search_pass, max_passes: int = 3):
+    """Run ``search_pass(reserved_gb) -> (plan, layouts)`` until its plan fits in device memory.
+
+    A first pass chooses training layouts before it knows which inference layouts (and so how
+    much resident ref/reward weight memory) will sit beside them; when the assembled plan then does
+    not fit (:func:`harness.planning.memory.check_plan_memory`), the next pass reserves what the
+    previous one left resident besides the training states, so training chooses a more sharded
+    layout that fits instead of the plan being refused. Raises the last PlanMemoryError when no
+    pass fits."""
+    from harness.errors import PlanMemoryError
+    from harness.planning.memory import check_plan_memory
+
+    reserved: dict[str, float] = {}
+    for attempt in range(max_passes):
+        plan, layouts = search_pass(reserved)
+        try:
+            check_plan_memory(plan, layouts.ctx.cost_model, layouts.ctx.models, layouts.ctx.workload)
+            if attempt:
+                plan.notes["search/memory_passes"] = attempt + 1
+            return plan
+        except PlanMemoryError:
+            if attempt == max_passes - 1:
+                raise
+            now = {k: v for k, v in layouts.resident_gb.items() if k not in ("actor", "critic")}
+            if all(reserved.get(k, 0.0) >= v for k, v in now.items()):
+                raise  # nothing new to reserve: another pass would choose the same layouts
+            reserved = {k: max(v, reserved.get(k, 0.0)) for k, v in now.items()}
 
 
 class PoolLayoutSearch(LayoutSearch):

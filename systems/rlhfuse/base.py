@@ -30,7 +30,7 @@ from typing import Optional
 from harness.config import SystemConfig
 from harness.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.layout_search import LayoutSearch
+from harness.planning.layout_search import LayoutSearch, search_until_fits
 from harness.planning.strategies import SearchResult
 from harness.system import PlanContext, System, register_system_config
 
@@ -71,13 +71,18 @@ class RLHFuseBase(System):
     cfg: RLHFuseBaseConfig
 
     def plan(self, ctx: PlanContext) -> Plan:
+        return search_until_fits(lambda reserved: self._plan_pass(ctx, reserved))
+
+    def _plan_pass(self, ctx: PlanContext, reserved_gb: dict[str, float]) -> tuple[Plan, LayoutSearch]:
         layouts = layout_search(ctx, self.cfg)
+        layouts.reserved_gb = dict(reserved_gb)
         layouts.search_training()
+        layouts.reserved_gb = {}
         layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
         allocs = {name: Allocation(layouts.mesh, r.strategy) for name, r in layouts.chosen.items()}
-        return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, notes=search_notes(layouts.chosen))
+        return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, notes=search_notes(layouts.chosen)), layouts
 
 
 register_system_config("rlhfuse_base", RLHFuseBaseConfig)

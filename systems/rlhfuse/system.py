@@ -30,7 +30,7 @@ from harness.errors import PlanError
 from harness.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
                           WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan, needs_movement, single_pipe_stages
-from harness.planning.layout_search import LayoutSearch
+from harness.planning.layout_search import LayoutSearch, search_until_fits
 from harness.planning.strategies import divisors
 from harness.planning.taskmodels.passes import grad_sync_s
 from harness.planning.workflow import full_mesh
@@ -79,8 +79,13 @@ class RLHFuse(System):
             raise PlanError(f"system.migration_transfer={self.cfg.migration_transfer!r}; use kv or tokens")
         if self.cfg.migration_frac is not None and not 0.0 <= self.cfg.migration_frac < 1.0:
             raise PlanError(f"system.migration_frac={self.cfg.migration_frac} must be in [0, 1)")
+        return search_until_fits(lambda reserved: self._plan_pass(ctx, reserved))
+
+    def _plan_pass(self, ctx: PlanContext, reserved_gb: dict[str, float]) -> tuple[Plan, LayoutSearch]:
         layouts = layout_search(ctx, self.cfg)
+        layouts.reserved_gb = dict(reserved_gb)
         layouts.search_training()
+        layouts.reserved_gb = {}
         layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
@@ -90,7 +95,7 @@ class RLHFuse(System):
         if self.cfg.inter_stage:
             policy = self._inter_stage(ctx, layouts, allocs, policy, notes)
         return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=training,
-                                 stream_inference=self.cfg.inter_stage, notes=notes)
+                                 stream_inference=self.cfg.inter_stage, notes=notes), layouts
 
     # ---- inter-stage fusion (section 4) -----------------------------------------------------
     def _inter_stage(self, ctx, layouts: LayoutSearch, allocs, policy, notes) -> GenerationPolicy:
