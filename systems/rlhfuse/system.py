@@ -179,6 +179,8 @@ class RLHFuse(System):
         notes.update({"fused/actor": str(best.actor), "fused/critic": str(best.critic), "fused/candidates": tried,
                       "fused/makespan_s": round(result.makespan, 6), "fused/lower_bound_s": round(result.lower_bound, 6),
                       "fused/serial_makespan_s": round(result.serial_makespan, 6),
+                      "fused/serial_no_barrier_makespan_s": round(result.serial_no_barrier_makespan, 6),
+                      "fused/peak_memory_vs_serial": round(result.peak_memory / result.serial_peak_memory, 4),
                       "fused/greedy_makespan_s": round(result.greedy_makespan, 6),
                       "fused/bubble_frac": round(result.bubble_frac, 4),
                       "fused/serial_bubble_frac": round(self._serial_bubble(best), 4),
