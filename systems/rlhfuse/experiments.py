@@ -39,7 +39,7 @@ def _stage_costs(cm, model, num_stages: int, tokens: float, seq: float, tp: int,
     return fwd, bwd, cm.activation_gb(model, mbs, act_seq, tp, layers, recompute)
 
 
-def _pipes_and_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: int, m_a: int, tp: int):
+def fused_layout_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: int, m_a: int, tp: int):
     """Fused layout with K1*M1 = K2*M2 (the global batch is fixed across both models)."""
     cm, w = ctx.cost_model, ctx.workload
     actor, critic = ctx.model("actor"), ctx.model("critic")
@@ -60,7 +60,7 @@ def _pipes_and_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: in
 
 def _one_f_one_b_plus(ctx, pp_a: int, pp_c: int, m_a: int, m_c: int, tp: int) -> tuple[float, float]:
     """Each model on half the stages with twice the replicas (half the micro-batches), serially."""
-    pipes, costs, _ = _pipes_and_costs(ctx, "", "", max(1, pp_a // 2), max(1, pp_c // 2), max(1, m_a // 2), tp)
+    pipes, costs, _ = fused_layout_costs(ctx, "", "", max(1, pp_a // 2), max(1, pp_c // 2), max(1, m_a // 2), tp)
     # serially, as the paper's serial baseline: one model's pipeline, a barrier, the other's
     return paper_serial(pipes, costs)
 
@@ -71,7 +71,7 @@ def table3_schedules(cfg: DictConfig) -> Path:
     for case in params.cases:
         ctx = build_context(OmegaConf.to_object(_with_models(cfg, case.actor, case.critic)))
         for m_a in params.microbatches:
-            pipes, costs, m_c = _pipes_and_costs(ctx, case.actor, case.critic, case.pp_actor, case.pp_critic, m_a,
+            pipes, costs, m_c = fused_layout_costs(ctx, case.actor, case.critic, case.pp_actor, case.pp_critic, m_a,
                                                  params.tp)
             serial_s, serial_peak = paper_serial(pipes, costs)  # actor 1F1B, barrier, critic 1F1B
             no_barrier = simulate(serial_schedule(pipes), costs, record_times=False)
@@ -135,7 +135,7 @@ def _timeline(schedule: Schedule, costs: dict, label: str) -> tuple[list[dict[st
 def fig10_schedule(cfg: DictConfig) -> Path:
     params = cfg.experiment_params
     ctx = build_context(OmegaConf.to_object(_with_models(cfg, "65b", "33b")))
-    pipes, costs, _ = _pipes_and_costs(ctx, "65b", "33b", 16, 8, params.microbatches, params.tp)
+    pipes, costs, _ = fused_layout_costs(ctx, "65b", "33b", 16, 8, params.microbatches, params.tp)
     serial_peak = paper_serial(pipes, costs)[1]
     fused = search_fused_schedule(pipes, costs, mem_cap=_memory_cap(params, serial_peak), seed=params.seed,
                                   time_limit_s=params.search_time_s)
