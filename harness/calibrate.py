@@ -1,0 +1,213 @@
+"""``python -m harness.calibrate report [--gpu h100|a100] [--csv out.csv]``: the analytic cost
+model against the measured Vidur profiles (issue 12; see ``docs/CALIBRATION.md``).
+
+Prints three tables of ``|model / measured - 1|`` (median, p90, max over rows; ``ratio`` is the
+median of ``model / measured``, > 1 when the model is slow):
+
+1. ``layer``: :class:`~harness.costmodel.CostModel` (``conf/cluster/<gpu>_8x.yaml``, defaults
+   untouched) has no per-op compute functions, only whole-layer ones, so the measured sum of one
+   layer's non-attention ops (all Vidur ops but the embedding; duplicate measurements averaged)
+   is compared with ``CostModel.forward_s(model, num_tokens, seq_len=0, tp, num_layers=1,
+   include_head=False)`` minus its tensor-parallel all-reduces (the Vidur compute rows contain
+   neither the attention kernel nor the all-reduce). The analytic bytes still include the
+   attention kernel's activation reads/writes, a few percent of a layer's activation traffic.
+   Under the same table, ``per-op roofline`` applies the cluster's roofline constants to each op's
+   FLOPs and bytes (:func:`harness.costmodel.measured.op_work`) to show where the layer error
+   comes from (diagnostic; the cost model does not time ops this way).
+2. ``network``: ``CostModel.allreduce_s`` / ``CostModel.p2p_s`` against the NCCL tables (groups
+   packed ``devices_per_node`` per node; ``size`` read as bytes).
+3. ``held-out scaling``: the scaling rule of :mod:`harness.costmodel.measured`, fitted on two
+   models, on the third, per op class.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from harness.config import LlamaConfig
+from harness.costmodel import CostModel, OpCost
+from harness.costmodel import measured as ms
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CLUSTERS = {"h100": "h100_8x", "a100": "a100_8x"}
+_DIM_MAP = {"hidden_size": "n_embd", "num_heads": "n_head", "num_kv_heads": "n_kv_head",
+            "ffn_hidden_size": "n_expanded_embd", "vocab_size": "vocab_size"}
+
+
+def cost_model_for(gpu: str) -> CostModel:
+    """The project's CostModel on ``conf/cluster/<gpu>_8x.yaml`` (two nodes, so the cross-node
+    network rows have somewhere to go; compute times do not depend on the node count)."""
+    from harness.testing import run_config
+
+    run = run_config(["+system=rlhfuse_base", f"cluster={CLUSTERS[gpu]}", "cluster.num_nodes=2"])
+    return CostModel(run.cluster, run.workload)
+
+
+def model_configs(table: pd.DataFrame) -> dict[str, tuple[LlamaConfig, str]]:
+    """Per Vidur model: a LlamaConfig and where it came from. A project ``conf/llama`` config is
+    used only if all its dimensions (vocab included) match the CSV's; otherwise one is built
+    from the CSV's dimensions."""
+    project = {}
+    for path in sorted((CONF_DIR / "llama").glob("*.yaml")):
+        raw = OmegaConf.load(path)
+        project[path.stem] = {k: raw.get(k, 32000 if k == "vocab_size" else None) for k in _DIM_MAP}
+    out = {}
+    for model, part in table.groupby("model"):
+        row = part.iloc[0]
+        dims = {k: int(row[v]) for k, v in _DIM_MAP.items()}
+        match = next((name for name, d in project.items() if d == dims), None)
+        if match is not None:
+            raw = OmegaConf.load(CONF_DIR / "llama" / f"{match}.yaml")
+            raw.pop("defaults", None)
+            cfg = LlamaConfig(**OmegaConf.to_container(raw))
+            out[model] = (cfg, f"conf/llama/{match}.yaml")
+        else:
+            cfg = LlamaConfig(name=model, num_layers=ms.NUM_LAYERS.get(model, 1), **dims)
+            close = [n for n, d in project.items()
+                     if {k: v for k, v in d.items() if k != "vocab_size"}
+                     == {k: v for k, v in dims.items() if k != "vocab_size"}]
+            note = "from CSV dims" + (f" ({', '.join(close)} differ only in vocab_size)"
+                                      if close else "")
+            out[model] = (cfg, note)
+    return out
+
+
+def _stats_row(section: str, gpu: str, op_class: str, group: str, ratio: np.ndarray) -> dict:
+    ratio = np.asarray(ratio, dtype=float)
+    stats = ms.error_stats(ratio - 1.0)
+    return {"section": section, "gpu": gpu, "op_class": op_class, "group": group, **stats,
+            "ratio": float(np.median(ratio)) if ratio.size else float("nan")}
+
+
+def layer_rows(gpu: str, cm: CostModel, table: pd.DataFrame,
+               configs: dict[str, tuple[LlamaConfig, str]]) -> list[dict]:
+    """Analytic one-layer forward (no tp all-reduce) against the measured layer sums, and the
+    per-op roofline diagnostic."""
+    layer = (table[table["op"].isin(ms.LAYER_OPS)]
+             .groupby(["model", "tp", "num_tokens", "op"], as_index=False)["time_s"].mean())
+    sums = layer.groupby(["model", "tp", "num_tokens"], as_index=False)["time_s"].sum()
+    model_s = []
+    for r in sums.itertuples(index=False):
+        cfg = configs[r.model][0]
+        n, tp = float(r.num_tokens), int(r.tp)
+        fwd = cm.forward_s(cfg, n, 0.0, tp=tp, num_layers=1, include_head=False)
+        comm = cm.roofline.forward_cost(cfg, n, 0.0, tp, num_layers=1, include_head=False).comm_s
+        model_s.append(fwd - comm)
+    sums["ratio"] = np.asarray(model_s) / sums["time_s"].to_numpy()
+    rows = [_stats_row("layer", gpu, "layer (CostModel.forward_s)", f"tp{tp}", part["ratio"])
+            for tp, part in sums.groupby("tp")]
+    rows.append(_stats_row("layer", gpu, "layer (CostModel.forward_s)", "all", sums["ratio"]))
+    # Diagnostic: the cluster's roofline constants on each op's work.
+    work = ms.with_work(layer.assign(
+        gpu=gpu, op_class=layer["op"].map(ms.OP_CLASS),
+        **{c: layer["model"].map(table.groupby("model")[c].first())
+           for c in ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "use_gated_mlp")}))
+    work = work[work["time_s"] > 0]
+    pred = np.array([cm.roofline.seconds(OpCost(f, b)) for f, b in
+                     zip(work["flops"].to_numpy(), work["bytes"].to_numpy())])
+    work = work.assign(ratio=pred / work["time_s"].to_numpy())
+    for c in ms.OP_CLASSES:
+        part = work[work["op_class"] == c]
+        if len(part):
+            rows.append(_stats_row("per-op roofline", gpu, c, "all", part["ratio"]))
+    return rows
+
+
+def network_rows(gpu: str, cm: CostModel, net: pd.DataFrame) -> list[dict]:
+    """CostModel's alpha-beta collectives against the NCCL measurements."""
+    rows = []
+    net = net[net["time_s"] > 0]
+    for (coll, nw, dpn), part in net.groupby(["collective", "num_workers", "devices_per_node"]):
+        nodes = -(-int(nw) // int(dpn))
+        devices = [node * cm.gpus_per_node + j for node in range(nodes) for j in range(int(dpn))]
+        sizes = part["size_bytes"].to_numpy()
+        if coll == "all_reduce":
+            pred = np.array([cm.allreduce_s(b, devices) for b in sizes])
+        elif coll == "send_recv":
+            pred = np.array([cm.p2p_s(b, devices[0], devices[-1]) for b in sizes])
+        else:
+            continue
+        rows.append(_stats_row("network", gpu, f"{coll} (CostModel)",
+                               f"n{nw} x{nodes}node", pred / part["time_s"].to_numpy()))
+    return rows
+
+
+def heldout_rows(gpu: str, table: pd.DataFrame) -> list[dict]:
+    rows = []
+    models = sorted(table["model"].unique())
+    for held in models:
+        fit = [m for m in models if m != held]
+        res = ms.heldout_error(gpu, fit, held, table=table)
+        for c, st in res.items():
+            rows.append({"section": "held-out scaling", "gpu": gpu, "op_class": c,
+                         "group": f"-> {held}", **st, "ratio": float("nan")})
+    return rows
+
+
+def report(gpu: str = "h100", root: Path | str = ms.PROFILE_DIR) -> tuple[pd.DataFrame, str]:
+    """All rows of the report for ``gpu`` and a header describing what was compared."""
+    table = ms.load_compute(gpu, root)
+    cm = cost_model_for(gpu)
+    configs = model_configs(table)
+    rows = layer_rows(gpu, cm, table, configs)
+    rows += network_rows(gpu, cm, ms.load_network(gpu, root))
+    rows += heldout_rows(gpu, table)
+    g = cm.gpu
+    try:
+        shown = Path(root).resolve().relative_to(CONF_DIR.parent)
+    except ValueError:
+        shown = Path(root)
+    header = [
+        f"# Calibration report: {gpu}, cluster conf/cluster/{CLUSTERS[gpu]}.yaml "
+        f"({g.name}: {g.peak_bf16_tflops:g} TFLOP/s x {g.matmul_efficiency_frac:g}, "
+        f"{g.hbm_bandwidth_gbps:g} GB/s x {g.memory_efficiency_frac:g}), data {shown}",
+        "# err = |model / measured - 1| over measured rows; ratio = median model / measured.",
+        "# The CostModel has no per-op compute times: 'layer' compares the sum of one layer's "
+        "measured non-attention ops (embedding excluded)",
+        "# with CostModel.forward_s(num_layers=1, seq_len=0, include_head=False) minus its tp "
+        "all-reduces, at the same num_tokens and tp.",
+        "# 'per-op roofline' is a diagnostic (cluster roofline constants on each op's FLOPs/bytes); "
+        "'held-out scaling' fits measured.fit_scaling on two models, tests the third.",
+    ]
+    for model, (cfg, src) in sorted(configs.items()):
+        header.append(f"# {model}: h={cfg.hidden_size} heads={cfg.num_heads}/{cfg.num_kv_heads} "
+                      f"ffn={cfg.ffn_hidden_size} vocab={cfg.vocab_size} -- {src}")
+    return pd.DataFrame(rows), "\n".join(header)
+
+
+def format_table(df: pd.DataFrame) -> str:
+    lines = [f"{'section':<17} {'op class':<28} {'group':<30} {'n':>6} {'median':>7} "
+             f"{'p90':>7} {'max':>7} {'ratio':>6}"]
+    for r in df.itertuples(index=False):
+        ratio = "" if np.isnan(r.ratio) else f"{r.ratio:6.2f}"
+        lines.append(f"{r.section:<17} {r.op_class:<28} {r.group:<30} {r.n:>6d} "
+                     f"{r.median:>7.3f} {r.p90:>7.3f} {r.max:>7.3f} {ratio:>6}".rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="analytic cost model vs the measured Vidur profiles")
+    rep.add_argument("--gpu", choices=sorted(CLUSTERS), default="h100")
+    rep.add_argument("--csv", help="also write the table's rows to this CSV file")
+    rep.add_argument("--profiles", default=str(ms.PROFILE_DIR), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    df, header = report(args.gpu, args.profiles)
+    print(header)
+    print(format_table(df))
+    if args.csv:
+        df.to_csv(args.csv, index=False)
+        print(f"# wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
