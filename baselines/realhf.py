@@ -22,7 +22,8 @@ What we reimplement:
   free, so disjoint meshes overlap and overlapping ones serialise; reallocation costs come from
   :func:`harness.planning.realloc.reallocation_transfers`. Task durations are the simulator's own task
   models (:mod:`harness.planning.estimate`), cached per (call, mesh, strategy). Deterministic for a seed
-  with ``system.max_steps``; ``system.search_time_s`` bounds it in time otherwise. The best plan
+  with ``system.max_steps`` (the default budget); ``system.search_time_s`` or the run's
+  ``planning_budget_s`` bound it in wall-clock time instead. The best plan
   found is kept, and the start is returned if nothing beats it under the full simulator.
 - **Offloading**: ref and reward weights may live in host memory and be copied in before each use
   (``system.offload_ref_reward``: auto = only when keeping them resident does not fit).
@@ -62,8 +63,10 @@ class RealHFConfig(SystemConfig):
     name: str = "realhf"
     impl: str = "baselines.realhf.RealHF"
     search: bool = True
-    search_time_s: float = 30.0  # annealing budget (wall clock)
-    max_steps: Optional[int] = None  # deterministic step budget; overrides the time budget when set
+    # Annealing budget: steps by default (same config and seed => same plan); a wall-clock budget
+    # (here or the run's planning_budget_s) replaces the step budget when set.
+    max_steps: Optional[int] = 300
+    search_time_s: Optional[float] = None
     seed: int = 0
     initial_temperature_frac: float = 0.05  # T0 as a fraction of the starting makespan
     zero_stage: int = 1  # distributed optimizer in training calls
@@ -188,9 +191,11 @@ class RealHF(System):
         meshes, strategies = self._options(ctx)
         best = (current_s, current_plan)
         t0 = self.cfg.initial_temperature_frac * current_s
-        budget_s = ctx.search_budget_s(self.cfg.search_time_s)
-        deadline = time.perf_counter() + budget_s
-        budget = self.cfg.max_steps
+        budget_s = ctx.wall_clock_budget_s(self.cfg.search_time_s)
+        deadline = time.perf_counter() + (budget_s or 0.0)
+        budget = self.cfg.max_steps if budget_s is None else None
+        if budget is None and budget_s is None:
+            raise PlanError("realhf: give system.max_steps or system.search_time_s (a search budget)")
         steps = accepted = 0
         while (steps < budget) if budget is not None else (time.perf_counter() < deadline):
             steps += 1

@@ -33,6 +33,12 @@ class PlanContext:
         """A system's search time: its own default, capped by the run's planning budget."""
         return default_s if self.planning_budget_s is None else min(default_s, self.planning_budget_s)
 
+    def wall_clock_budget_s(self, own_s: float | None) -> float | None:
+        """A search's wall-clock budget, or None when it is budgeted in steps (the default): the
+        system's own time limit if set, capped by the run's ``planning_budget_s`` if set."""
+        limits = [t for t in (own_s, self.planning_budget_s) if t is not None]
+        return min(limits) if limits else None
+
     @property
     def num_devices(self) -> int:
         return self.cluster.num_nodes * self.cluster.gpus_per_node

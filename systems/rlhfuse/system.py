@@ -53,8 +53,10 @@ class RLHFuseConfig(RLHFuseBaseConfig):
     migration_frac: Optional[float] = None  # R_t / batch; None = chosen by simulation over 5%..95%
     migration_transfer: str = "kv"  # kv | tokens (re-prefill on arrival)
     fuse_seed: int = 0
-    fuse_time_limit_s: float = 20.0  # annealing budget for the chosen layout
-    fuse_max_steps: Optional[int] = None  # deterministic budget (overrides the time limit when set)
+    # Annealing budget of the fused schedule: steps by default (same config and seed => same plan);
+    # a wall-clock limit (here or the run's planning_budget_s) replaces the step budget when set.
+    fuse_max_steps: Optional[int] = 20000
+    fuse_time_limit_s: Optional[float] = None
     fuse_workers: int = 1  # independent annealing seeds in parallel
 
 
@@ -169,9 +171,11 @@ class RLHFuse(System):
                 best = cand
         if best is None:
             raise PlanError("rlhfuse: no fused actor+critic layout fits (try system.intra_stage=false)")
+        time_limit_s = ctx.wall_clock_budget_s(self.cfg.fuse_time_limit_s)
         result = search_fused_schedule(best.pipes, best.costs, mem_cap=self._mem_cap(ctx, layouts, best),
-                                       seed=self.cfg.fuse_seed, time_limit_s=ctx.search_budget_s(self.cfg.fuse_time_limit_s),
-                                       max_steps=self.cfg.fuse_max_steps, num_workers=self.cfg.fuse_workers)
+                                       seed=self.cfg.fuse_seed, time_limit_s=time_limit_s,
+                                       max_steps=self.cfg.fuse_max_steps if time_limit_s is None else None,
+                                       num_workers=self.cfg.fuse_workers)
         n, tp = ctx.num_devices, best.actor.tp
         num_ranks = math.lcm(best.actor.pp, best.critic.pp)
         allocs["update_actor"] = Allocation(full_mesh(n), best.actor)
