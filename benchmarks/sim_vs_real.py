@@ -26,7 +26,6 @@ import numpy as np
 from harness.plan import Plan
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import simulate_iteration
-from harness.system import PlanContext
 from harness.testing import plan_for
 from harness.trace import StepTrace
 from harness.workload import make_batch

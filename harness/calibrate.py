@@ -1,6 +1,12 @@
 """``python -m harness.calibrate report [--gpu h100|a100] [--csv out.csv]``: the analytic cost
 model against the measured Vidur profiles (issue 12; see ``docs/CALIBRATION.md``).
 
+``python -m harness.calibrate profile --model tiny --num-tokens 1 8 64 [--out DIR]``: time the
+same op table on the local device (:mod:`harness.costmodel.profiler`; CUDA in bf16 when
+available, else CPU in fp32) and write ``DIR/<device slug>/<model>/mlp.csv`` (default
+``data/profiles/local``) in Vidur's format, readable with
+``measured.load_compute(root=DIR)``.
+
 Prints three tables of ``|model / measured - 1|`` (median, p90, max over rows; ``ratio`` is the
 median of ``model / measured``, > 1 when the model is slow):
 
@@ -191,6 +197,35 @@ def format_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def profile(model: str, num_tokens: Sequence[int], out: Path | str, device: str = "auto",
+            tp: Sequence[int] = (1,), repeats: int = 20, warmup: int = 5,
+            threads: Optional[int] = None) -> tuple[Path, str]:
+    """Run :func:`harness.costmodel.profiler.profile_ops` for ``model`` (a ``conf/llama`` name or
+    YAML path) at every ``tp``; write the CSV and return its path and a printable summary."""
+    from harness.costmodel import profiler
+    from harness.real.model import load_llama_config
+
+    cfg = load_llama_config(model)
+    rows = []
+    for t in tp:
+        rows += profiler.profile_ops(cfg, list(num_tokens), device=device, tp=int(t),
+                                     repeats=repeats, warmup=warmup, num_threads=threads)
+    first = rows[0]
+    path = profiler.write_profile_csv(rows, profiler.profile_path(out, first["device_name"],
+                                                                  cfg.name))
+    text = "\n".join([
+        f"# profiled {cfg.name} (h={cfg.hidden_size} heads={cfg.num_heads}/{cfg.num_kv_heads} "
+        f"ffn={cfg.ffn_hidden_size} vocab={cfg.vocab_size}) on {first['device']}: "
+        f"{first['device_name']}, {first['dtype']}, {first['threads']} CPU thread(s), {repeats} "
+        f"repeats after {warmup} warmup",
+        "# median ms per op; layer = sum of all ops but emb (attention core and all-reduce not "
+        "included)",
+        profiler.format_rows(rows),
+        f"# wrote {path}",
+    ])
+    return path, text
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,7 +234,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rep.add_argument("--gpu", choices=sorted(CLUSTERS), default="h100")
     rep.add_argument("--csv", help="also write the table's rows to this CSV file")
     rep.add_argument("--profiles", default=str(ms.PROFILE_DIR), help=argparse.SUPPRESS)
+    prof = sub.add_parser("profile", help="time the Vidur op table on the local device")
+    prof.add_argument("--model", default="tiny", help="conf/llama name or YAML path")
+    prof.add_argument("--num-tokens", type=int, nargs="+", default=[1, 8, 64, 512])
+    prof.add_argument("--tp", type=int, nargs="+", default=[1],
+                      help="tensor-parallel degrees to emulate (per-rank shapes)")
+    prof.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    prof.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads for a CPU run (default: torch's)")
+    prof.add_argument("--repeats", type=int, default=20)
+    prof.add_argument("--warmup", type=int, default=5)
+    prof.add_argument("--out", default=None,
+                      help="output root (default data/profiles/local)")
     args = parser.parse_args(argv)
+    if args.command == "profile":
+        from harness.costmodel.profiler import LOCAL_PROFILE_DIR
+
+        _, text = profile(args.model, args.num_tokens, args.out or LOCAL_PROFILE_DIR,
+                          device=args.device, tp=args.tp, repeats=args.repeats,
+                          warmup=args.warmup, threads=args.threads)
+        print(text)
+        return 0
     df, header = report(args.gpu, args.profiles)
     print(header)
     print(format_table(df))

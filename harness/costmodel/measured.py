@@ -73,11 +73,17 @@ BYTES = 2  # bf16 / fp16
 
 
 def compute_files(root: Path | str = PROFILE_DIR) -> list[tuple[str, str, Path]]:
-    """(gpu, model, path) of every shipped compute CSV."""
+    """(gpu, model, path) of every compute CSV under ``root``: ``<root>/compute/<gpu>/<model>/
+    mlp.csv`` (the Vidur layout), or ``<root>/<gpu>/<model>/mlp.csv`` when ``root`` has no
+    ``compute`` folder (the layout ``python -m harness.calibrate profile`` writes, with a device
+    slug as ``gpu``)."""
     root = Path(root)
+    base = root / "compute" if (root / "compute").is_dir() else root
     out = []
-    for gpu_dir in sorted((root / "compute").iterdir()):
-        for model_dir in sorted(gpu_dir.iterdir()):
+    if not base.is_dir():
+        return out
+    for gpu_dir in sorted(p for p in base.iterdir() if p.is_dir()):
+        for model_dir in sorted(p for p in gpu_dir.iterdir() if p.is_dir()):
             path = model_dir / "mlp.csv"
             if path.is_file():
                 out.append((gpu_dir.name, model_dir.name, path))

@@ -1,0 +1,122 @@
+"""The local op profiler (issue 12, item 4): ``python -m harness.calibrate profile`` writes a
+Vidur-format ``mlp.csv`` that ``measured.load_compute`` reads like the public profiles."""
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import calibrate
+from harness.costmodel import measured as ms
+from harness.costmodel import profiler
+from harness.real.model import load_llama_config
+
+REPO = Path(__file__).resolve().parents[3]
+SMALL, LARGE = 1, 512
+GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """One CPU run of the tiny model through the command's function (1 thread: on a shared
+    2-core machine multi-threaded tiny GEMMs can stall for a scheduler quantum)."""
+    out = tmp_path_factory.mktemp("profiles")
+    path, text = calibrate.profile("tiny", [SMALL, 64, LARGE], out, device="cpu", repeats=15,
+                                   warmup=3, threads=1)
+    return out, path, text
+
+
+def test_profile_writes_where_documented(profiled):
+    out, path, text = profiled
+    name = profiler.device_name("cpu")
+    assert path == out / profiler.slug(name) / "tiny" / "mlp.csv"
+    assert path.is_file()
+    assert f"# wrote {path}" in text
+    assert "qkv" in text and "layer" in text
+
+
+def test_csv_header_is_vidur_format(profiled):
+    _, path, _ = profiled
+    with path.open() as fh:
+        header = next(csv.reader(fh))
+    with ms.compute_files()[0][2].open() as fh:
+        vidur = next(csv.reader(fh))
+    # Vidur's columns first, in Vidur's order; our extras after them.
+    assert header[:len(vidur)] == vidur
+    assert header[len(vidur):] == list(profiler.EXTRA_COLUMNS)
+
+
+def test_loader_reads_profile_back(profiled):
+    out, _, _ = profiled
+    cfg = load_llama_config("tiny")
+    df = ms.load_compute(root=out)
+    assert set(df["gpu"]) == {profiler.slug(profiler.device_name("cpu"))}
+    assert set(df["model"]) == {"tiny"}
+    assert set(df["op"]) == set(ms.OPS)
+    assert sorted(df["num_tokens"].unique()) == [SMALL, 64, LARGE]
+    assert set(df["tp"]) == {1}
+    assert len(df) == len(ms.OPS) * 3
+    assert (df["time_s"] > 0).all()
+    assert (df["time_s"] < 1.0).all()  # seconds, not ms
+    row = df.iloc[0]
+    assert (row["n_head"], row["n_kv_head"], row["n_embd"], row["n_expanded_embd"],
+            row["vocab_size"], bool(row["use_gated_mlp"])) == (
+        cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size, cfg.ffn_hidden_size,
+        cfg.vocab_size, True)
+    # The work and the scaling rule apply to the local rows as to the public ones.
+    laws = ms.fit_scaling(df.assign(gpu="local"))
+    assert {c for (_, c, _) in laws} == set(ms.OP_CLASSES)
+
+
+def test_gemm_times_grow_with_num_tokens(profiled):
+    out, _, _ = profiled
+    df = ms.load_compute(root=out)
+    med = df.set_index(["op", "num_tokens"])["time_s"]
+    for op in GEMMS:
+        assert med[(op, LARGE)] >= med[(op, SMALL)], op
+
+
+def test_rows_have_stats_and_extras():
+    cfg = load_llama_config("tiny")
+    rows = profiler.profile_ops(cfg, [4], device="cpu", tp=2, repeats=5, warmup=1,
+                                num_threads=1)
+    (row,) = rows
+    assert list(row) == list(profiler.COLUMNS)
+    for op in ms.OPS:
+        lo, hi = row[f"time_stats.{op}.min"], row[f"time_stats.{op}.max"]
+        assert 0 < lo <= row[f"time_stats.{op}.median"] <= hi
+        assert lo <= row[f"time_stats.{op}.mean"] <= hi
+        assert row[f"time_stats.{op}.std"] >= 0
+    assert (row["num_tokens"], row["num_tensor_parallel_workers"]) == (4, 2)
+    assert (row["device"], row["dtype"], row["threads"], row["repeats"]) == ("cpu", "float32", 1, 5)
+    # Per-rank shapes at tp=2 of the tiny model (h=64, 4 heads / 2 KV heads, ffn=172).
+    assert profiler.local_dims(cfg, 2) == {"heads": 2, "kv_heads": 1, "head_dim": 16, "q": 32,
+                                           "kv": 16, "h_tp": 32, "f_tp": 86, "vocab_tp": 128}
+
+
+def test_compute_files_reads_both_layouts(tmp_path):
+    # Vidur layout (<root>/compute/<gpu>/<model>) is unchanged.
+    assert {g for g, _, _ in ms.compute_files()} == set(ms.GPUS)
+    # The local layout (<root>/<device>/<model>); stray files are ignored.
+    (tmp_path / "dev" / "m").mkdir(parents=True)
+    (tmp_path / "dev" / "m" / "mlp.csv").write_text("x\n")
+    (tmp_path / "README.md").write_text("notes\n")
+    assert ms.compute_files(tmp_path) == [("dev", "m", tmp_path / "dev" / "m" / "mlp.csv")]
+    assert ms.compute_files(tmp_path / "missing") == []
+
+
+def test_cli_subprocess(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.calibrate", "profile", "--model", "tiny",
+         "--num-tokens", "1", "8", "--repeats", "3", "--warmup", "1", "--threads", "1",
+         "--device", "cpu", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "# wrote" in proc.stdout
+    (path,) = tmp_path.glob("*/tiny/mlp.csv")
+    df = ms.load_compute(root=tmp_path)
+    assert sorted(df["num_tokens"].unique()) == [1, 8]
+    assert path.parent.parent.name == df["gpu"].iloc[0]
