@@ -20,7 +20,7 @@ class FaultInjection:
     (with ``op``: only that operation of the task, e.g. ``gen_migrate`` mid-stream, ``train_fused``)."""
 
     task: Optional[str] = None  # None = no fault
-    device: int = -1
+    device: Optional[int] = None  # None = every device that runs it (the first to do so ends the run)
     op: Optional[str] = None
 
 

@@ -137,7 +137,7 @@ class DeviceWorker:
         from harness.backends.ray.movement import gather_state, move_weights
 
         fault = self.options.get("fault_injection")
-        if fault and fault.get("task") == spec["task"] and int(fault.get("device", -1)) == self.rank \
+        if fault and fault.get("task") == spec["task"] and fault.get("device") in (None, self.rank) \
                 and fault.get("op") in (None, spec["op"]):
             os._exit(17)  # test hook: die as a crashed worker would, without cleaning up
         op, role = spec["op"], spec["role"]

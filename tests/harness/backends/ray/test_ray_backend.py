@@ -264,19 +264,21 @@ def test_dead_worker_fails_fast_with_a_clear_error(runs, run_harness, tmp_path):
 
 @pytest.mark.parametrize("where,fault,task", [
     ("mid-migration", "{task:gen,op:gen_migrate,device:2}", "gen"),
-    ("mid-stream", "{task:ref,op:infer,device:2}", "ref"),
+    # which replica takes a streamed micro-batch depends on real timing: the first to run ref dies
+    ("mid-stream", "{task:ref,op:infer}", "ref"),
     ("mid-pipeline", "{task:update_actor+update_critic,op:train_fused,device:1}", "update_actor+update_critic"),
 ])
 def test_dead_worker_during_fusion_fails_fast(runs, run_harness, tmp_path, where, fault, task):
     """A worker dying inside a fused mechanism ends the run within a bounded time, naming the task
     and the device, and leaves no finished result."""
-    device = fault.rsplit(":", 1)[1].rstrip("}")
+    device = fault.rsplit("device:", 1)[1].rstrip("}") if "device:" in fault else r"\d+"
     start = time.monotonic()
     proc = run_harness(with_common(RUNS["rlhfuse_both"] + [f"backend.options.fault_injection={fault}"]), tmp_path,
                        timeout=600)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, where
-    assert f"task {task}: the worker of device {device}" in proc.stderr and "died" in proc.stderr, proc.stderr[-2000:]
+    assert re.search(rf"task {re.escape(task)}: the worker of device {device} \(pid \d+\) died", proc.stderr), \
+        proc.stderr[-2000:]
     assert elapsed < runs["rlhfuse_both"][2] + 60, (where, elapsed)
     assert not list(tmp_path.glob("results/**/summary.json"))
 
