@@ -35,7 +35,7 @@ is negligible next to the passes themselves and is not simulated. Not modelled: 
 automatic search over placements (the placement here is the fixed interleaving one), and any
 overlap of ref/reward with training across iterations.
 
-The pool helpers here (:func:`split_cluster`, :func:`search_notes`) are shared with
+The pool helpers here (:func:`split_cluster`, :func:`pool_plan`) are shared with
 ``baselines/disaggregated.py``; the search and the plan assembly are the planning library's.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from harness.costmodel.llama import num_params
 from harness.errors import PlanError
 from harness.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.layout_search import PoolLayoutSearch, search_until_fits
+from harness.planning.layout_search import PoolLayoutSearch, search_notes, search_until_fits
 from harness.planning.strategies import SearchResult
 from harness.planning.workflow import PPO_TASKS, full_mesh
 from harness.system import PlanContext, System, register_system_config
@@ -78,11 +78,6 @@ def split_cluster(ctx: PlanContext, first_nodes: Optional[int]) -> tuple[tuple[i
             raise PlanError(f"a split of whole nodes needs 1 <= {first_nodes} < {num_nodes} nodes")
         cut = first_nodes * per_node
     return tuple(range(cut)), tuple(range(cut, n))
-
-
-def search_notes(chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]]) -> dict[str, str]:
-    return {f"search/{k}": f"{r.strategy} on {len(meshes[k])} devices ({r.num_candidates} candidates, "
-                           f"est. {r.time_s:.2f} s)" for k, r in chosen.items()}
 
 
 def pool_plan(ctx: PlanContext, name: str, chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]],

@@ -29,10 +29,6 @@ class PlanContext:
     seed: int = 0
     planning_budget_s: float | None = None  # caps any search a system runs (RunConfig.planning_budget_s)
 
-    def search_budget_s(self, default_s: float) -> float:
-        """A system's search time: its own default, capped by the run's planning budget."""
-        return default_s if self.planning_budget_s is None else min(default_s, self.planning_budget_s)
-
     def wall_clock_budget_s(self, own_s: float | None) -> float | None:
         """A search's wall-clock budget, or None when it is budgeted in steps (the default): the
         system's own time limit if set, capped by the run's ``planning_budget_s`` if set."""

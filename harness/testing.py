@@ -33,14 +33,12 @@ def plan_for(overrides: list[str]) -> tuple[Plan, PlanContext, RunConfig]:
 def simulate_plan_metrics(plan: Plan, ctx: PlanContext, iteration: int = 0, backend=None):
     """One simulated iteration of ``plan``: (StepTrace, per-iteration metrics)."""
     from harness import metrics as mk
-    from harness.planning.memory import check_plan_memory
-    from harness.planning.simulate import simulate_iteration
+    from harness.planning.estimate import simulate_plan
     from harness.workload import make_batch
 
     batch = make_batch(ctx.workload, ctx.seed, iteration)
     if backend is None:
-        trace = simulate_iteration(ctx, plan, check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload),
-                                   iteration, batch)
+        trace = simulate_plan(ctx, plan, batch, iteration)
     else:
         trace = backend.run_iteration(plan, iteration, batch)
     return trace, mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},

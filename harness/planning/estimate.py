@@ -74,9 +74,9 @@ def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task
     return max(streamed.end_s.values())
 
 
-def simulate_plan(ctx: PlanContext, plan: Plan, batch: Batch | None = None) -> StepTrace:
+def simulate_plan(ctx: PlanContext, plan: Plan, batch: Batch | None = None, iteration: int = 0) -> StepTrace:
     """One iteration of a whole plan under the full simulator (representative batch by default):
     the StepTrace ``backend=sim`` would report. Checks memory first (raises PlanMemoryError).
     Planners use it to verify or score whole plans."""
     memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
-    return simulate_iteration(ctx, plan, memory, 0, batch if batch is not None else representative_batch(ctx))
+    return simulate_iteration(ctx, plan, memory, iteration, batch if batch is not None else representative_batch(ctx))

@@ -131,6 +131,16 @@ class LayoutSearch:
         self.chosen["gen"] = self._search(self.candidates("actor", 0, "gen"), score, "gen")
 
 
+def search_notes(chosen: dict[str, SearchResult], meshes: Optional[dict[str, tuple[int, ...]]] = None
+                 ) -> dict[str, str]:
+    """``search/<task>`` plan notes: the chosen strategy (on how many devices, when ``meshes`` says),
+    the candidates tried and the estimated time."""
+    def where(task: str) -> str:
+        return f" on {len(meshes[task])} devices" if meshes is not None else ""
+    return {f"search/{k}": f"{r.strategy}{where(k)} ({r.num_candidates} candidates, est. {r.time_s:.2f} s)"
+            for k, r in chosen.items()}
+
+
 def search_until_fits(search_pass, max_passes: int = 3):
     """Run ``search_pass(reserved_gb) -> (plan, layouts)`` until its plan fits in device memory.
 

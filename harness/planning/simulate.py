@@ -67,7 +67,7 @@ class PlanSimulator(PlanInterpreter):
                                   self.memory.kv_capacity_gb[task.name], self.ctx.workload.max_gen_len)
         self.generated[task.name] = gen
         spans = [s for inst in gen.instances for s in inst.spans]
-        self._record(unit, PassResult(spans, gen.end_s, [], gen.samples, generation=gen), gen.device_free_s())
+        self._record(unit, PassResult(spans, gen.end_s, [], gen.samples), gen.device_free_s())
         policy = self.plan.generation.migration
         if policy is not None:
             self.trace.counters[mk.MIGRATED_SAMPLES] = gen.migrated_samples

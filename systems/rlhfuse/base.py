@@ -30,8 +30,7 @@ from typing import Optional
 from harness.config import SystemConfig
 from harness.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.layout_search import LayoutSearch, search_until_fits
-from harness.planning.strategies import SearchResult
+from harness.planning.layout_search import LayoutSearch, search_notes, search_until_fits
 from harness.system import PlanContext, System, register_system_config
 
 
@@ -60,11 +59,6 @@ class RLHFuseBaseConfig(SystemConfig):
 def layout_search(ctx: PlanContext, cfg: RLHFuseBaseConfig) -> LayoutSearch:
     """The per-task search with this config's ZeRO stage and pinned layouts."""
     return LayoutSearch(ctx, cfg.name, cfg.zero_stage, pinned=asdict(cfg.layouts))
-
-
-def search_notes(chosen: dict[str, SearchResult]) -> dict[str, str]:
-    return {f"search/{k}": f"{r.strategy} ({r.num_candidates} candidates, est. {r.time_s:.2f} s)"
-            for k, r in chosen.items()}
 
 
 class RLHFuseBase(System):

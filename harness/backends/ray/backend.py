@@ -20,7 +20,8 @@ from typing import Any
 
 from harness.backends.base import Backend
 from harness.backends.ray.experience import stable_seed
-from harness.backends.ray.options import RayOptions, unsupported_features
+from harness.backends.ray.config import RayOptions
+from harness.backends.ray.options import unsupported_features
 from harness.errors import ConfigError, PlanError
 from harness.plan import Allocation, Plan, TaskKind, TrainingStage
 from harness.real.model import ModelArgs

@@ -37,7 +37,6 @@ from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.trace import PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
 
-INFERENCE_OUTPUT = ex.INFERENCE_OUTPUT
 TRAIN_KEYS = {"actor": ("tokens", "attn", "action_mask", "old_logprobs", "advantages"),
               "critic": ("tokens", "attn", "action_mask", "old_values", "returns")}
 
@@ -81,6 +80,14 @@ class Iteration(PlanInterpreter):
         # a generate unit and the inference unit consuming its stream run as one (inter_stage.py)
         streams = {u.stream_from: u for u in waiting if u.stream_from is not None}
         waiting = [u for u in waiting if u.stream_from is None]
+
+        def settle_one() -> None:  # wait for the next running unit to finish and record it
+            done = self.b.collect([c for _, c, _, _ in running.values()])
+            unit, _, finish, devices = running.pop(id(done))
+            finish(done.results)
+            finished.update(unit.names)
+            busy.difference_update(devices)
+
         while waiting or running:
             claimed: set[int] = set()  # devices of earlier units still waiting: later ones may not jump them
             streamed = False
@@ -95,28 +102,20 @@ class Iteration(PlanInterpreter):
                     waiting.remove(unit)
                     if consumer is not None:
                         while running:  # the stream holds its devices by itself: settle the rest first
-                            done = self.b.collect([c for _, c, _, _ in running.values()])
-                            other, _, other_finish, other_devices = running.pop(id(done))
-                            other_finish(done.results)
-                            finished.update(other.names)
-                            busy -= other_devices
+                            settle_one()
                         StreamedGeneration(self, unit, consumer).run()
                         finished.update(unit.names + consumer.names)
                         streamed = True
                         break  # re-scan: new units may be ready
                     call, finish = table[unit.kind](unit)
                     running[id(call)] = (unit, call, finish, devices)
-                    busy |= devices
+                    busy.update(devices)
                 claimed |= devices
             if streamed:
                 continue
             if not running:
                 raise RuntimeError(f"no unit of {[u.label for u in waiting]} can start (plan dependencies)")
-            call = self.b.collect([c for _, c, _, _ in running.values()])
-            unit, _, finish, devices = running.pop(id(call))
-            finish(call.results)
-            finished.update(unit.names)
-            busy -= devices
+            settle_one()
 
     # ---- handlers, one per task kind: start the work, return (call, completion) ----------------
     def _movement_unit(self, unit: Unit):
@@ -193,7 +192,7 @@ class Iteration(PlanInterpreter):
     def _infer(self, name: str, role: str, alloc: Allocation):
         self._ensure(name, role, alloc)
         r = self.rollout
-        what = INFERENCE_OUTPUT[role]
+        what = ex.INFERENCE_OUTPUT[role]
         payload = {"tokens": r.tokens, "attn": r.attn, "last_index": r.last_index, "what": what,
                    "micro_batch_size": self.b.ctx.workload.micro_batch_size, "temperature": self.opts.temperature}
         shape = (len(r.prompt_lens),) if what == "score" else r.action_mask.shape

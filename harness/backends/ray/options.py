@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from harness.backends.ray.layout import check_tp
 from harness.errors import ConfigError, PlanError
-from harness.backends.ray.config import RayOptions  # noqa: F401 - historical import path
 from harness.plan import Feature, ModelRole, Plan, TaskKind
 from harness.real.model import ModelArgs
 

@@ -37,7 +37,6 @@ class PassResult:
     end_s: float
     pipelines: list[PipelineRun]
     samples: list[SampleRecord] = field(default_factory=list)
-    generation: object = None  # GenerationResult of a generate task
 
 
 def _zero3_gather_s(cm: CostModel, model, task: Task, num_layers: float) -> float:
