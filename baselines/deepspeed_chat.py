@@ -14,12 +14,22 @@ What the original does, and what we reproduce as plan data:
 - **Sequential stages**: generation, then ref, reward and critic inference, then actor training,
   then critic training, one after another on all GPUs. Reproduced (every task uses every device,
   so the simulator serialises them).
+- **Generation as its reference implementation runs it** (DeepSpeedExamples
+  ``dschat/rlhf/ppo_trainer.py`` ``_generate_sequence`` and DeepSpeed's ``hybrid_engine.py``): the
+  hybrid engine swaps DeepSpeed inference kernels into the layers and calls Hugging Face
+  ``generate`` -- a Python loop issuing every kernel of every step, no CUDA graphs
+  (``generation_engine: eager``); under ZeRO-3 it passes ``synced_gpus=True``, so every rank
+  keeps stepping until the longest response of the round on any rank ends (``synced_instances``);
+  ``generate`` returns one tensor padded to the round's longest sequence, which the ref, reward,
+  critic and training passes then process padded (``pad_to_longest``). Reproduced as generation
+  policy data (``harness.plan.GenerationPolicy``).
 - **Mini-batch**: DeepSpeed-Chat needs at least one sample per GPU per step, so the RLHFuse authors
   ran it with mini-batch 256 (RLHFuse section 7); ``mini_batch_size`` defaults to 256.
 
 Modelled rather than executed here: ZeRO-3's per-layer gathers and reduce-scatters are costed by
-the simulator as collectives overlapped with compute (prefetching); the hybrid engine's kernel
-fusions are not modelled beyond the roofline cost of decode steps.
+the simulator as collectives overlapped with compute (prefetching); the host cost of the eager
+loop is the calibrated model's ``eager`` engine (measured for plain eager PyTorch, an upper bound
+for the hybrid engine's fused kernels; ``system.generation_engine=graph`` shows the other bound).
 """
 from __future__ import annotations
 
@@ -41,6 +51,15 @@ class DeepSpeedChatConfig(SystemConfig):
     generation_batch_size: int = 256  # prompts generated per round across the cluster
     gen_tp: int = 0  # hybrid-engine inference_tp_size; 0 = GPUs per node
     zero_stage: int = 3
+    generation_engine: str = "eager"  # graph | eager: HF generate loop, no CUDA graphs
+    # Kernels per layer per decode step of the hybrid engine's fused LLaMA inference layer, read
+    # from DeepSpeed's deepspeed/ops/transformer/inference/{ds_attention,ds_mlp}.py: fused
+    # norm+QKV GEMM, fused rotary+KV-append+attention (softmax_context), output GEMM, fused
+    # residual+norm+gate/up GEMM+activation, down GEMM, residual add: 6 (plus an all-reduce per
+    # attention and MLP block when inference_tp_size > 1, which the cost model times separately).
+    eager_launches_per_layer: int = 6
+    synced_generation: bool = True  # generate(synced_gpus=zero_stage == 3)
+    pad_to_longest: bool = True  # later passes see the round's padded tensor
 
 
 class DeepSpeedChat(System):
@@ -67,7 +86,11 @@ class DeepSpeedChat(System):
         train_alloc = Allocation(mesh, zero)
         allocs = {name: train_alloc for name in ("ref", "reward", "values", "update_actor", "update_critic")}
         allocs["gen"] = Allocation(mesh, gen)  # the hybrid engine gathers ZeRO-3 shards into this layout
-        policy = GenerationPolicy(batching="static", max_batch_size=cfg.generation_batch_size // num_instances)
+        policy = GenerationPolicy(batching="static", max_batch_size=cfg.generation_batch_size // num_instances,
+                                  engine=cfg.generation_engine,
+                                  eager_launches_per_layer=cfg.eager_launches_per_layer,
+                                  synced_instances=cfg.synced_generation and cfg.zero_stage == 3,
+                                  pad_to_longest=cfg.pad_to_longest)
         return assemble_ppo_plan(
             ctx, cfg.name, allocs, policy, mini_batch_size=cfg.mini_batch_size,
             notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // cfg.generation_batch_size,

@@ -1,6 +1,10 @@
 """``python -m harness.calibrate report [--gpu h100|a100] [--csv out.csv]``: the analytic cost
 model against the measured Vidur profiles (issue 12; see ``docs/CALIBRATION.md``).
 
+``python -m harness.calibrate fit [--gpu h100 a100]``: fit the calibrated cost model
+(:mod:`harness.costmodel.calibrated`) on the shipped profiles and write
+``data/profiles/fitted/<gpu>.json``, the file the H100/A100 cluster configs name.
+
 ``python -m harness.calibrate profile --model tiny --num-tokens 1 8 64 [--out DIR]``: time the
 same op table on the local device (:mod:`harness.costmodel.profiler`; CUDA in bf16 when
 available, else CPU in fp32) and write ``DIR/<device slug>/<model>/mlp.csv`` (default
@@ -28,6 +32,7 @@ median of ``model / measured``, > 1 when the model is slow):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -46,13 +51,25 @@ _DIM_MAP = {"hidden_size": "n_embd", "num_heads": "n_head", "num_kv_heads": "n_k
             "ffn_hidden_size": "n_expanded_embd", "vocab_size": "vocab_size"}
 
 
-def cost_model_for(gpu: str) -> CostModel:
-    """The project's CostModel on ``conf/cluster/<gpu>_8x.yaml`` (two nodes, so the cross-node
-    network rows have somewhere to go; compute times do not depend on the node count)."""
+def cost_model_for(gpu: str, kind: str = "calibrated") -> CostModel:
+    """The project's CostModel on ``conf/cluster/<gpu>_8x.yaml`` with ``cluster.cost_model=kind``
+    (two nodes, so the cross-node network rows have somewhere to go; compute times do not depend
+    on the node count)."""
     from harness.testing import run_config
 
-    run = run_config(["+system=rlhfuse_base", f"cluster={CLUSTERS[gpu]}", "cluster.num_nodes=2"])
+    run = run_config(["+system=rlhfuse_base", f"cluster={CLUSTERS[gpu]}", "cluster.num_nodes=2",
+                      f"cluster.cost_model={kind}"])
     return CostModel(run.cluster, run.workload)
+
+
+def _layer_model_s(cm: CostModel, cfg: LlamaConfig, n: float, tp: int) -> float:
+    """One layer's non-attention ops, no tp all-reduce: what a Vidur layer row measures."""
+    if cm.calibration is not None:
+        from harness.costmodel.llama import ModelDims
+
+        return cm.compute.linear_layer_s(ModelDims.of(cfg), tp, n)
+    fwd = cm.forward_s(cfg, n, 0.0, tp=tp, num_layers=1, include_head=False)
+    return fwd - cm.roofline.forward_cost(cfg, n, 0.0, tp, num_layers=1, include_head=False).comm_s
 
 
 def model_configs(table: pd.DataFrame) -> dict[str, tuple[LlamaConfig, str]]:
@@ -98,17 +115,15 @@ def layer_rows(gpu: str, cm: CostModel, table: pd.DataFrame,
     layer = (table[table["op"].isin(ms.LAYER_OPS)]
              .groupby(["model", "tp", "num_tokens", "op"], as_index=False)["time_s"].mean())
     sums = layer.groupby(["model", "tp", "num_tokens"], as_index=False)["time_s"].sum()
-    model_s = []
-    for r in sums.itertuples(index=False):
-        cfg = configs[r.model][0]
-        n, tp = float(r.num_tokens), int(r.tp)
-        fwd = cm.forward_s(cfg, n, 0.0, tp=tp, num_layers=1, include_head=False)
-        comm = cm.roofline.forward_cost(cfg, n, 0.0, tp, num_layers=1, include_head=False).comm_s
-        model_s.append(fwd - comm)
+    label = "calibrated (in-sample)" if cm.calibration is not None else "roofline"
+    model_s = [_layer_model_s(cm, configs[r.model][0], float(r.num_tokens), int(r.tp))
+               for r in sums.itertuples(index=False)]
     sums["ratio"] = np.asarray(model_s) / sums["time_s"].to_numpy()
-    rows = [_stats_row("layer", gpu, "layer (CostModel.forward_s)", f"tp{tp}", part["ratio"])
+    rows = [_stats_row(f"layer {label}", gpu, "layer", f"tp{tp}", part["ratio"])
             for tp, part in sums.groupby("tp")]
-    rows.append(_stats_row("layer", gpu, "layer (CostModel.forward_s)", "all", sums["ratio"]))
+    rows.append(_stats_row(f"layer {label}", gpu, "layer", "all", sums["ratio"]))
+    if cm.calibration is not None:
+        return rows
     # Diagnostic: the cluster's roofline constants on each op's work.
     work = ms.with_work(layer.assign(
         gpu=gpu, op_class=layer["op"].map(ms.OP_CLASS),
@@ -139,7 +154,8 @@ def network_rows(gpu: str, cm: CostModel, net: pd.DataFrame) -> list[dict]:
             pred = np.array([cm.p2p_s(b, devices[0], devices[-1]) for b in sizes])
         else:
             continue
-        rows.append(_stats_row("network", gpu, f"{coll} (CostModel)",
+        kind = "calibrated" if cm.calibration is not None else "roofline"
+        rows.append(_stats_row(f"network {kind}", gpu, coll,
                                f"n{nw} x{nodes}node", pred / part["time_s"].to_numpy()))
     return rows
 
@@ -159,12 +175,13 @@ def heldout_rows(gpu: str, table: pd.DataFrame) -> list[dict]:
 def report(gpu: str = "h100", root: Path | str = ms.PROFILE_DIR) -> tuple[pd.DataFrame, str]:
     """All rows of the report for ``gpu`` and a header describing what was compared."""
     table = ms.load_compute(gpu, root)
-    cm = cost_model_for(gpu)
+    roof, cal = cost_model_for(gpu, "roofline"), cost_model_for(gpu, "calibrated")
     configs = model_configs(table)
-    rows = layer_rows(gpu, cm, table, configs)
-    rows += network_rows(gpu, cm, ms.load_network(gpu, root))
+    net = ms.load_network(gpu, root)
+    rows = layer_rows(gpu, roof, table, configs) + layer_rows(gpu, cal, table, configs)
+    rows += network_rows(gpu, roof, net) + network_rows(gpu, cal, net)
     rows += heldout_rows(gpu, table)
-    g = cm.gpu
+    g = roof.gpu
     try:
         shown = Path(root).resolve().relative_to(CONF_DIR.parent)
     except ValueError:
@@ -174,12 +191,14 @@ def report(gpu: str = "h100", root: Path | str = ms.PROFILE_DIR) -> tuple[pd.Dat
         f"({g.name}: {g.peak_bf16_tflops:g} TFLOP/s x {g.matmul_efficiency_frac:g}, "
         f"{g.hbm_bandwidth_gbps:g} GB/s x {g.memory_efficiency_frac:g}), data {shown}",
         "# err = |model / measured - 1| over measured rows; ratio = median model / measured.",
-        "# The CostModel has no per-op compute times: 'layer' compares the sum of one layer's "
-        "measured non-attention ops (embedding excluded)",
-        "# with CostModel.forward_s(num_layers=1, seq_len=0, include_head=False) minus its tp "
-        "all-reduces, at the same num_tokens and tp.",
+        "# 'layer': the sum of one layer's measured non-attention ops (embedding excluded) against "
+        "the roofline (CostModel.forward_s(num_layers=1, seq_len=0,",
+        "# include_head=False) minus its tp all-reduces) and the calibrated model (the same ops' "
+        "fitted laws; fitted on all three models, so in-sample).",
         "# 'per-op roofline' is a diagnostic (cluster roofline constants on each op's FLOPs/bytes); "
-        "'held-out scaling' fits measured.fit_scaling on two models, tests the third.",
+        "'held-out scaling' fits measured.fit_scaling on two models, tests the third",
+        "# (the calibrated model's out-of-sample error). 'network': CostModel.allreduce_s / p2p_s "
+        "of each model against the NCCL tables.",
     ]
     for model, (cfg, src) in sorted(configs.items()):
         header.append(f"# {model}: h={cfg.hidden_size} heads={cfg.num_heads}/{cfg.num_kv_heads} "
@@ -188,13 +207,54 @@ def report(gpu: str = "h100", root: Path | str = ms.PROFILE_DIR) -> tuple[pd.Dat
 
 
 def format_table(df: pd.DataFrame) -> str:
-    lines = [f"{'section':<17} {'op class':<28} {'group':<30} {'n':>6} {'median':>7} "
+    lines = [f"{'section':<29} {'op class':<14} {'group':<30} {'n':>6} {'median':>7} "
              f"{'p90':>7} {'max':>7} {'ratio':>6}"]
     for r in df.itertuples(index=False):
         ratio = "" if np.isnan(r.ratio) else f"{r.ratio:6.2f}"
-        lines.append(f"{r.section:<17} {r.op_class:<28} {r.group:<30} {r.n:>6d} "
+        lines.append(f"{r.section:<29} {r.op_class:<14} {r.group:<30} {r.n:>6d} "
                      f"{r.median:>7.3f} {r.p90:>7.3f} {r.max:>7.3f} {ratio:>6}".rstrip())
     return "\n".join(lines)
+
+
+def figure(gpu: str, path: Path | str, root: Path | str = ms.PROFILE_DIR) -> Path:
+    """Measured vs modelled time of one layer's non-attention ops over num_tokens, per model
+    (rows) and tp 1 / 8 (columns): the measured medians, the roofline and the calibrated model.
+    Written as PNG (and PDF when ``path`` ends in .png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = ms.load_compute(gpu, root)
+    configs = model_configs(table)
+    roof, cal = cost_model_for(gpu, "roofline"), cost_model_for(gpu, "calibrated")
+    layer = (table[table["op"].isin(ms.LAYER_OPS)]
+             .groupby(["model", "tp", "num_tokens", "op"])["time_s"].mean()
+             .groupby(["model", "tp", "num_tokens"]).sum().reset_index())
+    models = sorted(layer["model"].unique())
+    fig, axes = plt.subplots(len(models), 2, figsize=(9, 2.8 * len(models)), squeeze=False)
+    for i, model in enumerate(models):
+        for j, tp in enumerate((1, 8)):
+            ax = axes[i][j]
+            part = layer[(layer["model"] == model) & (layer["tp"] == tp)].sort_values("num_tokens")
+            n = part["num_tokens"].to_numpy(float)
+            cfg = configs[model][0]
+            ax.plot(n, part["time_s"] * 1e3, "k.", ms=3, label="measured (Vidur)")
+            ax.plot(n, [_layer_model_s(roof, cfg, x, tp) * 1e3 for x in n], label="roofline")
+            ax.plot(n, [_layer_model_s(cal, cfg, x, tp) * 1e3 for x in n], label="calibrated")
+            ax.set(xscale="log", yscale="log", title=f"{model}, tp {tp}", xlabel="tokens",
+                   ylabel="one layer, no attention (ms)")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{gpu.upper()}: measured vs modelled layer time")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    if path.suffix == ".png":
+        fig.savefig(path.with_suffix(".pdf"))
+    plt.close(fig)
+    return path
 
 
 def profile(model: str, num_tokens: Sequence[int], out: Path | str, device: str = "auto",
@@ -233,6 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rep = sub.add_parser("report", help="analytic cost model vs the measured Vidur profiles")
     rep.add_argument("--gpu", choices=sorted(CLUSTERS), default="h100")
     rep.add_argument("--csv", help="also write the table's rows to this CSV file")
+    rep.add_argument("--figure", help="also draw measured vs modelled layer curves to this PNG")
     rep.add_argument("--profiles", default=str(ms.PROFILE_DIR), help=argparse.SUPPRESS)
     prof = sub.add_parser("profile", help="time the Vidur op table on the local device")
     prof.add_argument("--model", default="tiny", help="conf/llama name or YAML path")
@@ -246,7 +307,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prof.add_argument("--warmup", type=int, default=5)
     prof.add_argument("--out", default=None,
                       help="output root (default data/profiles/local)")
+    fit = sub.add_parser("fit", help="fit the calibrated model's data/profiles/fitted/<gpu>.json")
+    fit.add_argument("--gpu", choices=sorted(CLUSTERS), nargs="+", default=sorted(CLUSTERS))
+    fit.add_argument("--profiles", default=str(ms.PROFILE_DIR),
+                     help="Vidur-layout profile root to fit on")
+    fit.add_argument("--out", default=None, help="output folder (default data/profiles/fitted)")
     args = parser.parse_args(argv)
+    if args.command == "fit":
+        from harness.costmodel.calibrated import FITTED_DIR, fit_calibration
+
+        out = Path(args.out or FITTED_DIR)
+        out.mkdir(parents=True, exist_ok=True)
+        for gpu in args.gpu:
+            path = out / f"{gpu}.json"
+            path.write_text(json.dumps(fit_calibration(gpu, args.profiles), indent=1) + "\n")
+            print(f"wrote {path}")
+        return 0
     if args.command == "profile":
         from harness.costmodel.profiler import LOCAL_PROFILE_DIR
 
@@ -261,6 +337,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.csv:
         df.to_csv(args.csv, index=False)
         print(f"# wrote {args.csv}")
+    if args.figure:
+        print(f"# wrote {figure(args.gpu, args.figure, args.profiles)}")
     return 0
 
 

@@ -78,6 +78,11 @@ class ClusterConfig:
     inter_node: LinkConfig = MISSING  # RoCE / InfiniBand, per GPU (rail-optimised)
     host_to_device: LinkConfig = MISSING  # PCIe, for offload/reload of weights
     host_memory_gb: float = 2048.0  # per node
+    # How compute and collectives are timed: "calibrated" (laws fitted on measured GPU profiles,
+    # harness/costmodel/calibrated.py; needs `calibration`) or "roofline" (datasheet numbers and
+    # the efficiency factors above).
+    cost_model: str = "roofline"
+    calibration: Optional[str] = None  # h100 | a100 (data/profiles/fitted/<name>.json) or a path
 
 
 @dataclass

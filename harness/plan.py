@@ -217,13 +217,35 @@ class MigrationPolicy:
 
 @dataclass(frozen=True)
 class GenerationPolicy:
+    """How the actor generates, as its reference implementation does (issue 12):
+
+    - ``batching``: ``continuous`` (Orca/vLLM) or ``static`` (every instance decodes a round until
+      its longest sample ends);
+    - ``engine``: ``graph`` (CUDA-graph decode: vLLM, ReaLHF, RLHFuse) or ``eager`` (a Hugging
+      Face-style ``generate`` loop issuing every kernel from Python, ``eager_launches_per_layer``
+      of them per layer: DeepSpeed-Chat's hybrid engine); the calibrated cost model charges
+      their host overheads (:mod:`harness.costmodel.calibrated`);
+    - ``synced_instances``: static rounds end together, when the longest sample of the round on
+      *any* instance ends (``generate(synced_gpus=True)`` under ZeRO-3);
+    - ``pad_to_longest``: later passes (inference, training) see every sample padded to the
+      longest prompt + response of its generation round (``generate`` returns one padded tensor).
+    """
+
     batching: str = "continuous"  # continuous | static (every instance decodes until its longest sample ends)
     max_batch_size: Optional[int] = None  # per instance; None = limited by KV capacity only
     migration: Optional[MigrationPolicy] = None
+    engine: str = "graph"  # graph | eager
+    eager_launches_per_layer: int = 49  # eager engine: kernels the host issues per layer per step
+    synced_instances: bool = False
+    pad_to_longest: bool = False
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
             raise PlanError(f"generation batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.engine not in ("graph", "eager"):
+            raise PlanError(f"generation engine must be 'graph' or 'eager', got {self.engine!r}")
+        if (self.synced_instances or self.pad_to_longest) and self.batching != "static":
+            raise PlanError("generation synced_instances / pad_to_longest need static batching (rounds)")
 
 
 @dataclass(frozen=True)

@@ -20,19 +20,23 @@ K/V width, at least one KV head per rank):
 * norms: bytes ``2 * 2 M h``; rope: ``2 * 2 M (h/tp + kv)``; SwiGLU act: ``2 * 3 M f/tp``;
   residual add: ``2 * 3 M h``; embedding: ``2 * 2 M h``; FLOPs taken as zero.
 
-Scaling rule (:func:`fit_scaling`). Per (GPU, op class, tp) the time of an op is linear in its
-work,
+Scaling rule (:func:`fit_scaling`). Per (GPU, op class, tp) the time of an op has two regimes,
 
-    time_s = c0 + c_flop * FLOPs + c_byte * bytes,        c0, c_flop, c_byte >= 0
+    time_s = max(f0 + f_w * width,  c0 + c_flop * FLOPs + c_byte * bytes)      (all >= 0)
 
-(an additive roofline: a launch/latency term, an effective seconds per FLOP and per byte),
-fitted by least squares on the *relative* residual ``(pred - measured) / measured`` over every
-row of the fit models (all num_tokens), so small and large ops weigh alike. The op classes are
-``gemm`` (the four projections, pooled: one GEMM law per GPU and tp), ``norm`` (the two
-RMSNorms), ``rope``, ``act``, ``add`` and ``embedding``; classes without FLOPs fit
-``c0 + c_byte * bytes``. A coefficient that comes out negative is dropped and the fit redone
-(a two-step non-negative least squares). To predict a model of other dimensions, compute its
-ops' work and apply the fitted law of the same (GPU, class, tp).
+a *floor* (small ops are latency/launch bound: the profiles show e.g. an RMSNorm at a constant
+4 us for 1..256 tokens of Llama-2-7B, then linear) that grows with the op's per-token width
+(``width`` = its bytes at one token, i.e. weight bytes for GEMMs and a row's bytes for
+elementwise ops), and a *throughput* regime linear in the work (an additive roofline: a latency
+term, effective seconds per FLOP and per byte). Fitting: rows within 10% of the minimum time of
+their (model, op) are the floor rows; ``f0, f_w`` are fitted on them and ``c0, c_flop, c_byte``
+on the others, each by least squares on the *relative* residual ``(pred - measured) /
+measured`` (so small and large ops weigh alike), dropping a coefficient that comes out negative
+and refitting (a two-step non-negative least squares). The op classes are ``gemm`` (the four
+projections, pooled: one GEMM law per GPU and tp), ``norm`` (the two RMSNorms), ``rope``,
+``act``, ``add`` and ``embedding``; classes without FLOPs fit ``c0 + c_byte * bytes``. To predict
+a model of other dimensions, compute its ops' work and apply the fitted law of the same (GPU,
+class, tp).
 
 :func:`heldout_error` fits on two measured models and reports ``|pred / measured - 1|`` on the
 third, per op class (median, p90, max); the measured numbers are in ``docs/CALIBRATION.md``.
@@ -183,15 +187,18 @@ def op_work(op: str, dims: pd.DataFrame | dict, tp, num_tokens) -> tuple[np.ndar
 
 
 def with_work(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` (a :func:`load_compute` table) with ``flops`` and ``bytes`` columns added."""
+    """``df`` (a :func:`load_compute` table) with ``flops``, ``bytes`` and ``width`` (the op's bytes
+    at one token) columns added."""
     out = df.copy()
     out["flops"] = 0.0
     out["bytes"] = 0.0
+    out["width"] = 0.0
     for op, idx in out.groupby("op").groups.items():
         part = out.loc[idx]
         flops, nbytes = op_work(op, part, part["tp"].to_numpy(), part["num_tokens"].to_numpy())
         out.loc[idx, "flops"] = flops
         out.loc[idx, "bytes"] = nbytes
+        out.loc[idx, "width"] = op_work(op, part, part["tp"].to_numpy(), np.ones(len(part)))[1]
     return out
 
 
@@ -202,41 +209,73 @@ def with_work(df: pd.DataFrame) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class Law:
-    """``time_s = c0 + c_flop * flops + c_byte * bytes`` for one (GPU, op class, tp)."""
+    """``time_s = max(f0 + f_w * width, c0 + c_flop * flops + c_byte * bytes)`` for one
+    (GPU, op class, tp); see the module docstring."""
 
     c0: float
     c_flop: float
     c_byte: float
+    f0: float = 0.0
+    f_w: float = 0.0
 
-    def __call__(self, flops, nbytes):
-        return self.c0 + self.c_flop * np.asarray(flops) + self.c_byte * np.asarray(nbytes)
+    def __call__(self, flops, nbytes, width=0.0):
+        linear = self.c0 + self.c_flop * np.asarray(flops) + self.c_byte * np.asarray(nbytes)
+        return np.maximum(self.f0 + self.f_w * np.asarray(width), linear)
+
+    def seconds(self, flops: float, nbytes: float, width: float) -> float:
+        """Scalar form of ``__call__`` (plain floats, for the simulator's hot paths)."""
+        return max(self.f0 + self.f_w * width, self.c0 + self.c_flop * flops + self.c_byte * nbytes)
 
 
-def _fit_law(flops: np.ndarray, nbytes: np.ndarray, time_s: np.ndarray) -> Law:
-    cols = {"c0": np.ones_like(time_s), "c_flop": flops, "c_byte": nbytes}
+def _nnls_relative(cols: dict[str, np.ndarray], time_s: np.ndarray) -> dict[str, float]:
+    """Non-negative least squares of ``sum_k coef_k * col_k ~ time_s`` on the relative residual."""
     active = [k for k, v in cols.items() if np.any(v > 0)]
+    values = dict.fromkeys(cols, 0.0)
+    if not active or time_s.size == 0:
+        return values
     while True:
-        # Relative residual: divide each row (and the target) by the measured time.
         a = np.column_stack([cols[k] / time_s for k in active])
         coef, *_ = np.linalg.lstsq(a, np.ones_like(time_s), rcond=None)
         if np.all(coef >= 0) or len(active) == 1:
             break
         active = [k for k, c in zip(active, coef) if c >= 0] or active[:1]
-    values = dict.fromkeys(cols, 0.0)
     values.update({k: max(0.0, float(c)) for k, c in zip(active, coef)})
-    return Law(**values)
+    return values
+
+
+def _fit_law(flops: np.ndarray, nbytes: np.ndarray, time_s: np.ndarray,
+             width: Optional[np.ndarray] = None, floor: Optional[np.ndarray] = None) -> Law:
+    """Fit a :class:`Law`; ``floor`` marks the floor rows (none: a purely linear law)."""
+    if floor is None or not np.any(floor) or np.count_nonzero(~floor) < 3:
+        lin = _nnls_relative({"c0": np.ones_like(time_s), "c_flop": flops, "c_byte": nbytes}, time_s)
+        return Law(**lin)
+    width = np.zeros_like(time_s) if width is None else width
+    fl = _nnls_relative({"f0": np.ones(int(floor.sum())), "f_w": width[floor]}, time_s[floor])
+    up = ~floor
+    lin = _nnls_relative({"c0": np.ones(int(up.sum())), "c_flop": flops[up], "c_byte": nbytes[up]},
+                         time_s[up])
+    return Law(**lin, **fl)
+
+
+def floor_rows(df: pd.DataFrame, tolerance_frac: float = 0.1) -> np.ndarray:
+    """Rows within ``tolerance_frac`` of the minimum time of their (gpu, model, op, tp)."""
+    least = df.groupby(["gpu", "model", "op", "tp"])["time_s"].transform("min")
+    return (df["time_s"] <= (1.0 + tolerance_frac) * least).to_numpy()
 
 
 def fit_scaling(df: pd.DataFrame) -> dict[tuple[str, str, int], Law]:
     """Fit the scaling rule on every row of ``df`` (a :func:`load_compute` table, any models):
     one :class:`Law` per (gpu, op_class, tp)."""
     df = df if "flops" in df else with_work(df)
-    df = df[df["time_s"] > 0]
-    return {
-        (g, c, int(tp)): _fit_law(part["flops"].to_numpy(), part["bytes"].to_numpy(),
-                                  part["time_s"].to_numpy())
-        for (g, c, tp), part in df.groupby(["gpu", "op_class", "tp"])
-    }
+    df = df[df["time_s"] > 0].reset_index(drop=True)
+    floor = floor_rows(df)
+    laws = {}
+    for (g, c, tp), idx in df.groupby(["gpu", "op_class", "tp"]).indices.items():
+        part = df.iloc[idx]
+        laws[(g, c, int(tp))] = _fit_law(part["flops"].to_numpy(), part["bytes"].to_numpy(),
+                                         part["time_s"].to_numpy(), part["width"].to_numpy(),
+                                         floor[idx])
+    return laws
 
 
 def predict(laws: dict[tuple[str, str, int], Law], df: pd.DataFrame) -> np.ndarray:
@@ -247,7 +286,8 @@ def predict(laws: dict[tuple[str, str, int], Law], df: pd.DataFrame) -> np.ndarr
         law = laws.get((g, c, int(tp)))
         if law is not None:
             part = df.iloc[idx]
-            out[idx] = law(part["flops"].to_numpy(), part["bytes"].to_numpy())
+            out[idx] = law(part["flops"].to_numpy(), part["bytes"].to_numpy(),
+                           part["width"].to_numpy())
     return out
 
 

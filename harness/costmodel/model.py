@@ -1,10 +1,12 @@
 """The cost model systems plan with and the simulator runs on (DESIGN section 4).
 
 Owns :class:`CostModel`, one object that answers every "how long" and "how big" question
-for one cluster and workload: compute-op times (roofline from :mod:`.compute`, overridden by
-a measured :class:`~harness.costmodel.profile.ProfileTable` where it has an entry),
-collective times over device ids (alpha-beta per tier from :mod:`.comm`) and per-device
-memory footprints (:mod:`.memory`). Devices are global ids ``0 .. num_devices - 1``, device
+for one cluster and workload: compute-op times (``cluster.cost_model``: ``calibrated``, laws
+fitted on measured GPU profiles from :mod:`.calibrated`, the default of the H100/A100 cluster
+configs; or ``roofline``, datasheet rooflines from :mod:`.compute`; either overridden by a
+measured :class:`~harness.costmodel.profile.ProfileTable` where it has an entry), collective
+times over device ids (measured NCCL curves where calibrated and measured, else alpha-beta per
+tier from :mod:`.comm`) and per-device memory footprints (:mod:`.memory`). Devices are global ids ``0 .. num_devices - 1``, device
 ``d`` on node ``d // gpus_per_node``.
 
 Groups given by size only (the tp group of a compute op, the tp x pp devices of a
@@ -22,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 from harness.config import GpuConfig, LinkConfig
 from harness.costmodel import comm, memory
+from harness.costmodel.calibrated import GPT_FAST_LAUNCHES_PER_LAYER, CalibratedCompute, Calibration
 from harness.costmodel.compute import Roofline
 from harness.costmodel.llama import ModelDims
 from harness.costmodel.memory import max_stage_params
@@ -58,8 +61,31 @@ class CostModel:
                 f"not {self.recompute!r}"
             )
         self.profile = profile
+        self.kind = str(getattr(cluster, "cost_model", "roofline"))
+        self.calibration: Optional[Calibration] = None
+        if self.kind == "calibrated":
+            name = getattr(cluster, "calibration", None)
+            if not name:
+                raise ValueError("cluster.cost_model=calibrated needs cluster.calibration "
+                                 "(h100, a100 or a path to a fitted JSON file)")
+            self.calibration = Calibration.load(str(name))
+        elif self.kind != "roofline":
+            raise ValueError(f"cluster.cost_model must be roofline or calibrated, not {self.kind!r}")
+        # The datasheet roofline is always available (the calibration report compares with it).
         self.roofline = Roofline(self.gpu, allreduce_s=self._packed_allreduce_s,
                                  p2p_s=self._packed_p2p_s)
+        self.compute = self.roofline
+        if self.calibration is not None:
+            self.compute = CalibratedCompute(self.calibration, self.gpu.peak_bf16_tflops,
+                                             allreduce_s=self._packed_allreduce_s,
+                                             p2p_s=self._packed_p2p_s)
+
+    @property
+    def identity(self) -> str:
+        """Which cost model times ops: ``roofline`` or ``calibrated (<source>)``."""
+        if self.calibration is None:
+            return "roofline (datasheet)"
+        return f"calibrated ({self.calibration.source})"
 
     # -- links ----------------------------------------------------------------------------
 
@@ -67,10 +93,31 @@ class CostModel:
         return self.intra_node if group_size <= self.gpus_per_node else self.inter_node
 
     def _packed_allreduce_s(self, num_bytes: float, n: int) -> float:
+        if n <= 1 or num_bytes <= 0:
+            return 0.0
+        if n <= self.gpus_per_node and self.calibration is not None:
+            curve = self.calibration.all_reduce.get(n)
+            if curve is not None:
+                return curve(num_bytes)
         return comm.allreduce_s(num_bytes, n, self._link_for_size(n))
 
     def _packed_p2p_s(self, num_bytes: float, group_size: int) -> float:
+        if self.calibration is not None:
+            return self.transfer_s(num_bytes, intra_node=group_size <= self.gpus_per_node)
         return comm.p2p_s(num_bytes, self._link_for_size(group_size))
+
+    def transfer_s(self, num_bytes: float, intra_node: bool) -> float:
+        """One point-to-point send of ``num_bytes`` inside a node or between two nodes: the
+        measured NCCL send/recv curve when calibrated, else alpha-beta over the tier."""
+        if num_bytes <= 0:
+            return 0.0
+        if self.calibration is not None:
+            curve = (self.calibration.send_recv_intra if intra_node
+                     else self.calibration.send_recv_inter)
+            if curve is not None:
+                return curve(num_bytes)
+        link = self.intra_node if intra_node else self.inter_node
+        return link.latency_us * 1e-6 + num_bytes / (link.bandwidth_gbps * 1e9 * link.efficiency_frac)
 
     def link_between(self, src: int, dst: int) -> Any:
         """The link a transfer from device ``src`` to device ``dst`` uses."""
@@ -112,11 +159,18 @@ class CostModel:
     def p2p_s(self, num_bytes: float, src: int, dst: int) -> float:
         if src == dst:
             return 0.0
+        if self.calibration is not None:
+            return self.transfer_s(num_bytes, src // self.gpus_per_node == dst // self.gpus_per_node)
         return comm.p2p_s(num_bytes, self.link_between(src, dst))
 
     def allreduce_s(self, num_bytes: float, device_ids: Sequence[int]) -> float:
-        """Ring all-reduce of a ``num_bytes`` buffer held by every device of the group."""
-        return comm.allreduce_s(num_bytes, len(device_ids), self.link_for_group(device_ids))
+        """All-reduce of a ``num_bytes`` buffer held by every device of the group: the measured
+        NCCL curve for a one-node group of a measured size when calibrated, else a ring over
+        the group's link."""
+        link = self.link_for_group(device_ids)
+        if link is self.intra_node and len(device_ids) <= self.gpus_per_node:
+            return self._packed_allreduce_s(num_bytes, len(device_ids))
+        return comm.allreduce_s(num_bytes, len(device_ids), link)
 
     def allgather_s(self, num_bytes: float, device_ids: Sequence[int]) -> float:
         """Ring all-gather whose gathered output is ``num_bytes``."""
@@ -147,8 +201,8 @@ class CostModel:
         measured = self._profiled("forward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
-        return self.roofline.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
-                                       include_head)
+        return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
+                                      include_head)
 
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
@@ -158,13 +212,16 @@ class CostModel:
         measured = self._profiled("backward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
-        return self.roofline.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
-                                        include_head, recompute or self.recompute)
+        return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
+                                       include_head, recompute or self.recompute)
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                  seq_len: Optional[float] = None) -> float:
+                  seq_len: Optional[float] = None, engine: str = "graph",
+                  launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
         """Prefill of ``num_tokens`` prompt tokens (sequences of ``seq_len``, default one)
-        on a tp x pp generation instance."""
+        on a tp x pp generation instance run by ``engine`` (``graph``, or ``eager`` launching
+        ``launches_per_layer`` kernels per layer from the host; see :mod:`.calibrated`; the
+        roofline has no host model and ignores both)."""
         d = ModelDims.of(model)
         if self.profile is not None and num_tokens > 0:
             # Same steady-state pipeline rule as decode_step_s, micro-batches of whole
@@ -174,10 +231,13 @@ class CostModel:
             measured = self.profile.lookup("prefill", d.name, tp, mb)
             if measured is not None:
                 return measured + self._pp_hops_s(d, mb, tp, pp)
+        if self.calibration is not None:
+            return self.compute.prefill_s(d, num_tokens, tp, pp, seq_len, engine, launches_per_layer)
         return self.roofline.prefill_s(d, num_tokens, tp, pp, seq_len)
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                      tp: int = 1, pp: int = 1) -> float:
+                      tp: int = 1, pp: int = 1, engine: str = "graph",
+                      launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
         """One decode step of ``batch_size`` samples whose caches hold
         ``context_tokens_total`` tokens in all, on a tp x pp generation instance. A
         profiled time (measured at pp = 1 for the micro-batch size) stands for the
@@ -188,6 +248,9 @@ class CostModel:
             measured = self.profile.lookup("decode_step", d.name, tp, mb)
             if measured is not None:
                 return measured + self._pp_hops_s(d, mb, tp, pp)
+        if self.calibration is not None:
+            return self.compute.decode_step_s(d, batch_size, context_tokens_total, tp, pp, engine,
+                                              launches_per_layer)
         return self.roofline.decode_step_s(d, batch_size, context_tokens_total, tp, pp)
 
     def _pp_hops_s(self, d: ModelDims, mb_tokens: float, tp: int, pp: int) -> float:
@@ -204,7 +267,7 @@ class CostModel:
         measured = self._profiled("optimizer_step", d, tp, 0)
         if measured is not None:  # measured for the whole model on tp ranks: scale by params
             return measured * params * tp / max_stage_params(d, 1)
-        return self.roofline.optimizer_step_s(params)
+        return self.compute.optimizer_step_s(params)
 
     # -- memory ---------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from harness.interpreter import PlanInterpreter, Unit
 from harness.plan import Plan, TaskKind
 from harness.planning.memory import MemoryReport
 from harness.planning.scheduler import ListScheduler
-from harness.planning.taskmodels.generation import GenerationResult, simulate_generation
+from harness.planning.taskmodels.generation import GenerationResult, padded_lengths, simulate_generation
 from harness.planning.taskmodels.passes import (PassResult, simulate_inference, simulate_training,
                                                 simulate_weight_movement)
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
@@ -40,7 +40,9 @@ class PlanSimulator(PlanInterpreter):
         self.ctx, self.cm, self.plan, self.memory, self.batch = ctx, ctx.cost_model, plan, memory, batch
         self.trace = StepTrace(iteration=iteration, num_devices=ctx.num_devices)
         self.sched = ListScheduler(plan, ctx.num_devices)
-        self.seq_lens = batch.prompt_lens + batch.output_lens
+        gen_dp = max((t.allocation.strategy.dp for t in plan.tasks if t.kind == TaskKind.GENERATE), default=1)
+        # what later passes see: own lengths, or padded to the longest of a generation round
+        self.seq_lens = padded_lengths(plan.generation, gen_dp, batch.prompt_lens, batch.output_lens)
         self.moves = {m.task: m for m in plan.weight_movements}
         self.generated: dict[str, GenerationResult] = {}  # generate task -> its result (for streams)
 

@@ -22,7 +22,7 @@ Everything here scores candidates with the simulator's own models (:mod:`harness
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.costmodel import CostModel
 from harness.costmodel.llama import kv_bytes_per_token
@@ -93,7 +93,7 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
 
     def generate(frac: float):
         mig = migration_policy(ctx, gen, frac, kv_capacity_gb, transfer, bs_max) if frac > 0 else None
-        policy = GenerationPolicy(base_policy.batching, base_policy.max_batch_size, migration=mig)
+        policy = replace(base_policy, migration=mig)
         res = simulate_generation(ctx.cost_model, gen, policy, actor, batch.prompt_lens, batch.output_lens, 0.0,
                                   kv_capacity_gb, ctx.workload.max_gen_len)
         return mig, res

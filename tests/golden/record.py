@@ -3,7 +3,11 @@
 ``python tests/golden/record.py`` writes ``tests/golden/<system>-<model>.json``: the plan.json and
 the summary metrics of a full sim-backend run (fixed seed, deterministic search budgets). The
 golden files were recorded on the commit *before* the planning-library redesign, so
-``tests/test_golden.py`` checks that the redesign preserved behaviour.
+``tests/test_golden.py`` checks that the redesign preserved behaviour. They were recorded with the
+datasheet roofline cost model, so they are run with ``cluster.cost_model=roofline`` (the
+calibrated model became the default later, issue 12; it changes every time on purpose), and with
+DeepSpeed-Chat's reference-implementation generation (eager engine, synced rounds, padding; issue
+12) switched off.
 """
 from __future__ import annotations
 
@@ -18,13 +22,18 @@ SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse", "realhf", "realhf_heuris
 MODELS = ("13b", "65b_33b")
 # Step budgets instead of wall-clock budgets, so the searches are deterministic.
 DETERMINISTIC = {"rlhfuse": ["system.fuse_max_steps=2000"], "realhf": ["system.max_steps=200"]}
+# Behaviour added after the golden files were recorded (issue 12), switched off for the comparison:
+# DeepSpeed-Chat generating as its reference implementation does.
+BEFORE_ISSUE_12 = {"deepspeed_chat": ["system.generation_engine=graph", "system.synced_generation=false",
+                                      "system.pad_to_longest=false"]}
 # Wall-clock measurements: recorded for information, never compared.
 WALL_CLOCK_KEYS = ("timing_s/plan", "fused/search_s")
 
 
 def overrides(system: str, model: str, results_dir: str) -> list[str]:
     return [f"+system={system}", f"model={model}", "logger=none", "logger.progress_bar=false",
-            f"results_dir={results_dir}", "experiment_name=golden"] + DETERMINISTIC.get(system, [])
+            f"results_dir={results_dir}", "experiment_name=golden",
+            "cluster.cost_model=roofline"] + DETERMINISTIC.get(system, []) + BEFORE_ISSUE_12.get(system, [])
 
 
 def run(system: str, model: str) -> dict:

@@ -19,8 +19,15 @@ links between the instances) or only the tokens (tiny transfer; the receiver re-
 context). Instances are independent until the migration, so the migration time is found from an
 unmigrated run and the instances are then replayed up to it, which is exact.
 
-Each decode step costs ``CostModel.decode_step_s(batch, context tokens, tp, pp)`` (roofline:
-weights and KV streamed vs. FLOPs). Steps between two batch changes form one span.
+Each decode step costs ``CostModel.decode_step_s(batch, context tokens, tp, pp, engine)`` (the
+policy's engine: ``graph`` or ``eager`` host overheads under the calibrated cost model). Steps
+between two batch changes form one span.
+
+Static rounds may be **synced** across instances (``GenerationPolicy.synced_instances``:
+``generate(synced_gpus=True)`` under ZeRO-3 keeps every rank stepping until all ranks' rounds
+end): round ``r`` of every instance then pads its prompts to, and decodes until, the longest
+prompt / response of round ``r`` on any instance. :func:`padded_lengths` gives the sequence length
+each sample has in later passes when the policy pads to the longest of its round.
 """
 from __future__ import annotations
 
@@ -65,8 +72,9 @@ class ContinuousInstance:
 
     def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
                  max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
-                 task_name: str):
+                 task_name: str, engine: str = "graph", launches_per_layer: int = 49):
         self.cm, self.model, self.devices, self.tp, self.pp = cm, model, devices, tp, pp
+        self.engine, self.launches = engine, launches_per_layer
         self.task_name = task_name
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
@@ -94,7 +102,8 @@ class ContinuousInstance:
             admitted.append(sample)
         to_prefill = sum(s.context for s in admitted if not s.has_kv)
         if to_prefill:
-            dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp)
+            dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp, engine=self.engine,
+                                   launches_per_layer=self.launches)
             self._span(self.now, self.now + dt, "prefill")
             self.now += dt
         for s in admitted:
@@ -111,7 +120,8 @@ class ContinuousInstance:
             num_steps, start = min(s.left for s in self.running), self.now
             done_steps = 0
             while done_steps < num_steps and self.now < until_s:
-                self.now += self.cm.decode_step_s(self.model, batch, ctx + done_steps * batch, self.tp, self.pp)
+                self.now += self.cm.decode_step_s(self.model, batch, ctx + done_steps * batch, self.tp, self.pp,
+                                                  self.engine, self.launches)
                 done_steps += 1
             self._span(start, self.now, "decode")
             still = []
@@ -131,28 +141,66 @@ class ContinuousInstance:
         return out
 
 
-def _static(cm: CostModel, model, devices, prompts: np.ndarray, outputs: np.ndarray, ids: np.ndarray,
-            start: float, tp: int, pp: int, round_size: int, finishes: list[SampleRecord],
-            task_name: str) -> InstanceResult:
-    res = InstanceResult(tuple(devices), start)
-    now = start
-    for lo in range(0, len(ids), round_size):
-        sel = slice(lo, lo + round_size)
-        p, o, batch = prompts[sel], outputs[sel], len(ids[sel])
-        padded_prompt = int(p.max())
-        dt = cm.prefill_s(model, padded_prompt * batch, tp, pp)
-        res.spans.append(Span(tuple(devices), task_name, "prefill", now, now + dt))
-        now += dt
-        num_steps = int(o.max())
-        step_times = [cm.decode_step_s(model, batch, (padded_prompt + j) * batch, tp, pp) for j in range(num_steps)]
-        elapsed = np.cumsum(step_times)
-        for k in range(batch):  # a row's last token comes out at the end of its own step
-            finishes.append(SampleRecord(int(ids[sel][k]), int(p[k]), int(o[k]), now + float(elapsed[int(o[k]) - 1])))
-        res.spans.append(Span(tuple(devices), task_name, "decode", now, now + float(elapsed[-1])))
-        now += float(elapsed[-1])
-        res.peak_kv_tokens = max(res.peak_kv_tokens, (padded_prompt + num_steps) * batch)
-    res.end_s = now
-    return res
+def _rounds(num_samples: int, dp: int, round_size: int) -> list[list[np.ndarray]]:
+    """Sample ids of instance ``k``'s round ``r``: ``rounds[r][k]`` (samples dealt round-robin)."""
+    ids = np.arange(num_samples)
+    mine = [ids[k::dp] for k in range(dp)]
+    num_rounds = max((math.ceil(len(m) / round_size) for m in mine), default=0)
+    return [[m[r * round_size:(r + 1) * round_size] for m in mine] for r in range(num_rounds)]
+
+
+def padded_lengths(policy: GenerationPolicy, dp: int, prompt_lens: np.ndarray,
+                   output_lens: np.ndarray) -> np.ndarray:
+    """Sequence length (prompt + response) of every sample in the passes after generation: its
+    own, or, when ``policy.pad_to_longest``, the longest of its static round (of any instance's
+    round when the rounds are synced)."""
+    seq = prompt_lens + output_lens
+    if not policy.pad_to_longest:
+        return seq
+    out = seq.copy()
+    round_size = policy.max_batch_size or max(1, math.ceil(len(seq) / dp))
+    for members in _rounds(len(seq), dp, round_size):
+        groups = [np.concatenate(members)] if policy.synced_instances else members
+        for g in groups:
+            if len(g):
+                out[g] = int(prompt_lens[g].max()) + int(output_lens[g].max())
+    return out
+
+
+def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts: np.ndarray,
+            outputs: np.ndarray, start: float, finishes: list[SampleRecord]) -> list[InstanceResult]:
+    s = task.allocation.strategy
+    tp, pp = s.tp, s.pp
+    round_size = policy.max_batch_size or max(1, math.ceil(len(prompts) / s.dp))
+    results = [InstanceResult(task.allocation.replica_devices(k), start) for k in range(s.dp)]
+    nows = [start] * s.dp
+    for members in _rounds(len(prompts), s.dp, round_size):
+        everyone = np.concatenate(members)
+        for k, ids in enumerate(members):
+            if len(ids) == 0:
+                continue
+            res, now, batch = results[k], nows[k], len(ids)
+            span_of = ids if not policy.synced_instances else everyone
+            padded_prompt = int(prompts[span_of].max())
+            dt = cm.prefill_s(model, padded_prompt * batch, tp, pp, engine=policy.engine,
+                              launches_per_layer=policy.eager_launches_per_layer)
+            res.spans.append(Span(res.devices, task.name, "prefill", now, now + dt))
+            now += dt
+            num_steps = int(outputs[span_of].max())
+            step_times = [cm.decode_step_s(model, batch, (padded_prompt + j) * batch, tp, pp, policy.engine,
+                                           policy.eager_launches_per_layer) for j in range(num_steps)]
+            elapsed = np.cumsum(step_times)
+            for i in ids:  # a row's last token comes out at the end of its own step
+                finishes.append(SampleRecord(int(i), int(prompts[i]), int(outputs[i]),
+                                             now + float(elapsed[int(outputs[i]) - 1])))
+            res.spans.append(Span(res.devices, task.name, "decode", now, now + float(elapsed[-1])))
+            nows[k] = now + float(elapsed[-1])
+            res.peak_kv_tokens = max(res.peak_kv_tokens, (padded_prompt + num_steps) * batch)
+        if policy.synced_instances:  # the next round starts on every rank together
+            nows = [max(nows)] * s.dp
+    for res, now in zip(results, nows):
+        res.end_s = now
+    return results
 
 
 @dataclass
@@ -179,7 +227,7 @@ def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, ou
     for k in range(s.dp):
         inst = ContinuousInstance(cm, model, task.allocation.replica_devices(k), s.tp, s.pp, start_s,
                                   policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes,
-                                  task.name)
+                                  task.name, policy.engine, policy.eager_launches_per_layer)
         inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in range(k, len(prompts), s.dp)]
         instances.append(inst)
     return instances
@@ -242,13 +290,7 @@ def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, mod
     kv_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40
     finishes: list[SampleRecord] = []
     if policy.batching == "static":
-        ids = np.arange(len(prompt_lens))
-        instances = []
-        for k in range(s.dp):
-            mine = ids[k::s.dp]
-            instances.append(_static(cm, model, task.allocation.replica_devices(k), prompt_lens[mine],
-                                     output_lens[mine], mine, start_s, s.tp, s.pp,
-                                     policy.max_batch_size or max(len(mine), 1), finishes, task.name))
+        instances = _static(cm, model, task, policy, prompt_lens, output_lens, start_s, finishes)
         finishes.sort(key=lambda r: r.sample_id)
         return GenerationResult(finishes, instances)
 

@@ -226,12 +226,8 @@ def weight_movement_s(cm: CostModel, move: WeightMovement, model) -> tuple[float
     if not moved:
         return 0.0, []
 
-    def link_s(num_bytes: float, intra: bool) -> float:
-        link = cm.intra_node if intra else cm.inter_node
-        return link.latency_us * 1e-6 + num_bytes / (link.bandwidth_gbps * 1e9 * link.efficiency_frac)
-
-    receive = max(link_s(t.bytes, t.intra_node) for t in moved)
-    send = link_s(sum(t.bytes for t in moved) / len(move.source.mesh), all(t.intra_node for t in moved))
+    receive = max(cm.transfer_s(t.bytes, t.intra_node) for t in moved)
+    send = cm.transfer_s(sum(t.bytes for t in moved) / len(move.source.mesh), all(t.intra_node for t in moved))
     return max(receive, send), moved
 
 

@@ -49,11 +49,14 @@ def test_spans_stay_on_the_task_mesh_and_inside_the_step(simulated):
 
 
 def test_training_flops_match_the_model(simulated):
-    """Forward+backward FLOPs recorded on the actor's spans = 3 x forward FLOPs of every token."""
+    """Forward+backward FLOPs recorded on the actor's spans = 3 x forward FLOPs of every token the
+    plan trains on (padded to the longest of its generation round where the plan pads)."""
     from harness.costmodel.llama import forward_flops
+    from harness.planning.taskmodels.generation import padded_lengths
 
     plan, ctx, batch, trace, _ = simulated
-    seq = batch.prompt_lens + batch.output_lens
+    gen_dp = plan.task("gen").allocation.strategy.dp
+    seq = padded_lengths(plan.generation, gen_dp, batch.prompt_lens, batch.output_lens)
     recorded = sum(s.flops * len(s.devices) for s in trace.spans if s.task == "update_actor")
     mbs = plan.mini_batch_size
     expected = 0.0

@@ -15,4 +15,7 @@ def testbed():
 
 @pytest.fixture
 def cost_model(testbed):
+    """The analytic (roofline, alpha-beta) cost model whose closed forms these tests check; the
+    calibrated default is tested in test_calibrated.py."""
+    testbed.cost_model = "roofline"
     return CostModel(testbed, workload())

@@ -132,14 +132,20 @@ def test_report_command_prints_a_table(tmp_path):
          str(out_csv)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert any("no per-op compute times" in line for line in lines if line.startswith("#"))
+    assert any("calibrated model" in line for line in lines if line.startswith("#"))
     header = next(line for line in lines if line.startswith("section"))
     assert header.split() == ["section", "op", "class", "group", "n", "median", "p90", "max",
                               "ratio"]
     body = [line for line in lines if line.startswith(("layer", "per-op", "network", "held-out"))]
     sections = {line.split()[0] for line in body}
     assert sections == {"layer", "per-op", "network", "held-out"}
-    assert len([line for line in body if line.startswith("layer ")]) == 5  # tp 1/2/4/8 + all
+    # tp 1/2/4/8 + all, for the roofline and the calibrated model
+    assert len([line for line in body if line.startswith("layer roofline ")]) == 5
+    assert len([line for line in body if line.startswith("layer calibrated ")]) == 5
+    calibrated_all = next(line for line in body if line.startswith("layer calibrated") and " all " in line)
+    roofline_all = next(line for line in body if line.startswith("layer roofline") and " all " in line)
+    assert float(calibrated_all.split()[-4]) < float(roofline_all.split()[-4])  # median error
+    assert {line.split()[1] for line in body if line.startswith("network")} == {"roofline", "calibrated"}
     import pandas as pd
 
     rows = pd.read_csv(out_csv)

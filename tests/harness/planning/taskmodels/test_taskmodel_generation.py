@@ -56,3 +56,42 @@ def test_kv_capacity_limits_the_batch(setup):
     res = simulate_generation(cm, task, GenerationPolicy("continuous"), model, np.array([4, 4, 4, 4]),
                               np.array([1, 2, 3, 6]), 0.0, kv_gb, 16)
     assert res.end_s == pytest.approx(0.038)
+
+
+def test_synced_static_rounds_end_on_the_longest_instance(setup):
+    # 2 instances, rounds of 1 sample: instance 0 holds s0 (1 token) then s2 (3), instance 1 holds
+    # s1 (2) then s3 (6). Synced (generate(synced_gpus=True)): round 1 decodes max(1, 2) = 2 steps on
+    # both -> 12; round 2 decodes max(3, 6) = 6 steps on both -> 12 + 10 + 6 = 28. Unsynced, instance 0
+    # would end at 10 + 1 + 10 + 3 = 24.
+    cm, model = setup
+    synced = _gen(cm, model, GenerationPolicy("static", max_batch_size=1, synced_instances=True), dp=2)
+    assert [i.end_s for i in synced.instances] == pytest.approx([0.028, 0.028])
+    assert [r.finish_s for r in synced.samples] == pytest.approx([0.011, 0.012, 0.025, 0.028])
+    free = _gen(cm, model, GenerationPolicy("static", max_batch_size=1), dp=2)
+    assert [i.end_s for i in free.instances] == pytest.approx([0.024, 0.028])
+
+
+def test_padded_lengths_are_the_longest_of_each_round():
+    from harness.planning.taskmodels.generation import padded_lengths
+
+    prompts, outputs = np.array([4, 5, 6, 7]), np.array([1, 2, 3, 6])
+    plain = GenerationPolicy("static", max_batch_size=1)
+    assert list(padded_lengths(plain, 2, prompts, outputs)) == [5, 7, 9, 13]
+    # per instance (dp 2, rounds of 1): every sample is its own round -> unchanged
+    own = GenerationPolicy("static", max_batch_size=1, pad_to_longest=True)
+    assert list(padded_lengths(own, 2, prompts, outputs)) == [5, 7, 9, 13]
+    # synced: round 1 = {s0, s1} -> 5 + 2 = 7; round 2 = {s2, s3} -> 7 + 6 = 13
+    synced = GenerationPolicy("static", max_batch_size=1, pad_to_longest=True, synced_instances=True)
+    assert list(padded_lengths(synced, 2, prompts, outputs)) == [7, 7, 13, 13]
+    # one instance, rounds of 2: {s0, s2} is not a round -- instance 0 holds all four in order
+    two = GenerationPolicy("static", max_batch_size=2, pad_to_longest=True)
+    assert list(padded_lengths(two, 1, prompts, outputs)) == [7, 7, 13, 13]
+
+
+def test_padding_and_sync_need_static_rounds():
+    from harness.errors import PlanError
+
+    with pytest.raises(PlanError, match="static"):
+        GenerationPolicy("continuous", pad_to_longest=True)
+    with pytest.raises(PlanError, match="engine"):
+        GenerationPolicy("static", engine="jit")

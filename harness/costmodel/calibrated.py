@@ -1,0 +1,440 @@
+"""The calibrated compute and network model: op times from laws fitted on measured GPU profiles,
+plus the overheads a roofline ignores (issue 12; the default for the H100 and A100 clusters).
+
+Owns :class:`Calibration` (the fitted data of one GPU: per-op-class laws, NCCL time curves; one
+JSON file per GPU under ``data/profiles/fitted/``, written by ``python -m harness.calibrate fit``
+from the Vidur profiles and reproducible from them, see ``tests/harness/costmodel/
+test_calibrated.py``) and :class:`CalibratedCompute`, which answers the same questions as
+:class:`harness.costmodel.compute.Roofline` (forward, backward, prefill, decode step, optimizer
+step of a model on one GPU of a tp group) from those laws. Every number below is either fitted
+from ``data/profiles/vidur`` or a published measurement cited where it is used; none is tuned to
+a system's speedup.
+
+What a layer costs (per GPU of a tp group, ``M`` tokens):
+
+* **linear and elementwise ops** (norms, QKV, rope, output projection, gate/up, SwiGLU, down,
+  residual adds): the sum of their fitted laws (:mod:`.measured`: a latency floor, then linear in
+  FLOPs and bytes), evaluated on this model's dimensions, per tp;
+* **attention core** (not in the profiles): FLOPs at the FlashAttention-2 efficiency of
+  ``ATTENTION_EFFICIENCY_FRAC`` (below), or the KV bytes it must stream at the measured
+  elementwise streaming rate (the ``add`` law's seconds per byte), whichever is larger (a
+  FlashAttention-style prefill is FLOP-bound, a paged decode kernel is bandwidth-bound), plus the
+  ``add`` law's floor as the kernel's launch floor;
+* **tensor-parallel all-reduces**: two per layer in the forward (Megatron-LM), timed from the
+  measured NCCL all-reduce curve of ``tp`` GPUs on one node.
+
+Backward = 2x the linear ops and 2.5x the attention core (FlashAttention-2's backward runs five
+matmuls to the forward's two; Dao 2023, section 3.1.2), the same all-reduces; recomputation as
+in :mod:`.compute`. The LM head is a GEMM timed by the ``gemm`` law; the optimizer step streams
+``ADAM_BYTES_PER_PARAM`` bytes per parameter at the measured elementwise rate.
+
+Generation engines (``GenerationPolicy.engine``): a decode or prefill step's host-side work
+(Python, kernel launches, sampling) overlaps the GPU's only partly:
+
+* ``graph`` (CUDA-graph engines: vLLM, ReaLHF's and RLHFuse's generation): step = GPU time +
+  ``graph_step_overhead_s``;
+* ``eager`` (a Hugging Face-style ``generate`` loop without CUDA graphs, DeepSpeed-Chat's hybrid
+  engine): step = ``max(GPU time, num_layers x launches_per_layer x EAGER_HOST_S_PER_LAUNCH)``
+  -- the GPU waits for the CPU to issue every kernel of every layer. ``launches_per_layer`` is
+  the engine's (the system knows its kernels; ``GenerationPolicy.eager_launches_per_layer``).
+
+Both constants come from one published measurement (PyTorch blog "Accelerating Generative AI
+with PyTorch II: GPT, Fast", Nov 2023: LLaMA-7B, batch 1, A100-80GB power-limited to 330 W:
+25.5 tokens/s in eager PyTorch, CPU-bound per the blog's trace; 107.0 tokens/s with
+``torch.compile(mode="reduce-overhead")``, i.e. CUDA graphs, and a static KV cache). Eager:
+``1 / 25.5 s`` over 32 layers of ``GPT_FAST_LAUNCHES_PER_LAYER`` kernel launches each (counted
+from gpt-fast's ``model.py``), about 25 us per launch. Graph: ``1 / 107 s`` minus this model's
+own A100 GPU time of that step (:func:`derived_graph_step_overhead_s`, computed, never tuned;
+it comes out at zero: our modelled GPU step, 9.9 ms, is already 5% above the measured 9.35 ms).
+Host work runs on the CPU, so the same constants apply on H100.
+
+What is not calibrated: cross-node collectives other than point-to-point (the profiles hold
+single-node all-reduces and a two-node send/recv): multi-node rings keep the alpha-beta model
+of :mod:`.comm` over the cluster config's links.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from harness.costmodel.compute import ADAM_BYTES_PER_PARAM
+from harness.costmodel.llama import BF16_BYTES, ModelDims
+from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
+
+FITTED_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles" / "fitted"
+FORMAT_VERSION = 1
+
+# FlashAttention-2 attention-core efficiency (fraction of dense bf16 peak), forward and backward.
+# A100: "FlashAttention-2 ... reaching 50-73% of the theoretical maximum FLOPs/s on A100" (Dao,
+# "FlashAttention-2", 2023, abstract); RLHF sequences (1-2K tokens) sit at the low end of that
+# range, so 0.5. H100: "FlashAttention-2 achieves only 35% utilization on H100" (Shah et al.,
+# "FlashAttention-3", 2024, abstract): 0.35. Keyed by the profile's GPU.
+ATTENTION_EFFICIENCY_FRAC = {"h100": 0.35, "a100": 0.5}
+
+# PyTorch blog, "Accelerating Generative AI with PyTorch II: GPT, Fast" (Nov 2023), LLaMA-7B,
+# batch 1, A100-80GB at 330 W: eager 25.5 tokens/s (CPU-bound), compiled with CUDA graphs 107.0.
+GPT_FAST_EAGER_TOKENS_PER_S = 25.5
+GPT_FAST_GRAPH_TOKENS_PER_S = 107.0
+GPT_FAST_NUM_LAYERS = 32  # LLaMA-7B (Touvron et al. 2023, Table 2)
+# Kernels one decode step of gpt-fast's eager TransformerBlock launches (model.py, batch 1, our
+# count): 2 RMSNorms x 8 (cast, square, mean, +eps, rsqrt, mul, cast, weight), QKV GEMM 1, rotary
+# on q and k 2 x 9 (cast, 4 mul, add, sub, stack, cast), KV-cache writes 2, repeat_interleave 2,
+# SDPA 1, transpose copy 1, output GEMM 1, 2 residual adds, w1, w3, silu, mul, w2 5: 49.
+GPT_FAST_LAUNCHES_PER_LAYER = 49
+EAGER_HOST_S_PER_LAUNCH = (1.0 / GPT_FAST_EAGER_TOKENS_PER_S / GPT_FAST_NUM_LAYERS
+                           / GPT_FAST_LAUNCHES_PER_LAYER)
+# The gpt-fast benchmark generates 200 tokens after a short prompt: mean cached context ~100.
+GPT_FAST_MEAN_CONTEXT = 100
+LLAMA_7B = ModelDims("llama-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
+                     ffn_hidden_size=11008, vocab_size=32000)
+
+ENGINES = ("graph", "eager")
+CommFn = Callable[[float, int], float]
+
+
+class Curve:
+    """Measured seconds over message bytes: linear interpolation between measured sizes; below
+    the smallest, its time; above the largest, extended with the bandwidth of the largest
+    quarter of the measured sizes (the latency-free regime)."""
+
+    def __init__(self, sizes: list[float], times: list[float]):
+        if len(sizes) < 2 or len(sizes) != len(times):
+            raise ValueError("a curve needs at least two (size, time) points")
+        self.sizes, self.times = list(map(float, sizes)), list(map(float, times))
+        k = max(1, len(self.sizes) // 4)
+        ds = self.sizes[-1] - self.sizes[-1 - k]
+        self.tail_s_per_byte = max(0.0, (self.times[-1] - self.times[-1 - k]) / ds) if ds > 0 else 0.0
+
+    def __call__(self, num_bytes: float) -> float:
+        xs, ys = self.sizes, self.times
+        if num_bytes <= xs[0]:
+            return ys[0]
+        if num_bytes >= xs[-1]:
+            return ys[-1] + (num_bytes - xs[-1]) * self.tail_s_per_byte
+        i = bisect.bisect_left(xs, num_bytes)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (num_bytes - x0) / (x1 - x0)
+
+
+@dataclass
+class Calibration:
+    """Fitted data of one GPU: ``laws[(op_class, tp)]`` and NCCL curves
+    ``all_reduce[num_workers]`` (one node), ``send_recv_intra`` / ``send_recv_inter`` (two GPUs
+    on one node / on two nodes)."""
+
+    gpu: str
+    laws: dict[tuple[str, int], Law]
+    all_reduce: dict[int, Curve]
+    send_recv_intra: Optional[Curve]
+    send_recv_inter: Optional[Curve]
+    source: str
+
+    @property
+    def tps(self) -> list[int]:
+        return sorted({tp for _, tp in self.laws})
+
+    def law(self, op_class: str, tp: int) -> Law:
+        """The law of ``op_class`` at ``tp``; an unmeasured tp uses the nearest measured one
+        below it (its per-GPU work is still computed at the true tp)."""
+        law = self.laws.get((op_class, tp))
+        if law is None:
+            below = [t for t in self.tps if t <= tp] or self.tps[:1]
+            law = self.laws[(op_class, below[-1])]
+        return law
+
+    @classmethod
+    def load(cls, name_or_path: str) -> "Calibration":
+        """``h100`` / ``a100`` (``data/profiles/fitted/<name>.json``) or a path to such a file."""
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = FITTED_DIR / f"{name_or_path}.json"
+        return _load_cached(str(path.resolve()))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<memory>") -> "Calibration":
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{source}: calibration format_version {data.get('format_version')!r}, "
+                             f"expected {FORMAT_VERSION} (re-run python -m harness.calibrate fit)")
+        laws = {}
+        for op_class, by_tp in data["laws"].items():
+            for tp, coef in by_tp.items():
+                laws[(op_class, int(tp))] = Law(**coef)
+        net = data.get("network", {})
+        ar = {int(n): Curve(*c) for n, c in net.get("all_reduce", {}).items()}
+        intra = net.get("send_recv_intra")
+        inter = net.get("send_recv_inter")
+        return cls(gpu=str(data["gpu"]), laws=laws, all_reduce=ar,
+                   send_recv_intra=Curve(*intra) if intra else None,
+                   send_recv_inter=Curve(*inter) if inter else None,
+                   source=f"{source} (from {data.get('source', '?')})")
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str) -> Calibration:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"calibration file {path}: no such file (python -m harness.calibrate fit "
+                         f"writes data/profiles/fitted/<gpu>.json)")
+    return Calibration.from_dict(json.loads(p.read_text()), source=str(p))
+
+
+def _zero(num_bytes: float, n: int) -> float:
+    return 0.0
+
+
+class CalibratedCompute:
+    """Compute-op times on one GPU from a :class:`Calibration` (same interface as
+    :class:`harness.costmodel.compute.Roofline`; ``allreduce_s(bytes, n)`` times a tp
+    all-reduce and ``p2p_s(bytes, n)`` a pipeline hop inside an instance of ``n`` devices)."""
+
+    def __init__(self, calibration: Calibration, peak_bf16_tflops: float,
+                 allreduce_s: Optional[CommFn] = None, p2p_s: Optional[CommFn] = None,
+                 graph_step_overhead_s: Optional[float] = None):
+        self.cal = calibration
+        self.flops_per_s_attention = (float(peak_bf16_tflops) * 1e12
+                                      * ATTENTION_EFFICIENCY_FRAC[calibration.gpu])
+        self._allreduce_s = allreduce_s or _zero
+        self._p2p_s = p2p_s or _zero
+        # measured elementwise streaming rate: the 'add' law's seconds per byte at tp 1
+        self.stream_s_per_byte = calibration.law("add", 1).c_byte
+        self._linear = lru_cache(maxsize=65536)(self._linear_layer_s)
+        if graph_step_overhead_s is None:
+            graph_step_overhead_s = derived_graph_step_overhead_s()
+        self.graph_step_overhead_s = graph_step_overhead_s
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
+        """One layer's linear and elementwise ops (every profiled op but the embedding)."""
+        dims = _vidur_dims(d)
+        total = 0.0
+        for op in LAYER_OPS:
+            flops, nbytes, width = _op_work(op, dims, tp, num_tokens)
+            total += self.cal.law(OP_CLASS[op], tp).seconds(flops, nbytes, width)
+        return total
+
+    def linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        return self._linear(d, int(tp), float(num_tokens))
+
+    def attention_s(self, d: ModelDims, tp: int, num_tokens: float, context_len: float,
+                    kv_tokens_read: float) -> float:
+        """Attention core of one layer: ``num_tokens`` queries over ``context_len`` keys each,
+        ``kv_tokens_read`` KV entries streamed from HBM (the whole cache in decode)."""
+        if num_tokens <= 0:
+            return 0.0
+        flops = 4.0 * d.hidden_size * context_len * num_tokens / tp
+        kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
+        q_out = 2.0 * num_tokens * d.hidden_size / tp  # read Q, write O
+        nbytes = (2.0 * kv_local * kv_tokens_read + q_out) * BF16_BYTES
+        floor = self.cal.law("add", tp).f0
+        return max(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte) + floor
+
+    def head_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
+        """Final norm + LM head (vocab-parallel GEMM) or scalar value head of ``num_tokens``."""
+        if num_tokens <= 0:
+            return 0.0
+        h = d.hidden_size
+        norm = self.cal.law("norm", tp).seconds(0.0, BF16_BYTES * 2.0 * num_tokens * h,
+                                                BF16_BYTES * 2.0 * h)
+        n_out = 1.0 if d.value_head else d.vocab_size / tp
+        weights = h * n_out * BF16_BYTES
+        gemm = self.cal.law("gemm", tp).seconds(
+            2.0 * num_tokens * h * n_out,
+            BF16_BYTES * (h * n_out + num_tokens * h + num_tokens * n_out), weights)
+        return norm + gemm
+
+    def _allreduces_s(self, layers: float, num_tokens: float, d: ModelDims, tp: int) -> float:
+        return 2 * layers * self._allreduce_s(num_tokens * d.hidden_size * BF16_BYTES, tp)
+
+    # -- training ops ---------------------------------------------------------------------
+
+    def _forward_parts(self, model: Any, num_tokens: float, context_len: float, tp: int,
+                       num_layers: Optional[float], include_head: Optional[bool]):
+        d = ModelDims.of(model)
+        layers = d.num_layers if num_layers is None else num_layers
+        if include_head is None:
+            include_head = layers >= d.num_layers
+        linear = layers * self.linear_layer_s(d, tp, num_tokens)
+        attention = layers * self.attention_s(d, tp, num_tokens, context_len, num_tokens)
+        head = self.head_s(d, tp, num_tokens) if include_head else 0.0
+        comm = self._allreduces_s(layers, num_tokens, d, tp)
+        return linear + head, attention, comm
+
+    def forward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
+                  num_layers: Optional[float] = None, include_head: Optional[bool] = None) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
+                                                      num_layers, include_head)
+        return linear + attention + comm
+
+    def backward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
+                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
+                   recompute: str = "none") -> float:
+        """2x the linear ops, 2.5x the attention core, the forward's all-reduces; ``full``
+        recomputation adds a forward, ``selective`` the attention core's forward."""
+        if num_tokens <= 0:
+            return 0.0
+        linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
+                                                      num_layers, include_head)
+        time_s = 2.0 * linear + 2.5 * attention + comm
+        if recompute == "full":
+            time_s += linear + attention + comm
+        elif recompute == "selective":
+            time_s += attention
+        elif recompute != "none":
+            raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
+        return time_s
+
+    def optimizer_step_s(self, params_on_device: float) -> float:
+        """Mixed-precision Adam (multi-tensor, memory bound) at the measured streaming rate."""
+        return ADAM_BYTES_PER_PARAM * params_on_device * self.stream_s_per_byte
+
+    # -- generation ops -------------------------------------------------------------------
+
+    def _pipelined_s(self, d: ModelDims, batch_tokens: float, context_len: float,
+                     kv_tokens: float, head_tokens: float, tp: int, pp: int,
+                     num_mbs: float) -> float:
+        """GPU time of one pass of ``batch_tokens`` through a tp x pp instance in steady state
+        (the pipeline rule of :mod:`.compute`): the ``num_mbs`` micro-batches each cross all
+        layers, the stages serve them in parallel, so the pass takes ``num_layers`` layer times
+        of one micro-batch (plus its head and communication)."""
+        mb = batch_tokens / num_mbs
+        layer = (self.linear_layer_s(d, tp, mb)
+                 + self.attention_s(d, tp, mb, context_len, kv_tokens / num_mbs))
+        time_s = d.num_layers * layer + self.head_s(d, tp, head_tokens / num_mbs)
+        time_s += self._allreduces_s(d.num_layers, mb, d, tp)
+        if pp > 1:
+            time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
+        return time_s
+
+    def _with_engine(self, d: ModelDims, gpu_s: float, engine: str, launches_per_layer: int) -> float:
+        if engine == "graph":
+            return gpu_s + self.graph_step_overhead_s
+        if engine == "eager":
+            return max(gpu_s, d.num_layers * launches_per_layer * EAGER_HOST_S_PER_LAUNCH)
+        raise ValueError(f"generation engine must be one of {ENGINES}, not {engine!r}")
+
+    def decode_step_gpu_s(self, model: Any, batch_size: int, context_tokens_total: float,
+                          tp: int = 1, pp: int = 1) -> float:
+        if batch_size <= 0:
+            return 0.0
+        d = ModelDims.of(model)
+        num_mbs = min(pp, batch_size)
+        return self._pipelined_s(d, batch_size, context_tokens_total / batch_size,
+                                 context_tokens_total, batch_size, tp, pp, num_mbs)
+
+    def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
+                      tp: int = 1, pp: int = 1, engine: str = "graph",
+                      launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
+        if batch_size <= 0:
+            return 0.0
+        gpu_s = self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp)
+        return self._with_engine(ModelDims.of(model), gpu_s, engine, launches_per_layer)
+
+    def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
+                  seq_len: Optional[float] = None, engine: str = "graph",
+                  launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        d = ModelDims.of(model)
+        seq_len = num_tokens if seq_len is None else min(seq_len, num_tokens)
+        num_seqs = num_tokens / seq_len
+        num_mbs = max(1.0, min(pp, num_seqs))
+        gpu_s = self._pipelined_s(d, num_tokens, seq_len / 2.0, num_tokens, num_seqs, tp, pp,
+                                  num_mbs)
+        return self._with_engine(d, gpu_s, engine, launches_per_layer)
+
+
+# A100 SXM4 datasheet dense bf16 peak (the reference step below is bandwidth-bound anyway).
+A100_PEAK_BF16_TFLOPS = 312.0
+
+
+@lru_cache(maxsize=1)
+def derived_graph_step_overhead_s() -> float:
+    """Host overhead per step of a CUDA-graph engine: gpt-fast's measured compiled step time of
+    LLaMA-7B at batch 1 on A100 (1 / 107 s) minus this model's A100 GPU time of that step
+    (host work runs on the CPU, so it is used for every GPU). Clamped at zero if our GPU time
+    were the larger."""
+    a100 = CalibratedCompute(Calibration.load("a100"), A100_PEAK_BF16_TFLOPS,
+                             graph_step_overhead_s=0.0)
+    gpu_s = a100.decode_step_gpu_s(LLAMA_7B, 1, GPT_FAST_MEAN_CONTEXT)
+    return max(0.0, 1.0 / GPT_FAST_GRAPH_TOKENS_PER_S - gpu_s)
+
+
+# -- op work on ModelDims (the same formulas as measured.op_work, in plain floats) ------------
+
+
+@lru_cache(maxsize=None)
+def _vidur_dims(d: ModelDims) -> tuple[float, float, float, float]:
+    return float(d.hidden_size), float(d.ffn_hidden_size), float(d.num_heads), float(d.num_kv_heads)
+
+
+def _op_work(op: str, dims: tuple[float, float, float, float], tp: int,
+             m: float) -> tuple[float, float, float]:
+    """(FLOPs, bytes, width) of a profiled op; see :func:`harness.costmodel.measured.op_work`
+    (tested equal)."""
+    h, f, n_head, n_kv = dims
+    kv = max(1.0, float(int(n_kv // tp))) * (h / n_head)
+    b = BF16_BYTES
+    if op in ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj"):
+        k, n = {"attn_pre_proj": (h, h / tp + 2.0 * kv), "attn_post_proj": (h / tp, h),
+                "mlp_up_proj": (h, 2.0 * f / tp), "mlp_down_proj": (f / tp, h)}[op]
+        return 2.0 * m * k * n, b * (k * n + m * k + m * n), b * (k * n + k + n)
+    per_token = {"input_layernorm": 2.0 * h, "post_attention_layernorm": 2.0 * h, "emb": 2.0 * h,
+                 "attn_rope": 2.0 * (h / tp + kv), "mlp_act": 3.0 * f / tp, "add": 3.0 * h}[op]
+    return 0.0, b * per_token * m, b * per_token
+
+
+# -- fitting (python -m harness.calibrate fit) -----------------------------------------------
+
+
+def fit_calibration(gpu: str, root: Any = None, max_curve_points: int = 48) -> dict[str, Any]:
+    """The calibration of ``gpu`` fitted on every measured model of ``root`` (default: the
+    shipped Vidur profiles), as the JSON-ready dict :meth:`Calibration.from_dict` reads."""
+    import numpy as np
+
+    from harness.costmodel import measured as ms
+
+    root = ms.PROFILE_DIR if root is None else Path(root)
+    table = ms.load_compute(gpu, root)
+    laws = ms.fit_scaling(table)
+    by_class: dict[str, dict[str, dict[str, float]]] = {}
+    for (_, op_class, tp), law in sorted(laws.items()):
+        by_class.setdefault(op_class, {})[str(tp)] = {
+            k: float(getattr(law, k)) for k in ("c0", "c_flop", "c_byte", "f0", "f_w")}
+    net = ms.load_network(gpu, root)
+
+    def curve(part) -> list[list[float]]:
+        med = part.groupby("size_bytes")["time_s"].median().sort_index()
+        sizes, times = med.index.to_numpy(float), med.to_numpy(float)
+        if len(sizes) > max_curve_points:  # evenly spaced in log(size), ends kept
+            keep = np.unique(np.round(np.geomspace(1, len(sizes), max_curve_points)).astype(int) - 1)
+            sizes, times = sizes[keep], times[keep]
+        times = np.maximum.accumulate(times)  # a bigger message never takes less time
+        return [[float(x) for x in sizes], [float(y) for y in times]]
+
+    network: dict[str, Any] = {"all_reduce": {}}
+    for (coll, n, per_node), part in net.groupby(["collective", "num_workers", "devices_per_node"]):
+        if coll == "all_reduce" and n == per_node:
+            network["all_reduce"][str(int(n))] = curve(part)
+        elif coll == "send_recv" and n == 2:
+            network["send_recv_intra" if per_node == 2 else "send_recv_inter"] = curve(part)
+    commit = (Path(root) / "SOURCE_COMMIT")
+    source = f"{Path(root).name} profiles" + (f" @ {commit.read_text().strip()[:12]}"
+                                              if commit.is_file() else "")
+    return {
+        "format_version": FORMAT_VERSION,
+        "gpu": gpu,
+        "source": source,
+        "models": sorted(table["model"].unique()),
+        "fit": "harness.costmodel.measured.fit_scaling (all models); NCCL medians per size",
+        "laws": by_class,
+        "network": network,
+    }
