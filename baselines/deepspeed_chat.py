@@ -88,7 +88,8 @@ class DeepSpeedChat(System):
         allocs["gen"] = Allocation(mesh, gen)  # the hybrid engine gathers ZeRO-3 shards into this layout
         policy = GenerationPolicy(batching="static", max_batch_size=cfg.generation_batch_size // num_instances,
                                   engine=cfg.generation_engine,
-                                  eager_launches_per_layer=cfg.eager_launches_per_layer,
+                                  eager_launches_per_layer=(cfg.eager_launches_per_layer
+                                                            if cfg.generation_engine == "eager" else None),
                                   synced_instances=cfg.synced_generation and cfg.zero_stage == 3,
                                   pad_to_longest=cfg.pad_to_longest)
         return assemble_ppo_plan(

@@ -235,7 +235,8 @@ class GenerationPolicy:
     max_batch_size: Optional[int] = None  # per instance; None = limited by KV capacity only
     migration: Optional[MigrationPolicy] = None
     engine: str = "graph"  # graph | eager
-    eager_launches_per_layer: int = 49  # eager engine: kernels the host issues per layer per step
+    # eager engine: kernels the host issues per layer per step (None: the cost model's plain-eager count)
+    eager_launches_per_layer: Optional[int] = None
     synced_instances: bool = False
     pad_to_longest: bool = False
 
@@ -244,6 +245,9 @@ class GenerationPolicy:
             raise PlanError(f"generation batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.engine not in ("graph", "eager"):
             raise PlanError(f"generation engine must be 'graph' or 'eager', got {self.engine!r}")
+        if self.eager_launches_per_layer is not None and (self.engine != "eager" or self.eager_launches_per_layer < 1):
+            raise PlanError(f"eager_launches_per_layer={self.eager_launches_per_layer} needs engine 'eager' and a "
+                            f"positive count")
         if (self.synced_instances or self.pad_to_longest) and self.batching != "static":
             raise PlanError("generation synced_instances / pad_to_longest need static batching (rounds)")
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harness.costmodel import CostModel
+from harness.costmodel.calibrated import GPT_FAST_LAUNCHES_PER_LAYER
 from harness.costmodel.llama import kv_bytes_per_token
 from harness.plan import GenerationPolicy, Task
 from harness.trace import SampleRecord, Span
@@ -72,9 +73,10 @@ class ContinuousInstance:
 
     def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
                  max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
-                 task_name: str, engine: str = "graph", launches_per_layer: int = 49):
+                 task_name: str, engine: str = "graph", launches_per_layer: int | None = None):
         self.cm, self.model, self.devices, self.tp, self.pp = cm, model, devices, tp, pp
-        self.engine, self.launches = engine, launches_per_layer
+        self.engine = engine
+        self.launches = launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
         self.task_name = task_name
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
@@ -172,6 +174,7 @@ def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts:
     s = task.allocation.strategy
     tp, pp = s.tp, s.pp
     round_size = policy.max_batch_size or max(1, math.ceil(len(prompts) / s.dp))
+    launches = policy.eager_launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
     results = [InstanceResult(task.allocation.replica_devices(k), start) for k in range(s.dp)]
     nows = [start] * s.dp
     for members in _rounds(len(prompts), s.dp, round_size):
@@ -183,12 +186,12 @@ def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts:
             span_of = ids if not policy.synced_instances else everyone
             padded_prompt = int(prompts[span_of].max())
             dt = cm.prefill_s(model, padded_prompt * batch, tp, pp, engine=policy.engine,
-                              launches_per_layer=policy.eager_launches_per_layer)
+                              launches_per_layer=launches)
             res.spans.append(Span(res.devices, task.name, "prefill", now, now + dt))
             now += dt
             num_steps = int(outputs[span_of].max())
             step_times = [cm.decode_step_s(model, batch, (padded_prompt + j) * batch, tp, pp, policy.engine,
-                                           policy.eager_launches_per_layer) for j in range(num_steps)]
+                                           launches) for j in range(num_steps)]
             elapsed = np.cumsum(step_times)
             for i in ids:  # a row's last token comes out at the end of its own step
                 finishes.append(SampleRecord(int(i), int(prompts[i]), int(outputs[i]),
