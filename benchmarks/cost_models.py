@@ -1,0 +1,65 @@
+"""Simulated stage times of every system under both cost models, on the Figure 7 setups (issue 12).
+
+    python benchmarks/cost_models.py                        # 4 paper pairs x 7 systems, max_gen_len 1024
+    python benchmarks/cost_models.py --pairs 13b_33b --max-gen-len 512 2048
+
+Each system plans and is simulated twice on the RLHFuse testbed model (32 x 8 H100-class GPUs,
+default workload): with ``cluster.cost_model=roofline`` (datasheet rooflines) and with the
+calibrated default (``harness/costmodel/calibrated.py``). Each plans under its own cost model, so
+a layout may differ between the two. Printed per run: generation, generation+inference, training
+and step seconds, samples/s, and the calibrated / roofline ratio of each, side by side. Searches
+use step budgets (deterministic): ReaLHF 50 annealing steps, RLHFuse 2000 fused-schedule steps.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from harness import metrics as mk
+from harness.errors import HarnessError
+from harness.planning.estimate import simulate_plan
+from harness.testing import plan_for
+
+SYSTEMS = ("deepspeed_chat", "realhf_heuristic", "realhf", "rlhfuse_base", "rlhfuse", "interleaved",
+           "disaggregated")
+PAIRS = ("13b_33b", "33b_13b", "33b_65b", "65b_33b")
+BUDGETS = {"rlhfuse": ["system.fuse_max_steps=2000"], "realhf": ["system.max_steps=50"]}
+STAGES = (("gen", "timing_s/gen"), ("gen+inf", mk.GEN_INFERENCE_TIME), ("train", mk.TRAIN_TIME),
+          ("step", mk.STEP_TIME))
+
+
+def run(system: str, pair: str, max_gen_len: int, cost_model: str) -> dict[str, float]:
+    plan, ctx, _ = plan_for([f"+system={system}", f"model={pair}", f"workload.max_gen_len={max_gen_len}",
+                             f"cluster.cost_model={cost_model}", *BUDGETS.get(system, [])])
+    trace = simulate_plan(ctx, plan)
+    m = mk.iteration_metrics(trace, 0, {t.name: t.model.value for t in plan.tasks}, 1.0)
+    out = {name: m.get(key, float("nan")) for name, key in STAGES}
+    out["samples/s"] = ctx.workload.global_batch_size / trace.makespan_s
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", nargs="+", default=list(PAIRS))
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
+    p.add_argument("--max-gen-len", type=int, nargs="+", default=[1024])
+    args = p.parse_args()
+    cols = [name for name, _ in STAGES] + ["samples/s"]
+    print(f"{'pair':<8} {'len':>5} {'system':<17} " + " ".join(f"{c + ' roof':>12} {c + ' cal':>11} {'x':>5}"
+                                                           for c in cols))
+    t0 = time.perf_counter()
+    for pair in args.pairs:
+        for length in args.max_gen_len:
+            for system in args.systems:
+                try:
+                    roof, cal = (run(system, pair, length, cm) for cm in ("roofline", "calibrated"))
+                except HarnessError as e:
+                    print(f"{pair:<8} {length:>5} {system:<17} refused: {' '.join(str(e).split()[:12])}")
+                    continue
+                cells = " ".join(f"{roof[c]:>12.3f} {cal[c]:>11.3f} {cal[c] / roof[c]:>5.2f}" for c in cols)
+                print(f"{pair:<8} {length:>5} {system:<17} {cells}", flush=True)
+    print(f"# {time.perf_counter() - t0:.0f} s; x = calibrated / roofline")
+
+
+if __name__ == "__main__":
+    main()
