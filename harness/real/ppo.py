@@ -14,6 +14,8 @@ contiguous run per row:
 * the clipped surrogate policy loss and clipped value loss (Schulman et al. 2017, eq. 7 and
   section 5), averaged over tokens; ``num_tokens`` lets micro-batches of one mini-batch divide
   by the mini-batch's token count, so gradient accumulation equals the full mini-batch's mean;
+  their clip fractions (:func:`pg_clipped`, :func:`vf_clipped`): the share of tokens whose
+  clipped term the loss takes, which is where the gradient is cut;
 * splitting a batch (a dict of tensors whose first dimension is the sample) into shuffled
   mini-batches and sequential micro-batches.
 """
@@ -99,30 +101,62 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - mean) * torch.rsqrt(var + eps) * mask.to(x.dtype)
 
 
+def pg_clipped(ratio: Tensor, advantages: Tensor, clip_eps: float) -> Tensor:
+    """Where PPO's clipped surrogate takes the clipped term (bool, same shape as ``ratio``).
+
+    The loss per token is ``max(-A r, -A clip(r, 1-eps, 1+eps))`` (the negated ``min`` of
+    Schulman et al. 2017, eq. 7). The clipped term is the one taken, and the token's gradient is
+    zero, exactly when ``-A clip(r) > -A r``, i.e. ``A > 0`` and ``r > 1 + eps`` or ``A < 0`` and
+    ``r < 1 - eps``. A ratio outside the range on the other side (``A > 0`` and ``r < 1 - eps``,
+    ``A < 0`` and ``r > 1 + eps``) is *not* clipped: the unclipped term is the smaller objective
+    and its gradient flows. Tokens with ``A = 0`` are never clipped. This is the ``pg_clipfrac``
+    of verl (``torch.gt(pg_losses2, pg_losses)``) and OpenRLHF."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    return clipped > unclipped
+
+
+def vf_clipped(values: Tensor, old_values: Tensor, returns: Tensor, clip_eps: float) -> Tensor:
+    """Where the clipped value loss takes the clipped term: ``(V_clip - R)^2 > (V - R)^2`` with
+    ``V_clip = old + clip(V - old, -eps, eps)`` (verl's ``vf_clipfrac``): the loss then takes the
+    clipped error and the token's gradient is zero. A value that moved more than ``eps`` from the
+    old one is not clipped when its own error is the larger (e.g. it moved away from the return)."""
+    clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    return (clipped_values - returns) ** 2 > (values - returns) ** 2
+
+
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 clip_eps: float = 0.2, num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate: mean over tokens of ``max(-A r, -A clip(r, 1-eps, 1+eps))``, r = exp(logp - old)."""
+    """Clipped surrogate: mean over tokens of ``max(-A r, -A clip(r, 1-eps, 1+eps))``, r = exp(logp - old).
+
+    Stats: ``actor/pg_clipfrac``, the fraction of valid tokens whose clipped term was taken
+    (:func:`pg_clipped`), and ``actor/ppo_kl``, the mean of ``old - logp``; both divide by
+    ``num_tokens`` when given, like the loss, so the stats of one mini-batch's micro-batches add up
+    to the mini-batch's."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     loss = masked_mean(torch.maximum(unclipped, clipped), mask, num_tokens)
     with torch.no_grad():
-        stats = {"actor/pg_loss": float(loss),
-                 "actor/pg_clipfrac": float(masked_mean((clipped > unclipped).to(ratio.dtype), mask)),
-                 "actor/ppo_kl": float(masked_mean(old_logprobs - logprobs, mask))}
+        stats = {"actor/pg_loss": float(loss.detach()),
+                 "actor/pg_clipfrac": float(masked_mean(pg_clipped(ratio, advantages, clip_eps).to(ratio.dtype),
+                                                        mask, num_tokens)),
+                 "actor/ppo_kl": float(masked_mean(old_logprobs - logprobs, mask, num_tokens))}
     return loss, stats
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float = 0.2,
                num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss: mean over tokens of ``0.5 max((V - R)^2, (V_clip - R)^2)`` with
-    ``V_clip = old + clip(V - old, -eps, eps)``."""
+    ``V_clip = old + clip(V - old, -eps, eps)``; ``critic/vf_clipfrac`` is the fraction of valid
+    tokens whose clipped term was taken (:func:`vf_clipped`), over ``num_tokens`` when given."""
     clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     err, err_clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(err, err_clipped), mask, num_tokens)
     with torch.no_grad():
-        stats = {"critic/vf_loss": float(loss),
-                 "critic/vf_clipfrac": float(masked_mean((err_clipped > err).to(values.dtype), mask))}
+        stats = {"critic/vf_loss": float(loss.detach()),
+                 "critic/vf_clipfrac": float(masked_mean(vf_clipped(values, old_values, returns, clip_eps)
+                                                         .to(values.dtype), mask, num_tokens))}
     return loss, stats
 
 

@@ -84,6 +84,11 @@ class RayBackend(Backend):
         super().__init__(cfg, ctx)
         self.opts = RayOptions.from_config(cfg.options)
         self.args = model_args(ctx.models)
+        self.reward_spec = dataclasses.asdict(self.opts.reward)  # the reward stage's scores (rewards.py)
+        vocab = self.args["actor"].vocab_size
+        if self.opts.reward.kind == "token_range" and self.opts.reward.high > vocab:
+            raise ConfigError(f"backend.options.reward.high={self.opts.reward.high} exceeds the actor's vocabulary "
+                              f"({vocab} tokens)")
         self.workers, self.pids = [], []
         self._ray = None
         self._started_ray = False

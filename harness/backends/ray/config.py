@@ -12,6 +12,22 @@ from harness.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 ZERO3_IMPLS = ("auto", "deepspeed", "native")
+REWARD_KINDS = ("model", "token_range")
+
+
+@dataclass
+class RewardOptions:
+    """Where the reward stage's per-sample scores come from.
+
+    ``model`` (default): the reward model's value head on the last token (a randomly initialised
+    model here, so its scores carry no task). ``token_range``: a programmatic learning task
+    (docs/LEARNING.md, :mod:`harness.backends.ray.rewards`): the score is the fraction of the
+    sample's response tokens whose id lies in ``[low, high)``. The reward model's forward pass
+    still runs either way, so the reward stage costs what the plan says; only its output changes."""
+
+    kind: str = "model"  # model | token_range
+    low: int = 0  # token_range: first rewarded token id
+    high: int = 32  # token_range: one past the last rewarded token id
 
 
 @dataclass
@@ -54,6 +70,7 @@ class RayOptions:
     dump_weights_dir: Optional[str] = None
     multi_node: bool = False  # rendezvous on the node's IP instead of 127.0.0.1
     fault_injection: "FaultInjection" = field(default_factory=lambda: FaultInjection())
+    reward: "RewardOptions" = field(default_factory=lambda: RewardOptions())
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -63,6 +80,11 @@ class RayOptions:
         if len(self.adam_betas) != 2:
             raise ConfigError(f"backend.options.adam_betas={list(self.adam_betas)}: give two numbers")
         self.adam_betas = [float(b) for b in self.adam_betas]
+        r = self.reward
+        if r.kind not in REWARD_KINDS:
+            raise ConfigError(f"backend.options.reward.kind={r.kind!r}: use one of {', '.join(REWARD_KINDS)}")
+        if r.kind == "token_range" and not 0 <= r.low < r.high:
+            raise ConfigError(f"backend.options.reward: low={r.low}, high={r.high} must satisfy 0 <= low < high")
 
     @staticmethod
     def from_config(options: "RayOptions | dict[str, Any] | None") -> "RayOptions":
@@ -70,8 +92,13 @@ class RayOptions:
         if isinstance(options, RayOptions):
             return dataclasses.replace(options)
         options = dict(options or {})
-        if isinstance(options.get("fault_injection"), dict):
-            options["fault_injection"] = FaultInjection(**options["fault_injection"])
+        for key, cls in (("fault_injection", FaultInjection), ("reward", RewardOptions)):
+            if isinstance(options.get(key), dict):
+                known = {f.name for f in dataclasses.fields(cls)}
+                unknown = sorted(set(options[key]) - known)
+                if unknown:
+                    raise ConfigError(f"backend.options.{key}: unknown key(s) {unknown}; known: {sorted(known)}")
+                options[key] = cls(**options[key])
         names = {f.name for f in dataclasses.fields(RayOptions)}
         unknown = sorted(set(options) - names)
         if unknown:

@@ -29,6 +29,7 @@ import numpy as np
 
 from harness import metrics as mk
 from harness.backends.ray import experience as ex
+from harness.backends.ray.rewards import reward_fields
 from harness.interpreter import Unit
 from harness.trace import SampleRecord
 
@@ -138,7 +139,8 @@ class StreamedGeneration:
                 role = task.model.value
                 payload = {"tokens": sub.tokens, "attn": sub.attn, "last_index": sub.last_index,
                            "what": ex.INFERENCE_OUTPUT[role], "micro_batch_size": mbs,
-                           "temperature": self.it.opts.temperature, "rows": list(range(len(rows)))}
+                           "temperature": self.it.opts.temperature, "rows": list(range(len(rows))),
+                           **reward_fields(role, sub.prompt_lens, self.b.reward_spec)}
                 call = self.b.start(task.name, "infer", role, task.allocation, payload, sorted(devices))
                 calls.append((call, task, np.asarray(rows)))
             self.busy_replicas[j] = calls

@@ -30,6 +30,7 @@ import torch
 from harness.backends.ray import experience as ex
 from harness.backends.ray.inter_stage import StreamedGeneration
 from harness.backends.ray.layout import assemble
+from harness.backends.ray.rewards import reward_fields
 from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
 from harness.plan import Allocation, Plan, TaskKind
@@ -194,7 +195,8 @@ class Iteration(PlanInterpreter):
         r = self.rollout
         what = ex.INFERENCE_OUTPUT[role]
         payload = {"tokens": r.tokens, "attn": r.attn, "last_index": r.last_index, "what": what,
-                   "micro_batch_size": self.b.ctx.workload.micro_batch_size, "temperature": self.opts.temperature}
+                   "micro_batch_size": self.b.ctx.workload.micro_batch_size, "temperature": self.opts.temperature,
+                   **reward_fields(role, r.prompt_lens, self.b.reward_spec)}
         shape = (len(r.prompt_lens),) if what == "score" else r.action_mask.shape
 
         def finish(results: list[dict]) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from harness.backends.ray.comm import PipeChannel
 from harness.backends.ray.replica import Replica
+from harness.backends.ray.rewards import task_scores
 from harness.costmodel.llama import forward_flops
 from harness.real.engine import GenerationEngine, SamplingParams
 from harness.real.ppo import policy_loss, value_loss
@@ -82,6 +83,7 @@ def _head_output(out: Tensor, tokens: Tensor, what: str, temperature: float, las
 def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
     tokens, attn = torch.tensor(p["tokens"]), torch.tensor(p["attn"])
     last_index = torch.tensor(p["last_index"])
+    prompt_lens = torch.tensor(p["prompt_lens"]) if p.get("task_reward") else None
     k, dp = replica.coord[0], replica.strategy.dp
     mbs = p["micro_batch_size"]
     # samples are dealt to dp replicas round-robin, unless the driver gives one replica its rows
@@ -109,6 +111,8 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
             spans.append(("forward", t0, t1, _flops(model_cfg, replica, float(x_attn.sum()), x_attn.shape[1]), 0.0))
             if not replica.is_last:
                 chan.send(out, replica.neighbour(1), tag=m)
+            elif not dummy and p.get("task_reward"):  # a programmatic reward replaces the model's score
+                outputs.append(task_scores(x_tok, prompt_lens[rows], last_index[rows], p["task_reward"]))
             elif not dummy:
                 outputs.append(_head_output(out, x_tok.to(dev), p["what"], p["temperature"],
                                             last_index[rows].to(dev)).cpu())
@@ -122,22 +126,17 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
 # ---- training ---------------------------------------------------------------------------
 
 def _loss(out: Tensor, mb: dict[str, Tensor], p: dict[str, Any], num_tokens: float) -> tuple[Tensor, dict]:
+    """The micro-batch's loss and stats, each divided by the mini-batch's ``num_tokens`` (so the
+    micro-batches of a mini-batch, on every dp replica, add up to the mini-batch's value). The
+    clip fractions are :mod:`harness.real.ppo`'s: tokens whose clipped term the loss takes."""
     mask = mb["action_mask"]
     if p["loss"] == "actor":
         logp = _head_output(out, mb["tokens"], "logprobs", p["temperature"], None)
-        loss, _ = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p["clip_eps"], num_tokens)
-        with torch.no_grad():
-            ratio = torch.exp(logp - mb["old_logprobs"])
-            clipped = ((ratio - 1.0).abs() > p["clip_eps"]).float()
-            stats = {"loss": float(loss), "clipfrac": float((clipped * mask).sum() / num_tokens),
-                     "approx_kl": float(((mb["old_logprobs"] - logp) * mask).sum() / num_tokens)}
-        return loss, stats
+        loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p["clip_eps"], num_tokens)
+        return loss, {"loss": s["actor/pg_loss"], "clipfrac": s["actor/pg_clipfrac"], "approx_kl": s["actor/ppo_kl"]}
     values = out[:, :-1].float()
-    loss, _ = value_loss(values, mb["old_values"], mb["returns"], mask, p["value_clip_eps"], num_tokens)
-    with torch.no_grad():
-        clipped = ((values - mb["old_values"]).abs() > p["value_clip_eps"]).float()
-        stats = {"loss": float(loss), "clipfrac": float((clipped * mask).sum() / num_tokens)}
-    return loss, stats
+    loss, s = value_loss(values, mb["old_values"], mb["returns"], mask, p["value_clip_eps"], num_tokens)
+    return loss, {"loss": s["critic/vf_loss"], "clipfrac": s["critic/vf_clipfrac"]}
 
 
 def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, mbs: int) -> list[dict[str, Tensor]]:

@@ -1,0 +1,70 @@
+"""The programmatic reward of the learning task (harness/backends/ray/rewards.py, docs/LEARNING.md)
+and its typed config (``backend.options.reward``), without Ray."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+
+from harness.backends.ray.config import RayOptions
+from harness.backends.ray.rewards import policy_reward, reward_fields, task_scores
+from harness.errors import ConfigError
+from harness.testing import context, run_config
+
+SPEC = {"kind": "token_range", "low": 0, "high": 32}
+LEARN = ["+system=deepspeed_chat", "model=tiny", "workload=learn", "backend=ray"]
+
+
+def test_token_range_score_counts_only_response_tokens():
+    # row 0: prompt of 3 tokens, response [5, 40, 31, 32] -> 5 and 31 are in [0, 32): 2/4
+    # row 1: prompt of 2 tokens, response [0, 200], then padding (the 7s are not counted): 1/2
+    tokens = torch.tensor([[99, 1, 2, 5, 40, 31, 32], [3, 4, 0, 200, 7, 7, 7]])
+    scores = task_scores(tokens, torch.tensor([3, 2]), torch.tensor([6, 3]), SPEC)
+    torch.testing.assert_close(scores, torch.tensor([0.5, 0.5]))
+    with pytest.raises(ValueError):
+        task_scores(tokens, torch.tensor([3, 2]), torch.tensor([6, 3]), {"kind": "model"})
+
+
+def test_only_the_reward_pass_gets_the_task():
+    lens = np.array([3, 4])
+    assert reward_fields("reward", lens, SPEC) == {"task_reward": SPEC, "prompt_lens": [3, 4]}
+    assert reward_fields("ref", lens, SPEC) == {} and reward_fields("critic", lens, SPEC) == {}
+    assert reward_fields("reward", lens, {"kind": "model", "low": 0, "high": 32}) == {}
+
+
+def test_reward_config_is_typed():
+    assert run_config(LEARN).backend.options.reward.kind == "model"  # the default: the reward model's score
+    run = run_config(LEARN + ["backend.options.reward.kind=token_range", "backend.options.reward.high=16"])
+    assert (run.backend.options.reward.kind, run.backend.options.reward.high) == ("token_range", 16)
+    with pytest.raises(ConfigCompositionException, match="backend.options.reward.colour"):
+        run_config(LEARN + ["backend.options.reward.colour=1"])  # unknown keys are refused
+    with pytest.raises(ConfigError, match=r"reward.kind='bogus'.*model, token_range"):
+        run_config(LEARN + ["backend.options.reward.kind=bogus"])
+    with pytest.raises(ConfigError, match="0 <= low < high"):
+        run_config(LEARN + ["backend.options.reward.kind=token_range", "backend.options.reward.low=32"])
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['colour'\]"):
+        RayOptions.from_config({"reward": {"kind": "token_range", "colour": 1}})
+
+
+def test_reward_range_must_fit_the_vocabulary():
+    from harness.backends.ray import RayBackend
+
+    overrides = LEARN + ["backend.options.reward.kind=token_range", "backend.options.reward.high=300",
+                         "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=2"]
+    with pytest.raises(ConfigError, match=r"reward.high=300 exceeds the actor's vocabulary \(256"):
+        RayBackend(run_config(overrides).backend, context(overrides))
+
+
+def test_untrained_policy_scores_the_share_of_the_range():
+    """The untrained tiny actor emits tokens of [0, 32) about as often as chance (32/256 = 1/8):
+    the bar a learning run must clear (tests/harness/backends/ray/test_ray_learning.py)."""
+    run = run_config(LEARN)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scores = [policy_reward(run.model.actor, run.workload, seed, 0, SPEC) for seed in range(4)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(0.0 < s < 0.25 for s in scores), scores
+    assert abs(np.mean(scores) - 1 / 8) < 0.05, scores
