@@ -8,7 +8,9 @@ from harness.planning.layout_search import search_until_fits
 from harness.planning.memory import check_plan_memory
 from harness.testing import plan_for
 
-ONE_NODE_13B = ["model=13b", "cluster.num_nodes=1"]
+# Under the datasheet roofline (the calibrated default, issue 12, picks other layouts; 13B on one
+# node under it is open work of issue 13).
+ONE_NODE_13B = ["model=13b", "cluster.num_nodes=1", "cluster.cost_model=roofline"]
 
 
 @pytest.mark.parametrize("system,extra,passes", [
