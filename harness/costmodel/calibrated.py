@@ -61,7 +61,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from harness.costmodel.compute import ADAM_BYTES_PER_PARAM
+from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, _no_comm
 from harness.costmodel.llama import BF16_BYTES, ModelDims
 from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
 
@@ -182,10 +182,6 @@ def _load_cached(path: str) -> Calibration:
     return Calibration.from_dict(json.loads(p.read_text()), source=str(p))
 
 
-def _zero(num_bytes: float, n: int) -> float:
-    return 0.0
-
-
 class CalibratedCompute:
     """Compute-op times on one GPU from a :class:`Calibration` (same interface as
     :class:`harness.costmodel.compute.Roofline`; ``allreduce_s(bytes, n)`` times a tp
@@ -197,8 +193,8 @@ class CalibratedCompute:
         self.cal = calibration
         self.flops_per_s_attention = (float(peak_bf16_tflops) * 1e12
                                       * ATTENTION_EFFICIENCY_FRAC[calibration.gpu])
-        self._allreduce_s = allreduce_s or _zero
-        self._p2p_s = p2p_s or _zero
+        self._allreduce_s = allreduce_s or _no_comm
+        self._p2p_s = p2p_s or _no_comm
         # measured elementwise streaming rate: the 'add' law's seconds per byte at tp 1
         self.stream_s_per_byte = calibration.law("add", 1).c_byte
         self._linear = lru_cache(maxsize=65536)(self._linear_layer_s)
@@ -314,11 +310,15 @@ class CalibratedCompute:
             time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
         return time_s
 
-    def _with_engine(self, d: ModelDims, gpu_s: float, engine: str, launches_per_layer: int) -> float:
+    def _with_engine(self, d: ModelDims, gpu_s: float, engine: str,
+                     launches_per_layer: Optional[int]) -> float:
+        """Step time of ``engine``; an eager engine's ``launches_per_layer`` defaults (None) to
+        the plain-eager count ``GPT_FAST_LAUNCHES_PER_LAYER``."""
         if engine == "graph":
             return gpu_s + self.graph_step_overhead_s
         if engine == "eager":
-            return max(gpu_s, d.num_layers * launches_per_layer * EAGER_HOST_S_PER_LAUNCH)
+            launches = launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
+            return max(gpu_s, d.num_layers * launches * EAGER_HOST_S_PER_LAUNCH)
         raise ValueError(f"generation engine must be one of {ENGINES}, not {engine!r}")
 
     def decode_step_gpu_s(self, model: Any, batch_size: int, context_tokens_total: float,
@@ -332,7 +332,7 @@ class CalibratedCompute:
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
                       tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
+                      launches_per_layer: Optional[int] = None) -> float:
         if batch_size <= 0:
             return 0.0
         gpu_s = self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp)
@@ -340,7 +340,7 @@ class CalibratedCompute:
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, engine: str = "graph",
-                  launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
+                  launches_per_layer: Optional[int] = None) -> float:
         if num_tokens <= 0:
             return 0.0
         d = ModelDims.of(model)

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 from harness.config import GpuConfig, LinkConfig
 from harness.costmodel import comm, memory
-from harness.costmodel.calibrated import GPT_FAST_LAUNCHES_PER_LAYER, CalibratedCompute, Calibration
+from harness.costmodel.calibrated import CalibratedCompute, Calibration
 from harness.costmodel.compute import Roofline
 from harness.costmodel.llama import ModelDims
 from harness.costmodel.memory import max_stage_params
@@ -217,10 +217,10 @@ class CostModel:
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, engine: str = "graph",
-                  launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
+                  launches_per_layer: Optional[int] = None) -> float:
         """Prefill of ``num_tokens`` prompt tokens (sequences of ``seq_len``, default one)
         on a tp x pp generation instance run by ``engine`` (``graph``, or ``eager`` launching
-        ``launches_per_layer`` kernels per layer from the host; see :mod:`.calibrated`; the
+        ``launches_per_layer`` kernels per layer from the host, None = the plain-eager count; see :mod:`.calibrated`; the
         roofline has no host model and ignores both)."""
         d = ModelDims.of(model)
         if self.profile is not None and num_tokens > 0:
@@ -237,7 +237,7 @@ class CostModel:
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
                       tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: int = GPT_FAST_LAUNCHES_PER_LAYER) -> float:
+                      launches_per_layer: Optional[int] = None) -> float:
         """One decode step of ``batch_size`` samples whose caches hold
         ``context_tokens_total`` tokens in all, on a tp x pp generation instance. A
         profiled time (measured at pp = 1 for the micro-batch size) stands for the

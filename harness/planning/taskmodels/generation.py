@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harness.costmodel import CostModel
-from harness.costmodel.calibrated import GPT_FAST_LAUNCHES_PER_LAYER
 from harness.costmodel.llama import kv_bytes_per_token
 from harness.plan import GenerationPolicy, Task
 from harness.trace import SampleRecord, Span
@@ -75,8 +74,7 @@ class ContinuousInstance:
                  max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
                  task_name: str, engine: str = "graph", launches_per_layer: int | None = None):
         self.cm, self.model, self.devices, self.tp, self.pp = cm, model, devices, tp, pp
-        self.engine = engine
-        self.launches = launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
+        self.engine, self.launches = engine, launches_per_layer
         self.task_name = task_name
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
@@ -174,7 +172,7 @@ def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts:
     s = task.allocation.strategy
     tp, pp = s.tp, s.pp
     round_size = policy.max_batch_size or max(1, math.ceil(len(prompts) / s.dp))
-    launches = policy.eager_launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
+    launches = policy.eager_launches_per_layer
     results = [InstanceResult(task.allocation.replica_devices(k), start) for k in range(s.dp)]
     nows = [start] * s.dp
     for members in _rounds(len(prompts), s.dp, round_size):
