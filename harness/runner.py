@@ -64,7 +64,10 @@ def build_context(run: RunConfig) -> PlanContext:
             raise ConfigError(f"backend.profile_table={run.backend.profile_table!r}: no such file")
         profile = ProfileTable.from_csv(run.backend.profile_table)
     resolve_mode(run.logger)  # a bad logger.mode fails here, before any folder exists
-    cost_model = CostModel(cluster, run.workload, profile)
+    try:
+        cost_model = CostModel(cluster, run.workload, profile)
+    except ValueError as e:  # cluster.cost_model / calibration / recompute read from the config
+        raise ConfigError(str(e)) from None
     return PlanContext(models=run.model, cluster=cluster, workload=run.workload,
                        cost_model=cost_model, seed=run.seed, planning_budget_s=run.planning_budget_s)
 

@@ -139,6 +139,10 @@ BAD_INPUTS = {
     # Fails inside the staged run folder (when the logger starts): the staging must be discarded.
     "bad_logger_mode": (["+system=rlhfuse_base", "model=7b", "logger=wandb", "logger.mode=bogus"],
                         [r"logger\.mode='bogus'"], True),
+    "unknown_cost_model": (["+system=rlhfuse_base", "model=7b", "cluster.cost_model=guess"],
+                           [r"cluster\.cost_model", r"roofline or calibrated", r"'guess'"], True),
+    "missing_calibration": (["+system=rlhfuse_base", "model=7b", "cluster.calibration=/nonexistent.json"],
+                            [r"calibration file /nonexistent\.json", r"no such file"], True),
 }
 
 
