@@ -37,7 +37,10 @@ What we reimplement, as plan data:
   adjacent (exact when makespan is unimodal in the split, which holds when generation time falls
   and training time rises with the generation pool's size).
 - **Memory**: the generation pool holds only the shadow actor's weights and the KV cache; the
-  training pool holds actor and critic training states and ref and reward weights.
+  training pool holds actor and critic training states and ref and reward weights. The training
+  pool's search reserves memory for its inference tasks before choosing training layouts and, as
+  in ``rlhfuse_base``, takes slower layouts that fit (higher ZeRO stage, ref/reward weights
+  offloaded to host memory) before a split is found infeasible.
 
 Not modelled: asynchronous/off-policy overlap of generation with training (the paper's strategy
 is synchronous PPO), and the paper's search over placements beyond this one split.
@@ -131,7 +134,7 @@ class SplitPlanner:
         self.policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
         self.batch = make_batch(ctx.workload, ctx.seed, 0)
         self._gen: dict[tuple[int, ...], SearchResult] = {}
-        self._train: dict[tuple[int, ...], dict[str, SearchResult]] = {}
+        self._train: dict[tuple[int, ...], tuple[dict[str, SearchResult], list, list[str], dict]] = {}
 
     def gen_layout(self, mesh: tuple[int, ...]) -> SearchResult:
         if mesh not in self._gen:
@@ -141,13 +144,17 @@ class SplitPlanner:
             self._gen[mesh] = pool.chosen["gen"]
         return self._gen[mesh]
 
-    def training_layouts(self, mesh: tuple[int, ...]) -> dict[str, SearchResult]:
+    def training_layouts(self, mesh: tuple[int, ...]) -> tuple[dict[str, SearchResult], list, list[str], dict]:
+        """The training pool's layouts, its training stages, the models it offloads and the
+        ``memory/...`` notes."""
         if mesh not in self._train:
             pool = PoolLayoutSearch(self.ctx, self.cfg.name, self.cfg.zero_stage, mesh)
             with _pool_context("training", mesh):
+                pool.expect(("ref", "reward", "values"))  # generation runs on the other pool
                 pool.search_training()
                 pool.search_inference()
-            self._train[mesh] = {t: pool.chosen[t] for t in TRAINING_POOL_TASKS}
+            self._train[mesh] = ({t: pool.chosen[t] for t in TRAINING_POOL_TASKS}, pool.training_stages(),
+                                 sorted(pool.offloaded), pool.memory_notes())
         return self._train[mesh]
 
     def plan(self, gen_nodes: int | None) -> Plan:
@@ -156,15 +163,16 @@ class SplitPlanner:
             train_mesh, gen_mesh = split_cluster(self.ctx, None)
         else:
             train_mesh, gen_mesh = split_cluster(self.ctx, self.ctx.cluster.num_nodes - gen_nodes)
-        chosen = {**self.training_layouts(train_mesh), "gen": self.gen_layout(gen_mesh)}
+        train, stages, offloaded, memory_notes = self.training_layouts(train_mesh)
+        chosen = {**train, "gen": self.gen_layout(gen_mesh)}
         meshes = {t: train_mesh for t in TRAINING_POOL_TASKS} | {"gen": gen_mesh}
         notes = {"split/gen_devices": f"{gen_mesh[0]}..{gen_mesh[-1]} ({len(gen_mesh)} devices)",
                  "split/train_devices": f"{train_mesh[0]}..{train_mesh[-1]} ({len(train_mesh)} devices)",
-                 "split/gen_replicas": chosen["gen"].strategy.dp}
+                 "split/gen_replicas": chosen["gen"].strategy.dp, **memory_notes}
         if gen_nodes is not None:
             notes["split/gen_nodes"] = gen_nodes
         return pool_plan(self.ctx, self.cfg.name, chosen, meshes, self.policy, actor_sync=MovementKind.PARAM_SYNC,
-                             notes=notes)
+                         training=stages, offloaded=offloaded, notes=notes)
 
     def makespan_s(self, plan: Plan) -> float:
         """Simulated iteration time (checks memory first; raises PlanMemoryError if it does not fit)."""

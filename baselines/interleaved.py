@@ -27,7 +27,11 @@ What we reimplement, as plan data:
   are resharded from the training layout to the generation (``values``) layout when they differ.
 - **Memory**: actor and critic training states are resident on all devices; ref weights only on
   the ref group and reward weights only on the reward group, which leaves more room for the KV
-  cache than co-location does.
+  cache than co-location does. The training search on all devices reserves the larger of the two
+  groups' cheapest ref/reward layouts (and critic inference's and generation's working sets); each
+  group's search then sees everything the full-cluster tasks keep on its devices. As in
+  ``rlhfuse_base``, slower layouts that fit (higher ZeRO stage, ref/reward weights offloaded to
+  host memory) are taken before the plan is refused.
 
 Modelled rather than executed: the gather / forward / scatter of samples between groups moves only
 token ids (a few hundred KB per iteration for 512 samples of at most a few thousand tokens), which
@@ -48,7 +52,8 @@ from harness.costmodel.llama import num_params
 from harness.errors import PlanError
 from harness.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.layout_search import PoolLayoutSearch, search_notes, search_until_fits
+from harness.planning.layout_search import PoolLayoutSearch, checked, search_notes
+from harness.planning.memory import MemoryNeed
 from harness.planning.strategies import SearchResult
 from harness.planning.workflow import PPO_TASKS, full_mesh
 from harness.system import PlanContext, System, register_system_config
@@ -103,32 +108,45 @@ class Interleaved(System):
     cfg: InterleavedConfig
 
     def plan(self, ctx: PlanContext) -> Plan:
-        return search_until_fits(lambda reserved: self._plan_pass(ctx, reserved))
-
-    def _plan_pass(self, ctx: PlanContext, reserved_gb: dict[str, float]) -> tuple[Plan, PoolLayoutSearch]:
         cfg = self.cfg
         everywhere = full_mesh(ctx.num_devices)
         full = PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, everywhere)
-        full.reserved_gb = dict(reserved_gb)
-        full.search_training()  # actor/critic states on all devices bound what is left for the rest
-        full.reserved_gb = {}
         ref_mesh, reward_mesh = ref_reward_groups(ctx)
-        meshes = {t: everywhere for t in PPO_TASKS}
-        group_gb = []
-        for task_name, mesh in (("ref", ref_mesh), ("reward", reward_mesh)):
-            group = PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, mesh)
-            group.resident_gb = dict(full.resident_gb)
-            full.chosen[task_name] = group.search_inference_task(task_name)
-            group_gb.append(group.resident_gb[PPO_TASKS[task_name][1]])
-            meshes[task_name] = mesh
+        groups = {"ref": PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, ref_mesh),
+                  "reward": PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, reward_mesh)}
         # On every device either ref or reward weights are resident: the larger bounds the rest.
-        full.resident_gb["ref|reward"] = max(group_gb)
+        ref, reward = groups["ref"], groups["reward"]
+        full.ledger.expect("ref|reward", [either(a, b) for a in ref.options("ref") for b in reward.options("reward")])
+        full.fallback_options["ref|reward"] = [
+            either(a, b) for a in ref.options("ref") + ref.options("ref", offload=True)
+            for b in reward.options("reward") + reward.options("reward", offload=True)]
+        full.expect(("values", "gen"))
+        full.search_training()  # actor/critic states on all devices bound what is left for the rest
+        meshes = {t: everywhere for t in PPO_TASKS}
+        picked = {}
+        for task_name, group in groups.items():
+            group.ledger = full.ledger.copy(drop_later=("ref|reward",))  # what the full-cluster tasks hold there
+            full.chosen[task_name] = group.search_inference_task(task_name)
+            picked[task_name] = group.inference_need(task_name, group.chosen[task_name].strategy,
+                                                     PPO_TASKS[task_name][1] in group.offloaded)
+            full.offloaded |= group.offloaded
+            meshes[task_name] = group.mesh
+        full.ledger.commit("ref|reward", either(picked["ref"], picked["reward"]))
         full.search_inference_task("values")
         policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
         full.search_generation(policy)
         notes = {"placement": f"ref on devices {ref_mesh[0]}..{ref_mesh[-1]}, reward on devices "
                               f"{reward_mesh[0]}..{reward_mesh[-1]}, everything else on all {ctx.num_devices}"}
-        return pool_plan(ctx, cfg.name, full.chosen, meshes, policy, notes=notes), full
+        notes.update(full.memory_notes())
+        plan = pool_plan(ctx, cfg.name, full.chosen, meshes, policy, training=full.training_stages(),
+                         offloaded=sorted(full.offloaded), notes=notes)
+        return checked(plan, ctx)
+
+
+def either(ref: MemoryNeed, reward: MemoryNeed) -> MemoryNeed:
+    """Ref on one group, reward on the other, as seen from a task on all devices: the larger resident
+    weights (``ref|reward``) and both working sets."""
+    return MemoryNeed({"ref|reward": max(ref.resident_gb, reward.resident_gb)}, {**ref.working, **reward.working})
 
 
 register_system_config("interleaved", InterleavedConfig)

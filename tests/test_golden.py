@@ -17,6 +17,16 @@ is now the paper's serial baseline (actor 1F1B, a barrier, critic 1F1B); the ref
 in the golden files (1F1B back to back without the barrier) is kept as
 ``fused/serial_no_barrier_makespan_s`` and must equal the golden value; the new note
 ``fused/peak_memory_vs_serial`` did not exist before.
+
+Re-recorded on purpose (issue 13), each difference inspected before re-recording:
+- ``rlhfuse``: the fused-schedule search gained the paper's memory phase (items 1 and 3), so the
+  searched per-rank orders differ; with the same step budget the fused makespan went 0.05364 ->
+  0.05288 s on 13b and 1.32329 -> 1.32336 s on 65b_33b (+0.006%), the peak activation memory
+  1.036 -> 1.005 GB and 2.844 -> 2.811 GB. Nothing else in the plan changed.
+- ``disaggregated``: the memory-aware layout search (item 4) now finds a layout for the split
+  with 31 generation nodes that the old search refused; the chosen split, the plan and every
+  metric are unchanged (only the split-curve note gained a point).
+The golden files of these two systems are therefore in the current IR and carry both serial notes.
 """
 from __future__ import annotations
 
@@ -63,7 +73,8 @@ def test_plan_and_metrics_match_golden(system, model):
     assert without_wall_clock(now["metrics"]) == without_wall_clock(golden["metrics"])
     expected = without_zero_byte_moves(Plan.from_dict(golden["plan"])).to_dict()
     notes = now["plan"]["notes"]
-    if "fused/serial_no_barrier_makespan_s" in notes:  # the renamed reference (see the docstring)
+    if "fused/serial_no_barrier_makespan_s" in notes and "fused/serial_no_barrier_makespan_s" not in expected["notes"]:
+        # a golden file recorded before the rename (see the docstring)
         assert notes.pop("fused/serial_no_barrier_makespan_s") == expected["notes"].pop("fused/serial_makespan_s")
         assert notes.pop("fused/serial_makespan_s") >= expected["notes"].get("fused/makespan_s", 0.0)
         notes.pop("fused/peak_memory_vs_serial")

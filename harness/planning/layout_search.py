@@ -1,31 +1,65 @@
 """Per-task brute-force layout search (RLHFuse-Base, RLHFuse section 7), shared by every system
 that chooses one (dp, tp, pp) per task on a given pool of devices.
 
-Training layouts are searched first, since their states stay resident and bound the memory left
-for everything else; then inference, then generation (whose KV cache gets what is left). Each
-candidate is scored by the simulator's own task model (:mod:`harness.planning.estimate`) on a
-representative batch, and must fit in memory next to what is already resident.
+Training layouts are searched first, actor and critic together, since their states stay resident
+and bound the memory left for everything else; then inference, then generation (whose KV cache
+gets what is left). Each candidate is scored by the simulator's own task model
+(:mod:`harness.planning.estimate`) on a representative batch, and must fit in memory.
+
+**Memory.** A :class:`~harness.planning.memory.MemoryLedger` counts, as each layout is chosen,
+what :func:`~harness.planning.memory.check_plan_memory` will count in the plan: every state that
+stays resident on the pool's devices (both trained models' weights, gradients and optimizer
+states; ref and reward weights) plus the largest working set of a task there (a training stage's
+peak in-flight activations, an inference pass's activations and non-resident weights, generation's
+weights and KV cache). Before the first choice, the search reserves the cheapest way to make every
+later one (:meth:`LayoutSearch.expect`), so a fast training layout cannot leave too little memory
+for ref, reward, critic inference or generation; a choice then fits when it fits beside what is
+chosen and what is reserved. Where nothing fits, slower layouts are tried in turn rather than
+refusing the plan:
+
+1. every (dp, tp, pp) at the configured ZeRO stage (more tp and pp shard more);
+2. training also at higher ZeRO stages (2: gradients, 3: weights too, sharded over dp; data
+   parallelism only, pp = 1, as DeepSpeed and FSDP run them);
+3. training 1F1B holding fewer micro-batches in flight (pp/2, pp/4, ..., 1: less activation
+   memory, more pipeline bubbles; :func:`one_f_one_b_limited`);
+4. the same three again with ref and reward weights offloaded to host memory between uses
+   (copied in over PCIe before each pass, as the simulator charges), when the system allows it
+   (``offload``; not for RLHFuse's streamed inference).
+
+Each choice takes the fastest candidate of the first tier that has one that fits; so a plan that
+fits with the fastest layouts is the one the search made before memory was counted this way. A
+search refuses only when no candidate fits (:class:`~harness.planning.memory.NoLayoutFits`),
+naming the smallest requirement per device and its terms. Not a lever here: activation
+recomputation, a workload setting (``workload.activation_recompute``) that the plan IR does not
+carry per task.
 
 :class:`LayoutSearch` searches on all devices (``mesh`` defaults to the cluster);
-:class:`PoolLayoutSearch` on a pool (interleaving's ref/reward groups, disaggregation's pools), where
-an inference candidate must also hold one layer's forward activations, as the memory check counts
-an inference task.
+:class:`PoolLayoutSearch` on a pool (interleaving's ref/reward groups, disaggregation's pools).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 from harness.errors import PlanError
-from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Task
+from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, Task, TrainingStage
 from harness.planning.estimate import generation_s, inference_s, representative_batch, training_s
-from harness.planning.strategies import SearchResult, candidate_strategies, parse_layout, search
+from harness.planning.memory import (MemoryLedger, MemoryNeed, MemoryShortfall, NoLayoutFits, check_plan_memory,
+                                     inference_activation_gb, kv_one_sample_gb, one_f_one_b_activation_gb)
+from harness.planning.strategies import (SearchResult, candidate_strategies, parse_layout, search,
+                                         smallest_requirement)
 from harness.planning.workflow import PPO_TASKS, check_layout_fits, full_mesh, single_pipe_stage
+from harness.schedule import Action, PipeSpec, Schedule
 from harness.system import PlanContext
+
+TRAINING = (("update_actor", "actor"), ("update_critic", "critic"))
+INFERENCE = ("ref", "reward", "values")
+# later steps a search on all devices reserves memory for before choosing training layouts
+ALL_LATER_STEPS = ("ref", "reward", "values", "gen")
 
 
 class LayoutSearch:
     def __init__(self, ctx: PlanContext, name: str, zero_stage: int, pinned: Optional[dict[str, str]] = None,
-                 mesh: Optional[tuple[int, ...]] = None):
+                 mesh: Optional[tuple[int, ...]] = None, offload: bool = True):
         self.ctx, self.name, self.zero_stage = ctx, name, zero_stage
         self.cm, self.w = ctx.cost_model, ctx.workload
         self.mesh = tuple(mesh) if mesh is not None else full_mesh(ctx.num_devices)
@@ -34,11 +68,19 @@ class LayoutSearch:
         self.capacity = self.cm.hbm_capacity_gb
         self.seq_max = int(self.w.prompt_len.max + self.w.max_gen_len)
         self.chosen: dict[str, SearchResult] = {}
-        self.resident_gb: dict[str, float] = {}
-        # per-device memory that states chosen later will hold (e.g. ref/reward weights found by a
-        # previous pass): training candidates must leave room for it (:func:`search_until_fits`)
-        self.reserved_gb: dict[str, float] = {}
+        self.stages: dict[str, TrainingStage] = {}  # chosen training layouts' stages
+        self.in_flight: dict[str, int] = {}  # training tasks whose 1F1B holds fewer micro-batches in flight
+        self.ledger = MemoryLedger(self.capacity)
+        self.offload = offload  # ref/reward weights may live in host memory when no resident layout fits
+        self.offloaded: set[str] = set()
+        # more ways of making later steps (offloaded weights), reserved only when training fits no other way
+        self.fallback_options: dict[str, list[MemoryNeed]] = {}
         self.pinned = {t: v for t, v in (pinned or {}).items() if v}
+
+    @property
+    def resident_gb(self) -> dict[str, float]:
+        """States chosen to stay resident on the pool's devices, GB per device."""
+        return self.ledger.resident
 
     def candidates(self, role: str, zero: int = 0, task: str = "") -> list[ParallelStrategy]:
         if task in self.pinned:  # pinned by the user: checked, not searched
@@ -51,84 +93,289 @@ class LayoutSearch:
     def _search(self, candidates, score, what: str) -> SearchResult:
         return search(candidates, score, what, system=self.name)
 
-    def training_memory_gb(self, role: str, s: ParallelStrategy, peak_in_flight_mbs: int) -> float:
-        model = self.ctx.model(role)
-        return self.cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage) + peak_in_flight_mbs * \
-            self.cm.activation_gb(model, self.w.micro_batch_size, self.seq_max, s.tp, model.num_layers / s.pp,
-                                  self.w.activation_recompute)
-
-    def search_training(self) -> None:
-        w, cm = self.w, self.cm
-        for task_name, role in (("update_actor", "actor"), ("update_critic", "critic")):
-            def score(s: ParallelStrategy, task_name=task_name, role=role) -> float:
-                stage = single_pipe_stage(task_name, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
-                peak_mbs = min(s.pp, next(iter(stage.schedule.pipes.values())).num_mbs)
-                need = self.training_memory_gb(role, s, peak_mbs)
-                held = sum(self.resident_gb.values()) + sum(self.reserved_gb.values())
-                if need + held > self.capacity:
-                    raise PlanError(f"needs {need:.1f} GB" + (f" beside {held:.1f} GB held by other models"
-                                                              if held else ""))
-                task = Task(task_name, "train", role, Allocation(self.mesh, s))
-                return training_s(self.ctx, task, stage, w.mini_batch_size, self.batch)
-            self.chosen[task_name] = self._search(self.candidates(role, self.zero_stage, task_name), score, task_name)
-            s = self.chosen[task_name].strategy
-            self.resident_gb[role] = cm.training_state_gb(self.ctx.model(role), s.dp, s.tp, s.pp, s.zero_stage)
-
-    def inference_fits(self, roles: list[str], s: ParallelStrategy) -> None:
-        """Raise PlanError when the weights of ``roles`` in layout ``s`` do not fit beside the
-        resident states. Resident inference-only weights (ref, reward) of ``roles`` are not counted
-        twice: layout ``s`` replaces theirs; trained models' states stay resident beside it."""
-        need = sum(self.cm.weights_gb(self.ctx.model(r), s.tp, s.pp) for r in roles)
-        held = sum(v for k, v in self.resident_gb.items() if not (k in roles and k in ("ref", "reward")))
-        if need + held > self.capacity:
-            raise PlanError(f"weights need {need:.1f} GB beside {held:.1f} GB resident")
-
-    def search_inference(self, shared: bool = False) -> None:
-        """One layout per inference task, or (``shared``) one layout for all three, scored by their sum."""
-        tasks = ("ref", "reward", "values")
-        if shared:
-            roles = [PPO_TASKS[t][1] for t in tasks]
-
-            def score_all(s: ParallelStrategy) -> float:
-                self.inference_fits(roles, s)
-                return sum(inference_s(self.ctx, Task(t, "inference", r, Allocation(self.mesh, s)), self.batch)
-                           for t, r in zip(tasks, roles))
-            pinned = next((t for t in tasks if t in self.pinned), "ref")
-            result = self._search(self.candidates("actor", 0, pinned), score_all, "inference (shared layout)")
-            self.chosen.update({t: result for t in tasks})
-        else:
-            for task_name in tasks:
-                self.search_inference_task(task_name)
-
-    def search_inference_task(self, task_name: str) -> SearchResult:
-        """One inference task's layout; ref/reward weights become resident once chosen."""
-        role = PPO_TASKS[task_name][1]
-
-        def score(s: ParallelStrategy) -> float:
-            self.inference_fits([role], s)
-            return inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
-        self.chosen[task_name] = self._search(self.candidates(role, 0, task_name), score, self._what(task_name))
-        if task_name in ("ref", "reward"):
-            s = self.chosen[task_name].strategy
-            self.resident_gb[role] = self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp)
-        return self.chosen[task_name]
-
     def _what(self, task_name: str) -> str:
         return task_name
 
+    # ---- what each choice holds in memory (as check_plan_memory counts it) ----------------------
+    def training_need(self, task: str, role: str, s: ParallelStrategy, in_flight: int) -> MemoryNeed:
+        """Training states, and the activations of ``in_flight`` micro-batches on the first stage."""
+        model = self.ctx.model(role)
+        return MemoryNeed({role: self.cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage)},
+                          {task: one_f_one_b_activation_gb(self.cm, model, s, self.w, in_flight)})
+
+    def inference_need(self, task: str, s: ParallelStrategy, offload: bool = False) -> MemoryNeed:
+        """Ref and reward keep their weights resident (unless offloaded: then the pass holds them
+        while it runs); the critic's inference copy is held only while ``values`` runs."""
+        role = PPO_TASKS[task][1]
+        model = self.ctx.model(role)
+        weights = self.cm.weights_gb(model, s.tp, s.pp)
+        act = inference_activation_gb(self.cm, model, s, self.w)
+        if role in ("ref", "reward") and not offload:
+            return MemoryNeed({role: weights}, {task: act})
+        return MemoryNeed({}, {task: weights + act})
+
+    def shared_inference_need(self, s: ParallelStrategy) -> MemoryNeed:
+        """Ref, reward and values in one layout (RLHFuse's inter-stage fusion)."""
+        need = MemoryNeed()
+        for task in INFERENCE:
+            need = need + self.inference_need(task, s)
+        return need
+
+    def generation_need(self, s: ParallelStrategy) -> MemoryNeed:
+        actor = self.ctx.model("actor")
+        return MemoryNeed({}, {"gen": self.cm.weights_gb(actor, s.tp, s.pp) +
+                               kv_one_sample_gb(self.cm, actor, s, self.w)})
+
+    def options(self, step: str, offload: bool = False) -> list[MemoryNeed]:
+        """Every way of making ``step`` (``ref``, ``reward``, ``values``, ``gen`` or ``shared``),
+        as memory needs, for :meth:`expect`; with ``offload``, the ways with offloaded weights."""
+        if step in INFERENCE:
+            if offload and (not self.offload or step == "values"):
+                return []
+            return [self.inference_need(step, s, offload) for s in self.candidates(PPO_TASKS[step][1], 0, step)]
+        if offload:
+            return []
+        if step == "gen":
+            return [self.generation_need(s) for s in self.candidates("actor", 0, "gen")]
+        if step == "shared":
+            return [self.shared_inference_need(s) for s in self.candidates("actor", 0, self.shared_pin())]
+        raise ValueError(f"unknown planning step {step!r}")
+
+    def expect(self, steps: Iterable[str]) -> None:
+        """Reserve memory for ``steps``, to be chosen after the next ones: the cheapest way with
+        resident weights; the ways with offloaded weights are reserved only if training fits no
+        other way (:attr:`fallback_options`)."""
+        for step in steps:
+            self.ledger.expect(step, self.options(step))
+            offloaded = self.options(step, offload=True)
+            if offloaded:
+                self.fallback_options[step] = offloaded
+
+    def shared_pin(self) -> str:
+        return next((t for t in INFERENCE if t in self.pinned), "ref")
+
+    # ---- training: actor and critic together ----------------------------------------------------
+    def training_tiers(self, task: str, role: str) -> list[list[tuple[ParallelStrategy, Optional[int]]]]:
+        """Candidates (layout, micro-batches in flight; None = 1F1B's own) by tier: the configured
+        ZeRO stage; higher ZeRO stages added (pp = 1); then 1F1B holding fewer micro-batches in
+        flight (half, a quarter, ... of pp, down to one: more pipeline bubbles)."""
+        base = [(s, None) for s in self.candidates(role, self.zero_stage, task)]
+        if task in self.pinned:
+            return [base]
+        zero = base + [(ParallelStrategy(s.dp, s.tp, s.pp, z), None) for z in (2, 3) if z > self.zero_stage
+                       for s, _ in base if s.pp == 1 and s.dp > 1]
+        fewer = [(s, k) for s, _ in zero for k in _halvings(s.pp)]
+        return [base, zero, zero + fewer]
+
+    def training_stage(self, task: str, role: str, s: ParallelStrategy, in_flight: Optional[int] = None
+                       ) -> TrainingStage:
+        """The task's own 1F1B stage (raises PlanError when the mini-batch does not split over dp)."""
+        w = self.w
+        stage = single_pipe_stage(task, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
+        if in_flight is None:
+            return stage
+        pipe = next(iter(stage.schedule.pipes.values()))
+        return TrainingStage(stage.tasks, one_f_one_b_limited(pipe, in_flight), stage.num_minibatches,
+                             stage.micro_batch_size)
+
+    def search_training(self) -> None:
+        """The fastest actor and critic layouts (sum of estimated times) that fit together, beside
+        what is resident and the cheapest way of making the later steps; the lowest tier that has
+        such a pair wins (:meth:`training_tiers`), first with the later steps' weights resident,
+        then allowing them to be offloaded (:attr:`fallback_options`)."""
+        w = self.w
+        tiers = {task: self.training_tiers(task, role) for task, role in TRAINING}
+        levels = max(len(t) for t in tiers.values())
+        stages, times = {}, {}
+        fallback = [(step, opts) for step, opts in self.fallback_options.items() if step in self.ledger.later]
+
+        def need_of(task, role, cand):
+            s, k = cand
+            if (task, cand) not in stages:
+                try:
+                    stages[task, cand] = self.training_stage(task, role, s, k)
+                except PlanError:  # the mini-batch does not split over dp in micro-batches
+                    stages[task, cand] = None
+            stage = stages[task, cand]
+            if stage is None:
+                return None
+            num_mbs = next(iter(stage.schedule.pipes.values())).num_mbs
+            if k is not None and k >= min(s.pp, num_mbs):
+                return None  # holds no fewer than 1F1B itself
+            return self.training_need(task, role, s, min(s.pp, num_mbs, k or s.pp))
+
+        def time_of(task, role, cand):
+            if (task, cand) not in times:
+                times[task, cand] = training_s(self.ctx, Task(task, "train", role, Allocation(self.mesh, cand[0])),
+                                               stages[task, cand], w.mini_batch_size, self.batch)
+            return times[task, cand]
+
+        (ta, ra), (tc, rc) = TRAINING
+        plans = [(False, level) for level in range(levels)] + ([(True, level) for level in range(levels)]
+                                                               if fallback else [])
+        for escalate, level in plans:
+            if escalate and level == 0:  # reserve for the later steps' offloaded ways too
+                for step, opts in fallback:
+                    self.ledger.expect(step, self.ledger.later[step] + opts)
+            cands = {task: tiers[task][min(level, len(tiers[task]) - 1)] for task, _ in TRAINING}
+            needs = {task: [(c, need_of(task, role, c)) for c in cands[task]] for task, role in TRAINING}
+            needs = {task: [(c, n) for c, n in v if n is not None] for task, v in needs.items()}
+            if not needs[ta] or not needs[tc]:
+                continue
+
+            def least(task, role):  # a lower bound of the partner's need: its smallest state and activations
+                return MemoryNeed({role: min(n.resident[role] for _, n in needs[task])},
+                                  {task: min(n.working[task] for _, n in needs[task])})
+            plausible = {}
+            for (task, role), (other, other_role) in ((TRAINING[0], TRAINING[1]), (TRAINING[1], TRAINING[0])):
+                partner = least(other, other_role)
+                plausible[task] = [(c, n) for c, n in needs[task]
+                                   if self.ledger.total_gb(n + partner, "training") <= self.capacity + 1e-9]
+            best = None
+            for ca, na in plausible[ta]:
+                for cc, nc in plausible[tc]:
+                    if self.ledger.total_gb(na + nc, "training") > self.capacity + 1e-9:
+                        continue
+                    t = time_of(ta, ra, ca) + time_of(tc, rc, cc)
+                    if best is None or t < best[0]:
+                        best = (t, ca, na, cc, nc)
+            if best is not None:
+                _, ca, na, cc, nc = best
+                for task, role, cand in ((ta, ra, ca), (tc, rc, cc)):
+                    self.chosen[task] = SearchResult(cand[0], time_of(task, role, cand),
+                                                     len({c for c, _ in cands[task]}))
+                    self.stages[task] = stages[task, cand]
+                    if cand[1] is not None:
+                        self.in_flight[task] = cand[1]
+                self.ledger.commit("training", na + nc)
+                return
+        self._refuse_training(tiers[ta][-1], tiers[tc][-1], need_of)
+
+    def training_stages(self) -> list[TrainingStage]:
+        """The chosen training layouts' stages (each task's own 1F1B, or one holding fewer
+        micro-batches in flight when only that fits), for the plan assembler."""
+        return [self.stages[task] for task, _ in TRAINING]
+
+    def memory_notes(self, training: bool = True) -> dict[str, str]:
+        """``memory/...`` plan notes naming the slower choices taken so that the plan fits (none
+        when the fastest layouts fit); ``training``: this search's training stages are the plan's."""
+        notes = {}
+        if training:
+            for task, _ in TRAINING:
+                s = self.chosen[task].strategy if task in self.chosen else None
+                if s is not None and s.zero_stage > self.zero_stage:
+                    notes[f"memory/{task}"] = f"ZeRO-{s.zero_stage} (system.zero_stage={self.zero_stage})"
+                if task in self.in_flight:
+                    notes[f"memory/{task}"] = f"1F1B with {self.in_flight[task]} micro-batches in flight " \
+                                              f"(of {s.pp} stages)"
+        if self.offloaded:
+            notes["memory/offloaded"] = ", ".join(sorted(self.offloaded)) + " weights in host memory between uses"
+        return notes
+
+    def _refuse_training(self, cands_a, cands_c, need_of) -> None:
+        (ta, ra), (tc, rc) = TRAINING
+        pairs = [(ca, need_of(ta, ra, ca), cc, need_of(tc, rc, cc)) for ca in cands_a for cc in cands_c]
+        pairs = [(ca, na, cc, nc) for ca, na, cc, nc in pairs if na is not None and nc is not None]
+        what = f"update_actor+update_critic{self._where()}"
+        if not pairs:
+            raise PlanError(f"{self.name}: no feasible parallel strategy for {what}: the mini-batch of "
+                            f"{self.w.mini_batch_size} samples splits over none of the layouts")
+        ca, na, cc, nc = min(pairs, key=lambda p: self.ledger.total_gb(p[1] + p[3], "training"))
+        total = self.ledger.total_gb(na + nc, "training")
+        shortfall = MemoryShortfall(total, self.capacity, self.ledger.describe(na + nc, "training"))
+        name = {c: f"{c[0]}" + (f" ({c[1]} in flight)" if c[1] else "") for c in (ca, cc)}
+        raise NoLayoutFits(f"{self.name}: no feasible parallel strategy for {what} among "
+                           f"{len(cands_a)} x {len(cands_c)} candidates"
+                           f"{smallest_requirement([(f'actor {name[ca]} with critic {name[cc]}', shortfall)])} "
+                           f"({self.cm.gpu.hbm_gb:g} GB x {self.cm.gpu.usable_memory_frac:g})")
+
+    def _where(self) -> str:
+        return ""
+
+    # ---- inference ----------------------------------------------------------------------------
+    def search_inference(self, shared: bool = False) -> None:
+        """One layout per inference task, or (``shared``) one layout for all three, scored by their sum."""
+        if shared:
+            def score_all(s: ParallelStrategy) -> float:
+                self.ledger.require(self.shared_inference_need(s), "shared")
+                return sum(inference_s(self.ctx, Task(t, "inference", PPO_TASKS[t][1], Allocation(self.mesh, s)),
+                                       self.batch) for t in INFERENCE)
+            result = self._search(self.candidates("actor", 0, self.shared_pin()), score_all,
+                                  "inference (shared layout)")
+            self.chosen.update({t: result for t in INFERENCE})
+            self.ledger.commit("shared", self.shared_inference_need(result.strategy))
+        else:
+            for task_name in INFERENCE:
+                self.search_inference_task(task_name)
+
+    def search_inference_task(self, task_name: str) -> SearchResult:
+        """One inference task's layout: resident weights if any layout fits, else (ref and reward,
+        when allowed) offloaded ones; ref/reward weights become resident once chosen."""
+        role = PPO_TASKS[task_name][1]
+        cands = self.candidates(role, 0, task_name)
+        tiers = [False] + ([True] if self.offload and role in ("ref", "reward") else [])
+        for offload in tiers:
+            def score(s: ParallelStrategy, offload=offload) -> float:
+                self.ledger.require(self.inference_need(task_name, s, offload), task_name)
+                t = inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
+                if offload:  # weights copied in from host memory before the pass, as the simulator charges
+                    t += self.cm.host_transfer_s(self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp) * 1e9)
+                return t
+            what = self._what(task_name) + (" (weights offloaded)" if offload else "")
+            try:
+                result = self._search(cands, score, what)
+            except PlanError:
+                if offload == tiers[-1]:
+                    raise
+                continue
+            self.chosen[task_name] = result
+            self.ledger.commit(task_name, self.inference_need(task_name, result.strategy, offload))
+            if offload:
+                self.offloaded.add(role)
+            return result
+        raise AssertionError("unreachable")
+
+    # ---- generation ---------------------------------------------------------------------------
     def kv_capacity_gb(self, s: ParallelStrategy) -> float:
-        return self.capacity - sum(self.resident_gb.values()) - self.cm.weights_gb(self.ctx.model("actor"), s.tp, s.pp)
+        """Memory a generation instance in layout ``s`` may fill with KV cache beside the resident states."""
+        actor_weights = self.cm.weights_gb(self.ctx.model("actor"), s.tp, s.pp)
+        return self.capacity - sum(self.ledger.resident.values()) - actor_weights
 
     def search_generation(self, policy: GenerationPolicy) -> None:
-        actor = self.ctx.model("actor")
-
         def score(s: ParallelStrategy) -> float:
-            free = self.kv_capacity_gb(s)
-            if free < self.cm.kv_cache_gb(actor, self.seq_max, s.tp, s.pp):
-                raise PlanError(f"only {free:.1f} GB left for the KV cache")
+            self.ledger.require(self.generation_need(s), "gen")
             return generation_s(self.ctx, Task("gen", "generate", "actor", Allocation(self.mesh, s)), policy,
-                                self.batch, free)
-        self.chosen["gen"] = self._search(self.candidates("actor", 0, "gen"), score, "gen")
+                                self.batch, self.kv_capacity_gb(s))
+        self.chosen["gen"] = self._search(self.candidates("actor", 0, "gen"), score, self._what("gen"))
+        self.ledger.commit("gen", self.generation_need(self.chosen["gen"].strategy))
+
+
+def _halvings(pp: int) -> list[int]:
+    """pp // 2, pp // 4, ..., 1 (empty for pp = 1)."""
+    out, k = [], pp // 2
+    while k >= 1:
+        out.append(k)
+        k //= 2
+    return out
+
+
+def one_f_one_b_limited(pipe: PipeSpec, in_flight: int) -> Schedule:
+    """1F1B (PipeDream-flush) on ``pipe`` with at most ``in_flight`` micro-batches in flight per
+    stage: stage ``s`` runs min(P - s - 1, in_flight - 1) warm-up forwards instead of P - s - 1, then
+    alternates one forward / one backward. Less activation memory, more bubbles (``in_flight`` = 1
+    runs one micro-batch through the pipeline at a time)."""
+    num_mbs = pipe.num_mbs
+    order = {}
+    for stage in range(pipe.num_stages):
+        warmup = min(pipe.num_stages - stage - 1, in_flight - 1, num_mbs)
+        fwd = [Action(pipe.name, stage, "F", mb) for mb in range(num_mbs)]
+        bwd = [Action(pipe.name, stage, "B", mb) for mb in range(num_mbs)]
+        actions = fwd[:warmup]
+        for i in range(num_mbs - warmup):
+            actions += [fwd[warmup + i], bwd[i]]
+        actions += bwd[num_mbs - warmup:]
+        order[pipe.stage_to_rank[stage]] = actions
+    return Schedule({pipe.name: pipe}, order)
 
 
 def search_notes(chosen: dict[str, SearchResult], meshes: Optional[dict[str, tuple[int, ...]]] = None
@@ -141,50 +388,23 @@ def search_notes(chosen: dict[str, SearchResult], meshes: Optional[dict[str, tup
             for k, r in chosen.items()}
 
 
-def search_until_fits(search_pass, max_passes: int = 3):
-    """Run ``search_pass(reserved_gb) -> (plan, layouts)`` until its plan fits in device memory.
-
-    A first pass chooses training layouts before it knows which inference layouts (and so how
-    much resident ref/reward weight memory) will sit beside them; when the assembled plan then does
-    not fit (:func:`harness.planning.memory.check_plan_memory`), the next pass reserves what the
-    previous one left resident besides the training states, so training chooses a more sharded
-    layout that fits instead of the plan being refused. Raises the last PlanMemoryError when no
-    pass fits."""
-    from harness.errors import PlanMemoryError
-    from harness.planning.memory import check_plan_memory
-
-    reserved: dict[str, float] = {}
-    for attempt in range(max_passes):
-        plan, layouts = search_pass(reserved)
-        try:
-            check_plan_memory(plan, layouts.ctx.cost_model, layouts.ctx.models, layouts.ctx.workload)
-            if attempt:
-                plan.notes["search/memory_passes"] = attempt + 1
-            return plan
-        except PlanMemoryError:
-            if attempt == max_passes - 1:
-                raise
-            now = {k: v for k, v in layouts.resident_gb.items() if k not in ("actor", "critic")}
-            if all(reserved.get(k, 0.0) >= v for k, v in now.items()):
-                raise  # nothing new to reserve: another pass would choose the same layouts
-            reserved = {k: max(v, reserved.get(k, 0.0)) for k, v in now.items()}
+def checked(plan: Plan, ctx: PlanContext) -> Plan:
+    """``plan`` after :func:`~harness.planning.memory.check_plan_memory`. The searches keep every
+    choice inside device memory by the check's own arithmetic, so this raises only if the two
+    disagree (a bug), with the check's full breakdown."""
+    check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    return plan
 
 
 class PoolLayoutSearch(LayoutSearch):
-    """The same search on a pool of devices (``mesh``). ``resident_gb`` holds what else stays on
-    the pool's devices all iteration (set it before searching when other pools' states share them)."""
+    """The same search on a pool of devices (``mesh``). Its ledger holds what stays on the pool's
+    devices all iteration (copy another pool's ledger in when their states share the devices)."""
 
-    def __init__(self, ctx: PlanContext, name: str, zero_stage: int, mesh: tuple[int, ...]):
-        super().__init__(ctx, name, zero_stage, mesh=mesh)
-
-    def inference_fits(self, roles: list[str], s) -> None:
-        """Weights plus one layer's forward activations (as :mod:`harness.planning.memory` counts an
-        inference task) must fit beside the resident states."""
-        weights = sum(self.cm.weights_gb(self.ctx.model(r), s.tp, s.pp) for r in roles)
-        act = max(self.cm.activation_gb(self.ctx.model(r), self.w.micro_batch_size, self.seq_max, s.tp, 1, "none")
-                  for r in roles)
-        if weights + act + sum(self.resident_gb.values()) > self.capacity:
-            raise PlanError(f"weights need {weights:.1f} GB, activations {act:.1f} GB")
+    def __init__(self, ctx: PlanContext, name: str, zero_stage: int, mesh: tuple[int, ...], offload: bool = True):
+        super().__init__(ctx, name, zero_stage, mesh=mesh, offload=offload)
 
     def _what(self, task_name: str) -> str:
         return f"{task_name} on {self.n} devices"
+
+    def _where(self) -> str:
+        return f" on {self.n} devices"

@@ -11,14 +11,21 @@ iteration (``Plan.resident``) + the task's working set:
 
 A plan that does not fit raises :class:`PlanMemoryError` naming the task, the device and every
 term of the sum. The same numbers are what the simulator reports as per-device memory peaks.
+
+Planners keep their choices inside these limits with a :class:`MemoryLedger`: the same terms,
+counted as each layout is chosen (:class:`MemoryNeed`: what a choice keeps resident and what its
+task holds beside that while it runs), plus a reservation for the cheapest way to make every choice
+still to come, so that no choice leaves too little memory for the ones after it.
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional
 
 from harness.costmodel import CostModel
-from harness.errors import PlanMemoryError
+from harness.errors import PlanError, PlanMemoryError
 from harness.plan import Allocation, Plan, Task
 from harness.schedule import PipeCosts, simulate
 
@@ -31,16 +38,37 @@ class MemoryReport:
     kv_capacity_gb: dict[str, float] = field(default_factory=dict)  # generate task -> free memory for KV per device
 
 
-def _state_gb(cm: CostModel, model, alloc: Allocation, what: str) -> float:
-    s = alloc.strategy
+def state_gb(cm: CostModel, model, s, what: str) -> float:
+    """A model's ``train`` state (weights, gradients, optimizer) or ``weights`` in strategy ``s``."""
     if what == "train":
         return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage)
     weights = cm.weights_gb(model, s.tp, s.pp)
     return weights / s.dp if s.zero_stage == 3 else weights
 
 
+def _state_gb(cm: CostModel, model, alloc: Allocation, what: str) -> float:
+    return state_gb(cm, model, alloc.strategy, what)
+
+
 def max_seq_len(ctx_workload) -> int:
     return int(ctx_workload.prompt_len.max + ctx_workload.max_gen_len)
+
+
+def inference_activation_gb(cm: CostModel, model, s, workload) -> float:
+    """Forward activations an inference task holds: one layer of one micro-batch at the longest sequence."""
+    return cm.activation_gb(model, workload.micro_batch_size, max_seq_len(workload), s.tp, 1, "none")
+
+
+def kv_one_sample_gb(cm: CostModel, model, s, workload) -> float:
+    """KV cache of one maximum-length sample: the least a generate task needs beside its weights."""
+    return cm.kv_cache_gb(model, max_seq_len(workload), s.tp, s.pp)
+
+
+def one_f_one_b_activation_gb(cm: CostModel, model, s, workload, num_mbs: int) -> float:
+    """Peak in-flight activations of a single-pipe 1F1B stage: its first stage holds min(pp, M)
+    micro-batches of ``layers / pp`` layers (what :func:`training_activation_gb` simulates)."""
+    return min(s.pp, num_mbs) * cm.activation_gb(model, workload.micro_batch_size, max_seq_len(workload), s.tp,
+                                                 model.num_layers / s.pp, workload.activation_recompute)
 
 
 def training_activation_gb(plan: Plan, cm: CostModel, models, workload) -> dict[str, float]:
@@ -70,12 +98,11 @@ def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: 
     if task.kind == "generate":
         if not resident_here:
             terms[f"{task.model} weights (tp{s.tp} pp{s.pp})"] = cm.weights_gb(model, s.tp, s.pp)
-        terms["KV cache of one max-length sample"] = cm.kv_cache_gb(model, max_seq_len(workload), s.tp, s.pp)
+        terms["KV cache of one max-length sample"] = kv_one_sample_gb(cm, model, s, workload)
     elif task.kind == "inference":
         if not resident_here:
             terms[f"{task.model} weights (tp{s.tp} pp{s.pp})"] = _state_gb(cm, model, task.allocation, "weights")
-        terms["forward activations (1 layer)"] = cm.activation_gb(
-            model, workload.micro_batch_size, max_seq_len(workload), s.tp, 1, "none")
+        terms["forward activations (1 layer)"] = inference_activation_gb(cm, model, s, workload)
     elif task.kind == "train":
         if not resident_here:
             terms[f"{task.model} train states ({s})"] = _state_gb(cm, model, task.allocation, "train")
@@ -120,3 +147,156 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
             weights = sum(v for k, v in working.items() if "weights" in k)
             report.kv_capacity_gb[task.name] = capacity - used - weights
     return report
+
+
+# ---- planning: the same terms, counted while layouts are chosen ------------------------------
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one planning choice holds on every device of its pool (the worst device of its layout,
+    as :func:`check_plan_memory` counts it): ``resident`` states by model, which stay all iteration,
+    and the ``working`` set by task, which the task holds beside every resident state while it runs
+    (tasks on the same devices run one at a time, so working sets do not add up)."""
+
+    resident: Mapping[str, float] = field(default_factory=dict)
+    working: Mapping[str, float] = field(default_factory=dict)
+
+    def __add__(self, other: "MemoryNeed") -> "MemoryNeed":
+        return MemoryNeed({**self.resident, **other.resident}, {**self.working, **other.working})
+
+    @property
+    def resident_gb(self) -> float:
+        return sum(self.resident.values())
+
+    @property
+    def working_gb(self) -> float:
+        return max(self.working.values(), default=0.0)
+
+
+class MemoryShortfall(PlanError):
+    """A candidate layout that does not fit; ``need_gb`` is what it needs per device."""
+
+    def __init__(self, need_gb: float, capacity_gb: float, terms: str):
+        self.need_gb, self.capacity_gb, self.terms = need_gb, capacity_gb, terms
+        super().__init__(f"needs {need_gb:.1f} GB per device ({terms}), {capacity_gb:.1f} GB usable")
+
+
+class NoLayoutFits(PlanError):
+    """No candidate of a planning step fits in device memory (the message names the smallest
+    requirement)."""
+
+
+def pareto(options: Iterable[MemoryNeed]) -> list[MemoryNeed]:
+    """The options no other one beats on both resident and working memory (ties: the first)."""
+    opts = list(options)
+    keep: list[MemoryNeed] = []
+    for i, o in enumerate(opts):
+        if any(p.resident_gb <= o.resident_gb and p.working_gb <= o.working_gb and
+               (p.resident_gb < o.resident_gb or p.working_gb < o.working_gb or j < i)
+               for j, p in enumerate(opts) if j != i):
+            continue
+        keep.append(o)
+    return keep
+
+
+class MemoryLedger:
+    """Per-device memory of one pool while its layouts are chosen, counted as
+    :func:`check_plan_memory` will count the plan: every resident state plus the largest working
+    set of a task on these devices.
+
+    ``later`` holds, for each choice still to make (a *step*), the cheapest ways to make it
+    (:func:`pareto` options over its candidates); a candidate fits only if the cheapest way of
+    making every later step still fits beside it. A later step's resident entry for a model that is
+    already resident counts as the larger of the two: that step will replace the current entry (RLHFuse's
+    shared inference layout replaces the inference layouts chosen before it)."""
+
+    def __init__(self, capacity_gb: float):
+        self.capacity_gb = capacity_gb
+        self.resident: dict[str, float] = {}
+        self.working: dict[str, float] = {}
+        self.later: dict[str, list[MemoryNeed]] = {}
+
+    def copy(self, drop_later: Iterable[str] = ()) -> "MemoryLedger":
+        out = MemoryLedger(self.capacity_gb)
+        out.resident, out.working = dict(self.resident), dict(self.working)
+        out.later = {k: v for k, v in self.later.items() if k not in set(drop_later)}
+        return out
+
+    def expect(self, step: str, options: Iterable[MemoryNeed]) -> None:
+        """Reserve memory for ``step``, made later in one of ``options``."""
+        opts = pareto(options)
+        if not opts:
+            raise PlanError(f"no candidate layout for {step}")
+        self.later[step] = opts
+
+    def commit(self, step: str, need: MemoryNeed) -> None:
+        """``step`` is made: its reservation goes, its resident and working entries replace any
+        earlier ones of the same models and tasks."""
+        self.later.pop(step, None)
+        self.resident.update(need.resident)
+        self.working.update(need.working)
+
+    def account(self, need: MemoryNeed = MemoryNeed(), step: Optional[str] = None
+                ) -> tuple[float, dict[str, float], dict[str, float], set[str]]:
+        """(total GB per device, resident terms, working terms, reserved term names) with ``need``
+        made for ``step`` and the cheapest way of making every other later step."""
+        best = None
+        later = [opts for s, opts in self.later.items() if s != step]
+        for combo in itertools.product(*later):
+            res = {**self.resident, **need.resident}
+            work = {**self.working, **need.working}
+            reserved = set()
+            for opt in combo:
+                for k, v in opt.resident.items():
+                    if v > res.get(k, 0.0):
+                        res[k] = v
+                        reserved.add(k)
+                for k, v in opt.working.items():
+                    if v > work.get(k, 0.0):
+                        work[k] = v
+                        reserved.add(k)
+            total = sum(res.values()) + max(work.values(), default=0.0)
+            if best is None or total < best[0]:
+                best = (total, res, work, reserved)
+        return best
+
+    def total_gb(self, need: MemoryNeed = MemoryNeed(), step: Optional[str] = None) -> float:
+        return self.account(need, step)[0]
+
+    def describe(self, need: MemoryNeed = MemoryNeed(), step: Optional[str] = None) -> str:
+        total, res, work, reserved = self.account(need, step)
+        mark = lambda k: " reserved" if k in reserved else ""  # noqa: E731
+        parts = [f"{k} {v:.1f}{mark(k)}" for k, v in res.items() if v > 0]
+        text = "resident: " + (", ".join(parts) if parts else "none")
+        if work:
+            k = max(work, key=work.get)
+            text += f"; largest working set: {k} {work[k]:.1f}{mark(k)}"
+        return text
+
+    def require(self, need: MemoryNeed, step: Optional[str] = None) -> float:
+        """The total; raises :class:`MemoryShortfall` when it exceeds the capacity."""
+        total = self.total_gb(need, step)
+        if total > self.capacity_gb + 1e-9:
+            raise MemoryShortfall(total, self.capacity_gb, self.describe(need, step))
+        return total
+
+    def headroom_gb(self, need: MemoryNeed, step: Optional[str] = None) -> float:
+        """The largest working set a task could hold beside ``need`` (its resident part), every
+        other entry and the cheapest way of making the later steps; negative when even without it
+        they do not fit."""
+        best = -float("inf")
+        later = [opts for s, opts in self.later.items() if s != step]
+        for combo in itertools.product(*later):
+            res = {**self.resident, **need.resident}
+            work = dict(self.working)
+            for k in need.working:
+                work.pop(k, None)
+            for opt in combo:
+                for k, v in opt.resident.items():
+                    res[k] = max(res.get(k, 0.0), v)
+                for k, v in opt.working.items():
+                    work[k] = max(work.get(k, 0.0), v)
+            left = self.capacity_gb - sum(res.values())
+            if max(work.values(), default=0.0) <= left + 1e-9:
+                best = max(best, left)
+        return best

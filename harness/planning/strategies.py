@@ -8,7 +8,8 @@
   mini-batch into micro-batches per replica);
 - :func:`parse_layout`: a pinned ``dp<D>tp<T>pp<P>`` from the command line;
 - :func:`search`: score every candidate, skip infeasible ones (PlanError), keep the fastest, and
-  say why none fit when none does.
+  say why none fit when none does, naming the smallest memory requirement among them
+  (:class:`harness.planning.memory.MemoryShortfall`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Callable, Iterable
 
 from harness.errors import PlanError
 from harness.plan import ParallelStrategy
+from harness.planning.memory import MemoryShortfall, NoLayoutFits
 
 _LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)$")
 
@@ -80,21 +82,36 @@ class SearchResult:
     num_candidates: int
 
 
+def smallest_requirement(shortfalls: list[tuple[object, MemoryShortfall]]) -> str:
+    """``; the smallest requirement: <candidate> needs X GB per device (...) but only Y GB is usable``."""
+    if not shortfalls:
+        return ""
+    what, e = min(shortfalls, key=lambda x: x[1].need_gb)
+    return (f"; the smallest requirement: {what} needs {e.need_gb:.1f} GB per device ({e.terms}) "
+            f"but only {e.capacity_gb:.1f} GB is usable")
+
+
 def search(candidates: Iterable[ParallelStrategy], score: Callable[[ParallelStrategy], float], what: str,
            system: str = "rlhfuse_base") -> SearchResult:
-    """The fastest candidate by ``score``; a candidate whose score raises PlanError is infeasible."""
+    """The fastest candidate by ``score``; a candidate whose score raises PlanError is infeasible.
+    When none is feasible the error names the smallest memory requirement among the candidates that
+    did not fit (a :class:`~harness.planning.memory.MemoryShortfall` raised by ``score``)."""
     best: tuple[float, ParallelStrategy] | None = None
-    tried, reasons = 0, []
+    tried, reasons, shortfalls = 0, [], []
     for strategy in candidates:
         tried += 1
         try:
             t = score(strategy)
         except PlanError as e:  # infeasible candidate: skip, remember why
             reasons.append(f"{strategy}: {e}")
+            if isinstance(e, MemoryShortfall):
+                shortfalls.append((strategy, e))
             continue
         if best is None or t < best[0]:
             best = (t, strategy)
     if best is None:
         detail = "; ".join(reasons[:3])
-        raise PlanError(f"{system}: no feasible parallel strategy for {what} among {tried} candidates ({detail})")
+        error = NoLayoutFits if shortfalls and len(shortfalls) == len(reasons) else PlanError
+        raise error(f"{system}: no feasible parallel strategy for {what} among {tried} candidates"
+                    f"{smallest_requirement(shortfalls)} ({detail})")
     return SearchResult(best[1], best[0], tried)

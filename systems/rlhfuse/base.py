@@ -13,9 +13,15 @@ What we reimplement:
   (:mod:`harness.planning.estimate`) on a representative batch; the fastest wins
   (:class:`harness.planning.layout_search.LayoutSearch`). Generation uses
   continuous batching (vLLM-style), as RLHFuse's generation engine does.
+- **Memory**: every choice must fit beside the states the others keep resident (both models'
+  training states, ref and reward weights) and the largest working set on the same devices, with
+  memory reserved for the choices still to come; on a cluster too small for the fastest layouts
+  the search takes slower ones that fit (more sharding, a higher ZeRO stage for training, fewer
+  micro-batches in flight in 1F1B, ref and reward offloaded to host memory) and refuses only when
+  nothing fits, naming the smallest requirement.
 - **Resharding**: the actor's training weights are moved to the generation layout each iteration
   and the critic's to its inference layout when they differ (``realloc_*`` tasks). Ref and reward
-  stay resident in their inference layouts.
+  stay resident in their inference layouts (offloaded only where nothing resident fits).
 - **No fusion**: no sample streaming, no migration (inter-stage), no fused actor+critic pipeline
   (intra-stage): each training task runs its own 1F1B schedule, actor first.
 
@@ -30,7 +36,7 @@ from typing import Optional
 from harness.config import SystemConfig
 from harness.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.layout_search import LayoutSearch, search_notes, search_until_fits
+from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checked, search_notes
 from harness.system import PlanContext, System, register_system_config
 
 
@@ -65,18 +71,17 @@ class RLHFuseBase(System):
     cfg: RLHFuseBaseConfig
 
     def plan(self, ctx: PlanContext) -> Plan:
-        return search_until_fits(lambda reserved: self._plan_pass(ctx, reserved))
-
-    def _plan_pass(self, ctx: PlanContext, reserved_gb: dict[str, float]) -> tuple[Plan, LayoutSearch]:
         layouts = layout_search(ctx, self.cfg)
-        layouts.reserved_gb = dict(reserved_gb)
+        layouts.expect(ALL_LATER_STEPS)
         layouts.search_training()
-        layouts.reserved_gb = {}
         layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
         allocs = {name: Allocation(layouts.mesh, r.strategy) for name, r in layouts.chosen.items()}
-        return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, notes=search_notes(layouts.chosen)), layouts
+        plan = assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=layouts.training_stages(),
+                                 offloaded=sorted(layouts.offloaded),
+                                 notes={**search_notes(layouts.chosen), **layouts.memory_notes()})
+        return checked(plan, ctx)
 
 
 register_system_config("rlhfuse_base", RLHFuseBaseConfig)

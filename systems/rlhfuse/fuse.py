@@ -3,13 +3,18 @@ fused schedule of two models' training pipelines running in opposite directions,
 with the serial 1F1B baseline and the lower bound.
 
     python -m systems.rlhfuse.fuse --stages 16 8 --microbatches 16 32 --fwd 2 1 --mem 2 1 \\
-        --time-limit 60 --workers 2 --json --out fused.csv
+        --max-steps 60000 --workers 2 --json --out fused.csv
 
 Model 1 is the ``N1``-stage one. ``--fwd`` is the per-stage forward time of one micro-batch,
 ``--bwd`` the backward time (default twice the forward), ``--mem`` the activation memory one
-in-flight micro-batch holds on a stage, ``--microbatches`` counts per pipeline. With ``--json`` it
-prints one JSON object; otherwise a short table and the rank x step grid. ``--out`` writes the
-schedule CSV (``harness.schedule.to_csv``). Bad input exits with status 2 and a message.
+in-flight micro-batch holds on a stage, ``--microbatches`` counts per pipeline. The search has two
+phases (makespan, then peak memory at that makespan); its budget is ``--max-steps`` trial moves per
+seed (default ``DEFAULT_MAX_STEPS``: the same seed and steps give the same schedule), or
+``--time-limit`` seconds per seed if given (whichever runs out first when both are). ``--workers N``
+anneals ``--seeds`` (default N) seeds in N processes. With ``--json`` it prints one JSON object
+(makespan, lower bound, their ratio, peak memory and its ratio to the serial baseline's, the
+makespan phase's peak, ...); otherwise a short table and the rank x step grid. ``--out`` writes
+the schedule CSV (``harness.schedule.to_csv``). Bad input exits with status 2 and a message.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from math import lcm
 
 from harness.schedule import ascii_grid, simulate, to_csv
 from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
+from systems.rlhfuse.intra.search import DEFAULT_MAX_STEPS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,9 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--p2p", type=float, default=0.0, help="time to move activations between ranks")
     p.add_argument("--models", nargs=2, default=("actor", "critic"), metavar=("NAME1", "NAME2"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
-                   help="search time per seed (default 60)")
-    p.add_argument("--max-steps", type=int, help="annealing steps per seed (deterministic budget)")
+    p.add_argument("--max-steps", type=int, metavar="STEPS",
+                   help=f"trial moves per seed (deterministic budget; default {DEFAULT_MAX_STEPS} "
+                        "unless --time-limit is given)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="wall-clock limit per seed (not deterministic)")
     p.add_argument("--workers", type=int, default=1, help="seeds annealed in parallel processes")
     p.add_argument("--seeds", type=int, help="number of seeds (default: --workers)")
     p.add_argument("--out", help="write the schedule as CSV here")
@@ -59,7 +67,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"{flag} values must be > 0, got {' '.join(f'{v:g}' for v in values)}")
     for flag, value, ok in (("--mem-cap", args.mem_cap, args.mem_cap is None or args.mem_cap > 0),
                             ("--p2p", args.p2p, args.p2p >= 0),
-                            ("--time-limit", args.time_limit, args.time_limit > 0),
+                            ("--time-limit", args.time_limit, args.time_limit is None or args.time_limit > 0),
                             ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1),
                             ("--workers", args.workers, args.workers >= 1),
                             ("--seeds", args.seeds, args.seeds is None or args.seeds >= 1)):
@@ -72,17 +80,19 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _table(summary: dict) -> str:
     rows = [
         ("makespan", f"{summary['makespan']:g}"),
-        ("lower bound", f"{summary['lower_bound']:g} (gap {100 * summary['gap_to_lower_bound_frac']:.2f}%)"),
+        ("lower bound", f"{summary['lower_bound']:g} (makespan / bound {summary['makespan_vs_lower_bound']:.4f})"),
         ("serial 1F1B", f"{summary['serial_makespan']:g} (speedup {summary['speedup_vs_serial']:.3f}x; "
                         f"actor then critic with a barrier, as in the paper)"),
         ("serial, no barrier", f"{summary['serial_no_barrier_makespan']:g} "
                                f"(speedup {summary['speedup_vs_serial_no_barrier']:.3f}x)"),
         ("greedy", f"{summary['greedy_makespan']:g}"),
-        ("peak memory", f"{summary['peak_memory']:g} (serial {summary['serial_peak_memory']:g}, "
-                        f"{summary['peak_memory'] / summary['serial_peak_memory']:.2f}x)"),
+        ("peak memory", f"{summary['peak_memory']:g} ({summary['peak_memory_vs_serial']:.3f}x the serial "
+                        f"baseline's {summary['serial_peak_memory']:g}; makespan phase ended at "
+                        f"{summary['phase1_peak_memory_vs_serial']:.3f}x, memory phase lowered it "
+                        f"{summary['memory_levels']} times)"),
         ("bubble", f"{100 * summary['bubble_frac']:.1f}%"),
-        ("search", f"{summary['search_s']:.1f} s, {summary['steps']} steps, start "
-                   f"{summary['best_start']}"),
+        ("search", f"{summary['search_s']:.1f} s, {summary['steps']} steps "
+                   f"({summary['steps_memory']} in the memory phase), start {summary['best_start']}"),
         ("valid", str(summary["valid"])),
     ]
     width = max(len(k) for k, _ in rows)

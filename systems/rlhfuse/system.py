@@ -17,6 +17,16 @@ that an ablation is one override:
   gradient sync and optimizer step; the best one is then annealed under the memory left next to
   the resident states.
 
+Memory: the base search's ledger (:mod:`harness.planning.layout_search`) reserves the shared
+inference layout's weights from the start; a fused candidate's schedule may hold as much activation
+memory as is left beside both models' training states, the ref and reward weights (or the most the
+shared layout will need) and the other tasks' working sets, and the chosen schedule's states and
+peak then replace the base training layouts' in the ledger, so the shared layout is chosen beside
+them. Where no fused layout fits, training runs as separate 1F1B stages in the base search's
+layouts (note ``fused/fallback``); where nothing fits with a shared, resident inference layout, the
+plan is made without inter-stage fusion (``inter/fallback``), whose ref and reward may be
+offloaded.
+
 What is reimplemented: the planning algorithms and the policies as plan data; what is modelled:
 their execution, by the simulator (and later the real backend) from that data.
 """
@@ -29,9 +39,10 @@ from typing import Optional
 from harness.errors import PlanError
 from harness.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
                           WeightMovement)
-from harness.planning.assembler import assemble_ppo_plan, needs_movement, single_pipe_stages
-from harness.planning.layout_search import LayoutSearch, search_until_fits
-from harness.planning.strategies import divisors
+from harness.planning.assembler import assemble_ppo_plan, needs_movement
+from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checked
+from harness.planning.memory import MemoryNeed, MemoryShortfall, NoLayoutFits
+from harness.planning.strategies import divisors, smallest_requirement
 from harness.planning.taskmodels.passes import grad_sync_s
 from harness.planning.workflow import full_mesh
 from harness.schedule import PipeCosts, ScheduleError, simulate
@@ -81,39 +92,71 @@ class RLHFuse(System):
             raise PlanError(f"system.migration_transfer={self.cfg.migration_transfer!r}; use kv or tokens")
         if self.cfg.migration_frac is not None and not 0.0 <= self.cfg.migration_frac < 1.0:
             raise PlanError(f"system.migration_frac={self.cfg.migration_frac} must be in [0, 1)")
-        return search_until_fits(lambda reserved: self._plan_pass(ctx, reserved))
+        try:
+            return checked(self._plan(ctx, self.cfg.inter_stage), ctx)
+        except NoLayoutFits as e:
+            if not self.cfg.inter_stage:
+                raise
+            # the shared inference layout keeps ref and reward resident; without inter-stage fusion
+            # they get their own layouts and may be offloaded: slower, and it may fit
+            plan = checked(self._plan(ctx, False), ctx)  # its refusal names the smaller requirement
+            plan.notes["inter/fallback"] = f"no inter-stage fusion: with it, {e}"
+            return plan
 
-    def _plan_pass(self, ctx: PlanContext, reserved_gb: dict[str, float]) -> tuple[Plan, LayoutSearch]:
+    def _plan(self, ctx: PlanContext, inter_stage: bool) -> Plan:
+        """Base search (its training layouts seed the fused candidates; with inter-stage fusion its
+        inference layouts stand in for the shared one until that is chosen), then the fused stage,
+        then the shared inference layout. The ledger reserves the shared layout's memory from the
+        start, and the fused stage's states and activation peak replace the base training ones."""
         layouts = layout_search(ctx, self.cfg)
-        layouts.reserved_gb = dict(reserved_gb)
+        layouts.offload = not inter_stage  # streamed inference keeps its weights resident
+        layouts.expect(ALL_LATER_STEPS + (("shared",) if inter_stage else ()))
         layouts.search_training()
-        layouts.reserved_gb = {}
         layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
         notes: dict = {f"search/{k}": str(r.strategy) for k, r in layouts.chosen.items()}
         allocs = {name: Allocation(full_mesh(ctx.num_devices), r.strategy) for name, r in layouts.chosen.items()}
         training = self._training(ctx, layouts, allocs, notes)
-        if self.cfg.inter_stage:
+        if inter_stage:
             policy = self._inter_stage(ctx, layouts, allocs, policy, notes)
+        notes.update(layouts.memory_notes(training=len(training) > 1))  # separate stages: the base search's
         return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=training,
-                                 stream_inference=self.cfg.inter_stage, notes=notes), layouts
+                                 stream_inference=inter_stage, offloaded=sorted(layouts.offloaded),
+                                 notes=notes)
 
     # ---- inter-stage fusion (section 4) -----------------------------------------------------
     def _inter_stage(self, ctx, layouts: LayoutSearch, allocs, policy, notes) -> GenerationPolicy:
-        """Choose the shared inference layout and R_t together (:func:`choose_inter_stage`)."""
-        gen = Task("gen", "generate", "actor", allocs["gen"])
+        """Choose the shared inference layout and R_t together (:func:`choose_inter_stage`), among
+        the layouts whose ref and reward weights fit beside the training states and every working
+        set on the devices (the fused stage's activation peak, generation's weights and KV cache)."""
         roles = (("ref", "ref"), ("reward", "reward"), ("values", "critic"))
-        pinned = next((t for t in ("ref", "reward", "values") if t in layouts.pinned), "ref")
-        candidates = []
-        for cand in layouts.candidates("actor", 0, pinned):
-            try:
-                layouts.inference_fits([r for _, r in roles], cand)
-            except PlanError:
-                continue
-            candidates.append(cand)
+        all_candidates = layouts.candidates("actor", 0, layouts.shared_pin())
+
+        def fitting() -> tuple[list[ParallelStrategy], list]:
+            fits, shortfalls = [], []
+            for cand in all_candidates:
+                try:
+                    layouts.ledger.require(layouts.shared_inference_need(cand), "shared")
+                except MemoryShortfall as e:
+                    shortfalls.append((cand, e))
+                    continue
+                fits.append(cand)
+            return fits, shortfalls
+        candidates, shortfalls = fitting()
         if not candidates:
-            raise PlanError("rlhfuse: no shared inference layout fits in memory (try system.inter_stage=false)")
+            # generation was chosen beside the per-task inference layouts, which may hold less than
+            # any shared one: choose it again beside the shared layout that needs the least
+            smallest = min(all_candidates, key=lambda c: layouts.ledger.total_gb(layouts.shared_inference_need(c),
+                                                                                 "shared"))
+            layouts.ledger.commit("shared", layouts.shared_inference_need(smallest))
+            layouts.search_generation(policy)
+            allocs["gen"] = Allocation(full_mesh(ctx.num_devices), layouts.chosen["gen"].strategy)
+            notes["search/gen"] = str(layouts.chosen["gen"].strategy)
+            candidates, shortfalls = fitting()
+        if not candidates:
+            raise NoLayoutFits(f"rlhfuse: no shared inference layout fits in memory{smallest_requirement(shortfalls)}")
+        gen = Task("gen", "generate", "actor", allocs["gen"])
         mesh = full_mesh(ctx.num_devices)
 
         def make_inference(strategy: ParallelStrategy):
@@ -130,6 +173,7 @@ class RLHFuse(System):
                                             self.cfg.migration_transfer, pinned_frac=self.cfg.migration_frac)
         for name, _ in roles:
             allocs[name] = Allocation(mesh, layout)
+        layouts.ledger.commit("shared", layouts.shared_inference_need(layout))
         mig = choice.policy
         notes.update({"inference/shared_layout": str(layout), "migration/threshold_frac": mig.threshold_frac,
                       "migration/num_tail_instances": mig.num_tail_instances, "migration/bs_max": choice.bs_max,
@@ -142,7 +186,7 @@ class RLHFuse(System):
     def _training(self, ctx, layouts: LayoutSearch, allocs: dict, notes: dict) -> list[TrainingStage]:
         w = ctx.workload
         if not self.cfg.intra_stage:
-            return single_pipe_stages(ctx, allocs, w.mini_batch_size)
+            return layouts.training_stages()
         from systems.rlhfuse.intra import greedy_schedule, search_fused_schedule, serial_schedule
 
         best: FusedCandidate | None = None
@@ -170,12 +214,19 @@ class RLHFuse(System):
             if best is None or cand.estimate_s < best.estimate_s:
                 best = cand
         if best is None:
-            raise PlanError("rlhfuse: no fused actor+critic layout fits (try system.intra_stage=false)")
+            # no fused layout leaves room for its activations: train as the base search chose, each
+            # model in its own 1F1B stage (slower, and fits: the ledger holds those layouts)
+            notes["fused/fallback"] = (f"no fused actor+critic layout fits among {tried} candidates; "
+                                       f"separate 1F1B stages")
+            return layouts.training_stages()
         time_limit_s = ctx.wall_clock_budget_s(self.cfg.fuse_time_limit_s)
         result = search_fused_schedule(best.pipes, best.costs, mem_cap=self._mem_cap(ctx, layouts, best),
                                        seed=self.cfg.fuse_seed, time_limit_s=time_limit_s,
                                        max_steps=self.cfg.fuse_max_steps if time_limit_s is None else None,
                                        num_workers=self.cfg.fuse_workers)
+        # the fused stage's states and activation peak replace the base training layouts' in the ledger
+        peak = simulate(result.schedule, best.costs, record_times=False).max_peak_memory
+        layouts.ledger.commit("training", self._fused_need(ctx, best, peak))
         n, tp = ctx.num_devices, best.actor.tp
         num_ranks = math.lcm(best.actor.pp, best.critic.pp)
         allocs["update_actor"] = Allocation(full_mesh(n), best.actor)
@@ -216,12 +267,22 @@ class RLHFuse(System):
                     mesh.extend(rank * tp + t for t in range(tp))
         return tuple(mesh)
 
-    def _mem_cap(self, ctx, layouts: LayoutSearch, cand: FusedCandidate) -> float:
+    @staticmethod
+    def _fused_need(ctx, cand: FusedCandidate, peak_gb: float = 0.0) -> MemoryNeed:
+        """Both models' training states on every device of the fused stage, and its activation peak
+        (the peak of the fused schedule, which both training tasks hold)."""
         cm = ctx.cost_model
-        states = cm.training_state_gb(ctx.model("actor"), cand.actor.dp, cand.actor.tp, cand.actor.pp, cand.actor.zero_stage) + \
-            cm.training_state_gb(ctx.model("critic"), cand.critic.dp, cand.critic.tp, cand.critic.pp, cand.critic.zero_stage)
-        others = layouts.resident_gb.get("ref", 0.0) + layouts.resident_gb.get("reward", 0.0)
-        return layouts.capacity - states - others
+        a, c = cand.actor, cand.critic
+        return MemoryNeed({"actor": cm.training_state_gb(ctx.model("actor"), a.dp, a.tp, a.pp, a.zero_stage),
+                           "critic": cm.training_state_gb(ctx.model("critic"), c.dp, c.tp, c.pp, c.zero_stage)},
+                          {"update_actor": peak_gb, "update_critic": peak_gb})
+
+    def _mem_cap(self, ctx, layouts: LayoutSearch, cand: FusedCandidate) -> float:
+        """Activation memory the fused schedule may hold per device: what is left beside both
+        models' training states, the ref and reward weights (or the most the shared inference
+        layout still to be chosen will need, if more) and everything else resident, provided the
+        other tasks' working sets fit there too."""
+        return layouts.ledger.headroom_gb(self._fused_need(ctx, cand), "training")
 
     def _fused_candidates(self, ctx, layouts: LayoutSearch):
         from systems.rlhfuse.intra import fused_pipes

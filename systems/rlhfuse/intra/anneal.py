@@ -1,37 +1,41 @@
-"""Simulated annealing over per-rank orders of a fused pipeline schedule (RLHFuse, NSDI'25,
-arXiv 2409.13221, section 5).
+"""Two-phase simulated annealing over per-rank orders of a fused pipeline schedule (RLHFuse,
+NSDI'25, arXiv 2409.13221, section 5: minimise the latency, then, with the latency fixed, the peak
+memory).
 
-This module owns the search loop; the incremental timing it scores with lives in
-:mod:`systems.rlhfuse.intra.incremental` and always agrees with ``harness.schedule.simulate``.
+This module owns the search loop of one seed and the fan-out over seeds; the timing it scores with
+lives in :mod:`systems.rlhfuse.intra.incremental` (always agrees with
+``harness.schedule.simulate``), the memory phase in :mod:`systems.rlhfuse.intra.memory`.
 
 - **Neighbourhood** (as in the paper): swap two adjacent actions on one rank. A proposal that
-  would deadlock or break the activation-memory cap is discarded and another one drawn, so every
-  step evaluates a valid schedule. With probability ``q_critical`` the swap is drawn from the
-  ends of the blocks of a critical path (see ``OrderState.critical_swaps``: only those swaps can
-  shorten the path), otherwise uniformly over all adjacent pairs. Uniform swaps alone barely
-  move a schedule of thousands of actions: on 16+16 stages x 16+16 micro-batches they left the
-  makespan where the greedy start had it after 30 000 steps; mixing in critical swaps reaches the
-  lower bound in seconds.
+  would deadlock or break the activation-memory cap is discarded and another one drawn. Two
+  actions of the same pipe and kind (two forwards of one stage) never trade places: that would
+  only relabel micro-batches, so orders stay first-in first-out per stage and no step is wasted
+  on it. With probability ``q_critical`` the swap is drawn from the ends of the blocks of a
+  critical path (see ``OrderState.critical_swaps``: only those swaps can shorten the path),
+  otherwise uniformly over all adjacent pairs. Uniform swaps alone barely move a schedule of
+  thousands of actions: on 16+16 stages x 16+16 micro-batches they left the makespan where the
+  greedy start had it after 30 000 steps; mixing in critical swaps reaches the lower bound in
+  seconds.
 - **Phase 1** (makespan): energy = makespan; Metropolis acceptance ``exp(-dE / T)`` with geometric
   cooling from ``T0`` to ``T1`` (both relative to the mean action time) over the phase's step or
-  time budget, whichever runs out first. The uniform number ``u`` of the acceptance test is drawn
+  time budget, whichever runs out first; a step budget longer than ``phase1_cycle_steps`` is
+  spent in cooling cycles of that length, each a fresh try from the starting order. The uniform number ``u`` of the acceptance test is drawn
   *before* the move is timed, so the move is accepted iff its makespan is at most
   ``current - T ln u`` (the same law as Metropolis), and re-timing stops as soon as it proves the
   makespan will exceed that threshold. Stops early when the makespan reaches the lower bound.
-- **Phase 2** (memory): from the best phase-1 order, energy = the largest per-rank peak of
-  in-flight activation memory (plus a tiny share of the mean per-rank peak, so that moves
-  lowering a non-maximal rank are not blind), accepting only moves whose makespan does not exceed
-  phase 1's best (re-timing aborts past it). With probability ``q_memory`` the swap is one that
-  can lower a peak: the action at a peak position of a rank at the largest peak with its
-  successor. Stops early at the trivial memory bound (the largest single activation) or after
-  ``memory_stall_steps`` steps without a lower peak.
+- **Phase 2** (memory, :class:`~systems.rlhfuse.intra.memory.MemorySearch`): with the makespan
+  fixed at phase 1's best ``T``, lower the peak activation memory under a cap of increasing
+  tightness, starting from phase 1's best order (and, if given, from further orders such as
+  memory-capped greedy schedules, sharing the best peak). Every schedule it keeps has makespan
+  <= ``T``, so the memory phase never lengthens the schedule.
 - **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``; phase 2 gets
-  the rest, including whatever phase 1 left unused.
+  the rest, including whatever phase 1 left unused (phase 1 stops at the lower bound, which it
+  usually reaches within a few thousand steps). A step is one trial move that was timed.
 - **Determinism**: all randomness comes from ``random.Random(seed)``; with ``max_steps`` and no
   time limit the result is a pure function of the inputs. :func:`anneal_seeds` runs several seeds
   (in worker processes when ``num_workers > 1``), seed ``k`` from the ``k``-th of the given
   starting orders (cycling), and keeps the best by (makespan, peak memory, seed), which stays
-  deterministic given (starts, seeds, max_steps).
+  deterministic given (starts, seeds, max_steps) whatever the number of workers.
 """
 from __future__ import annotations
 
@@ -41,10 +45,11 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.schedule import SimModel
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
+from systems.rlhfuse.intra.memory import MemoryParams, MemorySearch
 
 _EPS = 1e-9
 MAX_DRAWS = 1000  # proposals tried per step before the step is counted as a rejected one
@@ -55,13 +60,13 @@ class AnnealParams:
     seed: int = 0
     time_limit_s: float | None = 60.0
     max_steps: int | None = None
-    phase1_frac: float = 0.8
+    phase1_frac: float = 0.5
     t0_rel: float = 1.0    # start temperature / mean action time
     t1_rel: float = 0.02   # final temperature / mean action time
     q_critical: float = 0.8
+    phase1_cycle_steps: int | None = 20_000  # cooling cycle of phase 1 under long step budgets
     memory_phase: bool = True
-    q_memory: float = 0.5
-    memory_stall_steps: int | None = 20_000  # end phase 2 after this many steps without gain
+    memory: MemoryParams = field(default_factory=MemoryParams)
 
 
 @dataclass
@@ -75,6 +80,11 @@ class AnnealOutcome:
     seed: int
     elapsed_s: float
     start_index: int = 0
+    phase1_makespan: float = 0.0     # makespan of phase 1's best order (the memory phase's target)
+    phase1_peak_memory: float = 0.0  # peak of phase 1's best order (the memory phase's start)
+    memory_levels: int = 0           # how many times the memory phase lowered the peak
+    memory_start: int = -1           # the memory phase's start that gave the result (0: phase 1's
+                                     # best, k: memory_starts[k-1]; -1: phase 1's order was kept)
 
 
 class _Budget:
@@ -92,39 +102,39 @@ class _Budget:
         return f
 
 
-class _Proposer:
-    """Draws valid adjacent swaps: with probability ``q`` a targeted one (``critical``: the ends
-    of a critical path's rank blocks; ``memory``: a swap that lowers a peak of the rank with the
-    largest peak, i.e. the action at a peak position with the next one), else a uniform one."""
+def action_classes(model: SimModel) -> list[int]:
+    """Per action: an id of its (pipe, kind). Two actions of one class never trade places."""
+    names: dict[tuple[str, str], int] = {}
+    return [names.setdefault((a.pipe, a.kind), len(names)) for a in model.actions]
 
-    def __init__(self, state: OrderState, rng: random.Random, q: float, target: str = "critical"):
-        self.state, self.rng, self.q, self.target = state, rng, q, target
+
+class _Proposer:
+    """Draws valid adjacent swaps of two different classes: with probability ``q`` one at the end
+    of a critical path's rank block, else a uniform one."""
+
+    def __init__(self, state: OrderState, rng: random.Random, q: float, cls: list[int]):
+        self.state, self.rng, self.q, self.cls = state, rng, q, cls
         self.ranks = [r for r, s in enumerate(state.seqs) if len(s) > 1]
         self.targeted: list[tuple[int, int]] | None = None
 
     def changed(self) -> None:
         self.targeted = None
 
-    def _targets(self) -> list[tuple[int, int]]:
-        state = self.state
-        if self.target == "critical":
-            return state.critical_swaps(self.rng)
-        top = state.max_peak()
-        return [(r, k) for r, pk in enumerate(state.peak) if pk >= top - _EPS
-                for k, held in enumerate(state.prefix[r][:-1]) if held >= top - _EPS]
-
     def propose(self, threshold: float):
-        state, rng, seqs = self.state, self.rng, self.state.seqs
+        state, rng, seqs, cls = self.state, self.rng, self.state.seqs, self.cls
         for _ in range(MAX_DRAWS):
             if rng.random() < self.q:
                 if self.targeted is None:
-                    self.targeted = self._targets()
+                    self.targeted = state.critical_swaps(rng)
                 if not self.targeted:
                     continue
                 r, i = self.targeted[rng.randrange(len(self.targeted))]
             else:
                 r = self.ranks[rng.randrange(len(self.ranks))]
                 i = rng.randrange(len(seqs[r]) - 1)
+            seq = seqs[r]
+            if cls[seq[i]] == cls[seq[i + 1]]:
+                continue
             out = state.try_swap(r, i, threshold)
             if out is not None:
                 return out
@@ -132,16 +142,29 @@ class _Proposer:
 
 
 def _phase_makespan(state: OrderState, rng: random.Random, budget: _Budget, lower_bound: float,
-                    temps: tuple[float, float], q: float) -> tuple[list[list[int]], float, int]:
+                    temps: tuple[float, float], q: float, cls: list[int],
+                    cycle: int | None) -> tuple[list[list[int]], float, int]:
+    """Anneal the makespan. With a step budget longer than ``cycle`` steps, cooling runs in cycles
+    of ``cycle`` steps, each a fresh try from the starting order (a long budget then buys more
+    tries, not a slower cooling that wanders hot for most of it); the best over all is kept."""
     t0, t1 = temps
-    proposer = _Proposer(state, rng, q)
+    proposer = _Proposer(state, rng, q, cls)
     cur = state.makespan()
     best, best_seqs, step = cur, state.snapshot(), 0
     target = lower_bound + _EPS * max(1.0, abs(lower_bound))
+    cycling = cycle is not None and budget.steps is not None and budget.steps > cycle
+    cycle_start, first = 0, state.snapshot()
     while best > target:
         frac = budget.frac(step)
         if frac >= 1.0:
             break
+        if cycling:
+            if step - cycle_start >= cycle:  # cooled down above the bound: another try
+                cycle_start = step
+                state = OrderState(state.model, first, state.mem_cap, state.tail)
+                proposer = _Proposer(state, rng, q, cls)
+                cur = state.makespan()
+            frac = (step - cycle_start) / cycle
         step += 1
         temp = t0 * (t1 / t0) ** frac
         threshold = cur - temp * math.log(1.0 - rng.random())  # accept iff makespan <= this
@@ -160,91 +183,87 @@ def _phase_makespan(state: OrderState, rng: random.Random, budget: _Budget, lowe
     return best_seqs, best, step
 
 
-def _mem_energy(state: OrderState, max_peak: float, r: int | None = None, rank_peak: float = 0.0) -> float:
-    peaks = state.peak
-    total = sum(peaks) if r is None else sum(peaks) - peaks[r] + rank_peak
-    return max_peak + 1e-3 * total / max(len(peaks), 1)
-
-
-def _phase_memory(state: OrderState, rng: random.Random, budget: _Budget, makespan_cap: float,
-                  temps: tuple[float, float], floor: float, q: float, stall_steps: int | None):
-    t0, t1 = temps
-    proposer = _Proposer(state, rng, q, target="memory")
-    cur = _mem_energy(state, state.max_peak())
-    best_peak, best_seqs, step, best_step = state.max_peak(), state.snapshot(), 0, 0
-    limit = makespan_cap + _EPS
-    while best_peak > floor + _EPS:
-        frac = budget.frac(step)
-        if frac >= 1.0 or (stall_steps is not None and step - best_step >= stall_steps):
+def _memory_phase(model: SimModel, tails: list[float], target: float, mem_cap: float | None,
+                  rng: random.Random, p: AnnealParams, starts: Sequence[Sequence[Sequence[int]]],
+                  steps: int | None, seconds: float | None) -> tuple[MemorySearch, int, int]:
+    """Run the memory search from each of ``starts`` in turn (sharing the best peak), splitting
+    the budget evenly; returns (search, steps used, index of the start that gave the best)."""
+    search = MemorySearch(model, tails, target, mem_cap, rng, p.memory)
+    deadline = None if seconds is None else time.perf_counter() + seconds
+    used, best_from = 0, 0
+    for k, seqs in enumerate(starts):
+        share = None if steps is None else (steps - used) // (len(starts) - k)
+        secs = None if deadline is None else (deadline - time.perf_counter()) / (len(starts) - k)
+        before = search.best_peak
+        out = search.run(seqs, share, secs)
+        used += out.steps
+        if search.best_peak < before - _EPS:
+            best_from = k
+        if search.at_floor():
             break
-        step += 1
-        out = proposer.propose(limit)
-        if out is None:
-            continue
-        new_makespan, new_peak = out
-        if new_makespan > limit:
-            state.revert()
-            continue
-        r, rank_peak = state.pending_rank_peak()
-        energy = _mem_energy(state, new_peak, r, rank_peak)
-        delta = energy - cur
-        if delta <= 0 or rng.random() < math.exp(-delta / (t0 * (t1 / t0) ** frac)):
-            state.commit()
-            proposer.changed()
-            cur = energy
-            if new_peak < best_peak - _EPS:
-                best_peak, best_seqs, best_step = new_peak, state.snapshot(), step
-        else:
-            state.revert()
-    return best_seqs, best_peak, step
+    return search, used, best_from
 
 
 def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
-           mem_cap: float | None = None, params: AnnealParams | None = None) -> AnnealOutcome:
-    """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank)."""
+                  mem_cap: float | None = None, params: AnnealParams | None = None,
+                  memory_starts: Sequence[Sequence[Sequence[int]]] = ()) -> AnnealOutcome:
+    """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank).
+    The memory phase starts from phase 1's best order, then from each of ``memory_starts``
+    (further orders, e.g. low-memory ones; none by default), splitting its budget evenly."""
     p = params or AnnealParams()
     t_begin = time.perf_counter()
     rng = random.Random(p.seed)
     tails = chain_tails(model)
     state = OrderState(model, seqs, mem_cap, tails)
     if not any(len(s) > 1 for s in state.seqs):
-        return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0)
+        return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0,
+                             phase1_makespan=state.makespan(), phase1_peak_memory=state.max_peak())
     mean_dur = sum(model.dur) / max(len(model.dur), 1) or 1.0
     temps = (p.t0_rel * mean_dur, p.t1_rel * mean_dur)
     frac1 = p.phase1_frac if p.memory_phase else 1.0
     steps1 = None if p.max_steps is None else int(round(p.max_steps * frac1))
     secs1 = None if p.time_limit_s is None else p.time_limit_s * frac1
     best_seqs, best, steps_1 = _phase_makespan(state, rng, _Budget(steps1, secs1), lower_bound,
-                                               temps, p.q_critical)
-    steps_2 = 0
+                                               temps, p.q_critical, action_classes(model),
+                                               p.phase1_cycle_steps)
+    phase1 = OrderState(model, best_seqs, mem_cap, tails)
+    phase1_peak = phase1.max_peak()
+    steps_2, levels, memory_start = 0, 0, -1
     if p.memory_phase:
-        state = OrderState(model, best_seqs, mem_cap, tails)
         left_steps = None if p.max_steps is None else p.max_steps - steps_1
         left_s = None if p.time_limit_s is None else p.time_limit_s - (time.perf_counter() - t_begin)
-        floor = max(max(model.mem_delta, default=0.0), 0.0)
-        mem_temps = (p.t0_rel * max(floor, _EPS), p.t1_rel * max(floor, _EPS))
-        best_seqs, _, steps_2 = _phase_memory(state, rng, _Budget(left_steps, left_s), best,
-                                              mem_temps, floor, p.q_memory, p.memory_stall_steps)
+        search, steps_2, memory_start = _memory_phase(model, tails, phase1.makespan(), mem_cap, rng, p,
+                                                      [best_seqs, *memory_starts], left_steps, left_s)
+        if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
+            best_seqs = search.best_seqs
+            levels = search.levels_total
+        else:
+            memory_start = -1
     final = OrderState(model, best_seqs, mem_cap, tails)
     return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
-                         steps_2, p.seed, time.perf_counter() - t_begin)
+                         steps_2, p.seed, time.perf_counter() - t_begin,
+                         phase1_makespan=phase1.makespan(), phase1_peak_memory=phase1_peak,
+                         memory_levels=levels,
+                         memory_start=memory_start)
 
 
 def _worker(args) -> AnnealOutcome:
-    model, seqs, lower_bound, mem_cap, params, start_index = args
-    out = anneal_orders(model, seqs, lower_bound, mem_cap, params)
+    model, seqs, lower_bound, mem_cap, params, start_index, memory_starts = args
+    out = anneal_orders(model, seqs, lower_bound, mem_cap, params, memory_starts)
     out.start_index = start_index
     return out
 
 
 def anneal_seeds(model: SimModel, starts: Sequence[Sequence[Sequence[int]]], lower_bound: float,
                  mem_cap: float | None, seeds: Sequence[int], params: AnnealParams,
-                 num_workers: int = 1) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
+                 num_workers: int = 1, memory_starts: Sequence[Sequence[Sequence[int]]] = ()
+                 ) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
     """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (``num_workers``
-    processes when > 1); returns (best, all). Best = lowest makespan, then lowest peak memory,
-    then lowest seed."""
+    processes when > 1), each with the same ``memory_starts`` for its memory phase; returns
+    (best, all). Best = lowest makespan, then lowest peak memory, then lowest seed."""
+    lows = [[list(s) for s in start] for start in memory_starts]
     jobs = [(model, [list(s) for s in starts[k % len(starts)]], lower_bound, mem_cap,
-             AnnealParams(**{**params.__dict__, "seed": seed}), k % len(starts))
+             AnnealParams(**{**params.__dict__, "seed": seed}), k % len(starts), lows)
             for k, seed in enumerate(seeds)]
     workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
     if workers == 1:
@@ -253,5 +272,13 @@ def anneal_seeds(model: SimModel, starts: Sequence[Sequence[Sequence[int]]], low
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         with multiprocessing.get_context(method).Pool(workers) as pool:
             outcomes = pool.map(_worker, jobs, chunksize=1)
-    best = min(outcomes, key=lambda o: (o.makespan, o.peak_memory, o.seed))
-    return best, outcomes
+    return best_outcome(outcomes), outcomes
+
+
+def best_outcome(outcomes: Sequence[AnnealOutcome]) -> AnnealOutcome:
+    """Lowest makespan (makespans within a relative 1e-9 of it count as equal: different timing
+    passes differ in the last bits), then lowest peak memory, then lowest seed."""
+    shortest = min(o.makespan for o in outcomes)
+    tol = 1e-9 * max(1.0, abs(shortest))
+    return min((o for o in outcomes if o.makespan <= shortest + tol),
+               key=lambda o: (o.peak_memory, o.seed))

@@ -2,13 +2,18 @@
 
 This module owns :func:`search_fused_schedule`: given the fused pipes and their costs it builds
 the serial references (the paper's: each model's 1F1B to completion with a barrier between,
-:func:`paper_serial`; and 1F1B back to back without the barrier, also a starting point), the paper's greedy schedule (larger model first) and a small portfolio
-of other greedy orders (``greedy.POLICIES`` x in-flight windows), ranks these starting points by
-(makespan, peak memory), anneals seed ``k`` from the ``k``-th best (makespan first, then
-adjacent-swap memory reduction), and reports the result against the lower bound. The portfolio
-is cheap (one list-scheduling pass each) and matters: on two equal 16-stage models the paper's
-greedy order starts at 151 (bound 117) and annealing from it stalls, while starts that keep both
-pipelines moving are annealed to the bound in seconds.
+:func:`paper_serial`; and 1F1B back to back without the barrier, also a starting point), the
+paper's greedy schedule (larger model first) and a small portfolio of other greedy orders
+(``greedy.POLICIES`` x in-flight windows), ranks these starting points by (makespan, peak
+memory), anneals seed ``k`` from the ``k``-th best in two phases (makespan first; then, with the
+makespan fixed, peak activation memory: :mod:`systems.rlhfuse.intra.memory`), and reports the
+result against the lower bound and the serial baseline's peak. The portfolio is cheap (one
+list-scheduling pass each) and matters: on two equal 16-stage models the paper's greedy order
+starts at 151 (bound 117) and annealing from it stalls, while starts that keep both pipelines
+moving are annealed to the bound in seconds.
+
+Budgets are steps (trial moves) per seed by default, so the same seed and steps give the same
+schedule, with or without worker processes; a wall-clock limit is an option.
 Everything is scored by ``harness.schedule.simulate``; the returned schedule is checked with
 ``harness.schedule.validate``.
 """
@@ -50,7 +55,23 @@ class FusedResult:
     best_start: str = ""
     start_makespan: float = 0.0
     steps_memory: int = 0       # of ``steps``, those spent in the memory phase
-    steps_per_s: float = 0.0    # annealing steps (trial swaps timed) per second, best seed
+    steps_per_s: float = 0.0    # annealing steps (trial moves) per second, best seed
+    phase1_makespan: float = 0.0     # the makespan phase's result (the memory phase keeps it)
+    phase1_peak_memory: float = 0.0  # peak of the makespan phase's result (memory phase start)
+    memory_levels: int = 0      # times the memory phase lowered the peak (best seed)
+    memory_start: str = ""      # the memory phase's starting order that gave the result
+    max_steps: int | None = None  # the budget per seed
+    time_limit_s: float | None = None
+    num_workers: int = 1
+
+    @property
+    def makespan_vs_lower_bound(self) -> float:
+        return self.makespan / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    @property
+    def peak_memory_vs_serial(self) -> float:
+        """Peak activation memory over the paper's serial baseline's peak."""
+        return self.peak_memory / self.serial_peak_memory if self.serial_peak_memory > 0 else 1.0
 
     @property
     def gap_to_lower_bound_frac(self) -> float:
@@ -74,6 +95,14 @@ class FusedResult:
             "best_seed": self.best_seed, "best_start": self.best_start,
             "start_makespan": self.start_makespan, "steps_memory": self.steps_memory,
             "steps_per_s": self.steps_per_s, "lower_bound_terms": dict(self.bound_terms),
+            "makespan_vs_lower_bound": self.makespan_vs_lower_bound,
+            "peak_memory_vs_serial": self.peak_memory_vs_serial,
+            "phase1_makespan": self.phase1_makespan, "phase1_peak_memory": self.phase1_peak_memory,
+            "phase1_peak_memory_vs_serial": (self.phase1_peak_memory / self.serial_peak_memory
+                                             if self.serial_peak_memory > 0 else 1.0),
+            "memory_levels": self.memory_levels, "memory_start": self.memory_start,
+            "seeds": list(self.seeds), "max_steps": self.max_steps,
+            "time_limit_s": self.time_limit_s, "num_workers": self.num_workers,
         }
 
 
@@ -96,6 +125,22 @@ def _encode(schedule: Schedule, costs: Mapping[str, PipeCosts]) -> list[list[int
 
 
 START_WINDOWS = (None, 1.5, 2.0, 3.0)
+# optional further starts of the memory phase (``low_memory_starts=True``): greedy schedules under
+# caps of these multiples of the serial 1F1B schedule's peak (1F1B-shaped interleavings that hold
+# at most what serial holds, and two looser ones that are usually shorter). Off by default: on the
+# Table 3 shapes the run from the makespan phase's order always gave the lower peak (see
+# docs/FUSED_SEARCH.md), so their share of the budget was better spent on that run.
+LOW_MEMORY_CAPS = (1.0, 1.25, 1.5)
+
+
+def _greedy_starts(pipes, costs, mem_cap, windows=START_WINDOWS):
+    for policy in POLICIES:
+        for window in windows:
+            try:
+                sched = greedy_schedule(pipes, costs, mem_cap, policy=policy, window=window)
+            except ScheduleError:  # not for fused layouts (see greedy's safety rule)
+                continue
+            yield (policy if window is None else f"{policy}/window{window:g}"), sched
 
 
 def starting_points(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
@@ -103,30 +148,52 @@ def starting_points(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
     """Serial 1F1B plus every greedy policy x window, deduplicated, best (makespan, peak) first."""
     found: list[tuple[str, Schedule, SimResult]] = [("serial", serial, simulate(serial, costs,
                                                                                  record_times=False))]
-    for policy in POLICIES:
-        for window in START_WINDOWS:
-            try:
-                sched = greedy_schedule(pipes, costs, mem_cap, policy=policy, window=window)
-            except ScheduleError:  # not for fused layouts (see greedy's safety rule)
-                continue
-            if any(sched.order == other.order for _, other, _ in found):
-                continue
-            name = policy if window is None else f"{policy}/window{window:g}"
-            found.append((name, sched, simulate(sched, costs, record_times=False)))
+    for name, sched in _greedy_starts(pipes, costs, mem_cap):
+        if any(sched.order == other.order for _, other, _ in found):
+            continue
+        found.append((name, sched, simulate(sched, costs, record_times=False)))
     return sorted(found, key=lambda c: (c[2].makespan, c[2].max_peak_memory))
+
+
+def capped_greedy_starts(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
+                      mem_cap: float | None, serial_peak: float) -> list[tuple[str, Schedule, SimResult]]:
+    """Per cap in ``LOW_MEMORY_CAPS`` x ``serial_peak`` (never above ``mem_cap``): the shortest
+    greedy schedule under that cap (ties: lower peak), distinct schedules only, tightest cap first."""
+    out: list[tuple[str, Schedule, SimResult]] = []
+    for factor in LOW_MEMORY_CAPS:
+        cap = factor * serial_peak if mem_cap is None else min(mem_cap, factor * serial_peak)
+        best = None
+        for name, sched in _greedy_starts(pipes, costs, cap, windows=(None, 1.0, 1.5)):
+            sim = simulate(sched, costs, record_times=False)
+            if best is None or (sim.makespan, sim.max_peak_memory) < (best[2].makespan,
+                                                                     best[2].max_peak_memory):
+                best = (f"{name}/cap{factor:g}", sched, sim)
+        if best is not None and not any(best[1].order == o.order for _, o, _ in out):
+            out.append(best)
+    return out
+
+
+DEFAULT_MAX_STEPS = 100_000  # per seed, when neither a step nor a time budget is given
 
 
 def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
                           mem_cap: float | None = None, seed: int = 0,
-                          time_limit_s: float | None = 60.0, max_steps: int | None = None,
+                          time_limit_s: float | None = None, max_steps: int | None = None,
                           num_workers: int = 1, num_seeds: int | None = None,
-                          memory_phase: bool = True) -> FusedResult:
+                          memory_phase: bool = True, low_memory_starts: bool = False) -> FusedResult:
     """Search a fused schedule. ``num_seeds`` independent seeds ``seed, seed+1, ...`` (default:
-    ``num_workers``) each get the full ``time_limit_s`` / ``max_steps`` budget and run
-    ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point;
-    the best result wins (makespan, then peak memory, then lower seed). Raises ValueError if
-    ``mem_cap`` is below the serial schedule's peak memory."""
+    ``num_workers``) each get the full ``max_steps`` (default ``DEFAULT_MAX_STEPS`` when no
+    ``time_limit_s`` is given either) / ``time_limit_s`` budget, whichever runs out first, and run
+    ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point,
+    and every seed's memory phase also starts from the low-memory starting points; the best result
+    wins (makespan, then peak memory, then lower seed). With ``low_memory_starts`` the memory phase
+    also starts from memory-capped greedy schedules (:func:`capped_greedy_starts`), splitting its
+    budget evenly. Deterministic for a given step budget and
+    seeds (not under a time limit). Raises ValueError if ``mem_cap`` is below the serial
+    schedule's peak memory."""
     t_begin = time.perf_counter()
+    if max_steps is None and time_limit_s is None:
+        max_steps = DEFAULT_MAX_STEPS
     pipes = dict(pipes)
     bound: LowerBound = lower_bound_terms(pipes, costs)
     serial = serial_schedule(pipes)
@@ -135,6 +202,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         raise ValueError(f"memory cap {mem_cap:g} is below the peak in-flight activation memory "
                          f"{serial_sim.max_peak_memory:g} that even the serial 1F1B schedule needs")
     starts = starting_points(pipes, costs, mem_cap, serial)
+    lows = (capped_greedy_starts(pipes, costs, mem_cap, serial_sim.max_peak_memory)
+            if memory_phase and low_memory_starts else [])
     greedy_sim = next((sim for name, _, sim in starts if name == "larger"), serial_sim)
     barrier_makespan, barrier_peak = paper_serial(pipes, costs)
     model = sim_model(serial, costs)
@@ -142,11 +211,14 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     params = AnnealParams(seed=seed, time_limit_s=time_limit_s, max_steps=max_steps,
                           memory_phase=memory_phase)
     best, _ = anneal_seeds(model, [_encode(s, costs) for _, s, _ in starts], bound.value, mem_cap,
-                           seeds, params, num_workers)
+                           seeds, params, num_workers,
+                           memory_starts=[_encode(s, costs) for _, s, _ in lows])
     start_name, start, start_sim = starts[best.start_index]
     ranks = serial.ranks
     schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(ranks, best.seqs)})
-    if (best.makespan, best.peak_memory) > (start_sim.makespan, start_sim.max_peak_memory):
+    tol = 1e-9 * max(1.0, start_sim.makespan)  # incremental and full timing differ in the last bits
+    if best.makespan > start_sim.makespan + tol or (best.makespan >= start_sim.makespan - tol and
+                                                    best.peak_memory > start_sim.max_peak_memory + 1e-12):
         schedule = start  # cannot happen (the annealer keeps its best), but never return worse
     result = simulate(schedule, costs, record_times=False)
     try:
@@ -154,6 +226,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         valid = mem_cap is None or result.max_peak_memory <= mem_cap + 1e-9
     except ScheduleError:
         valid = False
+    memory_start = ("" if best.memory_start < 0 else "makespan phase" if best.memory_start == 0
+                    else lows[best.memory_start - 1][0])
     return FusedResult(
         schedule=schedule, makespan=result.makespan, lower_bound=bound.value,
         serial_makespan=barrier_makespan, greedy_makespan=greedy_sim.makespan,
@@ -163,4 +237,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         steps=best.steps, greedy_peak_memory=greedy_sim.max_peak_memory,
         bound_terms=bound.terms(), seeds=seeds, best_seed=best.seed, best_start=start_name,
         start_makespan=start_sim.makespan, steps_memory=best.steps_memory,
-        steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0)
+        steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0,
+        phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory,
+        memory_levels=best.memory_levels,
+        memory_start=memory_start, max_steps=max_steps, time_limit_s=time_limit_s,
+        num_workers=num_workers)

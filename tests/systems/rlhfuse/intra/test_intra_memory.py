@@ -1,0 +1,130 @@
+"""Memory phase of the fused-schedule search (RLHFuse section 5: minimise the peak memory with the
+makespan fixed): trial moves agree with simulate, the phase never lengthens the schedule, never
+exceeds a given memory cap, and is deterministic for a seed and step budget."""
+import random
+
+import pytest
+
+from harness.schedule import Schedule, ScheduleError, sim_model, simulate, validate
+from systems.rlhfuse.intra import (MemorySearch, OrderState, fused_costs, fused_pipes,
+                                   greedy_schedule, lower_bound, search_fused_schedule,
+                                   serial_schedule)
+from systems.rlhfuse.intra.anneal import AnnealParams, anneal_orders
+from systems.rlhfuse.intra.incremental import chain_tails
+
+
+def _setup(n1=4, n2=4, m1=6, m2=6, p2p=0.0, policy="larger"):
+    pipes = fused_pipes(n1, n2, m1, m2)
+    costs = fused_costs(pipes, 1.0, 0.6, mem1=1.0, mem2=0.5, p2p=p2p)
+    start = greedy_schedule(pipes, costs, policy=policy)
+    model = sim_model(start, costs)
+    seqs = [model.encode(start.order[r], r) for r in start.ranks]
+    return pipes, costs, start, model, seqs
+
+
+def _decode(model, ranks, seqs, pipes):
+    return Schedule(pipes, {r: [model.actions[v] for v in s] for r, s in zip(ranks, seqs)})
+
+
+def test_trial_moves_report_what_simulate_would_and_reject_exactly_the_deadlocks():
+    pipes, costs, start, model, seqs = _setup(4, 2, 3, 4, p2p=0.1)
+    state = OrderState(model, seqs)
+    rng = random.Random(5)
+    checked = rejected = 0
+    while checked < 150:
+        r = rng.randrange(len(state.seqs))
+        n = len(state.seqs[r])
+        i, j = rng.randrange(n), rng.randrange(n)
+        if i == j:
+            continue
+        trial = [list(s) for s in state.seqs]
+        trial[r].insert(j, trial[r].pop(i))
+        try:
+            res = simulate(_decode(model, start.ranks, trial, pipes), costs)
+        except ScheduleError:
+            res = None
+        out = state.try_move(r, i, j)
+        if res is None:
+            assert out is None
+            rejected += 1
+            continue
+        assert out == pytest.approx((res.makespan, res.max_peak_memory))
+        state.commit() if rng.random() < 0.5 else state.revert()
+        checked += 1
+    assert rejected > 0
+
+
+def _memory_search(model, seqs, target, cap, seed, steps):
+    search = MemorySearch(model, chain_tails(model), target, cap, random.Random(seed))
+    search.run(seqs, steps)
+    return search
+
+
+def test_memory_search_keeps_makespan_lowers_peak_and_is_deterministic():
+    pipes, costs, start, model, seqs = _setup()
+    lb = lower_bound(pipes, costs)
+    phase1 = anneal_orders(model, seqs, lb, None, AnnealParams(seed=0, time_limit_s=None,
+                                                                max_steps=3000, memory_phase=False))
+    a = _memory_search(model, phase1.seqs, phase1.makespan, None, 1, 3000)
+    b = _memory_search(model, phase1.seqs, phase1.makespan, None, 1, 3000)
+    assert a.best_seqs == b.best_seqs and a.best_peak == b.best_peak
+    sched = _decode(model, start.ranks, a.best_seqs, pipes)
+    validate(sched)
+    res = simulate(sched, costs)
+    assert res.makespan <= phase1.makespan + 1e-9
+    assert res.max_peak_memory == pytest.approx(a.best_peak)
+    assert a.best_peak < phase1.peak_memory  # the greedy start floods the ranks with forwards
+
+
+def test_memory_search_never_exceeds_a_cap(monkeypatch):
+    pipes, costs, start, model, seqs = _setup(4, 2, 4, 8)
+    cap = simulate(serial_schedule(pipes), costs).max_peak_memory
+    low = greedy_schedule(pipes, costs, cap, policy="fifo", window=1.0)
+    low_seqs = [model.encode(low.order[r], r) for r in low.ranks]
+    peaks = []
+    commit = OrderState.commit
+
+    def checked_commit(self):
+        commit(self)
+        peaks.append(self.max_peak())
+    monkeypatch.setattr(OrderState, "commit", checked_commit)
+    target = simulate(low, costs).makespan
+    search = _memory_search(model, low_seqs, target, cap, 3, 2000)
+    assert peaks and max(peaks) <= cap + 1e-9
+    assert search.best_peak <= cap + 1e-9
+    res = simulate(_decode(model, low.ranks, search.best_seqs, pipes), costs)
+    assert res.makespan <= target + 1e-9 and res.max_peak_memory <= cap + 1e-9
+
+
+@pytest.mark.parametrize("stages,m,cap", [((4, 4), 8, None), ((8, 4), 8, None), ((4, 2), 6, "serial")])
+def test_two_phases_never_lengthen_and_respect_the_cap(stages, m, cap):
+    pipes = fused_pipes(*stages, m, m)
+    costs = fused_costs(pipes, 1.0, 0.5, mem1=1.0, mem2=0.6)
+    mem_cap = simulate(serial_schedule(pipes), costs).max_peak_memory if cap else None
+    res = search_fused_schedule(pipes, costs, max_steps=4000, mem_cap=mem_cap)
+    validate(res.schedule)
+    assert res.valid
+    assert res.makespan <= res.phase1_makespan * (1 + 1e-9)
+    assert res.peak_memory <= res.phase1_peak_memory + 1e-9
+    assert res.peak_memory_vs_serial == pytest.approx(res.peak_memory / res.serial_peak_memory)
+    assert res.makespan_vs_lower_bound == pytest.approx(res.makespan / res.lower_bound)
+    if mem_cap is not None:
+        assert res.peak_memory <= mem_cap + 1e-9
+
+
+def test_same_seed_and_steps_give_the_same_schedule_with_any_worker_count():
+    pipes = fused_pipes(8, 4, 8, 8)
+    costs = fused_costs(pipes, 1.0, 0.9, mem1=1.0, mem2=1.1)
+    runs = [search_fused_schedule(pipes, costs, seed=3, max_steps=2500, num_seeds=2, num_workers=w)
+            for w in (1, 1, 2)]
+    assert runs[0].schedule.order == runs[1].schedule.order == runs[2].schedule.order
+    assert runs[0].best_seed == runs[2].best_seed
+    assert (runs[0].makespan, runs[0].peak_memory) == (runs[2].makespan, runs[2].peak_memory)
+
+
+def test_default_budget_is_steps(monkeypatch):
+    from systems.rlhfuse.intra import search
+    monkeypatch.setattr(search, "DEFAULT_MAX_STEPS", 300)
+    pipes = fused_pipes(2, 2, 2, 2)
+    res = search_fused_schedule(pipes, fused_costs(pipes, 1.0, 1.0))
+    assert res.time_limit_s is None and res.max_steps == 300 and res.steps <= 300
