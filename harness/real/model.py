@@ -16,6 +16,7 @@ Running the stages of :meth:`LlamaModel.split` in sequence equals :meth:`LlamaMo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,10 +319,66 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
+INIT_STD = 0.02
+INIT_BLOCK_NUMEL = 1 << 16  # elements (whole rows) drawn from one seeded generator
+
+
+def init_seed(seed: int, name: str, block: int) -> int:
+    """The 63-bit seed of rows block ``block`` of parameter ``name`` (stable across processes)."""
+    digest = hashlib.blake2b(f"{seed}:{name}:{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def init_rows_per_block(shape: tuple[int, ...]) -> int:
+    """Rows (along dim 0) of a parameter of ``shape`` drawn per seeded block: whole rows, about
+    :data:`INIT_BLOCK_NUMEL` elements; a function of the full shape only, never of a layout."""
+    row = 1
+    for size in shape[1:]:
+        row *= size
+    return max(1, INIT_BLOCK_NUMEL // max(row, 1))
+
+
+def init_values(name: str, shape: tuple[int, ...], seed: int, rows: tuple[int, int] | None = None,
+                cols: tuple[int, int] | None = None) -> Tensor:
+    """Initial float32 values of rows ``[r0, r1)`` and columns ``[c0, c1)`` (dim 1) of parameter
+    ``name`` whose full shape is ``shape``; None = the whole range.
+
+    Norm weights are 1; every other weight is N(0, 0.02^2) (GPT-2 / LLaMA-style init), drawn on the
+    CPU in blocks of whole rows, each block from its own generator seeded by (``seed``, ``name``,
+    block index). Any slice of a parameter is therefore computed from the blocks it overlaps only,
+    and equals the same slice of the whole parameter: a worker materialises its tensor- and
+    pipeline-parallel shard without ever holding the full model (at most one block more)."""
+    shape = tuple(int(s) for s in shape)
+    r0, r1 = rows if rows is not None else (0, shape[0])
+    if not 0 <= r0 <= r1 <= shape[0]:
+        raise ValueError(f"{name}: rows [{r0}, {r1}) outside {shape}")
+    out_shape = (r1 - r0,) + shape[1:]
+    if cols is not None:
+        c0, c1 = cols
+        if len(shape) < 2 or not 0 <= c0 <= c1 <= shape[1]:
+            raise ValueError(f"{name}: columns [{c0}, {c1}) outside {shape}")
+        out_shape = (r1 - r0, c1 - c0) + shape[2:]
+    if name.endswith("norm.weight"):
+        return torch.ones(out_shape)
+    out = torch.empty(out_shape)
+    per = init_rows_per_block(shape)
+    for block in range(r0 // per, -(-r1 // per) if r1 > r0 else r0 // per):
+        b0, b1 = block * per, min((block + 1) * per, shape[0])
+        gen = torch.Generator().manual_seed(init_seed(seed, name, block))
+        values = torch.randn((b1 - b0,) + shape[1:], generator=gen).mul_(INIT_STD)
+        lo, hi = max(b0, r0), min(b1, r1)
+        part = values[lo - b0:hi - b0]
+        if cols is not None:
+            part = part[:, cols[0]:cols[1]]
+        out[lo - r0:hi - r0] = part
+    return out
+
+
 class LlamaModel(PipelineStage):
-    """The whole decoder (one stage holding every layer), randomly initialised from ``seed``:
-    weights ~ N(0, 0.02^2) drawn on the CPU in parameter-name order (so the same on any device),
-    norms at 1 (GPT-2 / LLaMA-style init). ``init=False`` leaves memory uninitialised for loaders."""
+    """The whole decoder (one stage holding every layer), randomly initialised from ``seed`` by
+    :func:`init_values` (the same numbers on any device and in any layout: a sharded replica built
+    with :func:`harness.backends.ray.layout.init_local_module` holds exactly the matching slices).
+    ``init=False`` leaves memory uninitialised for loaders."""
 
     def __init__(self, args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", init: bool = True):
@@ -337,16 +394,12 @@ class LlamaModel(PipelineStage):
             self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int, names: list[str] | None = None) -> None:
-        """Draw the named parameters (default: all) from ``seed`` as described above."""
-        gen = torch.Generator().manual_seed(seed)
+        """Draw the named parameters (default: all) from ``seed`` (:func:`init_values`)."""
         params = dict(self.named_parameters())
         with torch.no_grad():
             for name in sorted(params if names is None else names):
                 p = params[name]
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(init_values(name, tuple(p.shape), seed))
 
     @classmethod
     def from_config(cls, cfg: LlamaConfig, *, seed: int = 0, **extra) -> "LlamaModel":

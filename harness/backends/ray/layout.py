@@ -11,7 +11,9 @@ read: with ``tp <= num_kv_heads`` the kv heads split evenly, with ``tp > num_kv_
 head is replicated on the ``tp / num_kv_heads`` ranks that share it (as Megatron-LM does).
 
 Everything here is pure (no communication): a worker builds its local module with
-:func:`build_local_module`, fills it with :func:`local_piece` from a full state dict, a driver puts
+:func:`build_local_module` on the meta device and materialises only its own piece, either from the
+seeded initial values (:func:`init_local_module`, which computes just the slices it holds, so a
+worker never holds the full model) or from a full state dict (:func:`local_piece`); a driver puts
 pieces back together with :func:`assemble`, and :func:`transfer_plan` lists the slices each device
 must receive when weights change layout.
 """
@@ -25,7 +27,7 @@ from torch import Tensor, nn
 
 from harness.errors import PlanError
 from harness.plan import Allocation
-from harness.real.model import DecoderLayer, ModelArgs, PipelineStage, RMSNorm, split_layers
+from harness.real.model import DecoderLayer, ModelArgs, PipelineStage, RMSNorm, init_values, split_layers
 
 COLUMN_PARALLEL = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "mlp.w_gate.weight", "mlp.w_up.weight")
 ROW_PARALLEL = ("attn.wo.weight", "mlp.w_down.weight")
@@ -127,6 +129,69 @@ def load_pieces(module: nn.Module, full_state: dict[str, Tensor], args: ModelArg
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(local_piece(full_state[name], name, args, tp, t))
+
+
+def piece_ranges(name: str, args: ModelArgs, tp: int, t: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """``(rows, cols)`` of the full tensor ``name`` that tp rank ``t`` holds (None: all of that dim)."""
+    sl = tp_slice(name, args, tp, t)
+    if sl is None:
+        return None, None
+    dim, start, end = sl
+    return ((start, end), None) if dim == 0 else (None, (start, end))
+
+
+def init_pieces(module: nn.Module, args: ModelArgs, tp: int, t: int, seed: int) -> None:
+    """Fill a local module (materialised, any dtype/device) with its slices of the seeded initial
+    weights (:func:`harness.real.model.init_values`): equal to :func:`load_pieces` from
+    ``LlamaModel(args, seed=seed).state_dict()``, without building that full model."""
+    shapes = full_shapes(args)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            rows, cols = piece_ranges(name, args, tp, t)
+            p.copy_(init_values(name, shapes[name], seed, rows, cols))
+
+
+def init_local_module(args: ModelArgs, pp: int, p: int, tp: int, t: int, *, device="cpu",
+                      dtype: torch.dtype = torch.float32, seed: int | None = None,
+                      full_state: dict[str, Tensor] | None = None) -> PipelineStage:
+    """Stage ``p``, tp slice ``t`` of a model, built on the meta device and materialised on
+    ``device`` in ``dtype`` (only this piece is ever allocated), filled from ``full_state`` when
+    given, else from the seeded initial weights when ``seed`` is given, else left uninitialised."""
+    with torch.device("meta"):
+        module = build_local_module(args, pp, p, tp)
+    module.to(dtype=dtype)  # on meta: no memory
+    module.to_empty(device=device)
+    if full_state is not None:
+        load_pieces(module, full_state, args, tp, t)
+    elif seed is not None:
+        init_pieces(module, args, tp, t, seed)
+    return module
+
+
+def flat_init_shard(args: ModelArgs, seed: int, lo: int, hi: int) -> Tensor:
+    """Elements ``[lo, hi)`` (float32) of the whole model's flat parameter vector in parameter-name
+    order (the order of :class:`harness.backends.ray.optim.FlatAdam`), from the seeded initial
+    weights; past the last parameter (padding) zeros. Materialises only the rows it needs."""
+    out = torch.zeros(max(hi - lo, 0))
+    offset = 0
+    for name, shape in sorted(full_shapes(args).items()):
+        n = 1
+        for size in shape:
+            n *= size
+        a, b = max(lo, offset), min(hi, offset + n)
+        if a < b:
+            row = n // shape[0]
+            r0, r1 = (a - offset) // row, -(-(b - offset) // row)
+            values = init_values(name, shape, seed, (r0, r1)).reshape(-1)
+            start = offset + r0 * row
+            out[a - lo:b - lo] = values[a - start:b - start]
+        offset += n
+    return out
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters materialised in ``module`` (meta and released tensors count 0)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not p.is_meta)
 
 
 def assemble(pieces: dict[Coord, dict[str, Tensor]], args: ModelArgs, pp: int, tp: int) -> dict[str, Tensor]:

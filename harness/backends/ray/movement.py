@@ -72,7 +72,9 @@ def move_weights(worker, role: str, source, target, source_alloc: Allocation,
             elif tr.dst == rank:
                 recv_numel[tr.src] = recv_numel.get(tr.src, 0) + tr.numel(shapes[tr.name])
         flat_sends = {dst: torch.cat(parts) for dst, parts in sends.items()}
-        got = exchange(rank, flat_sends, recv_numel, torch.float32, worker.device)
+        dtype = getattr(worker, "dtype", torch.float32)  # weights travel in the replicas' dtype (bf16 on CUDA)
+        flat_sends = {dst: buf.to(dtype) for dst, buf in flat_sends.items()}
+        got = exchange(rank, flat_sends, recv_numel, dtype, worker.device)
         offsets = {src: 0 for src in got}
         for tr in plan:
             if tr.dst == rank and tr.src != rank:
@@ -80,7 +82,7 @@ def move_weights(worker, role: str, source, target, source_alloc: Allocation,
                 dst = target_slice(tr)
                 dst.copy_(got[tr.src][offsets[tr.src]:offsets[tr.src] + n].view(dst.shape))
                 offsets[tr.src] += n
-                received += n * 4
+                received += n * got[tr.src].element_size()
     return [("realloc", t0, time.time(), 0.0, received)], {"bytes": received}
 
 
@@ -91,7 +93,8 @@ def gather_state(replica) -> dict[str, Any] | None:
         state = replica.full_state()
         if state is None:
             return None
-        return {"coord": (0, 0, 0), "state": {n: v.cpu().numpy() for n, v in state.items()}}
+        return {"coord": (0, 0, 0), "state": {n: v.float().cpu().numpy() for n, v in state.items()}}
     if replica.coord[0] != 0:
         return None
-    return {"coord": tuple(replica.coord), "state": {n: v.cpu().numpy().copy() for n, v in replica.local_state().items()}}
+    return {"coord": tuple(replica.coord), "state": {n: v.float().cpu().numpy().copy()
+                                                   for n, v in replica.local_state().items()}}

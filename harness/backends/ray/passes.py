@@ -43,6 +43,39 @@ def _flops(model_cfg: dict, replica: Replica, num_tokens: float, seq_len: float)
 
 # ---- generation -------------------------------------------------------------------------
 
+def make_engine(replica: Replica, *, max_batch_size: int, sampling: SamplingParams, kv_capacity: int):
+    """The generation engine of one instance: ours over the replica's module, or -- with
+    ``backend.options.generation_engine=vllm`` (``replica.engine_options``) -- a vLLM engine kept on
+    the replica across calls, built once from the replica's weights written as a Hugging Face
+    checkpoint and refreshed in place (``VllmEngine.load_state``) before each use."""
+    opts = getattr(replica, "engine_options", None) or {}
+    if opts.get("generation_engine", "ours") != "vllm":
+        return GenerationEngine(replica.module, max_batch_size=max_batch_size, sampling=sampling,
+                                kv_capacity=kv_capacity)
+    import tempfile
+
+    from harness.real.vllm_engine import VllmEngine, save_hf_llama
+
+    v = opts.get("vllm") or {}
+    state = {n: p.detach() for n, p in replica.module.named_parameters()}
+    engine = getattr(replica, "vllm_engine", None)
+    max_len = int(v.get("max_model_len") or kv_capacity)
+    if engine is None or engine.max_batch_size < max_batch_size or replica.vllm_max_len < max_len:
+        workdir = v.get("workdir") or tempfile.mkdtemp(prefix=f"vllm_{replica.role}_{replica.rank}_")
+        dtype = replica.dtype
+        path = save_hf_llama(state, replica.args, f"{workdir}/rank{replica.rank}", dtype=dtype)
+        extra = {"kv_cache_memory_bytes": int(v["kv_cache_memory_bytes"])} if v.get("kv_cache_memory_bytes") else {}
+        engine = VllmEngine(path, max_batch_size=max_batch_size, sampling=sampling,
+                            dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
+                            enforce_eager=bool(v.get("enforce_eager", True)),
+                            gpu_memory_utilization=float(v.get("gpu_memory_utilization", 0.3)), **extra)
+        replica.vllm_engine, replica.vllm_max_len = engine, max_len
+    else:
+        engine.load_state(state)
+    engine.sampling = sampling
+    return engine
+
+
 def generate(replica: Replica, p: dict[str, Any]) -> tuple[list[SpanT], Any]:
     """Length-controlled generation of this replica's samples (continuous batching, or static
     rounds of ``max_batch_size`` that each wait for their longest sample)."""
@@ -59,8 +92,8 @@ def generate(replica: Replica, p: dict[str, Any]) -> tuple[list[SpanT], Any]:
     with torch.no_grad(), replica.compute():
         replica.set_train(False)
         for chunk in rounds:
-            engine = GenerationEngine(replica.module, max_batch_size=max_batch, sampling=sampling,
-                                      kv_capacity=int(p["kv_capacity"]))
+            engine = make_engine(replica, max_batch_size=max_batch, sampling=sampling,
+                                 kv_capacity=int(p["kv_capacity"]))
             for i in chunk:
                 engine.submit(i, p["prompts"][i], target_len=int(p["target_lens"][i]))
             t0 = time.time()
@@ -103,7 +136,7 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
             x_tok = tokens[rows] if not dummy else tokens[:1]
             x_attn = attn[rows] if not dummy else attn[:1]
             x = x_tok.to(dev) if replica.is_first else chan.recv((len(x_tok), x_tok.shape[1], hidden),
-                                                                  replica.neighbour(-1), tag=m)
+                                                                  replica.neighbour(-1), tag=m, dtype=replica.dtype)
             chan.post()
             t0 = time.time()
             out = replica(x, attention_mask=x_attn.to(dev))
@@ -200,7 +233,7 @@ def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dic
                 t0 = time.time()
                 if act.kind == "F":
                     shape = (mb["tokens"].shape[0], mb["tokens"].shape[1], rep.args.hidden_size)
-                    x = mb["tokens"] if rep.is_first else chan.recv(shape, rep.neighbour(-1), tag)
+                    x = mb["tokens"] if rep.is_first else chan.recv(shape, rep.neighbour(-1), tag, dtype=rep.dtype)
                     chan.post()
                     t0 = time.time()
                     if not rep.is_first:
@@ -217,7 +250,8 @@ def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dic
                     kind, factor = "forward", 1.0
                 else:
                     x, loss, out = saved[r].pop(act.mb)
-                    grad = None if rep.is_last else chan.recv(tuple(out.shape), rep.neighbour(1), tag + 1)
+                    grad = None if rep.is_last else chan.recv(tuple(out.shape), rep.neighbour(1), tag + 1,
+                                                              dtype=out.dtype)
                     chan.post()
                     t0 = time.time()
                     if rep.is_last:

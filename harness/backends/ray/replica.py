@@ -10,8 +10,17 @@ hooks (``backward``, ``micro_step``, ``optimizer_step``). Three kinds:
   between uses, gathered for a task (:class:`~harness.backends.ray.optim.ShardedParams`);
 - ``DeepSpeedReplica`` (:mod:`harness.backends.ray.zero3`): a DeepSpeed ZeRO-3 engine.
 
-Initial weights come from :class:`harness.real.model.LlamaModel` with the role's seed, built on
-every worker and sliced, so every layout starts from the same numbers.
+Initial weights: a replica is built on the meta device and materialises only its own piece (its
+pipeline stage's layers, its tp slice; for native ZeRO-3 only its flat optimizer shard), computed
+from the role's seed by :func:`harness.real.model.init_values`, which gives every slice the
+numbers the whole seeded :class:`harness.real.model.LlamaModel` holds there, so every layout
+starts from the same weights and no worker ever holds the full model to initialise it. A full
+state dict (a checkpoint) may be given instead and is sliced.
+
+Precision: the module holds ``dtype`` parameters (bf16 on CUDA by default) and computes in them;
+trained replicas keep float32 master weights and Adam states (:class:`FlatAdam`). A replica of a
+model the plan *offloads* keeps its weights in host memory between uses and copies them to the
+device around each use (:meth:`Replica.compute`; nothing to move when the device is the CPU).
 """
 from __future__ import annotations
 
@@ -22,7 +31,8 @@ import torch
 from torch import Tensor
 
 from harness.backends.ray.comm import Groups
-from harness.backends.ray.layout import build_local_module, check_tp, coords, load_pieces
+from harness.backends.ray.layout import (build_local_module, check_tp, coords, flat_init_shard, init_local_module,
+                                         load_pieces, param_bytes)
 from harness.backends.ray.optim import FlatAdam, ShardedParams
 from harness.backends.ray.tp import install_tp_hooks, sync_shared_kv_grads
 from harness.plan import Allocation
@@ -33,6 +43,8 @@ Span = tuple[str, float, float]
 
 class Replica:
     trainable = False
+    dtype = torch.float32
+    offloaded = False  # weights live in host memory between uses (the plan's ``offloaded`` models)
 
     def __init__(self, role: str, args: ModelArgs, alloc: Allocation, rank: int, groups: Groups, device):
         self.role, self.args, self.alloc, self.rank, self.device = role, args, alloc, rank, device
@@ -66,8 +78,53 @@ class Replica:
     # ---- compute --------------------------------------------------------------------------
     @contextlib.contextmanager
     def compute(self):
-        """Around a task's use of the weights (ZeRO-3 gathers them here)."""
-        yield
+        """Around a task's use of the weights (ZeRO-3 gathers them here; an offloaded model's
+        weights are copied to the device here and back to host memory after)."""
+        if not self._swaps:
+            yield
+            return
+        self.onload()
+        try:
+            yield
+        finally:
+            self.offload()
+
+    @property
+    def _swaps(self) -> bool:
+        return self.offloaded and torch.device(self.device).type != "cpu" and self.module is not None
+
+    def offload(self) -> None:
+        """Weights to (pinned) host memory; the device copies are freed."""
+        if not self._swaps:
+            return
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.device.type != "cpu":
+                    host = p.data.to("cpu")
+                    p.data = host.pin_memory() if torch.cuda.is_available() else host
+        self.swaps += 1
+
+    def onload(self) -> None:
+        """Weights from host memory back to the device."""
+        if not self._swaps:
+            return
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.device.type == "cpu":
+                    p.data = p.data.to(self.device, non_blocking=True)
+        self.swaps += 1
+
+    swaps = 0  # host <-> device copies of the weights so far
+
+    # ---- memory ---------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of model state this replica holds on its device now: parameters materialised on
+        the device, plus the optimizer's float32 master and Adam states."""
+        dev = torch.device(self.device).type
+        n = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                if not p.is_meta and p.device.type == dev) if self.module is not None else 0
+        opt = getattr(self, "opt", None)
+        return n + (opt.state_bytes() if opt is not None and hasattr(opt, "state_bytes") else 0)
 
     def __call__(self, x: Tensor, **kwargs) -> Tensor:
         return self.module(x, **kwargs)
@@ -99,18 +156,22 @@ class Replica:
 
 
 class LocalReplica(Replica):
+    """``full_state``: the whole model to slice (a checkpoint); else ``seed``: the seeded initial
+    weights, of which only this device's piece is computed; neither: left for a weight movement."""
+
     def __init__(self, role, args, alloc, rank, groups, device, full_state: dict[str, Tensor] | None,
-                 hparams: dict | None = None):
+                 hparams: dict | None = None, *, seed: int | None = None, dtype: torch.dtype = torch.float32,
+                 offloaded: bool = False):
         super().__init__(role, args, alloc, rank, groups, device)
         s = self.strategy
         check_tp(args, s.tp, f"{role} layout {s}")
         k, p, t = self.coord
-        with torch.device("meta"):
-            module = build_local_module(args, s.pp, p, s.tp)
-        module.to_empty(device=device)
-        if full_state is not None:
-            load_pieces(module, full_state, args, s.tp, t)
+        self.dtype = dtype
+        module = init_local_module(args, s.pp, p, s.tp, t, device=device, dtype=dtype, seed=seed,
+                                   full_state=full_state)
+        self.materialised_bytes = param_bytes(module)
         self.module = module
+        self.offloaded = offloaded
         if s.tp > 1:
             install_tp_hooks(module, self.tp_group)
         self.opt = None
@@ -118,6 +179,7 @@ class LocalReplica(Replica):
             self.trainable = True
             dp_rank = self.dp_ranks.index(rank)
             self.opt = FlatAdam(module, self.dp_group, s.dp, dp_rank, shard=s.zero_stage in (1, 2), **hparams)
+        self.offload()  # an offloaded model waits in host memory for its first use
 
     def optimizer_step(self) -> list[Span]:
         spans: list[Span] = []
@@ -132,26 +194,44 @@ class LocalReplica(Replica):
 class NativeZero3Replica(Replica):
     """ZeRO-3 over the mesh without DeepSpeed: one flat shard per rank between uses."""
 
-    def __init__(self, role, args, alloc, rank, groups, device, full_state: dict[str, Tensor],
-                 hparams: dict | None = None):
+    def __init__(self, role, args, alloc, rank, groups, device, full_state: dict[str, Tensor] | None,
+                 hparams: dict | None = None, *, seed: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__(role, args, alloc, rank, groups, device)
         s = self.strategy
-        with torch.device("meta"):
-            module = build_local_module(args, 1, 0, 1)
-        module.to_empty(device=device)
-        load_pieces(module, full_state, args, 1, 0)
-        self.module = module
+        self.dtype = dtype
         dp_rank = self.dp_ranks.index(rank)
         defaults = dict(lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-        self.opt = FlatAdam(module, self.dp_group, s.dp, dp_rank, shard=True, **(hparams or defaults))
+        if full_state is not None or seed is None:
+            module = init_local_module(args, 1, 0, 1, 0, device=device, dtype=dtype, full_state=full_state)
+            self.materialised_bytes = param_bytes(module)
+            self.opt = FlatAdam(module, self.dp_group, s.dp, dp_rank, shard=True, **(hparams or defaults))
+            self.params = ShardedParams(module, self.opt)
+            self.params.release()
+        else:  # only this rank's flat shard of the seeded weights is ever computed (rounded to
+            # ``dtype`` as a module copy would be, so the master equals the other layouts' masters)
+            with torch.device("meta"):
+                module = build_local_module(args, 1, 0, 1)
+            module.to(dtype=dtype)
+            shapes = [p.shape for _, p in sorted(module.named_parameters())]
+            for mod in module.modules():
+                for name, p in list(mod._parameters.items()):
+                    if p is not None:
+                        mod._parameters[name] = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+            self.opt = FlatAdam(module, self.dp_group, s.dp, dp_rank, shard=True, shapes=shapes, device=device,
+                                master_init=lambda lo, hi: flat_init_shard(args, seed, lo, hi).to(dtype).float(),
+                                **(hparams or defaults))
+            self.materialised_bytes = 0
+            self.params = ShardedParams(module, self.opt, gathered=False)
+        self.module = module
         self.trainable = hparams is not None
-        self.params = ShardedParams(module, self.opt)
-        self.params.release()
         self.gathered_bytes = 0.0
+
+    gathered_peak_bytes = 0  # the whole model's parameters, held while a task computes
 
     @contextlib.contextmanager
     def compute(self):
         self.gathered_bytes += self.params.gather()
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, param_bytes(self.module))
         try:
             yield
         finally:

@@ -24,7 +24,8 @@ import torch
 
 from harness.backends.ray.comm import exchange
 from harness.backends.ray.replica import Replica
-from harness.real.engine import GenerationEngine, MigratedSample, SamplingParams
+from harness.backends.ray.passes import make_engine
+from harness.real.engine import MigratedSample, SamplingParams
 
 SpanT = tuple[str, float, float, float, float]
 
@@ -36,8 +37,8 @@ class GenerationSession:
         sampling = SamplingParams(temperature=p["temperature"], seed=p["sampling_seed"])
         ids = [int(i) for i in p["sample_ids"]]
         # slots for the instance's own samples and for any migrated to it later
-        self.engine = GenerationEngine(replica.module, max_batch_size=max(1, int(p["max_batch_size"])),
-                                       sampling=sampling, kv_capacity=int(p["kv_capacity"]))
+        self.engine = make_engine(replica, max_batch_size=max(1, int(p["max_batch_size"])), sampling=sampling,
+                                  kv_capacity=int(p["kv_capacity"]))
         for i in ids:
             self.engine.submit(i, p["prompts"][i], target_len=int(p["target_lens"][i]))
         self.exported: list[MigratedSample] = []
@@ -82,7 +83,8 @@ def _unflat_kv(buf: torch.Tensor, shapes: dict) -> dict[int, tuple[torch.Tensor,
     return out
 
 
-def migrate(rank: int, session: GenerationSession | None, p: dict[str, Any], device) -> list[SpanT]:
+def migrate(rank: int, session: GenerationSession | None, p: dict[str, Any], device,
+            dtype: torch.dtype = torch.float32) -> list[SpanT]:
     """Send this device's exported KV shards and/or receive and import the samples moved here.
 
     ``p["moves"]``: one entry per (sample, tp rank) with ``src`` and ``dst`` devices, the sample's
@@ -97,7 +99,7 @@ def migrate(rank: int, session: GenerationSession | None, p: dict[str, Any], dev
         if move["dst"] == rank:
             incoming.setdefault(move["src"], []).append((move, numel))
             recv_numel[move["src"]] = recv_numel.get(move["src"], 0) + numel
-    dtype = torch.float32
+    # KV caches travel in the model's dtype (bf16 on CUDA)
     flat_sends = {dst: torch.cat(parts).to(dtype) for dst, parts in sends.items()}
     received = exchange(rank, flat_sends, {s: n for s, n in recv_numel.items() if n}, dtype, device)
     if session is not None:
@@ -114,4 +116,4 @@ def migrate(rank: int, session: GenerationSession | None, p: dict[str, Any], dev
         if samples:
             session.engine.import_samples(samples)
         session.exported = []
-    return [("migrate", t0, time.time(), 0.0, float(sum(t.numel() * 4 for t in flat_sends.values())))]
+    return [("migrate", t0, time.time(), 0.0, float(sum(t.numel() * t.element_size() for t in flat_sends.values())))]

@@ -44,14 +44,18 @@ class DeviceWorker:
 
         torch.set_num_threads(int(options["torch_threads"]))
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+        # parameter/activation dtype of every replica (resolved by the driver: bf16 on CUDA, fp32 on CPU)
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.get("dtype", "fp32")]
+        self.peak_state_bytes = 0  # largest model state (params + master + Adam) held at once
         self.replicas: dict[tuple[str, str], Any] = {}
         self.sessions: dict[str, Any] = {}  # generate task -> streamed generation session
         self.plan: Plan | None = None
 
     # ---- set-up -------------------------------------------------------------------------
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free TCP port for the rendezvous (asked of worker 0)."""
-        if self.options.get("multi_node"):
+    def address(self, multi_node: bool | None = None) -> tuple[str, int]:
+        """This node's IP (127.0.0.1 when every worker is on one node) and a free TCP port for the
+        rendezvous (asked of worker 0)."""
+        if self.options.get("multi_node") if multi_node is None else multi_node:
             import ray
 
             ip = ray.util.get_node_ip_address()
@@ -63,6 +67,12 @@ class DeviceWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def init_distributed(self, ip: str, port: int, timeout_s: float) -> int:
         import torch.distributed as dist
@@ -89,9 +99,11 @@ class DeviceWorker:
         return time.time() - t0
 
     def _full_init_state(self, role: str):
-        from harness.real.model import LlamaModel
+        """Seeded random, or from the role's checkpoint (harness/backends/ray/checkpoints.py)."""
+        from harness.backends.ray.checkpoints import initial_state
 
-        return LlamaModel(self._args(role), seed=self.setup_info["seeds"][role]).state_dict()
+        return initial_state(self._args(role), self.setup_info["seeds"][role],
+                             self.setup_info.get("checkpoints", {}).get(role))
 
     def _args(self, role: str):
         from harness.real.model import ModelArgs
@@ -105,21 +117,48 @@ class DeviceWorker:
 
         args = self._args(role)
         hparams = home.get("hparams") if home else None
+        # seeded random weights are computed piece by piece on the replica (never the full model);
+        # a checkpoint is read whole and sliced
+        seeded = home is not None and not self.setup_info.get("checkpoints", {}).get(role)
+        seed = self.setup_info["seeds"][role] if seeded else None
         if alloc.strategy.zero_stage == 3 and home is not None:
-            state = self._full_init_state(role)
             if home["zero3_impl"] == "deepspeed":
                 from harness.backends.ray.zero3 import DeepSpeedReplica
 
+                state = self._full_init_state(role)  # DeepSpeed partitions the model it is given
                 replica = DeepSpeedReplica(role, args, alloc, self.rank, self.groups, self.device, state, hparams,
                                            home.get("micro_batch_size", 1), home.get("grad_accum", 1))
                 replica.lockstep = True
             else:
-                replica = NativeZero3Replica(role, args, alloc, self.rank, self.groups, self.device, state, hparams)
+                state = None if seeded else self._full_init_state(role)
+                replica = NativeZero3Replica(role, args, alloc, self.rank, self.groups, self.device, state, hparams,
+                                             seed=seed, dtype=self.dtype)
         else:
-            state = self._full_init_state(role) if home is not None else None
-            replica = LocalReplica(role, args, alloc, self.rank, self.groups, self.device, state, hparams)
+            state = None if seeded or home is None else self._full_init_state(role)
+            offloaded = home is not None and role in (self.plan.offloaded if self.plan else [])
+            replica = LocalReplica(role, args, alloc, self.rank, self.groups, self.device, state, hparams,
+                                   seed=seed, dtype=self.dtype, offloaded=offloaded)
+        replica.engine_options = {"generation_engine": self.options.get("generation_engine", "ours"),
+                                  "vllm": self.options.get("vllm") or {}}
         self.replicas[(role, layout_key(alloc))] = replica
+        self._note_memory()
         return replica
+
+    def release(self, role: str, alloc: Allocation) -> int:
+        """Free this device's copy of ``role`` in ``alloc`` (a layout whose phase has ended and that
+        the plan does not keep resident); a later weight movement builds it again. Returns the
+        bytes freed."""
+        replica = self.replicas.pop((role, layout_key(alloc)), None)
+        if replica is None:
+            return 0
+        freed = replica.state_bytes()
+        replica.module = None
+        replica.vllm_engine = None
+        if self.use_cuda:
+            import torch
+
+            torch.cuda.empty_cache()
+        return freed
 
     def replica(self, role: str, alloc: Allocation, create: bool = False):
         key = (role, layout_key(alloc))
@@ -153,11 +192,13 @@ class DeviceWorker:
             return self._generation_session(op, spec, payload, alloc)
         elif op == "state":
             spans, out = [], gather_state(self.replica(role, alloc))
+        elif op == "release":
+            spans, out = [], {"freed_bytes": self.release(role, alloc) if self.rank in alloc.mesh else 0}
         else:
             fn = {"generate": passes.generate, "infer": passes.infer, "train": passes.train}[op]
             replica = self.replica(role, alloc)
             spans, out = fn(replica, payload) if op == "generate" else fn(replica, payload, model_cfg)
-        return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb()}
+        return self._result(spans, out)
 
     def _generation_session(self, op: str, spec: dict, payload: dict[str, Any], alloc) -> dict[str, Any]:
         """Streamed generation (RLHFuse section 4): open a session, advance it, export its tail,
@@ -173,12 +214,12 @@ class DeviceWorker:
         elif op == "gen_export":
             out = self.sessions[task].export(bool(payload["with_kv"]))
         elif op == "gen_migrate":
-            spans = streaming.migrate(self.rank, self.sessions.get(task), payload, self.device)
+            spans = streaming.migrate(self.rank, self.sessions.get(task), payload, self.device, self.dtype)
         elif op == "gen_close":
             self.sessions.pop(task, None)
         else:
             raise ValueError(f"unknown generation op {op!r}")
-        return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb()}
+        return self._result(spans, out)
 
     def _train_fused(self, payload: dict[str, Any]) -> dict[str, Any]:
         """This device's share of a fused training stage: its replica of every model it trains."""
@@ -191,7 +232,18 @@ class DeviceWorker:
                 replicas[role] = self.replica(role, alloc)
         p = {**payload, "actions": payload["actions_by_device"][str(self.rank)]}
         spans, outs = passes.train_fused(replicas, p, {r: self.setup_info["model_cfgs"][r] for r in replicas})
-        return {"rank": self.rank, "spans": [], "task_spans": spans, "out": outs, "memory_gb": self.memory_gb()}
+        return {**self._result([], outs), "task_spans": spans}
+
+    def _result(self, spans, out) -> dict[str, Any]:
+        self._note_memory()
+        return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb(),
+                "memory": self.memory_stats()}
+
+    def _note_memory(self) -> None:
+        now = sum(r.state_bytes() for r in self.replicas.values() if r.module is not None)
+        # native ZeRO-3 holds its whole model while a task computes (released at the task's end)
+        now += max((getattr(r, "gathered_peak_bytes", 0) for r in self.replicas.values()), default=0)
+        self.peak_state_bytes = max(self.peak_state_bytes, now)
 
     def memory_gb(self) -> float:
         """Peak device memory: CUDA allocator peak, or the process's peak resident set on CPU."""
@@ -200,6 +252,16 @@ class DeviceWorker:
 
             return torch.cuda.max_memory_allocated() / 1e9
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+    def memory_stats(self) -> dict[str, float]:
+        """Peaks since the worker started, in GB, each named for what it measures:
+        ``peak_allocated_gb`` (CUDA: ``torch.cuda.max_memory_allocated``), ``peak_rss_gb`` (CPU:
+        the process's peak resident set, which includes the Python/torch runtime), and
+        ``model_state_gb`` (both: the largest model state this worker held at once, counted from
+        its tensors: parameters materialised on the device, float32 master weights and Adam
+        states; native ZeRO-3's gathered parameters included)."""
+        key = "peak_allocated_gb" if self.use_cuda else "peak_rss_gb"
+        return {key: self.memory_gb(), "model_state_gb": self.peak_state_bytes / 1e9}
 
     def shutdown(self) -> bool:
         import torch.distributed as dist
