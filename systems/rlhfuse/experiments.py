@@ -77,8 +77,8 @@ def table3_schedules(cfg: DictConfig) -> Path:
             no_barrier = simulate(serial_schedule(pipes), costs, record_times=False)
             cap = _memory_cap(params, serial_peak)
             greedy = simulate(greedy_schedule(pipes, costs, cap), costs, record_times=False)
-            fused = search_fused_schedule(pipes, costs, mem_cap=cap, seed=params.seed,
-                                          time_limit_s=params.search_time_s, num_workers=1)
+            fused = search_fused_schedule(pipes, costs, mem_cap=cap, seed=params.seed, num_workers=1,
+                                          **search_budget(params, pipes))
             plus_makespan, plus_peak = _one_f_one_b_plus(ctx, case.pp_actor, case.pp_critic, m_a, m_c, params.tp)
             out.append({
                 "pair": f"{case.actor}/{case.critic}", "pp_actor": case.pp_actor, "pp_critic": case.pp_critic,
@@ -97,6 +97,22 @@ def table3_schedules(cfg: DictConfig) -> Path:
     path = Path(cfg.results_dir) / cfg.experiment_name / "table3.csv"
     results.write_table(path, out)
     return path
+
+
+DEFAULT_SEARCH_ACTION_STEPS = 2e7
+
+
+def search_budget(params, pipes) -> dict[str, Any]:
+    """The fused search's budget: by default ``search_action_steps`` (steps x actions of the
+    schedule, so every shape gets about the same CPU time, as in ``benchmarks/fuse_search.py``) in
+    annealing steps, so the same config and seed give the same schedule; a wall-clock
+    ``search_time_s`` only when set."""
+    time_s = params.get("search_time_s")
+    if time_s is not None:
+        return {"time_limit_s": float(time_s)}
+    actions = sum(2 * pipe.num_stages * pipe.num_mbs for pipe in pipes.values())
+    action_steps = float(params.get("search_action_steps") or DEFAULT_SEARCH_ACTION_STEPS)
+    return {"max_steps": max(1, round(action_steps / actions))}
 
 
 def _memory_cap(params, serial_peak: float) -> float | None:
@@ -138,7 +154,7 @@ def fig10_schedule(cfg: DictConfig) -> Path:
     pipes, costs, _ = fused_layout_costs(ctx, "65b", "33b", 16, 8, params.microbatches, params.tp)
     serial_peak = paper_serial(pipes, costs)[1]
     fused = search_fused_schedule(pipes, costs, mem_cap=_memory_cap(params, serial_peak), seed=params.seed,
-                                  time_limit_s=params.search_time_s)
+                                  **search_budget(params, pipes))
     rows, mem = [], []
     for label, sched in (("fused", fused.schedule), ("serial_1f1b", serial_schedule(pipes))):
         a, m = _timeline(sched, costs, label)
