@@ -23,8 +23,19 @@ What the original does, and what we reproduce as plan data:
   ``generate`` returns one tensor padded to the round's longest sequence, which the ref, reward,
   critic and training passes then process padded (``pad_to_longest``). Reproduced as generation
   policy data (``harness.plan.GenerationPolicy``).
-- **Mini-batch**: DeepSpeed-Chat needs at least one sample per GPU per step, so the RLHFuse authors
-  ran it with mini-batch 256 (RLHFuse section 7); ``mini_batch_size`` defaults to 256.
+- **Mini-batch and generation batch, derived from the cluster and the workload**: DeepSpeed-Chat
+  trains with ZeRO-3 data parallelism over all N GPUs, so every step needs at least one
+  micro-batch on every GPU (its ``per_device_training_batch_size`` >= 1); the RLHFuse authors
+  therefore raised its mini-batch from the workload's 64 to 256 on their 256 GPUs (RLHFuse
+  section 7). ``mini_batch_size: null`` (the default) applies that rule to any cluster: the
+  mini-batch is the smallest multiple of N x ``workload.micro_batch_size`` that is at least
+  ``workload.mini_batch_size`` and divides ``workload.global_batch_size``
+  (:func:`derived_mini_batch_size`): 256 on the paper's 256 GPUs with batch 512, the workload's 64
+  on one 8-GPU node, 8 for ``workload=tiny`` on 4 devices. DeepSpeed-Chat's defaults use the same
+  per-device batch for generation and training (``per_device_generation_batch_size`` =
+  ``per_device_training_batch_size``, one generation round per training batch), so
+  ``generation_batch_size: null`` is the mini-batch (256 on the paper's testbed). Either can be
+  set (``system.mini_batch_size=...``); set values are checked, not adjusted.
 
 Modelled rather than executed here: ZeRO-3's per-layer gathers and reduce-scatters are costed by
 the simulator as collectives overlapped with compute (prefetching); the host cost of the eager
@@ -34,9 +45,10 @@ for the hybrid engine's fused kernels; ``system.generation_engine=graph`` shows 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from harness.config import SystemConfig
-from harness.errors import PlanError
+from harness.config import SystemConfig, WorkloadConfig
+from harness.errors import ConfigError, PlanError
 from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.workflow import check_layout_fits, full_mesh
@@ -47,8 +59,11 @@ from harness.system import PlanContext, System, register_system_config
 class DeepSpeedChatConfig(SystemConfig):
     name: str = "deepspeed_chat"
     impl: str = "baselines.deepspeed_chat.DeepSpeedChat"
-    mini_batch_size: int = 256  # samples per gradient step (RLHFuse section 7 had to raise it to 256)
-    generation_batch_size: int = 256  # prompts generated per round across the cluster
+    # Samples per gradient step; None = derived_mini_batch_size (256 on the RLHFuse testbed, which is
+    # what RLHFuse section 7 had to raise it to).
+    mini_batch_size: Optional[int] = None
+    # Prompts generated per round across the cluster; None = the mini-batch.
+    generation_batch_size: Optional[int] = None
     gen_tp: int = 0  # hybrid-engine inference_tp_size; 0 = GPUs per node
     zero_stage: int = 3
     generation_engine: str = "eager"  # graph | eager: HF generate loop, no CUDA graphs
@@ -62,8 +77,48 @@ class DeepSpeedChatConfig(SystemConfig):
     pad_to_longest: bool = True  # later passes see the round's padded tensor
 
 
+def derived_mini_batch_size(num_devices: int, workload: WorkloadConfig) -> int:
+    """DeepSpeed-Chat's mini-batch when ``system.mini_batch_size`` is not set: the smallest multiple
+    of ``num_devices x workload.micro_batch_size`` (one micro-batch per GPU of the ZeRO-3 data
+    parallelism, DeepSpeed-Chat's minimum) that is at least ``workload.mini_batch_size`` and divides
+    ``workload.global_batch_size``. RLHFuse testbed (256 GPUs, micro-batch 1, mini-batch 64, batch
+    512): 256, as RLHFuse section 7 ran it; one 8-GPU node: 64; ``workload=tiny`` on 4 devices
+    (micro-batch 2, mini-batch 4, batch 8): 8."""
+    step = num_devices * workload.micro_batch_size
+    gbs = workload.global_batch_size
+    if gbs % step:
+        raise PlanError(f"deepspeed_chat trains with ZeRO-3 data parallelism over all {num_devices} devices, at "
+                        f"least one micro-batch of workload.micro_batch_size={workload.micro_batch_size} per device "
+                        f"per step: workload.global_batch_size={gbs} must be a multiple of {step}")
+    mini = step * max(1, -(-workload.mini_batch_size // step))
+    while gbs % mini:
+        mini += step
+    return mini
+
+
 class DeepSpeedChat(System):
     cfg: DeepSpeedChatConfig
+
+    def batch_sizes(self, ctx: PlanContext) -> tuple[int, int]:
+        """(mini-batch, generation batch): the configured values, or those derived from the cluster
+        and the workload (see the module docstring)."""
+        cfg, gbs = self.cfg, ctx.workload.global_batch_size
+        for key in ("mini_batch_size", "generation_batch_size"):
+            value = getattr(cfg, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"system.{key}={value} must be a positive number of samples")
+        mini = cfg.mini_batch_size if cfg.mini_batch_size is not None else derived_mini_batch_size(ctx.num_devices,
+                                                                                                   ctx.workload)
+        if mini > gbs:
+            raise PlanError(f"system.mini_batch_size={mini} is larger than the global batch "
+                            f"workload.global_batch_size={gbs}")
+        if gbs % mini:
+            raise PlanError(f"system.mini_batch_size={mini} must divide the global batch {gbs}")
+        gen = cfg.generation_batch_size if cfg.generation_batch_size is not None else mini
+        if gen > gbs:
+            raise PlanError(f"system.generation_batch_size={gen} is larger than the global batch "
+                            f"workload.global_batch_size={gbs}")
+        return mini, gen
 
     def plan(self, ctx: PlanContext) -> Plan:
         cfg, n = self.cfg, ctx.num_devices
@@ -71,8 +126,7 @@ class DeepSpeedChat(System):
         gen_tp = cfg.gen_tp or per_node
         mesh = full_mesh(n)
         gbs = ctx.workload.global_batch_size
-        if gbs % cfg.mini_batch_size:
-            raise PlanError(f"system.mini_batch_size={cfg.mini_batch_size} must divide the global batch {gbs}")
+        mini_batch_size, generation_batch_size = self.batch_sizes(ctx)
         zero = ParallelStrategy(dp=n, tp=1, pp=1, zero_stage=cfg.zero_stage)
         if gen_tp < 1 or per_node % gen_tp or n % gen_tp:
             raise PlanError(f"deepspeed_chat generation (system.gen_tp): tp={gen_tp} must divide the {per_node} "
@@ -80,21 +134,21 @@ class DeepSpeedChat(System):
         gen = ParallelStrategy(dp=n // gen_tp, tp=gen_tp, pp=1)
         check_layout_fits(gen, n, per_node, ctx.models.actor.num_layers, "deepspeed_chat generation (system.gen_tp)")
         num_instances = gen.dp
-        if cfg.generation_batch_size % num_instances:
-            raise PlanError(f"system.generation_batch_size={cfg.generation_batch_size} must be a multiple of the "
+        if generation_batch_size % num_instances:
+            raise PlanError(f"system.generation_batch_size={generation_batch_size} must be a multiple of the "
                             f"{num_instances} hybrid-engine TP groups (N / gen_tp)")
         train_alloc = Allocation(mesh, zero)
         allocs = {name: train_alloc for name in ("ref", "reward", "values", "update_actor", "update_critic")}
         allocs["gen"] = Allocation(mesh, gen)  # the hybrid engine gathers ZeRO-3 shards into this layout
-        policy = GenerationPolicy(batching="static", max_batch_size=cfg.generation_batch_size // num_instances,
+        policy = GenerationPolicy(batching="static", max_batch_size=generation_batch_size // num_instances,
                                   engine=cfg.generation_engine,
                                   eager_launches_per_layer=(cfg.eager_launches_per_layer
                                                             if cfg.generation_engine == "eager" else None),
                                   synced_instances=cfg.synced_generation and cfg.zero_stage == 3,
                                   pad_to_longest=cfg.pad_to_longest)
         return assemble_ppo_plan(
-            ctx, cfg.name, allocs, policy, mini_batch_size=cfg.mini_batch_size,
-            notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // cfg.generation_batch_size,
+            ctx, cfg.name, allocs, policy, mini_batch_size=mini_batch_size,
+            notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // generation_batch_size,
                    "zero_stage": cfg.zero_stage})
 
 

@@ -1,9 +1,14 @@
 """Entry point: ``python -m harness +system=<name> model=<size> [overrides]`` (DESIGN sections 1, 9).
 
 Registers the typed schemas, discovers systems (:mod:`harness.discovery`: importing each registers
-its config schema; the harness never imports systems by name), then hands control to Hydra. Errors caused by input (:class:`harness.errors.HarnessError`) end a
-single run with one paragraph on stderr and exit code 2, before any result is written; in a sweep
-(``-m``) a failing job is recorded in ``results/<experiment>/failures.jsonl`` and the sweep goes on.
+its config schema; the harness never imports systems by name), checks the command line
+(:func:`harness.validation.check_command_line`: unknown keys and group options, values of the wrong
+type, in a sweep for its jobs), then hands control to Hydra. Errors caused by input
+(:class:`harness.errors.HarnessError`) end a single run with one line ``error: ...`` on stderr and
+exit code 2, before any result is written; a bad command line ends a sweep the same way before any
+job starts. In a sweep (``-m``) a failing job is recorded in ``results/<experiment>/failures.jsonl``
+and the sweep goes on; at its end the sweep prints a table of its failed jobs
+(:class:`harness.sweep.SweepProgress`) and exits 1 if any job failed.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from harness.backends import register_backend_configs
 from harness.config import register_configs
 from harness.discovery import discover_systems
 from harness.errors import HarnessError
+from harness.validation import check_command_line
 
 def _is_multirun() -> bool:
     try:
@@ -61,10 +67,20 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def run() -> None:
+    from harness import sweep
+
     register_configs()
     register_backend_configs()
     discover_systems()
+    try:
+        check_command_line(sys.argv[1:])
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()
+    failures = sweep.last_sweep_failures()
+    if failures:  # the table was printed at the end of the sweep
+        sys.exit(1)
 
 
 def compose(overrides: list[str]) -> DictConfig:

@@ -111,6 +111,10 @@ class WorkloadConfig:
     prompt_len: LengthDistConfig = MISSING
     output_len: LengthDistConfig = MISSING
     activation_recompute: str = "selective"  # none | selective | full (Korthikanti et al. 2022)
+    # A JSON-lines file of prompts (or prompt lengths) and response lengths (conf/workload/jsonl.yaml,
+    # harness/workload.py). Set: batches are drawn from its records and prompt_len / output_len are
+    # only summaries for the planners (replaced by the file's). None: lengths drawn from prompt_len / output_len.
+    path: Optional[str] = None
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Runs are grouped by experiment and named ``<system>-<model>-seed<k>``; the W&B files live in the
 run folder (``wandb/``), so an offline run can be synced later with ``wandb sync``. ``mode=auto``
 goes online only when an API key is configured (``WANDB_API_KEY`` or a netrc entry for the W&B
-host) and never prompts.
+host) and never prompts. The run config holds the resolved config plus ``provenance``
+(:mod:`harness.provenance`); the run summary holds summary.json's ``metrics`` under the same keys
+as the history (averages after warm-up, not the last iteration's values).
 """
 from __future__ import annotations
 
@@ -59,13 +61,22 @@ class WandbLogger:
         return None if self.run is None else str(Path(self.run.dir).parent)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is not None:  # committed now: W&B would otherwise write the last step at finish,
+            self.run.log(metrics, step=step, commit=True)  # after (and over) the run summary
+
+    def update_config(self, config: dict[str, Any]) -> None:
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            self.run.config.update(config, allow_val_change=True)
 
     def log_summary(self, summary: dict[str, float]) -> None:
+        """Make the run summary ``summary`` (summary.json's ``metrics``): W&B keeps each key's last
+        logged value as the run summary, so the averages overwrite those under the same keys, and
+        a key logged in some iteration but absent from ``summary`` is removed. The history (every
+        iteration's values, ``run.log``) is untouched."""
         if self.run is not None:
-            for k, v in summary.items():
-                self.run.summary[f"summary/{k}"] = v
+            for key in [k for k in self.run.summary.keys() if not k.startswith("_") and k not in summary]:
+                del self.run.summary[key]
+            self.run.summary.update(summary)
 
     def finish(self, exit_code: int = 0) -> None:
         if self.run is not None:

@@ -17,6 +17,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from harness import metrics as mk
+from harness import provenance
 from harness import results
 from harness.config import RunConfig
 from harness.costmodel import CostModel, ProfileTable
@@ -28,7 +29,8 @@ from harness.plan import Plan
 from harness.schedule import to_csv
 from harness.system import PlanContext, System
 from harness.trace import trace_devices, write_chrome_trace
-from harness.workload import make_batch, validate_workload
+from harness.validation import check_batch_sizes
+from harness.workload import make_batch, resolve_workload, validate_workload
 
 
 @dataclass
@@ -51,6 +53,7 @@ def model_label(models) -> str:
 
 def build_context(run: RunConfig) -> PlanContext:
     validate_workload(run.workload)
+    run.workload = resolve_workload(run.workload, run.model.actor.vocab_size)  # a JSON-lines file: read and checked now
     cluster = run.cluster
     if cluster.num_nodes < 1 or cluster.gpus_per_node < 1:
         raise ConfigError(f"cluster.num_nodes={cluster.num_nodes} and cluster.gpus_per_node="
@@ -96,6 +99,7 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
     if OmegaConf.is_missing(cfg, "system"):
         raise ConfigError("no system chosen: add +system=<name> to the command line "
                           f"(available: {', '.join(sorted(discover_systems()))})")
+    check_batch_sizes(cfg)
     run: RunConfig = OmegaConf.to_object(cfg)
     ctx = build_context(run)
     system: System = get_class(run.system.impl)(run.system)
@@ -121,8 +125,9 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
     with results.RunFolder(path) as folder:
         _write_static_files(folder, cfg, plan)
         run_name = f"{system.name}-{label}-seed{run.seed}" + (f"-{variant}" if variant else "")
+        prov = provenance.collect(run, backend)
         logger = WandbLogger(run.logger, folder.staging, run.experiment_name, run_name,
-                             OmegaConf.to_container(cfg, resolve=True))
+                             {**OmegaConf.to_container(cfg, resolve=True), "provenance": prov})
         rows, traces = [], []
         try:
             backend.setup(plan)
@@ -152,11 +157,15 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
              "finish_s": r.finish_s} for r in traces[-1].samples])
         write_chrome_trace(traces[-1:], str(folder.path(results.TRACE_FILE)),
                            trace_devices(ctx.num_devices, run.cluster.gpus_per_node))
+        devices = provenance.devices(run, backend)  # a real backend resolves its devices in setup
+        if devices != prov["devices"]:
+            prov["devices"] = devices
+            logger.update_config({"provenance": prov})
         logger.log_summary(summary)
         logger.finish()
         info = plan_info(plan, memory)
         results.write_json(folder.path(results.SUMMARY_FILE), {
-            "metrics": summary, "info": info,
+            "metrics": summary, "info": info, "provenance": prov,
             "run": {"experiment": run.experiment_name, "system": system.name, "variant": variant, "model": label,
                     "seed": run.seed,
                     "backend": run.backend.name, "cluster": run.cluster.name,

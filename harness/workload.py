@@ -7,10 +7,20 @@ than 10x the median), so the default distribution is a lognormal clipped at ``ma
 
 Batches are a pure function of (workload config, seed, iteration): every system sees the same
 samples in the same iteration, so differences in throughput come from the systems alone.
+
+A workload can also be read from a JSON-lines file (``workload=jsonl workload.path=<file>``; format,
+tokenisation rule and draw order in the section "Workloads read from a JSON-lines file" below): the
+sim backend then uses the file's prompt and response lengths, and ``backend=ray`` generates from
+its prompts (``Batch.prompt_ids``), again stopping at each record's response length.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -23,6 +33,11 @@ class Batch:
     iteration: int
     prompt_lens: np.ndarray  # int64 [global_batch_size]
     output_lens: np.ndarray  # int64 [global_batch_size], target tokens to generate
+    # File workloads only (None for synthetic ones): each sample's prompt token ids (None for a
+    # record that gave only prompt_len; backend=ray then draws random tokens as for synthetic
+    # prompts), and the 1-based file line each sample came from.
+    prompt_ids: tuple[np.ndarray | None, ...] | None = None
+    source_lines: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -45,6 +60,17 @@ def sample_lengths(dist: LengthDistConfig, num: int, rng: np.random.Generator, c
 
 
 def validate_workload(w: WorkloadConfig) -> None:
+    """Refuse batch sizes that cannot work before any work starts: every size must be >= 1, and
+    micro-batch <= mini-batch <= global batch, each dividing the next."""
+    for key in ("global_batch_size", "mini_batch_size", "micro_batch_size"):
+        if getattr(w, key) < 1:
+            raise ConfigError(f"workload.{key}={getattr(w, key)} must be a positive number of samples")
+    if w.mini_batch_size > w.global_batch_size:
+        raise ConfigError(f"workload.mini_batch_size={w.mini_batch_size} is larger than "
+                          f"workload.global_batch_size={w.global_batch_size}")
+    if w.micro_batch_size > w.mini_batch_size:
+        raise ConfigError(f"workload.micro_batch_size={w.micro_batch_size} is larger than "
+                          f"workload.mini_batch_size={w.mini_batch_size}")
     if w.global_batch_size % w.mini_batch_size:
         raise ConfigError(
             f"workload.global_batch_size={w.global_batch_size} is not a multiple of "
@@ -60,7 +86,221 @@ def validate_workload(w: WorkloadConfig) -> None:
 
 
 def make_batch(w: WorkloadConfig, seed: int, iteration: int) -> Batch:
+    if w.path is not None:
+        return make_file_batch(w, seed, iteration)
     rng = np.random.default_rng([seed, iteration])
     prompts = sample_lengths(w.prompt_len, w.global_batch_size, rng)
     outputs = sample_lengths(w.output_len, w.global_batch_size, rng, cap=w.max_gen_len)
     return Batch(iteration, prompts, outputs)
+
+
+# ---- Workloads read from a JSON-lines file (workload.path; conf/workload/jsonl.yaml) ---------------
+#
+# Line format: one JSON object per line; blank lines are skipped, other keys (an ``id``, a source)
+# ignored. Each object gives its prompt as exactly one of
+#   "prompt": "text"         -> tokenised by the rule below
+#   "prompt_ids": [1, 2, 3]  -> token ids, used as they are (each must be < the actor's vocab_size)
+#   "prompt_len": 128        -> a length only (backend=ray draws random tokens for it, as for
+#                               synthetic workloads)
+# and its response length as exactly one of
+#   "response_len": 256      -> tokens to generate
+#   "response": "text"       -> its length under the rule below (the text itself is not used)
+#
+# Tokenisation rule for text (no tokenizer can be fetched at run time): one token per UTF-8 byte,
+# token id = the byte's value (0-255), which lies inside every vocabulary here (>= 256 ids). It is
+# not the model's tokenizer: a text's length in tokens is its UTF-8 byte count, roughly 3-4x its LLaMA
+# token count for English. For realistic lengths, write prompt_ids / prompt_len and response_len
+# from your own tokenizer.
+#
+# Drawing a batch (a pure function of the file, seed and iteration, like make_batch's synthetic
+# draw): the records form a stream of epochs, each epoch a permutation of all records drawn from
+# (seed, epoch); iteration i takes stream positions [i * B, (i + 1) * B), B = global_batch_size,
+# so every record is used once per epoch, and an iteration may straddle two epochs (or span several
+# when B exceeds the file). Response lengths are capped at max_gen_len, as in the synthetic draw.
+#
+# Errors: a missing file names the path; every bad line raises ConfigError "<path>:<line>: <what>",
+# at context build time (resolve_workload), before any work starts. Parsed files are cached per
+# (path, mtime, size): iterations index arrays, they do not re-read the file.
+
+PROMPT_KEYS = ("prompt", "prompt_ids", "prompt_len")
+RESPONSE_KEYS = ("response_len", "response")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class WorkloadFile:
+    """A parsed workload file: one entry per record (non-blank line), in file order."""
+
+    path: str  # as opened (relative paths as given when found in the working directory)
+    prompt_lens: np.ndarray  # int64 [N]
+    response_lens: np.ndarray  # int64 [N], before the max_gen_len cap
+    prompt_ids: tuple[np.ndarray | None, ...]  # int64 ids per record; None where only prompt_len was given
+    line_numbers: np.ndarray  # int64 [N], 1-based line of each record
+
+    @property
+    def num_records(self) -> int:
+        return int(self.prompt_lens.shape[0])
+
+    @property
+    def has_prompts(self) -> bool:
+        return any(ids is not None for ids in self.prompt_ids)
+
+
+def text_token_ids(text: str) -> np.ndarray:
+    """The tokenisation rule for text fields: one token per UTF-8 byte, id = byte value (0-255)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+
+def resolve_workload_path(path: str) -> str:
+    """``path`` if it names a file (relative: to the working directory), else the repo root's
+    ``path`` (so ``data/workloads/sample.jsonl`` works from any directory of a checkout)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return str(p)
+    if not p.is_absolute() and (REPO_ROOT / p).is_file():
+        return str(REPO_ROOT / p)
+    where = "" if p.is_absolute() else f" (looked in {Path.cwd()} and {REPO_ROOT})"
+    what = "is a directory, not a file" if p.is_dir() else "no such file"
+    raise ConfigError(f"workload.path={path!r}: {what}{where}")
+
+
+def load_workload_file(path: str) -> WorkloadFile:
+    """The parsed, validated file ``path`` (cached; re-parsed only when the file changes)."""
+    resolved = resolve_workload_path(path)
+    st = os.stat(resolved)
+    return _parse_workload_file(resolved, st.st_mtime_ns, st.st_size)
+
+
+def _positive_int(value, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key!r} must be a positive integer, got {json.dumps(value)}")
+    return value
+
+
+def _text(value, key: str) -> np.ndarray:
+    if not isinstance(value, str):
+        raise ValueError(f"{key!r} must be a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{key!r} is empty")
+    return text_token_ids(value)
+
+
+def _token_ids(value, key: str) -> np.ndarray:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{key!r} must be a non-empty list of token ids")
+    for j, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{key!r} must hold non-negative integers; item {j} is {json.dumps(v)}")
+    return np.asarray(value, dtype=np.int64)
+
+
+def _one_of(obj: dict, keys: tuple[str, ...], what: str) -> str:
+    given = [k for k in keys if k in obj]
+    options = ", ".join(repr(k) for k in keys)
+    if not given:
+        raise ValueError(f"no {what}: give one of {options}")
+    if len(given) > 1:
+        raise ValueError(f"give one {what} key of {options}, not {' and '.join(repr(k) for k in given)}")
+    return given[0]
+
+
+def _parse_record(obj) -> tuple[int, int, np.ndarray | None]:
+    """(prompt length, response length, prompt ids or None) of one decoded line; ValueError if bad."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    key = _one_of(obj, PROMPT_KEYS, "prompt")
+    if key == "prompt_len":
+        ids, prompt_len = None, _positive_int(obj[key], key)
+    else:
+        ids = _text(obj[key], key) if key == "prompt" else _token_ids(obj[key], key)
+        prompt_len = int(ids.shape[0])
+    key = _one_of(obj, RESPONSE_KEYS, "response")
+    response_len = _positive_int(obj[key], key) if key == "response_len" else int(_text(obj[key], key).shape[0])
+    return prompt_len, response_len, ids
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_workload_file(path: str, _mtime_ns: int, _size: int) -> WorkloadFile:
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark some editors write
+        data = data[3:]
+    prompts, responses, ids, lines = [], [], [], []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}:{number}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{number}: invalid JSON: {e.msg} (column {e.colno})") from None
+        try:
+            p, r, i = _parse_record(obj)
+        except ValueError as e:
+            raise ConfigError(f"{path}:{number}: {e}") from None
+        prompts.append(p)
+        responses.append(r)
+        ids.append(i)
+        lines.append(number)
+    if not prompts:
+        raise ConfigError(f"{path}: no records (every line is blank)")
+    arrays = [np.asarray(a, dtype=np.int64) for a in (prompts, responses, lines)] + [a for a in ids if a is not None]
+    for a in arrays:
+        a.flags.writeable = False  # shared by every batch drawn from the cache
+    return WorkloadFile(path, arrays[0], arrays[1], tuple(ids), arrays[2])
+
+
+def check_prompt_ids(f: WorkloadFile, vocab_size: int) -> None:
+    """Every prompt token id of ``f`` lies in [0, vocab_size), or a ConfigError names the line."""
+    for ids, line in zip(f.prompt_ids, f.line_numbers.tolist()):
+        if ids is not None and int(ids.max()) >= vocab_size:
+            raise ConfigError(
+                f"{f.path}:{line}: prompt token id {int(ids.max())} is outside the actor's vocabulary "
+                f"(vocab_size={vocab_size}; text is tokenised as one id per UTF-8 byte, 0-255)")
+
+
+def _length_summary(lens: np.ndarray) -> LengthDistConfig:
+    return LengthDistConfig(kind="lognormal", median=float(np.median(lens)), sigma=float(np.log(lens).std()),
+                            min=int(lens.min()), max=int(lens.max()))
+
+
+def resolve_workload(w: WorkloadConfig, vocab_size: int | None = None) -> WorkloadConfig:
+    """``w`` ready for planning. For a file workload (``w.path``): the file is read and validated
+    (every bad line raises ConfigError "<path>:<line>: ..."; ids checked against ``vocab_size`` when
+    given), and ``prompt_len`` / ``output_len``, which planners read (max sequence for memory, medians
+    for typical contexts), become the file's empirical summary: min, median and max of its prompt
+    lengths and of its response lengths capped at ``max_gen_len``, with the lognormal sigma fitted as
+    the standard deviation of log lengths. Batches still come from the records, not from these.
+    Synthetic workloads are returned unchanged."""
+    if w.path is None:
+        return w
+    f = load_workload_file(w.path)
+    if vocab_size is not None:
+        check_prompt_ids(f, vocab_size)
+    return dataclasses.replace(w, prompt_len=_length_summary(f.prompt_lens),
+                               output_len=_length_summary(np.minimum(f.response_lens, w.max_gen_len)))
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, num_records: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch]).permutation(num_records)
+    order.flags.writeable = False
+    return order
+
+
+def make_file_batch(w: WorkloadConfig, seed: int, iteration: int) -> Batch:
+    """Iteration ``iteration``'s records of the file ``w.path`` (see the section comment above)."""
+    f = load_workload_file(w.path)
+    n, size = f.num_records, w.global_batch_size
+    pos = np.arange(iteration * size, (iteration + 1) * size, dtype=np.int64)
+    epochs = pos // n
+    idx = np.empty(size, dtype=np.int64)
+    for e in np.unique(epochs).tolist():
+        sel = epochs == e
+        idx[sel] = _epoch_order(seed, e, n)[pos[sel] % n]
+    return Batch(iteration, f.prompt_lens[idx], np.minimum(f.response_lens[idx], w.max_gen_len),
+                 prompt_ids=tuple(f.prompt_ids[i] for i in idx.tolist()) if f.has_prompts else None,
+                 source_lines=f.line_numbers[idx])

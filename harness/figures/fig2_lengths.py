@@ -10,12 +10,18 @@ from harness import results
 from harness.figures import style
 
 EXPERIMENT = "fig2_lengths"
+PAPER_P999_OVER_MEDIAN = 10.0
 
 
 def draw(root: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     df = style.load_experiment(root, EXPERIMENT)
+    if "workload.max_gen_len" not in df.columns:
+        raise style.FigureError(f"{EXPERIMENT}: runs under {Path(root) / EXPERIMENT} have no workload.max_gen_len "
+                                f"in their overrides (the experiment sweeps it)")
+    style.one_variant(df, ["workload.max_gen_len", "seed"], EXPERIMENT)
     style.setup()
     fig, (ax_cdf, ax_share) = plt.subplots(1, 2, figsize=(10, 3.8))
     df = df.sort_values("workload.max_gen_len")
@@ -27,13 +33,16 @@ def draw(root: str | Path) -> list[Path]:
         ax_cdf.step(lengths, cdf, where="post", label=f"max {cap} (P99.9/median = "
                     f"{np.percentile(lengths, 99.9) / np.median(lengths):.1f}x)")
         shares.append((cap, row["gen/tail_s"] / row["timing_s/gen"]))
-    ax_cdf.set(xlabel="output length (tokens)", ylabel="CDF of samples", xscale="log",
+    ax_cdf.set_xscale("log", base=2)  # ticks at powers of two, like the max lengths
+    ax_cdf.xaxis.set_major_formatter(ScalarFormatter())
+    ax_cdf.xaxis.set_minor_formatter(NullFormatter())
+    ax_cdf.set(xlabel="output length (tokens)", ylabel="cumulative fraction of samples",
                title="Output-length distribution")
-    ax_cdf.legend(fontsize=8, loc="lower right")
+    ax_cdf.legend(title="max generation length (tokens)", loc="best")
+    style.paper_note(ax_cdf, f"paper: P99.9 > {PAPER_P999_OVER_MEDIAN:.0f}x median")
     caps, share = zip(*shares)
-    ax_share.bar([str(c) for c in caps], [100 * s for s in share], color=style.palette()["RLHFuse-Base"])
+    ax_share.bar([str(c) for c in caps], [100 * s for s in share], color=style.system_color("RLHFuse-Base"))
     ax_share.set(xlabel="max generation length (tokens)", ylabel="generation time after 90% of samples (%)",
                  title="Time spent on the longest 10%")
-    ax_cdf.text(0.02, 0.95, "paper: P99.9 > 10x median", transform=ax_cdf.transAxes, color=style.PAPER_COLOR,
-                va="top", fontsize=8)
+    fig.tight_layout()
     return style.save(fig, root, EXPERIMENT)

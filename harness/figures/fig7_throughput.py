@@ -11,25 +11,32 @@ EXPERIMENT = "fig7_throughput"
 PAPER_SPEEDUP = {"deepspeed_chat": (2.5, 3.7), "realhf": (1.4, 2.4), "rlhfuse_base": (1.2, 1.4)}
 
 
-def throughput_table(root):
-    df = style.load_experiment(root, EXPERIMENT)
-    df = df[df["model"].isin(style.PAIR_ORDER)].copy()
-    df["System"] = df["system"].map(style.SYSTEM_LABELS)
-    df["pair"] = df["model"].map(style.PAIR_LABELS)
+def throughput_table(root, run: str = EXPERIMENT):
+    """Fig. 7's runs with ``System``, ``pair`` and ``max_gen_len`` columns. Models other than the
+    paper's pairs (e.g. ``tiny`` in a quick run) are kept, after the pairs."""
+    df = style.load_experiment(root, EXPERIMENT, run=run).copy()
+    if "workload.max_gen_len" not in df.columns:
+        raise style.FigureError(f"{EXPERIMENT}: runs under {Path(root) / EXPERIMENT} have no workload.max_gen_len "
+                                f"in their overrides (the experiment sweeps it)")
+    df["System"] = df["system"].map(lambda s: style.SYSTEM_LABELS.get(s, s))
+    df["pair"] = df["model"].map(style.model_label)
     df["max_gen_len"] = df["workload.max_gen_len"].astype(int)
+    style.one_variant(df, ["system", "model", "max_gen_len", "seed"], EXPERIMENT)
     return df
 
 
 def speedups(df):
+    """RLHFuse's throughput over each baseline's, per (pair, max length), seeds averaged."""
     import pandas as pd
 
-    keyed = df.set_index(["model", "max_gen_len", "system"])["perf/samples_per_s"]
+    keyed = df.groupby(["model", "max_gen_len", "system"])["perf/samples_per_s"].mean()
     rows = []
     for (model, cap, system), value in keyed.items():
         if system == "rlhfuse" or (model, cap, "rlhfuse") not in keyed.index:
             continue
-        rows.append({"model": model, "pair": style.PAIR_LABELS[model], "max_gen_len": cap, "baseline": system,
-                     "Baseline": style.SYSTEM_LABELS[system], "speedup": keyed[(model, cap, "rlhfuse")] / value})
+        rows.append({"model": model, "pair": style.model_label(model), "max_gen_len": cap, "baseline": system,
+                     "Baseline": style.SYSTEM_LABELS.get(system, system),
+                     "speedup": keyed[(model, cap, "rlhfuse")] / value})
     return pd.DataFrame(rows)
 
 
@@ -40,34 +47,43 @@ def draw(root: str | Path) -> list[Path]:
     df = throughput_table(root)
     style.setup()
     caps = sorted(df["max_gen_len"].unique())
-    fig, axes = plt.subplots(2, len(caps), figsize=(5.2 * len(caps), 7.5), squeeze=False)
+    pairs = [style.model_label(m) for m in style.model_order(df["model"])]
+    fig, axes = plt.subplots(2, len(caps), figsize=(5.2 * len(caps) + 1.5, 7.5), squeeze=False)
     order = style.ordered_systems(df["system"])
+    colors = {label: style.system_color(label, i) for i, label in enumerate(order)}
+    pair_colors = dict(zip(pairs, style.pair_palette(len(pairs))))
     for i, cap in enumerate(caps):
         ax = axes[0][i]
         sns.barplot(df[df["max_gen_len"] == cap], x="pair", y="perf/samples_per_s", hue="System", hue_order=order,
-                    order=[style.PAIR_LABELS[p] for p in style.PAIR_ORDER], palette=style.palette(), ax=ax)
-        ax.set(title=f"max generation length {cap}", xlabel="actor/critic", ylabel="throughput (samples/s)")
+                    order=pairs, palette=colors, ax=ax)
+        ax.set(title=f"max generation length {cap} tokens", xlabel="actor/critic model pair",
+               ylabel="throughput (samples/s)")
         if i == len(caps) - 1:
-            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="system")
+            sns.move_legend(ax, "upper left", bbox_to_anchor=(1.01, 1.0), title="system")
         else:
             ax.get_legend().remove()
         sp = speedups(df[df["max_gen_len"] == cap])
         ax2 = axes[1][i]
         if sp.empty:
+            ax2.axis("off")
             continue
         base_order = [b for b in order if b != "RLHFuse"]
-        sns.barplot(sp, x="Baseline", y="speedup", hue="pair", order=base_order, ax=ax2, palette="mako")
+        sns.barplot(sp, x="Baseline", y="speedup", hue="pair", order=base_order,
+                    hue_order=[p for p in pairs if p in set(sp["pair"])], ax=ax2, palette=pair_colors)
         for j, label in enumerate(base_order):
             key = next((k for k, v in style.SYSTEM_LABELS.items() if v == label), None)
             if key in PAPER_SPEEDUP:
-                lo, hi = PAPER_SPEEDUP[key]
-                ax2.fill_between([j - 0.45, j + 0.45], lo, hi, color=style.PAPER_COLOR, alpha=0.3, zorder=0,
-                                 label="paper" if j == 0 else None)
-        ax2.axhline(1.0, color="black", lw=0.8)
-        ax2.set(xlabel="", ylabel="RLHFuse speedup (x)", title="RLHFuse over each baseline (band: paper)")
+                style.paper_band(ax2, *PAPER_SPEEDUP[key], x=(j - 0.45, j + 0.45),
+                                 label="paper (Fig. 7 text)")
+        style.reference_line(ax2, 1.0)
+        ax2.set(xlabel="baseline", ylabel="RLHFuse speedup (x, samples/s ratio)",
+                title="RLHFuse over each baseline (band: paper's range)")
         ax2.tick_params(axis="x", labelrotation=30)
         for label in ax2.get_xticklabels():
             label.set_horizontalalignment("right")
-        ax2.legend(fontsize=7, loc="upper right")
+        if i == len(caps) - 1:
+            ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="actor/critic")
+        else:
+            ax2.get_legend().remove()
     fig.tight_layout()
     return style.save(fig, root, EXPERIMENT)

@@ -7,22 +7,27 @@ from pathlib import Path
 from harness.figures import style
 
 EXPERIMENT = "fig9_migration"
+PAPER_OPTIMUM_PCT = 20
 
 
 def draw(root: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     df = style.load_experiment(root, EXPERIMENT)
+    if "system.migration_frac" not in df.columns:
+        raise style.FigureError(f"{EXPERIMENT}: runs under {Path(root) / EXPERIMENT} have no system.migration_frac "
+                                f"in their overrides (the experiment sweeps it)")
+    style.one_variant(df, ["model", "system.migration_frac", "seed"], EXPERIMENT)
     style.setup()
-    models = [m for m in style.PAIR_ORDER if m in set(df["model"])]
+    models = style.model_order(df["model"])
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
     for ax, model in zip(axes[0], models):
-        sub = df[df["model"] == model].sort_values("system.migration_frac")
-        ax.plot(100 * sub["system.migration_frac"], sub["perf/samples_per_s"], marker="o",
-                color=style.palette()["RLHFuse"], label="ours (simulated)")
-        ax.axvline(20, color=style.PAPER_COLOR, ls="--", label="paper optimum (~20%)")
-        ax.set(xlabel="migration threshold R_t (% of batch; 0 = stream without migrating)",
-               ylabel="throughput (samples/s)", title=style.PAIR_LABELS[model])
-        ax.legend(fontsize=8)
+        sub = df[df["model"] == model].groupby("system.migration_frac")["perf/samples_per_s"].mean()
+        ax.plot(100 * sub.index.to_numpy(dtype=float), sub.to_numpy(), marker="o", color=style.system_color("RLHFuse"),
+                label="ours (simulated)")
+        style.paper_line(ax, x=PAPER_OPTIMUM_PCT, label=f"paper: optimum near {PAPER_OPTIMUM_PCT}%")
+        ax.set(xlabel="migration threshold R_t (% of batch; 0 = stream, no migration)",
+               ylabel="throughput (samples/s)", title=style.model_label(model))
+        ax.legend()
     fig.tight_layout()
     return style.save(fig, root, EXPERIMENT)

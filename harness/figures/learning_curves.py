@@ -88,10 +88,12 @@ def load_curves(df):
 
 def draw(root: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     df = style.load_experiment(root, EXPERIMENT)
     if REWARD not in df.columns:
-        raise FileNotFoundError(f"runs under {root}/{EXPERIMENT} have no {REWARD} (backend=ray runs only)")
+        raise style.MissingResults(f"runs under {Path(root) / EXPERIMENT} have no {REWARD} (backend=ray runs only)",
+                                   EXPERIMENT, root)
     curves = load_curves(df)
     untrained_path = Path(root) / EXPERIMENT / UNTRAINED_FILE
     untrained = results.load_run_table(untrained_path.parent, UNTRAINED_FILE)["reward"] \
@@ -100,17 +102,18 @@ def draw(root: str | Path) -> list[Path]:
     labels = style.ordered_systems(curves["system"]) + sorted(
         set(curves["system"]) - set(style.SYSTEM_ORDER))  # out-of-tree systems at the end
     name_of = {style.SYSTEM_LABELS.get(s, s): s for s in curves["system"].unique()}
-    colors = style.palette()
+    colors = {label: style.system_color(label, i) for i, label in enumerate(labels)}
     fig, axes = plt.subplots(1, len(labels) + 1, figsize=(3.6 * (len(labels) + 1), 3.4), squeeze=False,
                              sharey=True)
     for ax, label in zip(axes[0], labels):
         sub = curves[curves["system"] == name_of[label]]
-        color = colors.get(label, "C0")
+        color = colors[label]
         for _, seed in sub.groupby("seed"):
             ax.plot(seed["iteration"], seed["reward"], color=color, lw=0.8, alpha=0.45)
         mean = sub.groupby("iteration")["reward"].mean()
         ax.plot(mean.index, mean.values, color=color, lw=2.2, label=f"mean over seeds (n={sub['seed'].nunique()})")
-        ax.set(xlabel="PPO iteration", title=label)
+        ax.set(xlabel="PPO iteration (#)", title=label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes[0]:
         if untrained is not None:
             mu, sd = float(untrained.mean()), float(untrained.std())
@@ -121,10 +124,10 @@ def draw(root: str | Path) -> list[Path]:
     ax = axes[0][-1]
     for label in labels:
         sub = curves[curves["system"] == name_of[label]].groupby("iteration")[["reward", "elapsed_s"]].mean()
-        ax.plot(sub["elapsed_s"], sub["reward"], color=colors.get(label, "C0"), lw=2, label=label)
+        ax.plot(sub["elapsed_s"], sub["reward"], color=colors[label], lw=2, label=label)
     ax.set(xlabel="wall-clock time of the iterations (s)", title="all systems (mean over seeds)")
-    axes[0][0].set_ylabel("mean reward per sample")
-    axes[0][0].legend(fontsize=7, loc="lower right")
-    ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("mean reward (fraction of tokens in range)")
+    axes[0][0].legend(loc="lower right")
+    ax.legend(loc="lower right")
     fig.tight_layout()
     return style.save(fig, root, EXPERIMENT)

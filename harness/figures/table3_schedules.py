@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import results
 from harness.figures import style
 
 EXPERIMENT = "table3_schedules"
-COLUMNS = {"pair": "actor/critic", "pp_actor": "pp A", "pp_critic": "pp C", "microbatches_actor": "M",
-           "serial_s": "serial 1F1B (ms)", "one_f_one_b_plus_s": "1F1B+ (ms)", "greedy_s": "greedy (ms)",
-           "fused_s": "fused (ms)", "lower_bound_s": "lower bound (ms)", "fused_speedup": "speedup vs serial",
-           "fused_memory_ratio": "fused mem / serial", "one_f_one_b_plus_memory_ratio": "1F1B+ mem / serial"}
+COLUMNS = {"pair": "actor/critic", "pp_actor": "actor pp (stages)", "pp_critic": "critic pp (stages)",
+           "microbatches_actor": "micro-batches (actor)", "serial_s": "serial 1F1B (ms)",
+           "one_f_one_b_plus_s": "1F1B+ (ms)", "greedy_s": "greedy (ms)", "fused_s": "fused (ms)", "lower_bound_s": "lower bound (ms)",
+           "fused_speedup": "fused speedup vs serial (x)", "fused_memory_ratio": "fused memory / serial (x)",
+           "one_f_one_b_plus_memory_ratio": "1F1B+ memory / serial (x)"}
 
 
 def table(root):
-    df = results.load_run_table(Path(root) / EXPERIMENT, "table3.csv")
+    df = style.load_table(root, EXPERIMENT, "table3.csv")
     out = df[list(COLUMNS)].copy()
     for col in ("serial_s", "one_f_one_b_plus_s", "greedy_s", "fused_s", "lower_bound_s"):
         out[col] = (1e3 * out[col]).round(1)
@@ -34,6 +34,7 @@ def draw(root: str | Path) -> list[Path]:
     cells = ax.table(cellText=t.values, colLabels=list(t.columns), loc="center", cellLoc="center")
     cells.auto_set_font_size(False)
     cells.set_fontsize(8)
+    cells.auto_set_column_width(list(range(len(t.columns))))
     cells.scale(1, 1.3)
     ax.set_title("Table 3: training schedules of one mini-batch (per-stage costs from the cost model)")
     paths = style.save(fig, root, EXPERIMENT)

@@ -4,7 +4,8 @@ Each test runs the entry point in a subprocess from an empty working directory, 
 with one 8-GPU node and two iterations, writing to a ``results_dir`` under ``tmp_path``. Checked:
 the run folder of a single run and what is in it; that bad input fails before any work with a
 message naming the bad value and leaves no results behind; that a sweep runs every job, is skipped
-when resumed, and survives (and records) a job that fails.
+when resumed, and survives (and records) a job that fails, then exits 1 with a table of its failures
+(tests/harness/test_errors.py checks the one-line errors in detail).
 """
 from __future__ import annotations
 
@@ -123,9 +124,9 @@ def test_plan_json_round_trips_and_matches_schedules(single_run):
 BAD_INPUTS = {
     # id: (overrides, regexes the output must contain, is a harness error (exit 2, no traceback))
     "unknown_system": (["+system=nope", "model=7b"],
-                       [r"system/nope", r"Available options", r"deepspeed_chat", r"rlhfuse_base"], False),
+                       [r"unknown option \+system=nope", r"deepspeed_chat", r"rlhfuse_base"], True),
     "misspelled_key": (["+system=rlhfuse_base", "model=7b", "workload.mini_bach_size=4"],
-                       [r"workload\.mini_bach_size", r"not in 'WorkloadConfig'"], False),
+                       [r"unknown key workload\.mini_bach_size", r"did you mean workload\.mini_batch_size"], True),
     "layout_larger_than_cluster": (["+system=deepspeed_chat", "model=7b", "system.gen_tp=16"],
                                    [r"system\.gen_tp", r"tp=?16", r"8"], True),
     "tp_across_nodes": (["+system=deepspeed_chat", "model=7b", "system.gen_tp=16", "cluster.num_nodes=2"],
@@ -191,14 +192,17 @@ def test_sweep_runs_every_job_and_resume_skips_them(tmp_path, run_harness):
 
 
 def test_sweep_records_a_failing_job_and_finishes_the_others(tmp_path, run_harness):
-    # deepspeed_chat's mini_batch_size (256) cannot divide a global batch of 128: it fails at plan time,
-    # while rlhfuse_base (mini-batch 64 from the workload) runs.
+    # deepspeed_chat trains ZeRO-3 data-parallel over all 8 GPUs, at least one sample per GPU per
+    # step: a global batch of 4 fails at plan time, while rlhfuse_base (mini-batch 4) runs.
     results_dir = tmp_path / "results"
-    proc = run_harness(harness_args(*SWEEP, "workload.global_batch_size=128", results_dir=results_dir),
-                       cwd=tmp_path / "cwd")
+    proc = run_harness(harness_args(*SWEEP, "workload.global_batch_size=4", "workload.mini_batch_size=4",
+                                    results_dir=results_dir), cwd=tmp_path / "cwd")
     output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
     assert "job failed (PlanError)" in proc.stderr, output
     assert "Traceback" not in proc.stderr
+    assert re.search(r"sweep: 1 of 2 jobs failed.*\n.*system\s+overrides\s+error\n\s+deepspeed_chat\s+model=7b.*PlanError",
+                     proc.stderr), proc.stderr
 
     lines = (results_dir / "default" / "failures.jsonl").read_text().splitlines()
     assert len(lines) == 1
@@ -206,8 +210,8 @@ def test_sweep_records_a_failing_job_and_finishes_the_others(tmp_path, run_harne
     assert failure["system"] == "deepspeed_chat"
     assert failure["seed"] == 0
     assert failure["error_type"] == "PlanError"
-    assert "mini_batch_size=256" in failure["error"] and "128" in failure["error"]
-    assert "workload.global_batch_size=128" in failure["overrides"]
+    assert "workload.global_batch_size=4 must be a multiple of 8" in failure["error"]
+    assert "workload.global_batch_size=4" in failure["overrides"]
 
     assert not list((results_dir / "default").glob("deepspeed_chat*"))
     ok = next((results_dir / "default").glob("rlhfuse_base,*")) / "7b" / "seed0"

@@ -4,8 +4,11 @@ One harness run with ``logger=wandb logger.mode=offline`` (subprocess, no creden
 offline run is read back from ``<run folder>/wandb/``: with ``wandb leet inspect --json`` (the
 wandb CLI's own reader of the ``.wandb`` transaction log), or, where that CLI cannot run, by
 parsing the log here (W&B's LevelDB-style record log of ``wandb_internal_pb2.Record`` messages).
-Checked: every iteration's history equals ``metrics.jsonl``, the summary equals ``summary.json``,
-the run's name is ``<system>-<model>-seed<k>[-<variant>]`` and its group the experiment.
+Checked: every iteration's history equals ``metrics.jsonl``; the run summary equals
+``summary.json``'s ``metrics`` under the same keys (the averages, not W&B's default of the last
+iteration's values, and nothing else but W&B's own ``_`` keys); the config's ``provenance`` equals
+``summary.json``'s; the run's name is ``<system>-<model>-seed<k>[-<variant>]`` and its group the
+experiment.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ pytest.importorskip("wandb")
 EXPERIMENT, SYSTEM, MODEL, SEED = "wandb_readback", "rlhfuse_base", "7b", 1
 VARIANT = "cluster.num_nodes=1"
 ARGS = [f"+system={SYSTEM}", f"model={MODEL}", f"seed={SEED}", f"experiment_name={EXPERIMENT}", "logger=wandb",
-        "logger.mode=offline", "cluster.num_nodes=1", "backend.num_iterations=2", "logger.progress_bar=false"]
+        "logger.mode=offline", "cluster.num_nodes=1", "backend.num_iterations=3", "logger.progress_bar=false"]
 
 
 # ---- two readers of a .wandb file, one normalised shape ----------------------------------------------
@@ -67,6 +70,8 @@ def read_with_leet(wandb_file: Path) -> dict | None:
             out["history"].append(rec["history"]["item"])
         elif kind == "summary":
             out["summary"].update(rec["summary"].get("update", {}))
+            for item in rec["summary"].get("remove", []):
+                out["summary"].pop(item.get("key") or ".".join(item.get("nested_key", [])), None)
         elif kind == "exit":
             out["exit_code"] = rec["exit"].get("exit_code", 0)
     return out
@@ -116,6 +121,8 @@ def read_with_protobuf(wandb_file: Path) -> dict:
             out["history"].append(_items(rec.history.item))
         elif which == "summary":
             out["summary"].update(_items(rec.summary.update))
+            for item in rec.summary.remove:
+                out["summary"].pop(item.key or ".".join(item.nested_key), None)
         elif which == "exit":
             out["exit_code"] = rec.exit.exit_code
     return out
@@ -160,7 +167,7 @@ def test_offline_run_lives_in_the_run_folder(offline_run):
 def test_history_equals_metrics_jsonl(offline_run, wandb_record):
     run_dir, _ = offline_run
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2
+    assert len(rows) == 3
     history = wandb_record["history"]
     assert [h["_step"] for h in history] == list(range(len(rows)))
     for step, (logged, row) in enumerate(zip(history, rows)):
@@ -168,11 +175,35 @@ def test_history_equals_metrics_jsonl(offline_run, wandb_record):
 
 
 def test_summary_equals_summary_json(offline_run, wandb_record):
-    run_dir, _ = offline_run
+    run_dir, wandb_file = offline_run
     metrics = json.loads((run_dir / "summary.json").read_text())["metrics"]
-    logged = {k.removeprefix("summary/"): v for k, v in wandb_record["summary"].items() if k.startswith("summary/")}
+    logged = {k: v for k, v in wandb_record["summary"].items() if not k.startswith("_")}
     _assert_close(logged, metrics, "summary")
     assert wandb_record["exit_code"] == 0
+    # W&B writes files/wandb-summary.json when it syncs (online); offline runs may not have it
+    summary_file = wandb_file.parent / "files" / "wandb-summary.json"
+    if summary_file.is_file():
+        on_disk = json.loads(summary_file.read_text())
+        _assert_close({k: v for k, v in on_disk.items() if not k.startswith("_")}, metrics, "wandb-summary.json")
+
+
+def test_summary_holds_averages_not_the_last_iteration(offline_run, wandb_record):
+    """3 iterations, 1 warm-up: the summary averages the last two, so it differs from the last
+    iteration (W&B's default run summary) and the W&B summary must hold the average."""
+    run_dir, _ = offline_run
+    metrics = json.loads((run_dir / "summary.json").read_text())["metrics"]
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    differ = [k for k in ("perf/samples_per_s", "timing_s/step") if not math.isclose(metrics[k], last[k])]
+    assert differ, "the averages equal the last iteration: the check below would prove nothing"
+    for key in differ:
+        assert math.isclose(wandb_record["summary"][key], metrics[key], rel_tol=1e-9)
+    assert not any(k.startswith("summary/") for k in wandb_record["summary"])
+
+
+def test_config_provenance_equals_summary_json(offline_run, wandb_record):
+    run_dir, _ = offline_run
+    provenance = json.loads((run_dir / "summary.json").read_text())["provenance"]
+    assert wandb_record["config"]["provenance"] == provenance
 
 
 def test_run_name_group_and_config(wandb_record):
@@ -185,7 +216,7 @@ def test_run_name_group_and_config(wandb_record):
     assert config["model"]["actor"]["name"] == MODEL
     assert config["seed"] == SEED
     assert config["experiment_name"] == EXPERIMENT
-    assert config["backend"]["num_iterations"] == 2
+    assert config["backend"]["num_iterations"] == 3
 
 
 def test_leet_and_protobuf_readers_agree(offline_run):

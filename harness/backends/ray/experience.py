@@ -1,10 +1,10 @@
 """The driver's side of a PPO iteration's data (single-controller, as in verl / HybridFlow).
 
-Owns what is the same for every system: prompt tokens drawn from (seed, iteration, sample id);
-the rollout as right-padded tensors; the KL-penalised rewards, GAE advantages (the matrix form,
-RLHFuse section 6) and returns, computed once over the whole batch in float32; whitening over the
-whole batch; and the mini-batch partition, a permutation drawn from (seed, iteration). None of it
-depends on layouts, so every system trains on identical numbers.
+Owns what is the same for every system: prompt tokens (the workload file's, or drawn from (seed,
+iteration, sample id)); the rollout as right-padded tensors; the KL-penalised rewards, GAE
+advantages (the matrix form, RLHFuse section 6) and returns, computed once over the whole batch in
+float32; whitening over the whole batch; and the mini-batch partition, a permutation drawn from
+(seed, iteration). None of it depends on layouts, so every system trains on identical numbers.
 
 Token positions: for a sequence of ``P`` prompt and ``R`` response tokens, the "action" at index
 ``j`` of a (B, W-1) tensor is the prediction of token ``j + 1``; response actions are indices
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harness.errors import ConfigError
 from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, masked_whiten
 from harness.workload import Batch
 
@@ -33,9 +34,19 @@ def stable_seed(*parts) -> int:
 
 
 def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int) -> list[list[int]]:
-    """Prompt ``i`` of iteration ``iteration``: ``prompt_lens[i]`` tokens uniform over the vocabulary."""
+    """Prompt ``i`` of iteration ``iteration``: the workload file's token ids when the batch carries
+    them (``workload.path``; ``batch.prompt_ids[i]``), else ``prompt_lens[i]`` tokens uniform over
+    the vocabulary, drawn from (seed, iteration, i)."""
     out = []
     for i, n in enumerate(batch.prompt_lens.tolist()):
+        ids = None if batch.prompt_ids is None else batch.prompt_ids[i]
+        if ids is not None:
+            if int(ids.max()) >= vocab_size:  # resolve_workload checks this at build time too
+                line = "" if batch.source_lines is None else f" (workload file line {int(batch.source_lines[i])})"
+                raise ConfigError(f"prompt of sample {i}{line} has token id {int(ids.max())}, outside the "
+                                  f"actor's vocabulary (vocab_size={vocab_size})")
+            out.append(ids.tolist())
+            continue
         gen = torch.Generator().manual_seed(stable_seed("prompt", seed, iteration, i))
         out.append(torch.randint(0, vocab_size, (int(n),), generator=gen).tolist())
     return out

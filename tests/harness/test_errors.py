@@ -1,0 +1,212 @@
+"""Friendly errors (issue 15, item 4): bad input ends with ONE line on stderr and a clear exit code.
+
+- an unknown key, in any config group or at the top level, or a misspelt group option: one line
+  ``error: unknown key|option ... (did you mean ...?)``, exit 2, nothing written; in a sweep
+  (``-m``) before any job starts;
+- degenerate batch sizes (zero, negative, micro > mini > global): one line, exit 2, nothing written;
+- cluster-dependent system defaults are derived: every system runs ``model=tiny workload=tiny`` on
+  4 devices with no per-system override;
+- a sweep with a failing job exits 1 and ends with a table of this sweep's failures only.
+
+Exit codes and stderr are checked in subprocesses (``python -m harness``, a few seconds each); the
+messages for every config group are checked in-process (:func:`harness.validation.check_command_line`).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from harness.discovery import discover_systems
+from harness.errors import ConfigError, OverrideError, PlanError
+from harness.validation import check_command_line
+
+FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1"]
+TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
+
+
+def run_refused(run_harness, tmp_path: Path, *args: str):
+    """Run ``python -m harness args`` that must be refused: exit 2, exactly one stderr line
+    ``error: ...``, nothing on stdout and nothing under results_dir. Returns that line."""
+    results_dir = tmp_path / "results"
+    proc = run_harness([*args, *FAST, f"results_dir={results_dir}"], cwd=tmp_path / "cwd")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert proc.stdout == ""
+    assert not results_dir.exists() or not any(results_dir.rglob("*")), sorted(results_dir.rglob("*"))
+    return lines[0]
+
+
+# ---- unknown keys and options: subprocesses for the exit code -----------------------------------------
+
+def test_unknown_key_is_one_line_with_suggestion(tmp_path, run_harness):
+    line = run_refused(run_harness, tmp_path, "+system=rlhfuse", "model=13b", "system.migraton_frac=0.1")
+    assert line.startswith("error: unknown key system.migraton_frac (did you mean system.migration_frac"), line
+
+
+def test_misspelt_group_option_is_one_line_with_suggestion(tmp_path, run_harness):
+    line = run_refused(run_harness, tmp_path, "+system=rlhfuse_base", "model=13bb")
+    assert line.startswith("error: unknown option model=13bb (did you mean model=13b"), line
+
+
+def test_sweep_with_unknown_key_is_refused_before_any_job(tmp_path, run_harness):
+    # multirun.yaml, run folders, failures.jsonl: nothing is written (run_refused checks results_dir)
+    line = run_refused(run_harness, tmp_path, "-m", "+system=rlhfuse_base", "model=7b,13b", "workload.mini_bach_size=4")
+    assert line.startswith("error: unknown key workload.mini_bach_size (did you mean workload.mini_batch_size"), line
+
+
+# ---- unknown keys and options: the message for every group, in-process --------------------------------
+
+UNKNOWN = {  # id: (command line, the message starts with)
+    "system": (["+system=rlhfuse", "system.migraton_frac=0.1"],
+               "unknown key system.migraton_frac (did you mean system.migration_frac"),
+    "system_added": (["+system=rlhfuse", "+system.migraton_frac=0.1"],  # Hydra accepts it; the run would ignore it
+                     "unknown key system.migraton_frac (did you mean system.migration_frac"),
+    "model": (["+system=rlhfuse_base", "model.actor.num_layer=2"],
+              "unknown key model.actor.num_layer (did you mean model.actor.num_layers"),
+    "model_role": (["+system=rlhfuse_base", "model.actr.num_layers=2"],
+                   "unknown key model.actr.num_layers (did you mean model.actor.num_layers"),
+    "cluster": (["+system=rlhfuse_base", "cluster.num_node=1"],
+                "unknown key cluster.num_node (did you mean cluster.num_nodes"),
+    "workload": (["+system=rlhfuse_base", "workload.prompt_len.medain=9"],
+                 "unknown key workload.prompt_len.medain (did you mean workload.prompt_len.median"),
+    "backend": (["+system=rlhfuse_base", "backend.num_iteration=1"],
+                "unknown key backend.num_iteration (did you mean backend.num_iterations"),
+    "backend_options": (["+system=rlhfuse_base", "backend=ray", "backend.options.zero3_imp=native"],
+                        "unknown key backend.options.zero3_imp (did you mean backend.options.zero3_impl"),
+    "logger": (["+system=rlhfuse_base", "logger.progess_bar=false"],
+               "unknown key logger.progess_bar (did you mean logger.progress_bar"),
+    "top_level": (["+system=rlhfuse_base", "seeed=1"], "unknown key seeed (did you mean seed"),
+    "top_level_group": (["+sytem=rlhfuse_base"], "unknown key sytem (did you mean system"),
+    "option_cluster": (["+system=rlhfuse_base", "cluster=h100"],
+                       "unknown option cluster=h100 (did you mean cluster=h100_8x"),
+    "option_system": (["+system=rlhfuse_bse"], "unknown option +system=rlhfuse_bse (did you mean +system=rlhfuse_base"),
+    "option_role": (["+system=rlhfuse_base", "llama@model.critic=33bb"],
+                    "unknown option llama@model.critic=33bb (did you mean llama@model.critic=33b"),
+    "option_no_match": (["+system=nope"], "unknown option +system=nope (options of system: colocated, deepspeed_chat"),
+    "wrong_type": (["+system=rlhfuse", "system.migration_frac=abc"], "system.migration_frac=abc: Value 'abc'"),
+    "sweep_later_value": (["-m", "+system=rlhfuse_base", "model=13b,13bb"],
+                          "unknown option model=13bb (did you mean model=13b"),
+    # Hydra composes a sweep before choosing the swept system: system.* must be a sweep itself
+    "sweep_key_in_swept_group": (["-m", "+system=rlhfuse,rlhfuse_base", "system.migration_frac=0.1"],
+                                 "system.migration_frac=0.1 cannot be set while system is swept"),
+    "sweep_key_of_one_system": (["-m", "+system=rlhfuse,rlhfuse_base", "system.migration_frac=choice(0.1)"],
+                                "unknown key system.migration_frac (keys of system: "),
+}
+
+
+@pytest.mark.parametrize("case", list(UNKNOWN))
+def test_unknown_key_or_option_message(case):
+    argv, start = UNKNOWN[case]
+    with pytest.raises(OverrideError) as err:
+        check_command_line(argv)
+    message = str(err.value)
+    assert message.startswith(start), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("argv", [["+system=rlhfuse", "model=13b", "system.migration_frac=0.1"],
+                                  ["-m", "+system=rlhfuse,rlhfuse_base", "model=7b,13b", "cluster.num_nodes=1,2"],
+                                  ["+experiment=fig9_migration"]])
+def test_valid_command_lines_pass(argv):
+    check_command_line(argv)
+
+
+# ---- degenerate batch sizes --------------------------------------------------------------------------
+
+def test_zero_global_batch_is_refused(tmp_path, run_harness):
+    line = run_refused(run_harness, tmp_path, "+system=rlhfuse_base", "model=7b", "workload.global_batch_size=0")
+    assert line == "error: workload.global_batch_size=0 must be a positive number of samples"
+
+
+DEGENERATE = {  # id: (overrides, error type, message pattern)
+    "mini_zero": (["workload.mini_batch_size=0"], ConfigError, r"workload\.mini_batch_size=0 must be a positive"),
+    "micro_negative": (["workload.micro_batch_size=-1"], ConfigError,
+                       r"workload\.micro_batch_size=-1 must be a positive"),
+    "micro_above_mini": (["workload.micro_batch_size=8"], ConfigError,
+                         r"workload\.micro_batch_size=8 is larger than workload\.mini_batch_size=4"),
+    "mini_above_global": (["workload.mini_batch_size=16"], ConfigError,
+                          r"workload\.mini_batch_size=16 is larger than workload\.global_batch_size=8"),
+    "system_mini_zero": (["system.mini_batch_size=0"], ConfigError, r"system\.mini_batch_size=0 must be a positive"),
+    "system_gen_negative": (["system.generation_batch_size=-8"], ConfigError,
+                            r"system\.generation_batch_size=-8 must be a positive"),
+    "system_mini_above_global": (["system.mini_batch_size=16"], PlanError,
+                                 r"system\.mini_batch_size=16 is larger than the global batch"),
+}
+
+
+@pytest.mark.parametrize("case", list(DEGENERATE))
+def test_degenerate_batch_sizes_are_refused(case):
+    from harness.testing import plan_for
+
+    overrides, error, pattern = DEGENERATE[case]
+    with pytest.raises(error, match=pattern):
+        plan_for(["+system=deepspeed_chat", *TINY_4, *overrides])
+
+
+def test_system_batch_sizes_of_any_system_must_be_positive():
+    from harness.app import compose
+    from harness.validation import check_batch_sizes
+
+    with pytest.raises(ConfigError, match=r"system\.max_gen_batch_size=0 must be a positive"):
+        check_batch_sizes(compose(["+system=rlhfuse_base", "system.max_gen_batch_size=0"]))
+    check_batch_sizes(compose(["+system=deepspeed_chat"]))  # null = derived: fine
+
+
+# ---- derived defaults: every system runs tiny on 4 devices ------------------------------------------
+
+def test_deepspeed_chat_mini_batch_rule():
+    from harness.app import compose
+    from harness.config import WorkloadConfig
+    from omegaconf import OmegaConf
+
+    from baselines.deepspeed_chat import derived_mini_batch_size
+
+    hh = OmegaConf.to_object(compose([]).workload)
+    tiny = OmegaConf.to_object(compose(["workload=tiny"]).workload)
+    assert isinstance(hh, WorkloadConfig)
+    assert derived_mini_batch_size(256, hh) == 256  # the RLHFuse testbed: RLHFuse section 7's 256 (Figure 7)
+    assert derived_mini_batch_size(8, hh) == 64  # one node: the workload's own mini-batch
+    assert derived_mini_batch_size(4, tiny) == 8  # one micro-batch of 2 on each of 4 devices
+    with pytest.raises(PlanError, match=r"workload\.global_batch_size=8 must be a multiple of 12"):
+        derived_mini_batch_size(6, tiny)
+
+
+@pytest.mark.parametrize("system", sorted(discover_systems()))
+def test_every_system_runs_tiny_on_four_devices(system, tmp_path):
+    from harness.app import compose
+    from harness.runner import execute
+
+    cfg = compose([f"+system={system}", *TINY_4, "logger=none", "logger.progress_bar=false",
+                   "backend.num_iterations=1", "backend.num_warmup_iterations=0", f"results_dir={tmp_path}"])
+    outcome = execute(cfg, [])
+    assert outcome.summary["perf/samples_per_s"] > 0
+    plan = json.loads((outcome.path / "plan.json").read_text())
+    assert plan["mini_batch_size"] >= 4 and 8 % plan["mini_batch_size"] == 0
+
+
+# ---- a sweep with a failing job -----------------------------------------------------------------------
+
+def test_sweep_with_a_failing_job_exits_1_with_a_table_of_this_sweeps_failures(tmp_path, run_harness):
+    results_dir = tmp_path / "results"
+    failures = results_dir / "default" / "failures.jsonl"
+    failures.parent.mkdir(parents=True)
+    old = {"system": "realhf", "seed": 0, "overrides": ["+system=realhf", "model=70b"], "error_type": "PlanError",
+           "error": "an earlier sweep's failure", "time": 0.0}
+    failures.write_text(json.dumps(old) + "\n")
+    # deepspeed_chat needs one sample per GPU per step: a global batch of 4 fails on 8 GPUs; rlhfuse_base runs.
+    proc = run_harness(["-m", "+system=deepspeed_chat,rlhfuse_base", "model=7b", "workload.global_batch_size=4",
+                        "workload.mini_batch_size=4", *FAST, f"results_dir={results_dir}"], cwd=tmp_path / "cwd")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    table = proc.stderr[proc.stderr.index("[harness] sweep: 1 of 2 jobs failed"):].splitlines()
+    assert re.match(r"\s+system\s+overrides\s+error$", table[1]), table
+    assert re.match(r"\s+deepspeed_chat\s+model=7b workload\.global_batch_size=4 .*PlanError: .*"
+                    r"workload\.global_batch_size=4 must be a multiple of 8", table[2]), table
+    assert len(table) == 3  # the table ends the output; the earlier sweep's failure is not in it
+    assert "earlier sweep" not in proc.stderr
+    assert len(failures.read_text().splitlines()) == 2
+    assert list((results_dir / "default").glob("rlhfuse_base,*/7b/seed0/summary.json"))
