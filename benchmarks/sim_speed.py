@@ -1,4 +1,4 @@
-"""Simulator speed: simulated PPO iterations per second (DESIGN section 4).
+"""Simulator speed: simulated PPO iterations per second (docs/DESIGN.md section 4).
 
 Plans each system once for a 65B actor / 33B critic pair on the RLHFuse testbed (256 GPUs), then
 times ``SimBackend.run_iteration`` plus metric extraction over several iterations, side by side in

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m harness +system=<name> model=<size> [overrides]`` (DESIGN sections 1, 9).
+"""Entry point: ``python -m harness +system=<name> model=<size> [overrides]`` (docs/DESIGN.md sections 1, 9).
 
 Registers the typed schemas, discovers systems (:mod:`harness.discovery`: importing each registers
 its config schema; the harness never imports systems by name), checks the command line

@@ -1,4 +1,4 @@
-"""Typed configuration schemas (DESIGN section 9).
+"""Typed configuration schemas (docs/DESIGN.md section 9).
 
 Owns the dataclasses that Hydra validates every run against, and their registration in
 Hydra's ConfigStore. YAML options under ``conf/<group>/`` extend these schemas through their

@@ -1,4 +1,4 @@
-"""Experiment loggers: Weights & Biases, offline unless the user is logged in (DESIGN section 1).
+"""Experiment loggers: Weights & Biases, offline unless the user is logged in (docs/DESIGN.md section 1).
 
 Runs are grouped by experiment and named ``<system>-<model>-seed<k>``; the W&B files live in the
 run folder (``wandb/``), so an offline run can be synced later with ``wandb sync``. ``mode=auto``

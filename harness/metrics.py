@@ -1,4 +1,4 @@
-"""Metrics from StepTraces (DESIGN section 7). Keys follow verl's where one exists.
+"""Metrics from StepTraces (docs/DESIGN.md section 7). Keys follow verl's where one exists.
 
 Every key is built here and documented once; nothing else in the project spells a metric key.
 

@@ -1,4 +1,4 @@
-"""The plan IR (DESIGN section 3): what a system decides, as data.
+"""The plan IR (docs/DESIGN.md section 3): what a system decides, as data.
 
 A :class:`Plan` is everything a backend needs to execute one PPO iteration, and nothing a backend
 may choose by itself:

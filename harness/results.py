@@ -1,4 +1,4 @@
-"""The results tree (DESIGN section 8) and its one loader.
+"""The results tree (docs/DESIGN.md section 8) and its one loader.
 
 ``results/<experiment>/<system>[,<variant>]/<model>/seed<k>/`` holds the resolved config (``config.yaml``),
 ``plan.json``, ``schedules/*.csv``, ``trace.json`` (Chrome trace), ``metrics.jsonl`` (one line per

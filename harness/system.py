@@ -1,4 +1,4 @@
-"""The System interface (DESIGN section 2): a system decides, and only decides.
+"""The System interface (docs/DESIGN.md section 2): a system decides, and only decides.
 
 ``System.plan(ctx)`` is pure: it reads the resolved configs and may query the cost model (and
 search with it), but touches no files, clock, logger or device. Systems live in ``systems/`` and

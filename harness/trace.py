@@ -1,4 +1,4 @@
-"""StepTrace: what a backend reports for one executed PPO iteration (DESIGN section 2).
+"""StepTrace: what a backend reports for one executed PPO iteration (docs/DESIGN.md section 2).
 
 Both backends emit the same structure, so every metric means the same thing simulated and real:
 

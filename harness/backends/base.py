@@ -1,4 +1,4 @@
-"""The Backend interface (DESIGN section 2): a backend executes a Plan and reports a StepTrace.
+"""The Backend interface (docs/DESIGN.md section 2): a backend executes a Plan and reports a StepTrace.
 
 Backends never choose parallel layouts, schedules or policies: everything they do is read from the
 Plan, so two backends given the same plan do the same work. Iteration inputs (prompt and target

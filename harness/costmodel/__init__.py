@@ -1,4 +1,4 @@
-"""Analytic cost model of RLHF training on a GPU cluster (DESIGN section 4).
+"""Analytic cost model of RLHF training on a GPU cluster (docs/DESIGN.md section 4).
 
 ``CostModel`` is the entry point; the submodules hold the pieces:
 

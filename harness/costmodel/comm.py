@@ -1,4 +1,4 @@
-"""Alpha-beta cost of point-to-point transfers and ring collectives (DESIGN section 4).
+"""Alpha-beta cost of point-to-point transfers and ring collectives (docs/DESIGN.md section 4).
 
 Owns the communication half of the analytic cost model: how long a transfer or a
 collective takes on one tier of the network (intra-node NVLink or inter-node NIC), and

@@ -1,5 +1,5 @@
 """Roofline time of the compute ops of RLHF on one GPU of a tensor-parallel group
-(DESIGN section 4, "Compute").
+(docs/DESIGN.md section 4, "Compute").
 
 Owns the per-op-class estimates: forward, backward, prefill, decode step and optimizer step.
 Each op is reduced to an :class:`OpCost` (FLOPs and HBM bytes *per device*, plus serial

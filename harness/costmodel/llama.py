@@ -1,4 +1,4 @@
-"""Parameter, FLOP and byte arithmetic for LLaMA-style decoders (DESIGN section 4).
+"""Parameter, FLOP and byte arithmetic for LLaMA-style decoders (docs/DESIGN.md section 4).
 
 Owns the closed-form counts that every other cost-model module builds on: parameters per
 layer / embedding / head, forward FLOPs of a pass, and KV-cache bytes per token. It knows

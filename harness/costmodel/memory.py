@@ -1,4 +1,4 @@
-"""Per-device memory footprints, in GB of 1e9 bytes (DESIGN section 4, "Memory").
+"""Per-device memory footprints, in GB of 1e9 bytes (docs/DESIGN.md section 4, "Memory").
 
 Owns the sizes a planner checks against HBM capacity: inference weights, training state
 (weights, gradients, optimizer states, with ZeRO sharding), activations kept for the

@@ -1,4 +1,4 @@
-"""The cost model systems plan with and the simulator runs on (DESIGN section 4).
+"""The cost model systems plan with and the simulator runs on (docs/DESIGN.md section 4).
 
 Owns :class:`CostModel`, one object that answers every "how long" and "how big" question
 for one cluster and workload: compute-op times (``cluster.cost_model``: ``calibrated``, laws

@@ -1,4 +1,4 @@
-"""Measured op times that override the analytic roofline (DESIGN section 4, "A profile-table
+"""Measured op times that override the analytic roofline (docs/DESIGN.md section 4, "A profile-table
 backend").
 
 Owns the CSV format and the lookup rule. A profile is a CSV with a header row naming (at

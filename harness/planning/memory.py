@@ -1,4 +1,4 @@
-"""Device-memory feasibility of a plan (DESIGN section 4), checked before anything runs.
+"""Device-memory feasibility of a plan (docs/DESIGN.md section 4), checked before anything runs.
 
 For every task and every device of its mesh: memory = states resident on that device all
 iteration (``Plan.resident``) + the task's working set:

@@ -1,4 +1,4 @@
-"""Continuous-batching generation with a KV cache and sample migration (DESIGN section 6).
+"""Continuous-batching generation with a KV cache and sample migration (docs/DESIGN.md section 6).
 
 Owns the real generation stage of a PPO iteration: iteration-level scheduling as in Orca (Yu et
 al. 2022, section 3.1) -- every :meth:`GenerationEngine.step` admits waiting samples into free

@@ -1,4 +1,4 @@
-"""Load pretrained LLaMA weights into :class:`~harness.real.model.LlamaModel` (DESIGN section 6).
+"""Load pretrained LLaMA weights into :class:`~harness.real.model.LlamaModel` (docs/DESIGN.md section 6).
 
 Owns the mapping from checkpoint formats to our parameter names:
 

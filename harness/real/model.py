@@ -1,4 +1,4 @@
-"""A LLaMA-style decoder in plain torch that can be cut into pipeline stages (DESIGN section 6).
+"""A LLaMA-style decoder in plain torch that can be cut into pipeline stages (docs/DESIGN.md section 6).
 
 Owns the model arithmetic of real execution: RMSNorm (Zhang & Sennrich 2019), rotary position
 embeddings (Su et al. 2021, "RoFormer"), SwiGLU MLP (Shazeer 2020), grouped-query attention

@@ -1,4 +1,4 @@
-"""PPO math for RLHF (DESIGN section 6), shared by every system so they all compute the same update.
+"""PPO math for RLHF (docs/DESIGN.md section 6), shared by every system so they all compute the same update.
 
 Owns, for right-padded (B, T) response tensors with a 0/1 ``mask`` whose valid tokens are one
 contiguous run per row:

@@ -1,5 +1,5 @@
 """vLLM (Kwon et al. 2023, PagedAttention) behind the :class:`~harness.real.engine.GenerationEngine`
-interface (DESIGN section 6: "vLLM as an optional engine"; docs/ENGINES.md).
+interface (docs/DESIGN.md section 6: "vLLM as an optional engine"; docs/ENGINES.md).
 
 Owns the mapping of submit / step / run / export_unfinished / import_samples onto vLLM's
 step-level ``LLMEngine`` (``add_request``, ``step``, ``abort_request``), and writing our weights as

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (DESIGN section 3): the IR, builders, validation, lowering to
+"""Pipeline schedules as data (docs/DESIGN.md section 3): the IR, builders, validation, lowering to
 send/recv, timed simulation and IO. Everything here is a pure function over :class:`Schedule`;
 the RLHFuse schedule search, the simulated backend and the real pipeline runtime share it."""
 from harness.schedule.builders import (

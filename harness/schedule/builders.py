@@ -1,4 +1,4 @@
-"""Builders: the classic pipeline schedules expressed in the schedule IR (DESIGN section 3).
+"""Builders: the classic pipeline schedules expressed in the schedule IR (docs/DESIGN.md section 3).
 
 This module owns turning one or more :class:`PipeSpec` into per-rank action lists. It knows
 nothing about time or memory (that is ``simulate``) and checks nothing beyond what it needs to

@@ -1,4 +1,4 @@
-"""Schedule IO: text, CSV, JSON-able dicts and Chrome traces (DESIGN section 3).
+"""Schedule IO: text, CSV, JSON-able dicts and Chrome traces (docs/DESIGN.md section 3).
 
 This module owns every external form of a :class:`Schedule`:
 

@@ -1,4 +1,4 @@
-"""Pipeline schedule IR (DESIGN section 3): schedules as data.
+"""Pipeline schedule IR (docs/DESIGN.md section 3): schedules as data.
 
 Modelled on torch.distributed.pipelining's action lists, with one addition: every action names
 its ``pipe``, because a fused schedule (RLHFuse section 5) interleaves two different models whose

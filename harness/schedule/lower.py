@@ -1,4 +1,4 @@
-"""Lowering: add point-to-point communication actions to a compute-only schedule (DESIGN section 3).
+"""Lowering: add point-to-point communication actions to a compute-only schedule (docs/DESIGN.md section 3).
 
 This module owns where sends and receives go, so that the real pipeline runtime can execute the
 lowered per-rank lists verbatim, and ``validate`` can check a lowered schedule against the same

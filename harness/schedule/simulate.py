@@ -1,4 +1,4 @@
-"""Timed list scheduling of pipeline schedules (DESIGN sections 3 and 4).
+"""Timed list scheduling of pipeline schedules (docs/DESIGN.md sections 3 and 4).
 
 This module owns the one timing model that the planner, the simulated backend and the RLHFuse
 schedule search (NSDI'25, arXiv 2409.13221, section 5: simulated annealing over fused actor/critic

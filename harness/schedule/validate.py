@@ -1,4 +1,4 @@
-"""Validation of pipeline schedules (DESIGN section 3).
+"""Validation of pipeline schedules (docs/DESIGN.md section 3).
 
 This module owns the rules a schedule must obey before anyone times or runs it, and the error
 text that explains a broken one (always with the rank x step grid from ``grid.ascii_grid``):

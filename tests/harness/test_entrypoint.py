@@ -1,4 +1,4 @@
-"""End-to-end tests of ``python -m harness`` as a user runs it (DESIGN sections 1, 8, 9).
+"""End-to-end tests of ``python -m harness`` as a user runs it (docs/DESIGN.md sections 1, 8, 9).
 
 Each test runs the entry point in a subprocess from an empty working directory, on the sim backend
 with one 8-GPU node and two iterations, writing to a ``results_dir`` under ``tmp_path``. Checked:

@@ -1,4 +1,4 @@
-"""The W&B record of a run says what results/ says (DESIGN sections 1, 7, 8).
+"""The W&B record of a run says what results/ says (docs/DESIGN.md sections 1, 7, 8).
 
 One harness run with ``logger=wandb logger.mode=offline`` (subprocess, no credentials), then the
 offline run is read back from ``<run folder>/wandb/``: with ``wandb leet inspect --json`` (the

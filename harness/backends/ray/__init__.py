@@ -1,4 +1,4 @@
-"""``backend=ray``: real execution of a Plan on Ray actors, one per device (DESIGN sections 2, 6).
+"""``backend=ray``: real execution of a Plan on Ray actors, one per device (docs/DESIGN.md sections 2, 6).
 
 Modules: :mod:`.backend` (the driver: Ray, workers, bounded waits), :mod:`.iteration` (a PPO
 iteration task by task), :mod:`.experience` (prompts, rollout tensors, rewards, GAE, mini-batches),

@@ -1,4 +1,4 @@
-"""``backend=ray``: execute a Plan for real on Ray actors, one per device (DESIGN sections 2, 6).
+"""``backend=ray``: execute a Plan for real on Ray actors, one per device (docs/DESIGN.md sections 2, 6).
 
 The driver is a single controller (as in verl/HybridFlow): it starts (or joins) Ray, creates one
 :class:`~harness.backends.ray.worker.DeviceWorker` per device, wires them into one

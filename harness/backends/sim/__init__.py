@@ -1,4 +1,4 @@
-"""``backend=sim``: execute a Plan as discrete events over the cost model (DESIGN section 4).
+"""``backend=sim``: execute a Plan as discrete events over the cost model (docs/DESIGN.md section 4).
 
 The simulator's task models, list scheduler and whole-plan interpreter belong to the planning
 library (:mod:`harness.planning.simulate`), because planners score candidate plans with the very

@@ -1,4 +1,4 @@
-"""Simulated actor generation, token step by token step (DESIGN section 4; RLHFuse section 4).
+"""Simulated actor generation, token step by token step (docs/DESIGN.md section 4; RLHFuse section 4).
 
 Each data-parallel replica of the ``gen`` task's allocation is one generation instance (tp x pp
 devices). Samples are dealt to instances round-robin. Batching policies, from ``Plan.generation``:

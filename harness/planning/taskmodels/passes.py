@@ -1,4 +1,4 @@
-"""Simulated inference passes, training stages and weight movements (DESIGN section 4).
+"""Simulated inference passes, training stages and weight movements (docs/DESIGN.md section 4).
 
 - Inference (``ref``, ``reward``, ``values``): each dp replica runs forward passes over its share
   of samples in micro-batches; with pp stages the passes pipeline, taking (M + pp - 1) stage times.
