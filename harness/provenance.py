@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.backends.base import Backend
-from harness.backends.sim import SimBackend
 from harness.config import RunConfig
-from harness.costmodel.calibrated import FITTED_DIR
+from harness.costmodel.calibrated import calibration_path
 
 HARNESS_DIR = Path(__file__).resolve().parent  # the package whose checkout is recorded
 # Distributions whose versions are recorded; alternatives are other names of the same package.
@@ -135,7 +134,7 @@ def _version(distribution: str) -> Optional[str]:
 
 def _devices(run: RunConfig, backend: Backend) -> Devices:
     count = backend.ctx.num_devices
-    if isinstance(backend, SimBackend):
+    if backend.simulated:
         return Devices(simulated=True, kind="gpu", names=[run.cluster.gpu.name], count=count, dtype=None)
     # A real backend: the device and dtype it resolved in setup (``backend.opts``, as backend=ray
     # reports them), else what this machine has. One worker per device.
@@ -175,8 +174,7 @@ def _cost_model(run: RunConfig) -> CostModelId:
     calibration = run.cluster.calibration
     cal_file = None
     if kind == "calibrated" and calibration:  # the file Calibration.load reads
-        path = Path(calibration)
-        cal_file = str((FITTED_DIR / f"{calibration}.json") if not path.suffix else path.resolve())
+        cal_file = str(calibration_path(calibration))
     table = run.backend.profile_table
     return CostModelId(kind=kind, calibration=calibration, calibration_file=cal_file,
                        calibration_sha256=file_hash(cal_file), profile_table=table,

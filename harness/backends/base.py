@@ -17,6 +17,10 @@ from harness.workload import Batch
 
 
 class Backend(abc.ABC):
+    # True for a backend that models devices rather than running on them (what provenance records
+    # as the run's devices: the simulated cluster's GPUs, or the real ones this process sees).
+    simulated: bool = False
+
     def __init__(self, cfg: BackendConfig, ctx: PlanContext):
         self.cfg = cfg
         self.ctx = ctx

@@ -68,6 +68,13 @@ from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
 FITTED_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles" / "fitted"
 FORMAT_VERSION = 1
 
+
+def calibration_path(name_or_path: str) -> Path:
+    """The file ``cluster.calibration`` names: ``data/profiles/fitted/<name>.json`` for a bare name
+    (``h100``, ``a100``), else the path itself (absolute)."""
+    path = Path(name_or_path)
+    return (FITTED_DIR / f"{name_or_path}.json" if not path.suffix else path).resolve()
+
 # FlashAttention-2 attention-core efficiency (fraction of dense bf16 peak), forward and backward.
 # A100: "FlashAttention-2 ... reaching 50-73% of the theoretical maximum FLOPs/s on A100" (Dao,
 # "FlashAttention-2", 2023, abstract); RLHF sequences (1-2K tokens) sit at the low end of that
@@ -149,10 +156,7 @@ class Calibration:
     @classmethod
     def load(cls, name_or_path: str) -> "Calibration":
         """``h100`` / ``a100`` (``data/profiles/fitted/<name>.json``) or a path to such a file."""
-        path = Path(name_or_path)
-        if not path.suffix:
-            path = FITTED_DIR / f"{name_or_path}.json"
-        return _load_cached(str(path.resolve()))
+        return _load_cached(str(calibration_path(name_or_path)))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<memory>") -> "Calibration":

@@ -158,3 +158,33 @@ class GGUFFile:
             else:
                 w = d * nibbles + blocks["m"].astype(np.float32)[:, None]
         return torch.from_numpy(np.ascontiguousarray(w)).reshape(info.shape)
+
+
+def gguf_bytes(metadata: dict, tensors: list[tuple[str, tuple[int, ...], int, bytes]]) -> bytes:
+    """A minimal GGUF v3 file, the inverse of what :class:`GGUFFile` reads (for tests that need a
+    checkpoint on disk): metadata values are str, int (u32), float (f32) or lists of str; tensors
+    are (name, torch shape, ggml type, raw bytes), 32-byte aligned."""
+    def string(s: str) -> bytes:
+        raw = s.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)))
+    for key, value in metadata.items():
+        out += string(key)
+        if isinstance(value, str):
+            out += struct.pack("<I", _STRING) + string(value)
+        elif isinstance(value, float):
+            out += struct.pack("<If", 6, value)
+        elif isinstance(value, int):
+            out += struct.pack("<II", 4, value)
+        else:
+            out += struct.pack("<IIQ", _ARRAY, _STRING, len(value)) + b"".join(string(v) for v in value)
+    offset, blobs = 0, b""
+    for name, shape, ggml_type, raw in tensors:
+        out += string(name) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in reversed(shape))
+        out += struct.pack("<IQ", ggml_type, offset)
+        pad = (-len(raw)) % 32
+        blobs += raw + b"\0" * pad
+        offset += len(raw) + pad
+    out += b"\0" * ((-len(out)) % 32)
+    return bytes(out) + blobs

@@ -17,6 +17,7 @@ from harness.workload import Batch
 
 
 class SimBackend(Backend):
+    simulated = True
     memory: MemoryReport | None = None
 
     def setup(self, plan: Plan) -> None:

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import struct
 
 import numpy as np
 import pytest
 import torch
 
 from harness.real import hf
-from harness.real.gguf import GGUFError, GGUFFile
+from harness.real.gguf import GGUFError, GGUFFile, gguf_bytes
 from harness.real.model import ModelArgs, load_llama_config
 
 transformers = pytest.importorskip("transformers")
@@ -99,35 +98,6 @@ def test_incomplete_checkpoint_is_rejected(tmp_path):
 
 # ---- GGUF ----
 
-def _gguf_bytes(metadata: dict, tensors: list[tuple[str, tuple[int, ...], int, bytes]]) -> bytes:
-    """A GGUF v3 file (our own test writer): metadata values are str, int (u32), float (f32) or
-    lists of str; tensors are (name, torch shape, ggml type, raw bytes)."""
-    def string(s):
-        raw = s.encode()
-        return struct.pack("<Q", len(raw)) + raw
-
-    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)))
-    for key, value in metadata.items():
-        out += string(key)
-        if isinstance(value, str):
-            out += struct.pack("<I", 8) + string(value)
-        elif isinstance(value, float):
-            out += struct.pack("<If", 6, value)
-        elif isinstance(value, int):
-            out += struct.pack("<II", 4, value)
-        else:
-            out += struct.pack("<IIQ", 9, 8, len(value)) + b"".join(string(v) for v in value)
-    offset, blobs = 0, b""
-    for name, shape, ggml_type, raw in tensors:
-        out += string(name) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in reversed(shape))
-        out += struct.pack("<IQ", ggml_type, offset)
-        pad = (-len(raw)) % 32
-        blobs += raw + b"\0" * pad
-        offset += len(raw) + pad
-    out += b"\0" * ((-len(out)) % 32)
-    return bytes(out) + blobs
-
-
 def test_gguf_reader_dequantises_block_formats(tmp_path):
     rng = np.random.default_rng(0)
     d = rng.uniform(0.01, 0.1, 4).astype(np.float16)
@@ -141,7 +111,7 @@ def test_gguf_reader_dequantises_block_formats(tmp_path):
     f32 = rng.standard_normal((3, 5)).astype(np.float32)
     f16 = rng.standard_normal(7).astype(np.float16)
     path = tmp_path / "t.gguf"
-    path.write_bytes(_gguf_bytes({"general.architecture": "llama", "x.count": 7, "x.eps": 0.5, "tok": ["a", "b"]}, [
+    path.write_bytes(gguf_bytes({"general.architecture": "llama", "x.count": 7, "x.eps": 0.5, "tok": ["a", "b"]}, [
         ("a", (2, 64), 8, q8_0), ("b", (4, 32), 2, q4_0), ("c", (128,), 3, q4_1), ("e", (3, 5), 0, f32.tobytes()),
         ("f", (7,), 1, f16.tobytes())]))
     g = GGUFFile(path)

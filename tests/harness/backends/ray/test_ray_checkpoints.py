@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 from harness.backends.ray.checkpoints import initial_state, resolve_checkpoints
 from harness.errors import ConfigError
 from harness.real import hf
+from harness.real.gguf import GGML_F32, gguf_bytes
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 from harness.testing import context
 
@@ -81,33 +81,6 @@ def save_hf(path: Path, *, classifier: bool = False, seed: int = 0, **overrides)
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": [arch]}))
 
 
-def _gguf_bytes(metadata: dict, tensors: dict[str, np.ndarray]) -> bytes:
-    """A GGUF v3 file with float32 tensors (our own writer; metadata: str, int as u32, float as f32)."""
-    def string(s):
-        raw = s.encode()
-        return struct.pack("<Q", len(raw)) + raw
-
-    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)))
-    for key, value in metadata.items():
-        out += string(key)
-        if isinstance(value, str):
-            out += struct.pack("<I", 8) + string(value)
-        elif isinstance(value, float):
-            out += struct.pack("<If", 6, value)
-        else:
-            out += struct.pack("<II", 4, value)
-    offset, blobs = 0, b""
-    for name, arr in tensors.items():
-        raw = arr.astype("<f4").tobytes()
-        out += string(name) + struct.pack("<I", arr.ndim) + b"".join(struct.pack("<Q", d) for d in reversed(arr.shape))
-        out += struct.pack("<IQ", 0, offset)
-        pad = (-len(raw)) % 32
-        blobs += raw + b"\0" * pad
-        offset += len(raw) + pad
-    out += b"\0" * ((-len(out)) % 32)
-    return bytes(out) + blobs
-
-
 def _interleave_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Inverse of hf._unpermute_rotary: half-split rows to llama.cpp's interleaved pairs."""
     d = w.shape[0] // heads
@@ -136,7 +109,8 @@ def save_gguf(path: Path, state: dict[str, torch.Tensor], args: ModelArgs) -> No
             "llama.attention.head_count_kv": args.num_kv_heads, "llama.feed_forward_length": args.ffn_hidden_size,
             "llama.vocab_size": args.vocab_size, "llama.context_length": args.max_seq_len,
             "llama.rope.freq_base": args.rope_theta, "llama.attention.layer_norm_rms_epsilon": args.rms_norm_eps}
-    path.write_bytes(_gguf_bytes(meta, tensors))
+    path.write_bytes(gguf_bytes(meta, [(name, arr.shape, GGML_F32, arr.astype("<f4").tobytes())
+                                       for name, arr in tensors.items()]))
 
 
 @pytest.fixture(scope="module")
