@@ -19,9 +19,9 @@ machine is shared) and its steps (trial moves per seed), with no memory cap, and
 Budget: a trial move costs about 1 microsecond per action of the schedule on this machine (the
 schedule is re-timed from the first changed action on), so by default every row gets the same
 *action-step* budget, ``--action-steps`` (steps x actions, per seed): ``action_steps / actions``
-steps, printed per row. The default, 2e8, is 30-50 CPU-seconds per seed on this machine, so with
-2 seeds on 2 workers each row takes about 60 s or less of the 2-core machine when nothing else
-runs on it: the issue's "60 s on 2 cores". ``--max-steps`` gives every row the same step
+steps, printed per row. The default, 4e8, is 45-70 CPU-seconds per seed on this machine (the
+greedy starting points, computed once in the parent, included), so with 2 seeds on 2 workers each
+row takes 49-72 s of the idle 2-core machine: the issue's "60 s on 2 cores". ``--max-steps`` gives every row the same step
 count instead. With a step budget every number but the wall time is deterministic. Not a test:
 numbers for docs/FUSED_SEARCH.md.
 """
@@ -40,7 +40,7 @@ from systems.rlhfuse.experiments import fused_layout_costs
 from systems.rlhfuse.intra import search_fused_schedule
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
-DEFAULT_ACTION_STEPS = 2e8
+DEFAULT_ACTION_STEPS = 4e8
 
 
 def _cpu_s() -> float:
@@ -99,7 +99,8 @@ def main() -> None:
             verdict = ("met" if ok else "missed") + f" (<= {target:g}x" + ("" if at_bound else ", above LB") + ")"
             print(f"{actor}/{critic:<5}{pp_a:>4}/{pp_c:<2}{m:>4}{res.makespan_vs_lower_bound:>13.4f}"
                   f"{res.peak_memory_vs_serial:>13.3f}{res.phase1_peak_memory / res.serial_peak_memory:>14.3f}"
-                  f"{res.serial_makespan / res.makespan:>10.3f}x{wall:>8.1f}{cpu:>7.0f}{actions:>9}{res.steps:>9}  {verdict}",
+                  f"{res.serial_makespan / res.makespan:>10.3f}x{wall:>8.1f}{cpu:>7.0f}{actions:>9}{res.steps:>9}  {verdict}"
+                  f"  [{res.phase1_start}]",
                   flush=True)
     print(f"# memory target met at the lower bound on {met} of {rows} configurations")
 

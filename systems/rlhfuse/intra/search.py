@@ -60,6 +60,9 @@ class FusedResult:
     phase1_peak_memory: float = 0.0  # peak of the makespan phase's result (memory phase start)
     memory_levels: int = 0      # times the memory phase lowered the peak (best seed)
     memory_start: str = ""      # the memory phase's starting order that gave the result
+    phase1_start: str = ""      # the start whose run gave phase 1's result (best seed): the
+                                # seed's own, or a lower-memory greedy start run under its cap
+    phase1_tries: int = 0       # lower-memory starts phase 1 tried (best seed)
     max_steps: int | None = None  # the budget per seed
     time_limit_s: float | None = None
     num_workers: int = 1
@@ -101,6 +104,7 @@ class FusedResult:
             "phase1_peak_memory_vs_serial": (self.phase1_peak_memory / self.serial_peak_memory
                                              if self.serial_peak_memory > 0 else 1.0),
             "memory_levels": self.memory_levels, "memory_start": self.memory_start,
+            "phase1_start": self.phase1_start, "phase1_tries": self.phase1_tries,
             "seeds": list(self.seeds), "max_steps": self.max_steps,
             "time_limit_s": self.time_limit_s, "num_workers": self.num_workers,
         }
@@ -173,6 +177,37 @@ def capped_greedy_starts(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pipe
     return out
 
 
+# phase 1's lower-memory starts (``memory_front``): greedy schedules over every policy x these
+# in-flight windows x caps of these multiples of the serial 1F1B peak (None: uncapped), of which
+# the Pareto front in (peak, makespan) with makespan within FRONT_MAX_GAP of the lower bound
+FRONT_WINDOWS = (None, 1.0, 1.5, 2.0)
+FRONT_CAPS = (None, 1.3, 1.6, 2.0)
+FRONT_MAX_GAP = 0.15
+
+
+def memory_front(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], mem_cap: float | None,
+                 serial_peak: float, lower_bound: float) -> list[tuple[str, Schedule, SimResult]]:
+    """Greedy schedules on the (peak memory, makespan) Pareto front, highest peak (= shortest)
+    first, those within ``FRONT_MAX_GAP`` of ``lower_bound`` only: phase 1 tries them under hard
+    caps at their peaks after its first run (``anneal._lower_memory_cascade``). A greedy pass per
+    policy x window x cap (``FRONT_*``); caps above ``mem_cap`` are clipped to it."""
+    found: list[tuple[str, Schedule, SimResult]] = []
+    for factor in FRONT_CAPS:
+        cap = mem_cap if factor is None else factor * serial_peak
+        if mem_cap is not None and cap is not None:
+            cap = min(cap, mem_cap)
+        for name, sched in _greedy_starts(pipes, costs, cap, windows=FRONT_WINDOWS):
+            found.append((name if factor is None else f"{name}/cap{factor:g}", sched,
+                          simulate(sched, costs, record_times=False)))
+    found.sort(key=lambda c: (c[2].max_peak_memory, c[2].makespan, c[0]))
+    front: list[tuple[str, Schedule, SimResult]] = []
+    for entry in found:
+        if (entry[2].makespan <= lower_bound * (1.0 + FRONT_MAX_GAP) and
+                (not front or entry[2].makespan < front[-1][2].makespan - 1e-12)):
+            front.append(entry)
+    return front[::-1]
+
+
 DEFAULT_MAX_STEPS = 100_000  # per seed, when neither a step nor a time budget is given
 
 
@@ -204,6 +239,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     starts = starting_points(pipes, costs, mem_cap, serial)
     lows = (capped_greedy_starts(pipes, costs, mem_cap, serial_sim.max_peak_memory)
             if memory_phase and low_memory_starts else [])
+    front = (memory_front(pipes, costs, mem_cap, serial_sim.max_peak_memory, bound.value)
+             if memory_phase else [])
     greedy_sim = next((sim for name, _, sim in starts if name == "larger"), serial_sim)
     barrier_makespan, barrier_peak = paper_serial(pipes, costs)
     model = sim_model(serial, costs)
@@ -212,7 +249,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           memory_phase=memory_phase)
     best, _ = anneal_seeds(model, [_encode(s, costs) for _, s, _ in starts], bound.value, mem_cap,
                            seeds, params, num_workers,
-                           memory_starts=[_encode(s, costs) for _, s, _ in lows])
+                           memory_starts=[_encode(s, costs) for _, s, _ in lows],
+                           capped_starts=[(_encode(s, costs), sim.max_peak_memory) for _, s, sim in front])
     start_name, start, start_sim = starts[best.start_index]
     ranks = serial.ranks
     schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(ranks, best.seqs)})
@@ -226,6 +264,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         valid = mem_cap is None or result.max_peak_memory <= mem_cap + 1e-9
     except ScheduleError:
         valid = False
+    phase1_start = start_name if best.phase1_front < 0 else front[best.phase1_front][0]
     memory_start = ("" if best.memory_start < 0 else "makespan phase" if best.memory_start == 0
                     else lows[best.memory_start - 1][0])
     return FusedResult(
@@ -240,5 +279,6 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0,
         phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory,
         memory_levels=best.memory_levels,
-        memory_start=memory_start, max_steps=max_steps, time_limit_s=time_limit_s,
+        memory_start=memory_start, phase1_start=phase1_start, phase1_tries=best.phase1_tries,
+        max_steps=max_steps, time_limit_s=time_limit_s,
         num_workers=num_workers)

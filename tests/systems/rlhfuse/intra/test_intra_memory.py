@@ -128,3 +128,32 @@ def test_default_budget_is_steps(monkeypatch):
     pipes = fused_pipes(2, 2, 2, 2)
     res = search_fused_schedule(pipes, fused_costs(pipes, 1.0, 1.0))
     assert res.time_limit_s is None and res.max_steps == 300 and res.steps <= 300
+
+
+def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespan():
+    """The lower-memory cascade of phase 1: a capped start already at phase 1's makespan with less
+    memory replaces phase 1's order (the memory phase then starts from it); one that cannot reach
+    that makespan within its budget does not."""
+    pipes, costs, start, model, seqs = _setup(4, 4, 6, 6, policy="critical_path")
+    tails = chain_tails(model)
+    plain = anneal_orders(model, seqs, lower_bound(pipes, costs), None,
+                          AnnealParams(seed=1, time_limit_s=None, max_steps=3000, memory_phase=False))
+    search = MemorySearch(model, tails, plain.makespan, None, random.Random(0))
+    search.run(plain.seqs, 3000)
+    assert search.best_seqs is not None and search.best_peak < plain.peak_memory
+    low_seqs, low_peak = search.best_seqs, search.best_peak
+    serial = serial_schedule(pipes)
+    serial_seqs = [model.encode(serial.order[r], r) for r in start.ranks]
+    serial_sim = simulate(serial, costs)
+    assert serial_sim.makespan > plain.makespan and serial_sim.max_peak_memory < plain.peak_memory
+    capped = [(serial_seqs, serial_sim.max_peak_memory), (low_seqs, low_peak)]
+    params = AnnealParams(seed=1, time_limit_s=None, max_steps=3000, memory_phase=False,
+                          front_try_frac=1e-3)  # 3 steps for the serial order: it cannot get there
+    out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped)
+    assert out.phase1_front == 1 and out.phase1_tries == 2
+    assert out.makespan == pytest.approx(plain.makespan) and out.peak_memory == pytest.approx(low_peak)
+    res = simulate(_decode(model, start.ranks, out.seqs, pipes), costs)
+    assert res.makespan == pytest.approx(plain.makespan) and res.max_peak_memory == pytest.approx(low_peak)
+    # no lower-memory start at the makespan: phase 1's own order stays
+    out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped[:1])
+    assert out.phase1_front == -1 and out.peak_memory == pytest.approx(plain.peak_memory)
