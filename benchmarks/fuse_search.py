@@ -16,14 +16,16 @@ processes: about twice the wall time when 2 workers have the 2 cores to themselv
 machine is shared) and its steps (trial moves per seed), with no memory cap, and whether the row meets issue 13's memory target
 (peak <= 1.0x serial with 8-16 micro-batches, <= 1.3x with 32-64) at the lower bound.
 
-Budget: a trial move costs about 1 microsecond per action of the schedule on this machine (the
-schedule is re-timed from the first changed action on), so by default every row gets the same
-*action-step* budget, ``--action-steps`` (steps x actions, per seed): ``action_steps / actions``
-steps, printed per row. The default, 4e8, is 45-70 CPU-seconds per seed on this machine (the
-greedy starting points, computed once in the parent, included), so with 2 seeds on 2 workers each
-row takes 49-72 s of the idle 2-core machine: the issue's "60 s on 2 cores". ``--max-steps`` gives every row the same step
-count instead. With a step budget every number but the wall time is deterministic. Not a test:
-numbers for docs/FUSED_SEARCH.md.
+Budget: a trial move costs a fixed part (the Python around the compiled re-timing, about 10
+microseconds here) plus a part proportional to the schedule (about 13 ns per action: the schedule
+is re-timed from the first changed action on), so by default every row gets the same budget of
+*work units*, ``--action-steps`` per seed, a step costing ``actions + STEP_OVERHEAD_ACTIONS``
+units: ``action_steps / (actions + 768)`` steps, printed per row. The default, 4e9, is 50-60
+CPU-seconds per seed on this machine with the greedy starting points (computed once in the
+parent), so with 2 seeds on 2 workers each row takes about 60 s of the idle 2-core machine: the
+issue's "60 s on 2 cores". ``--max-steps`` gives every row the same step count instead. With a
+step budget every number but the wall time is deterministic (and the same with or without numba,
+only slower without). Not a test: numbers for docs/FUSED_SEARCH.md.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ from systems.rlhfuse.experiments import fused_layout_costs
 from systems.rlhfuse.intra import search_fused_schedule
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
-DEFAULT_ACTION_STEPS = 4e8
+DEFAULT_ACTION_STEPS = 4e9
+STEP_OVERHEAD_ACTIONS = 768  # the fixed cost of a step, in actions re-timed (see the docstring)
 
 
 def _cpu_s() -> float:
@@ -59,7 +62,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--pairs", nargs="+", help="e.g. 33b/13b (default: both Table 3 pairs)")
     p.add_argument("--action-steps", type=float, default=DEFAULT_ACTION_STEPS,
-                   help=f"steps x actions per seed (default {DEFAULT_ACTION_STEPS:g}; deterministic)")
+                   help=f"work units per seed, a step costing actions + {STEP_OVERHEAD_ACTIONS} "
+                        f"(default {DEFAULT_ACTION_STEPS:g}; deterministic)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="the same number of steps per seed on every row instead")
     p.add_argument("--time-limit", type=float, default=None,
@@ -70,7 +74,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8)
     args = p.parse_args()
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
-              else f"{args.action_steps:g} action-steps") + " per seed"
+              else f"{args.action_steps:g} work units (steps x (actions + {STEP_OVERHEAD_ACTIONS}))") + " per seed"
     print(f"# {budget}, {args.seeds or args.workers} seed(s) on {args.workers} worker(s), "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'peak/serial':>13}{'phase-1 peak':>14}"
@@ -86,7 +90,7 @@ def main() -> None:
         for m in args.microbatches:
             pipes, costs, _ = fused_layout_costs(ctx, actor, critic, pp_a, pp_c, m, args.tp)
             actions = sum(2 * pipe.num_stages * pipe.num_mbs for pipe in pipes.values())
-            steps = None if args.time_limit else (args.max_steps or round(args.action_steps / actions))
+            steps = None if args.time_limit else (args.max_steps or round(args.action_steps / (actions + STEP_OVERHEAD_ACTIONS)))
             t0, cpu0 = time.perf_counter(), _cpu_s()
             res = search_fused_schedule(pipes, costs, seed=args.seed, time_limit_s=args.time_limit,
                                         max_steps=steps, num_workers=args.workers, num_seeds=args.seeds)

@@ -64,7 +64,11 @@ def model_priority(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]
 
 
 class _MemoryGuard:
-    """Per-rank in-flight activation memory and the cap + safety test (module docstring)."""
+    """Per-rank in-flight activation memory and the cap + safety test (module docstring).
+
+    For each model ``x`` it keeps, per rank, ``held - held by x + need of x`` (what the rank
+    would hold with one more activation of ``x`` in place of all of ``x``'s) and its maximum over
+    the ranks, so that the safety test is O(models) per query instead of O(models x ranks)."""
 
     def __init__(self, cap: float | None, num_ranks: int, models: list[int], need: list[list[float]]):
         self.cap = cap
@@ -72,6 +76,9 @@ class _MemoryGuard:
         self.held_by = {m: [0.0] * num_ranks for m in models}
         self.need = need  # need[m][r]: largest activation of model m on rank r (0 if none)
         self.models = models
+        self.room = {x: [self.held[r] - self.held_by[x][r] + need[x][r] for r in range(num_ranks)]
+                     for x in models}
+        self.room_max = {x: max(self.room[x], default=0.0) for x in models}
 
     def allows(self, rank: int, model: int, act: float) -> bool:
         if self.cap is None or act <= 0:
@@ -79,12 +86,10 @@ class _MemoryGuard:
         cap = self.cap + _EPS
         if self.held[rank] + act > cap:
             return False
-        held = self.held
         for x in self.models:
-            held_x, need_x = self.held_by[x], self.need[x]
-            extra = act if model != x else 0.0
-            if all(held[r] - held_x[r] + need_x[r] + (extra if r == rank else 0.0) <= cap
-                   for r in range(len(held))):
+            # max over ranks of room, with this activation added on ``rank`` if it is not x's
+            at_rank = self.room[x][rank] + (act if model != x else 0.0)
+            if self.room_max[x] <= cap and at_rank <= cap:
                 return True
         return False
 
@@ -100,6 +105,12 @@ class _MemoryGuard:
     def add(self, rank: int, model: int, delta: float) -> None:
         self.held[rank] += delta
         self.held_by[model][rank] += delta
+        if self.cap is None:
+            return
+        for x in self.models:
+            room = self.room[x]
+            room[rank] = self.held[rank] - self.held_by[x][rank] + self.need[x][rank]
+            self.room_max[x] = max(room)
 
 
 POLICIES = ("larger", "alternate", "alternate_model", "critical_path", "fifo")

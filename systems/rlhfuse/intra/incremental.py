@@ -38,7 +38,10 @@ from bisect import bisect_left
 from functools import lru_cache
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from harness.schedule import ScheduleError, SimModel
+from systems.rlhfuse.intra import kernel
 
 _EPS = 1e-9
 ABORTED = float("inf")  # makespan reported for a trial move cut short by its threshold
@@ -84,7 +87,9 @@ class OrderState:
     """Per-rank orders (encoded ids) with cached timing and memory; supports trial moves."""
 
     def __init__(self, model: SimModel, seqs: Sequence[Sequence[int]], mem_cap: float | None = None,
-                 tails: list[float] | None = None):
+                 tails: list[float] | None = None, compiled: bool | None = None):
+        """``compiled``: re-time with :func:`systems.rlhfuse.intra.kernel.resim` (numba) instead of
+        the Python loop; default: whenever numba is available. Both give the same times."""
         self.model = model
         self.mem_cap = mem_cap
         self.seqs = [list(s) for s in seqs]
@@ -119,6 +124,55 @@ class OrderState:
         self._scratch_start = list(self.start)
         self._waiter = [-1] * n
         self._pending: tuple | None = None
+        self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
+        if self.compiled:
+            self._init_arrays()
+
+    def _init_arrays(self) -> None:
+        """NumPy mirrors of the state for the compiled pass: orders (padded 2-D), cumulative work,
+        times and scratch; kept in step by the trial moves, :meth:`commit` and :meth:`revert`."""
+        seqs, n, R = self.seqs, self.model.num_actions, len(self.seqs)
+        width = max((len(s) for s in seqs), default=0)
+        self._a_seq = np.full((R, max(width, 1)), -1, dtype=np.int64)
+        self._a_cum = np.zeros((R, max(width, 1)), dtype=np.float64)
+        for q, seq in enumerate(seqs):
+            self._a_seq[q, :len(seq)] = seq
+            self._a_cum[q, :len(seq)] = self.cum[q]
+        self._a_len = np.array([len(s) for s in seqs], dtype=np.int64)
+        self._a_total = np.array(self.total, dtype=np.float64)
+        self._a_static = tuple(np.array(x, dtype=t) for x, t in (
+            (self.dep_a, np.int64), (self.dep_b, np.int64), (self.lat_a, np.float64),
+            (self.lat_b, np.float64), (self.dur, np.float64), (self.tail, np.float64)))
+        self._a_start = np.array(self.start, dtype=np.float64)
+        self._a_end = np.array(self.end, dtype=np.float64)
+        self._a_ss, self._a_se = np.empty(n), np.empty(n)
+        self._a_waiter = np.full(n, -1, dtype=np.int64)
+        self._a_next = np.full(R, -1, dtype=np.int64)
+        self._a_blocked = np.zeros(max(n, 1), dtype=np.int64)
+        self._a_firsts = np.zeros(R, dtype=np.int64)
+        self._a_clock, self._a_left = np.zeros(R), np.zeros(R)
+        self._a_ready = np.zeros(max(R, 1), dtype=np.int64)
+        self._a_out = None  # critical-path output and rank/position mirrors, made on first use
+
+    def _mirror_move(self, r: int, i: int, j: int) -> None:
+        """Apply "the action at ``i`` of rank ``r`` goes to ``j``" to the 2-D order mirror."""
+        row = self._a_seq[r]
+        v = row[i]
+        if j > i:
+            row[i:j] = row[i + 1:j + 1].copy()
+        else:
+            row[j + 1:i + 1] = row[j:i].copy()
+        row[j] = v
+
+    def _resim(self, r: int, lo: int, t0: float, threshold: float) -> float | None:
+        if not self.compiled:
+            return self._resim_py(r, lo, t0, threshold)
+        dep_a, dep_b, lat_a, lat_b, dur, tail = self._a_static
+        out = kernel.resim(self._a_seq, self._a_len, r, lo, t0, threshold, self._a_start, self._a_end,
+                           self._a_se, self._a_ss, dep_a, dep_b, lat_a, lat_b, dur, tail,
+                           self._a_total, self._a_cum, self._a_waiter, self._a_next, self._a_blocked,
+                           self._a_firsts, self._a_clock, self._a_left, self._a_ready)
+        return None if out == kernel.DEADLOCK else float(out)
 
     # ---- whole-schedule quantities -------------------------------------------------------
     def retime(self) -> None:
@@ -197,9 +251,13 @@ class OrderState:
             return None
         t0 = self.start[a]
         seq[i], seq[i + 1] = b, a
+        if self.compiled:
+            self._a_seq[r, i], self._a_seq[r, i + 1] = b, a
         makespan = self._resim(r, i, t0, threshold)
         if makespan is None:  # cannot happen after the DFS above, but never leave a bad order
             seq[i], seq[i + 1] = a, b
+            if self.compiled:
+                self._a_seq[r, i], self._a_seq[r, i + 1] = a, b
             return None
         rank_peak = self._peak_after(r, i, new_vals)
         # pending: rank, first changed position, last changed position, new prefix sums from
@@ -247,10 +305,14 @@ class OrderState:
         t0 = self.start[seq[lo]]
         del seq[i]
         seq.insert(j, v)
+        if self.compiled:
+            self._mirror_move(r, i, j)
         makespan = self._resim(r, lo, t0, threshold)
         if makespan is None:
             del seq[j]
             seq.insert(i, v)
+            if self.compiled:
+                self._mirror_move(r, j, i)
             return None
         rank_peak = self._peak_after(r, lo, new_vals)
         self._pending = (r, lo, lo + len(new_vals) - 1, new_vals, rank_peak, makespan, (i, j))
@@ -263,7 +325,7 @@ class OrderState:
                 out = pk
         return out
 
-    def _resim(self, r: int, lo: int, t0: float, threshold: float) -> float | None:
+    def _resim_py(self, r: int, lo: int, t0: float, threshold: float) -> float | None:
         """Re-time everything that started at or after ``t0`` (rank ``r`` from position ``lo``)
         into the scratch arrays. Returns the new makespan, ABORTED, or None on deadlock."""
         seqs, start = self.seqs, self.start
@@ -376,8 +438,13 @@ class OrderState:
         r, lo, hi, new_vals, rank_peak, makespan, _ = self._pending
         if makespan == ABORTED:
             raise RuntimeError("cannot commit a trial move that was cut short")
-        self.start, self._scratch_start = self._scratch_start, self.start
-        self.end, self._scratch_end = self._scratch_end, self.end
+        if self.compiled:
+            self._a_start, self._a_ss = self._a_ss, self._a_start
+            self._a_end, self._a_se = self._a_se, self._a_end
+            self.start, self.end = self._a_start.tolist(), self._a_end.tolist()
+        else:
+            self.start, self._scratch_start = self._scratch_start, self.start
+            self.end, self._scratch_end = self._scratch_end, self.end
         seq, pos, dur = self.seqs[r], self.pos, self.dur
         self.prefix[r][lo:lo + len(new_vals)] = new_vals
         self.peak[r] = rank_peak
@@ -388,6 +455,10 @@ class OrderState:
             pos[v] = k
             run += dur[v]
             cm[k] = run
+        if self.compiled:
+            self._a_cum[r, lo:hi + 1] = cm[lo:hi + 1]
+            if self._a_out is not None:
+                self._a_pos[seq[lo:hi + 1]] = np.arange(lo, hi + 1)
         self._pending = None
 
     def revert(self) -> None:
@@ -395,23 +466,47 @@ class OrderState:
         seq = self.seqs[r]
         if move is None:
             seq[lo], seq[lo + 1] = seq[lo + 1], seq[lo]
+            if self.compiled:
+                row = self._a_seq[r]
+                row[lo], row[lo + 1] = row[lo + 1], row[lo]
         else:
             i, j = move
             seq.insert(i, seq.pop(j))
+            if self.compiled:
+                self._mirror_move(r, j, i)
         self._pending = None
 
     # ---- critical path ---------------------------------------------------------------------
     def critical_swaps(self, rng) -> list[tuple[int, int]]:
-        """Trace one critical path back from a last-finishing action (ties broken with ``rng``)
-        and return the adjacent swaps at the two ends of each of its rank blocks (runs of
-        consecutive actions on one rank, each starting as the previous ends). As in job-shop
-        scheduling (the N5 neighbourhood of Nowicki and Smutnicki), reordering inside a block
-        keeps the path as long as it was, so only swaps at block ends can lower the makespan."""
+        """Trace one critical path back from a last-finishing action (ties broken by a generator
+        seeded from ``rng``) and return the adjacent swaps at the two ends of each of its rank
+        blocks (runs of consecutive actions on one rank, each starting as the previous ends). As
+        in job-shop scheduling (the N5 neighbourhood of Nowicki and Smutnicki), reordering inside
+        a block keeps the path as long as it was, so only swaps at block ends can lower the
+        makespan."""
+        seed = rng.randrange(1, kernel.LEHMER_MODULUS)
+        if not self.compiled:
+            return self._critical_swaps_py(seed)
+        if self._a_out is None:
+            self._a_out = np.zeros((2 * self.model.num_actions + 2, 2), dtype=np.int64)
+            self._a_rank_of = np.array(self.rank_of, dtype=np.int64)
+            self._a_pos = np.array(self.pos, dtype=np.int64)
+        dep_a, dep_b, lat_a, lat_b, _, _ = self._a_static
+        count = kernel.critical_swaps(seed, self._a_seq, self._a_len, self._a_rank_of, self._a_pos,
+                                      self._a_start, self._a_end, dep_a, dep_b, lat_a, lat_b, self._a_out)
+        return [(r, p) for r, p in self._a_out[:count].tolist()]
+
+    def _critical_swaps_py(self, seed: int) -> list[tuple[int, int]]:
+        """:meth:`critical_swaps` in Python (the rule of ``kernel.critical_swaps``)."""
+        state, mult, mod = seed, kernel.LEHMER_MULTIPLIER, kernel.LEHMER_MODULUS
         start, end, seqs, rank_of, pos = self.start, self.end, self.seqs, self.rank_of, self.pos
         dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
         best = max((end[s[-1]] for s in seqs if s), default=0.0)
         lasts = [s[-1] for s in seqs if s and end[s[-1]] == best]
-        x = lasts[rng.randrange(len(lasts))] if lasts else -1
+        x = -1
+        if lasts:
+            state = state * mult % mod
+            x = lasts[state % len(lasts)]
         swaps: list[tuple[int, int]] = []
         block_last = -1  # position of the current block's last action
         while x >= 0:
@@ -425,8 +520,11 @@ class OrderState:
             for d, lat in ((dep_a[x], lat_a[x]), (dep_b[x], lat_b[x])):
                 if d >= 0 and end[d] + lat == st:
                     options.append(d)
-            nxt = options[rng.randrange(len(options))] if len(options) > 1 else (
-                options[0] if options else -1)
+            if len(options) > 1:
+                state = state * mult % mod
+                nxt = options[state % len(options)]
+            else:
+                nxt = options[0] if options else -1
             if nxt < 0 or rank_of[nxt] != r or pos[nxt] != p - 1:  # the block is p..block_last
                 if block_last > p:
                     swaps.append((r, p))

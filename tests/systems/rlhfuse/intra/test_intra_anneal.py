@@ -121,7 +121,7 @@ def test_anneal_is_deterministic_and_improves():
     b = anneal_orders(model, seqs, lb, None, params)
     assert a.seqs == b.seqs and a.steps == b.steps
     assert a.makespan <= simulate(start, costs).makespan
-    assert a.makespan >= lb
+    assert a.makespan >= lb * (1 - 1e-12)  # sums in another order: equal up to the last bits
     assert a.steps <= 3000
 
 

@@ -10,6 +10,7 @@ from systems.rlhfuse.intra import (MemorySearch, OrderState, fused_costs, fused_
                                    greedy_schedule, lower_bound, search_fused_schedule,
                                    serial_schedule)
 from systems.rlhfuse.intra.anneal import AnnealParams, anneal_orders
+from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.incremental import chain_tails
 
 
@@ -157,3 +158,41 @@ def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespa
     # no lower-memory start at the makespan: phase 1's own order stays
     out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped[:1])
     assert out.phase1_front == -1 and out.peak_memory == pytest.approx(plain.peak_memory)
+
+
+@pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: only the Python loop exists")
+@pytest.mark.parametrize("stages,m,p2p", [((4, 4), 6, 0.0), ((8, 4), 8, 0.1), ((4, 2), 5, 0.05)])
+def test_compiled_and_python_passes_give_the_same_search(monkeypatch, stages, m, p2p):
+    """The numba kernels (re-timing, critical path) against the Python loops: the same trial
+    results move by move, and the same two-phase search result from the same seed."""
+    from systems.rlhfuse.intra import incremental
+    pipes = fused_pipes(*stages, m, m)
+    costs = fused_costs(pipes, 1.0, 0.7, mem1=1.0, mem2=0.6, p2p=p2p)
+    start = greedy_schedule(pipes, costs, policy="critical_path")
+    model = sim_model(start, costs)
+    seqs = [model.encode(start.order[r], r) for r in start.ranks]
+    fast, slow = OrderState(model, seqs, compiled=True), OrderState(model, seqs, compiled=False)
+    assert fast.compiled and not slow.compiled
+    rng = random.Random(7)
+    for _ in range(400):
+        r = rng.randrange(len(seqs))
+        i, j = rng.randrange(len(seqs[r])), rng.randrange(len(seqs[r]))
+        threshold = fast.makespan() * (1.0 + rng.random() * 0.05) if rng.random() < 0.5 else float("inf")
+        outs = [s.try_move(r, i, j, threshold) for s in (fast, slow)]
+        assert outs[0] == outs[1]
+        if outs[0] is None:
+            continue
+        if outs[0][0] != float("inf") and rng.random() < 0.7:
+            fast.commit(), slow.commit()
+            assert fast.start == slow.start and fast.end == slow.end
+        else:
+            fast.revert(), slow.revert()
+        assert fast.seqs == slow.seqs
+        seed = rng.randrange(1000)
+        assert fast.critical_swaps(random.Random(seed)) == slow.critical_swaps(random.Random(seed))
+    results = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(kernel, "AVAILABLE", compiled)
+        results[compiled] = search_fused_schedule(pipes, costs, seed=2, max_steps=3000)
+    assert results[True].schedule.order == results[False].schedule.order
+    assert results[True].peak_memory == results[False].peak_memory
