@@ -28,13 +28,15 @@ max over its in-edges of (predecessor end + latency).
   old graph other than through the edge ``a->b``: a short DFS bounded by ``b``'s start time. A
   general move is checked by the resumed pass itself (a rank left blocked = deadlock). Either way
   it is the deadlock ``simulate`` would report as ScheduleError, and the trial returns None.
+- **Kernels**: the resumed pass and the critical-path trace run in
+  :mod:`systems.rlhfuse.intra.kernel` (compiled with numba when it is installed) over NumPy
+  mirrors of the orders and times that this class keeps in step with its lists.
 - **Memory**: a rank's activation profile depends only on its list order; a swap changes one
   prefix sum (after position ``i``), a move the prefix sums between its two positions, so the cap
   test and the new peak need no timing at all.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
 from functools import lru_cache
 from collections.abc import Callable, Sequence
 
@@ -88,8 +90,9 @@ class OrderState:
 
     def __init__(self, model: SimModel, seqs: Sequence[Sequence[int]], mem_cap: float | None = None,
                  tails: list[float] | None = None, compiled: bool | None = None):
-        """``compiled``: re-time with :func:`systems.rlhfuse.intra.kernel.resim` (numba) instead of
-        the Python loop; default: whenever numba is available. Both give the same times."""
+        """``compiled``: run the kernels of :mod:`systems.rlhfuse.intra.kernel` compiled (default:
+        whenever numba is available) or interpreted (same results, for tests and machines
+        without numba)."""
         self.model = model
         self.mem_cap = mem_cap
         self.seqs = [list(s) for s in seqs]
@@ -120,17 +123,16 @@ class OrderState:
             self.cum.append(cm)
         self.prefix: list[list[float]] = [_profile(seq, self.delta) for seq in self.seqs]
         self.peak: list[float] = [max(pm, default=0.0) for pm in self.prefix]
-        self._scratch_end = list(self.end)
-        self._scratch_start = list(self.start)
-        self._waiter = [-1] * n
         self._pending: tuple | None = None
         self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
-        if self.compiled:
-            self._init_arrays()
+        self._resim_fn = kernel.resim if self.compiled else kernel.interpreted(kernel.resim)
+        self._crit_fn = (kernel.critical_swaps if self.compiled
+                         else kernel.interpreted(kernel.critical_swaps))
+        self._init_arrays()
 
     def _init_arrays(self) -> None:
-        """NumPy mirrors of the state for the compiled pass: orders (padded 2-D), cumulative work,
-        times and scratch; kept in step by the trial moves, :meth:`commit` and :meth:`revert`."""
+        """NumPy mirrors of the state for the kernels: orders (padded 2-D), cumulative work, times
+        and scratch; kept in step by the trial moves, :meth:`commit` and :meth:`revert`."""
         seqs, n, R = self.seqs, self.model.num_actions, len(self.seqs)
         width = max((len(s) for s in seqs), default=0)
         self._a_seq = np.full((R, max(width, 1)), -1, dtype=np.int64)
@@ -165,10 +167,11 @@ class OrderState:
         row[j] = v
 
     def _resim(self, r: int, lo: int, t0: float, threshold: float) -> float | None:
-        if not self.compiled:
-            return self._resim_py(r, lo, t0, threshold)
+        """Re-time everything that started at or after ``t0`` (rank ``r`` from position ``lo``)
+        into the scratch arrays (``kernel.resim``). Returns the new makespan, ABORTED, or None on
+        deadlock."""
         dep_a, dep_b, lat_a, lat_b, dur, tail = self._a_static
-        out = kernel.resim(self._a_seq, self._a_len, r, lo, t0, threshold, self._a_start, self._a_end,
+        out = self._resim_fn(self._a_seq, self._a_len, r, lo, t0, threshold, self._a_start, self._a_end,
                            self._a_se, self._a_ss, dep_a, dep_b, lat_a, lat_b, dur, tail,
                            self._a_total, self._a_cum, self._a_waiter, self._a_next, self._a_blocked,
                            self._a_firsts, self._a_clock, self._a_left, self._a_ready)
@@ -251,13 +254,11 @@ class OrderState:
             return None
         t0 = self.start[a]
         seq[i], seq[i + 1] = b, a
-        if self.compiled:
-            self._a_seq[r, i], self._a_seq[r, i + 1] = b, a
+        self._a_seq[r, i], self._a_seq[r, i + 1] = b, a
         makespan = self._resim(r, i, t0, threshold)
         if makespan is None:  # cannot happen after the DFS above, but never leave a bad order
             seq[i], seq[i + 1] = a, b
-            if self.compiled:
-                self._a_seq[r, i], self._a_seq[r, i + 1] = a, b
+            self._a_seq[r, i], self._a_seq[r, i + 1] = a, b
             return None
         rank_peak = self._peak_after(r, i, new_vals)
         # pending: rank, first changed position, last changed position, new prefix sums from
@@ -305,14 +306,12 @@ class OrderState:
         t0 = self.start[seq[lo]]
         del seq[i]
         seq.insert(j, v)
-        if self.compiled:
-            self._mirror_move(r, i, j)
+        self._mirror_move(r, i, j)
         makespan = self._resim(r, lo, t0, threshold)
         if makespan is None:
             del seq[j]
             seq.insert(i, v)
-            if self.compiled:
-                self._mirror_move(r, j, i)
+            self._mirror_move(r, j, i)
             return None
         rank_peak = self._peak_after(r, lo, new_vals)
         self._pending = (r, lo, lo + len(new_vals) - 1, new_vals, rank_peak, makespan, (i, j))
@@ -324,107 +323,6 @@ class OrderState:
             if q != r and pk > out:
                 out = pk
         return out
-
-    def _resim_py(self, r: int, lo: int, t0: float, threshold: float) -> float | None:
-        """Re-time everything that started at or after ``t0`` (rank ``r`` from position ``lo``)
-        into the scratch arrays. Returns the new makespan, ABORTED, or None on deadlock."""
-        seqs, start = self.seqs, self.start
-        se, ss = self._scratch_end, self._scratch_start
-        se[:] = self.end
-        ss[:] = start
-        R = len(seqs)
-        firsts = [0] * R
-        clock = [0.0] * R
-        left = [0.0] * R
-        key = start.__getitem__
-        total, cum = self.total, self.cum
-        for q in range(R):
-            seq = seqs[q]
-            k = lo if q == r else bisect_left(seq, t0, key=key)
-            firsts[q] = k
-            for x in range(k, len(seq)):
-                se[seq[x]] = -1.0
-            if k > 0:
-                clock[q] = se[seq[k - 1]]
-                left[q] = total[q] - cum[q][k - 1]
-            else:
-                left[q] = total[q]
-        dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
-        dur, tail = self.dur, self.tail
-        waiter = self._waiter  # the rank blocked on each action (-1: none); reset as woken
-        extra: dict[int, list[int]] = {}  # further ranks blocked on the same action (rare)
-        blocked: list[int] = []
-        ready = list(range(R - 1, -1, -1))
-        pos = firsts
-        aborted = False
-        while ready:
-            q = ready.pop()
-            seq = seqs[q]
-            k, t, w_left = pos[q], clock[q], left[q]
-            n = len(seq)
-            while k < n:
-                v = seq[k]
-                st = t
-                d = dep_a[v]
-                if d >= 0:
-                    e = se[d]
-                    if e < 0.0:
-                        if waiter[d] < 0:
-                            waiter[d] = q
-                            blocked.append(d)
-                        else:
-                            extra.setdefault(d, []).append(q)
-                        break
-                    e += lat_a[v]
-                    if e > st:
-                        st = e
-                    d = dep_b[v]
-                    if d >= 0:
-                        e = se[d]
-                        if e < 0.0:
-                            if waiter[d] < 0:
-                                waiter[d] = q
-                                blocked.append(d)
-                            else:
-                                extra.setdefault(d, []).append(q)
-                            break
-                        e += lat_b[v]
-                        if e > st:
-                            st = e
-                t = st + dur[v]
-                se[v] = t
-                ss[v] = st
-                w_left -= dur[v]
-                tl = tail[v]
-                if t + (w_left if w_left > tl else tl) > threshold:
-                    aborted = True
-                    break
-                k += 1
-                w = waiter[v]
-                if w >= 0:
-                    waiter[v] = -1
-                    ready.append(w)
-                    if extra:
-                        more = extra.pop(v, None)
-                        if more:
-                            ready.extend(more)
-            if aborted:
-                break
-            pos[q], clock[q], left[q] = k, t, w_left
-        for d in blocked:
-            waiter[d] = -1
-        if aborted:
-            return ABORTED
-        makespan = 0.0
-        for q in range(R):
-            seq = seqs[q]
-            if pos[q] < len(seq):
-                return None
-            if seq:
-                e = se[seq[-1]]
-                if e > makespan:
-                    makespan = e
-        return makespan
 
     def pending_rank_peak(self) -> tuple[int, float]:
         """(rank, its new peak) of the trial move awaiting commit/revert."""
@@ -438,13 +336,9 @@ class OrderState:
         r, lo, hi, new_vals, rank_peak, makespan, _ = self._pending
         if makespan == ABORTED:
             raise RuntimeError("cannot commit a trial move that was cut short")
-        if self.compiled:
-            self._a_start, self._a_ss = self._a_ss, self._a_start
-            self._a_end, self._a_se = self._a_se, self._a_end
-            self.start, self.end = self._a_start.tolist(), self._a_end.tolist()
-        else:
-            self.start, self._scratch_start = self._scratch_start, self.start
-            self.end, self._scratch_end = self._scratch_end, self.end
+        self._a_start, self._a_ss = self._a_ss, self._a_start
+        self._a_end, self._a_se = self._a_se, self._a_end
+        self.start, self.end = self._a_start.tolist(), self._a_end.tolist()
         seq, pos, dur = self.seqs[r], self.pos, self.dur
         self.prefix[r][lo:lo + len(new_vals)] = new_vals
         self.peak[r] = rank_peak
@@ -455,10 +349,9 @@ class OrderState:
             pos[v] = k
             run += dur[v]
             cm[k] = run
-        if self.compiled:
-            self._a_cum[r, lo:hi + 1] = cm[lo:hi + 1]
-            if self._a_out is not None:
-                self._a_pos[seq[lo:hi + 1]] = np.arange(lo, hi + 1)
+        self._a_cum[r, lo:hi + 1] = cm[lo:hi + 1]
+        if self._a_out is not None:
+            self._a_pos[seq[lo:hi + 1]] = np.arange(lo, hi + 1)
         self._pending = None
 
     def revert(self) -> None:
@@ -466,14 +359,12 @@ class OrderState:
         seq = self.seqs[r]
         if move is None:
             seq[lo], seq[lo + 1] = seq[lo + 1], seq[lo]
-            if self.compiled:
-                row = self._a_seq[r]
-                row[lo], row[lo + 1] = row[lo + 1], row[lo]
+            row = self._a_seq[r]
+            row[lo], row[lo + 1] = row[lo + 1], row[lo]
         else:
             i, j = move
             seq.insert(i, seq.pop(j))
-            if self.compiled:
-                self._mirror_move(r, j, i)
+            self._mirror_move(r, j, i)
         self._pending = None
 
     # ---- critical path ---------------------------------------------------------------------
@@ -485,51 +376,11 @@ class OrderState:
         a block keeps the path as long as it was, so only swaps at block ends can lower the
         makespan."""
         seed = rng.randrange(1, kernel.LEHMER_MODULUS)
-        if not self.compiled:
-            return self._critical_swaps_py(seed)
         if self._a_out is None:
             self._a_out = np.zeros((2 * self.model.num_actions + 2, 2), dtype=np.int64)
             self._a_rank_of = np.array(self.rank_of, dtype=np.int64)
             self._a_pos = np.array(self.pos, dtype=np.int64)
         dep_a, dep_b, lat_a, lat_b, _, _ = self._a_static
-        count = kernel.critical_swaps(seed, self._a_seq, self._a_len, self._a_rank_of, self._a_pos,
+        count = self._crit_fn(seed, self._a_seq, self._a_len, self._a_rank_of, self._a_pos,
                                       self._a_start, self._a_end, dep_a, dep_b, lat_a, lat_b, self._a_out)
         return [(r, p) for r, p in self._a_out[:count].tolist()]
-
-    def _critical_swaps_py(self, seed: int) -> list[tuple[int, int]]:
-        """:meth:`critical_swaps` in Python (the rule of ``kernel.critical_swaps``)."""
-        state, mult, mod = seed, kernel.LEHMER_MULTIPLIER, kernel.LEHMER_MODULUS
-        start, end, seqs, rank_of, pos = self.start, self.end, self.seqs, self.rank_of, self.pos
-        dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
-        best = max((end[s[-1]] for s in seqs if s), default=0.0)
-        lasts = [s[-1] for s in seqs if s and end[s[-1]] == best]
-        x = -1
-        if lasts:
-            state = state * mult % mod
-            x = lasts[state % len(lasts)]
-        swaps: list[tuple[int, int]] = []
-        block_last = -1  # position of the current block's last action
-        while x >= 0:
-            st = start[x]
-            r, p = rank_of[x], pos[x]
-            if block_last < 0:
-                block_last = p
-            options = []
-            if p > 0 and end[seqs[r][p - 1]] == st:
-                options.append(seqs[r][p - 1])
-            for d, lat in ((dep_a[x], lat_a[x]), (dep_b[x], lat_b[x])):
-                if d >= 0 and end[d] + lat == st:
-                    options.append(d)
-            if len(options) > 1:
-                state = state * mult % mod
-                nxt = options[state % len(options)]
-            else:
-                nxt = options[0] if options else -1
-            if nxt < 0 or rank_of[nxt] != r or pos[nxt] != p - 1:  # the block is p..block_last
-                if block_last > p:
-                    swaps.append((r, p))
-                    if block_last - 1 != p:
-                        swaps.append((r, block_last - 1))
-                block_last = -1
-            x = nxt
-        return swaps

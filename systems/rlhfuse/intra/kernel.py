@@ -1,17 +1,18 @@
 """Compiled re-timing loop of the fused-schedule annealer (RLHFuse, NSDI'25, arXiv 2409.13221,
 section 5: the search scores every trial move by re-timing the schedule).
 
-This module owns :func:`resim`, the same resumed list-scheduling pass as
-``OrderState._resim_py`` in :mod:`systems.rlhfuse.intra.incremental` (read that docstring for the
-algorithm), written over NumPy arrays so that numba compiles it. In a profile of the 65B/33B 16/8
-shape with 64 micro-batches (3 072 actions) the Python loop was 79% of the search's time at about
-1.5 ms a trial; everything else of the search stays in Python.
+This module owns the two loops that every trial move runs, written over NumPy arrays so that
+numba compiles them: :func:`resim`, the resumed list-scheduling pass of
+:class:`~systems.rlhfuse.intra.incremental.OrderState` (read that docstring for the algorithm),
+and :func:`critical_swaps`, the critical-path trace that proposes the makespan moves. In a profile
+of the 65B/33B 16/8 shape with 64 micro-batches (3 072 actions) the re-timing loop in Python was
+79% of the search's time at about 1.5 ms a trial; everything else of the search stays in Python.
 
-The pass does the same floating-point operations in the same order as the Python one, so both give
-bit-identical times and the search the same schedules (``tests/systems/rlhfuse/intra`` runs both).
-numba is optional: without it (or with ``RLHFUSE_PURE_PYTHON=1``) :data:`AVAILABLE` is False and
-``OrderState`` uses the Python loop. Compiled code is cached next to this file (numba's
-``cache=True``), so only the first process on a machine pays the compilation (a few seconds).
+numba is a dependency but optional at run time: without it (or with ``RLHFUSE_PURE_PYTHON=1``)
+:data:`AVAILABLE` is False and the same functions run interpreted (same results, much slower);
+:func:`interpreted` gives the interpreted version of a compiled one, which the tests compare
+move by move. Compiled code is cached next to this file (numba's ``cache=True``), so only the
+first process on a machine pays the compilation (a few seconds).
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
         return wrap
 
 DEADLOCK = -1.0  # returned when a rank is left blocked
+
+
+def interpreted(fn):
+    """The plain Python function behind a compiled one (itself when numba is absent)."""
+    return getattr(fn, "py_func", fn)
 
 
 @njit(cache=True)
@@ -83,32 +89,25 @@ def resim(seq2d, lens, r, lo, t0, threshold, start, end, se, ss, dep_a, dep_b, l
         while k < n:
             v = seq2d[q, k]
             st = t
-            d = dep_a[v]
-            if d >= 0:
+            waits_on = -1  # a dependency not re-timed yet: the rank blocks on it
+            for which in range(2):
+                d = dep_a[v] if which == 0 else dep_b[v]
+                if d < 0:
+                    break
                 e = se[d]
                 if e < 0.0:
-                    if waiter[d] < 0:
-                        blocked[num_blocked] = d
-                        num_blocked += 1
-                    next_waiter[q] = waiter[d]
-                    waiter[d] = q
+                    waits_on = d
                     break
-                e += lat_a[v]
+                e += lat_a[v] if which == 0 else lat_b[v]
                 if e > st:
                     st = e
-                d = dep_b[v]
-                if d >= 0:
-                    e = se[d]
-                    if e < 0.0:
-                        if waiter[d] < 0:
-                            blocked[num_blocked] = d
-                            num_blocked += 1
-                        next_waiter[q] = waiter[d]
-                        waiter[d] = q
-                        break
-                    e += lat_b[v]
-                    if e > st:
-                        st = e
+            if waits_on >= 0:
+                if waiter[waits_on] < 0:
+                    blocked[num_blocked] = waits_on
+                    num_blocked += 1
+                next_waiter[q] = waiter[waits_on]
+                waiter[waits_on] = q
+                break
             t = st + dur[v]
             se[v] = t
             ss[v] = st
@@ -145,8 +144,8 @@ def resim(seq2d, lens, r, lo, t0, threshold, start, end, se, ss, dep_a, dep_b, l
 
 
 # Tie-breaking along a critical path uses this small generator (Lehmer / MINSTD: x -> 48271 x
-# mod 2^31 - 1) seeded once per call from the search's ``random.Random``, so the compiled and the
-# Python path (``OrderState._critical_swaps_py``) make the same choices.
+# mod 2^31 - 1) seeded once per call from the search's ``random.Random``: the compiled and the
+# interpreted function make the same choices, and the search stays a function of its seed.
 LEHMER_MODULUS = 2147483647
 LEHMER_MULTIPLIER = 48271
 
@@ -155,7 +154,7 @@ LEHMER_MULTIPLIER = 48271
 def critical_swaps(seed, seq2d, lens, rank_of, pos, start, end, dep_a, dep_b, lat_a, lat_b, out):
     """Trace one critical path back from a last-finishing action and write the adjacent swaps at
     the two ends of each of its rank blocks into ``out`` (rows of (rank, position)); returns how
-    many. Same rule as ``OrderState._critical_swaps_py`` (see ``OrderState.critical_swaps``)."""
+    many. See ``OrderState.critical_swaps`` for the rule and why."""
     state = seed
     num_ranks = lens.shape[0]
     best = 0.0

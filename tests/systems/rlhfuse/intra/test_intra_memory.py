@@ -160,10 +160,10 @@ def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespa
     assert out.phase1_front == -1 and out.peak_memory == pytest.approx(plain.peak_memory)
 
 
-@pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: only the Python loop exists")
+@pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: nothing compiled to compare")
 @pytest.mark.parametrize("stages,m,p2p", [((4, 4), 6, 0.0), ((8, 4), 8, 0.1), ((4, 2), 5, 0.05)])
 def test_compiled_and_python_passes_give_the_same_search(monkeypatch, stages, m, p2p):
-    """The numba kernels (re-timing, critical path) against the Python loops: the same trial
+    """The numba kernels (re-timing, critical path) compiled against interpreted: the same trial
     results move by move, and the same two-phase search result from the same seed."""
     from systems.rlhfuse.intra import incremental
     pipes = fused_pipes(*stages, m, m)
