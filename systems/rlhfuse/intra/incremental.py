@@ -38,6 +38,7 @@ max over its in-edges of (predecessor end + latency).
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import accumulate
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -112,15 +113,6 @@ class OrderState:
             for i, v in enumerate(seq):
                 self.rank_of[v], self.pos[v] = r, i
         self.retime()
-        dur = self.dur
-        self.total = [sum(dur[v] for v in seq) for seq in self.seqs]
-        self.cum: list[list[float]] = []  # work done on the rank up to and including each position
-        for seq in self.seqs:
-            run, cm = 0.0, []
-            for v in seq:
-                run += dur[v]
-                cm.append(run)
-            self.cum.append(cm)
         self.prefix: list[list[float]] = [_profile(seq, self.delta) for seq in self.seqs]
         self.peak: list[float] = [max(pm, default=0.0) for pm in self.prefix]
         self._pending: tuple | None = None
@@ -131,17 +123,18 @@ class OrderState:
         self._init_arrays()
 
     def _init_arrays(self) -> None:
-        """NumPy mirrors of the state for the kernels: orders (padded 2-D), cumulative work, times
-        and scratch; kept in step by the trial moves, :meth:`commit` and :meth:`revert`."""
-        seqs, n, R = self.seqs, self.model.num_actions, len(self.seqs)
+        """NumPy state of the kernels: orders (padded 2-D), each rank's work up to and including
+        each position and in total, positions, times and scratch; kept in step with the lists by
+        the trial moves, :meth:`commit` and :meth:`revert`."""
+        seqs, n, R, dur = self.seqs, self.model.num_actions, len(self.seqs), self.dur
         width = max((len(s) for s in seqs), default=0)
         self._a_seq = np.full((R, max(width, 1)), -1, dtype=np.int64)
         self._a_cum = np.zeros((R, max(width, 1)), dtype=np.float64)
         for q, seq in enumerate(seqs):
             self._a_seq[q, :len(seq)] = seq
-            self._a_cum[q, :len(seq)] = self.cum[q]
+            self._a_cum[q, :len(seq)] = list(accumulate(dur[v] for v in seq))
         self._a_len = np.array([len(s) for s in seqs], dtype=np.int64)
-        self._a_total = np.array(self.total, dtype=np.float64)
+        self._a_total = np.array([sum(dur[v] for v in seq) for seq in seqs], dtype=np.float64)
         self._a_static = tuple(np.array(x, dtype=t) for x, t in (
             (self.dep_a, np.int64), (self.dep_b, np.int64), (self.lat_a, np.float64),
             (self.lat_b, np.float64), (self.dur, np.float64), (self.tail, np.float64)))
@@ -154,7 +147,14 @@ class OrderState:
         self._a_firsts = np.zeros(R, dtype=np.int64)
         self._a_clock, self._a_left = np.zeros(R), np.zeros(R)
         self._a_ready = np.zeros(max(R, 1), dtype=np.int64)
-        self._a_out = None  # critical-path output and rank/position mirrors, made on first use
+        self._a_rank_of = np.array(self.rank_of, dtype=np.int64)
+        self._a_pos = np.array(self.pos, dtype=np.int64)
+        self._a_out = np.zeros((2 * n + 2, 2), dtype=np.int64)  # critical-path swaps
+
+    @property
+    def cum(self) -> list[list[float]]:
+        """Per rank, the work done up to and including each position (what the kernels read)."""
+        return [self._a_cum[q, :len(seq)].tolist() for q, seq in enumerate(self.seqs)]
 
     def _mirror_move(self, r: int, i: int, j: int) -> None:
         """Apply "the action at ``i`` of rank ``r`` goes to ``j``" to the 2-D order mirror."""
@@ -172,9 +172,9 @@ class OrderState:
         deadlock."""
         dep_a, dep_b, lat_a, lat_b, dur, tail = self._a_static
         out = self._resim_fn(self._a_seq, self._a_len, r, lo, t0, threshold, self._a_start, self._a_end,
-                           self._a_se, self._a_ss, dep_a, dep_b, lat_a, lat_b, dur, tail,
-                           self._a_total, self._a_cum, self._a_waiter, self._a_next, self._a_blocked,
-                           self._a_firsts, self._a_clock, self._a_left, self._a_ready)
+                             self._a_se, self._a_ss, dep_a, dep_b, lat_a, lat_b, dur, tail,
+                             self._a_total, self._a_cum, self._a_waiter, self._a_next, self._a_blocked,
+                             self._a_firsts, self._a_clock, self._a_left, self._a_ready)
         return None if out == kernel.DEADLOCK else float(out)
 
     # ---- whole-schedule quantities -------------------------------------------------------
@@ -342,16 +342,15 @@ class OrderState:
         seq, pos, dur = self.seqs[r], self.pos, self.dur
         self.prefix[r][lo:lo + len(new_vals)] = new_vals
         self.peak[r] = rank_peak
-        cm = self.cum[r]
-        run = cm[lo - 1] if lo > 0 else 0.0
+        run = float(self._a_cum[r, lo - 1]) if lo > 0 else 0.0
+        work = []
         for k in range(lo, hi + 1):
             v = seq[k]
             pos[v] = k
             run += dur[v]
-            cm[k] = run
-        self._a_cum[r, lo:hi + 1] = cm[lo:hi + 1]
-        if self._a_out is not None:
-            self._a_pos[seq[lo:hi + 1]] = np.arange(lo, hi + 1)
+            work.append(run)
+        self._a_cum[r, lo:hi + 1] = work
+        self._a_pos[seq[lo:hi + 1]] = np.arange(lo, hi + 1)
         self._pending = None
 
     def revert(self) -> None:
@@ -376,11 +375,7 @@ class OrderState:
         a block keeps the path as long as it was, so only swaps at block ends can lower the
         makespan."""
         seed = rng.randrange(1, kernel.LEHMER_MODULUS)
-        if self._a_out is None:
-            self._a_out = np.zeros((2 * self.model.num_actions + 2, 2), dtype=np.int64)
-            self._a_rank_of = np.array(self.rank_of, dtype=np.int64)
-            self._a_pos = np.array(self.pos, dtype=np.int64)
         dep_a, dep_b, lat_a, lat_b, _, _ = self._a_static
         count = self._crit_fn(seed, self._a_seq, self._a_len, self._a_rank_of, self._a_pos,
-                                      self._a_start, self._a_end, dep_a, dep_b, lat_a, lat_b, self._a_out)
+                              self._a_start, self._a_end, dep_a, dep_b, lat_a, lat_b, self._a_out)
         return [(r, p) for r, p in self._a_out[:count].tolist()]

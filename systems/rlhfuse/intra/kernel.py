@@ -1,4 +1,4 @@
-"""Compiled re-timing loop of the fused-schedule annealer (RLHFuse, NSDI'25, arXiv 2409.13221,
+"""Compiled inner loops of the fused-schedule annealer (RLHFuse, NSDI'25, arXiv 2409.13221,
 section 5: the search scores every trial move by re-timing the schedule).
 
 This module owns the two loops that every trial move runs, written over NumPy arrays so that
