@@ -11,7 +11,9 @@ in-flight micro-batch holds on a stage, ``--microbatches`` counts per pipeline. 
 phases (makespan, then peak memory at that makespan); its budget is ``--max-steps`` trial moves per
 seed (default ``DEFAULT_MAX_STEPS``: the same seed and steps give the same schedule), or
 ``--time-limit`` seconds per seed if given (whichever runs out first when both are). ``--workers N``
-anneals ``--seeds`` (default N) seeds in N processes. With ``--json`` it prints one JSON object
+anneals ``--seeds`` (default N) seeds in N processes. ``--exact-effort E`` then refines the best
+by constraint programming (``systems/rlhfuse/intra/exact.py``, CP-SAT, deterministic budget E) and
+reports what it proves: a lower bound on the makespan and on the peak at that makespan. With ``--json`` it prints one JSON object
 (makespan, lower bound, their ratio, peak memory and its ratio to the serial baseline's, the
 makespan phase's peak, ...); otherwise a short table and the rank x step grid. ``--out`` writes
 the schedule CSV (``harness.schedule.to_csv``). Bad input exits with status 2 and a message.
@@ -52,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="wall-clock limit per seed (not deterministic)")
     p.add_argument("--workers", type=int, default=1, help="seeds annealed in parallel processes")
     p.add_argument("--seeds", type=int, help="number of seeds (default: --workers)")
+    p.add_argument("--exact-effort", type=float, default=0.0, metavar="UNITS",
+                   help="then refine the annealed best by constraint programming (CP-SAT) with this "
+                        "deterministic-time budget on --workers threads (default 0: off); proves "
+                        "bounds on the makespan and the peak")
+    p.add_argument("--exact-workers", type=int, default=2,
+                   help="threads of the constraint solver's portfolio (default 2; part of the "
+                        "result's inputs: the same number gives the same schedule on any machine)")
     p.add_argument("--out", help="write the schedule as CSV here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -70,9 +79,11 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                             ("--time-limit", args.time_limit, args.time_limit is None or args.time_limit > 0),
                             ("--max-steps", args.max_steps, args.max_steps is None or args.max_steps >= 1),
                             ("--workers", args.workers, args.workers >= 1),
-                            ("--seeds", args.seeds, args.seeds is None or args.seeds >= 1)):
+                            ("--seeds", args.seeds, args.seeds is None or args.seeds >= 1),
+                            ("--exact-effort", args.exact_effort, args.exact_effort >= 0),
+                            ("--exact-workers", args.exact_workers, args.exact_workers >= 1)):
         if not ok:
-            p.error(f"{flag} must be positive (>= 0 for --p2p), got {value:g}")
+            p.error(f"{flag} must be positive (>= 0 for --p2p and --exact-effort), got {value:g}")
     if args.models[0] == args.models[1]:
         p.error(f"--models needs two different names, got {args.models[0]!r} twice")
 
@@ -95,6 +106,13 @@ def _table(summary: dict) -> str:
                    f"({summary['steps_memory']} in the memory phase), start {summary['best_start']}"),
         ("valid", str(summary["valid"])),
     ]
+    if summary["exact_effort"] > 0:
+        proven = (f"makespan >= {summary['makespan_bound']:g} (optimal: {summary['makespan_optimal']}); "
+                  f"peak at this makespan >= {summary['peak_bound']:g} "
+                  f"({summary['peak_bound_vs_serial']:.3f}x serial)")
+        rows.insert(-1, ("exact refinement", f"from makespan {summary['annealed_makespan']:g}, peak "
+                                             f"{summary['annealed_peak_memory']:g}; {summary['exact_s']:.1f} s, "
+                                             f"effort {summary['exact_effort_used']:.1f}; proven: {proven}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -111,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                             p2p=args.p2p)
         result = search_fused_schedule(pipes, costs, mem_cap=args.mem_cap, seed=args.seed,
                                        time_limit_s=args.time_limit, max_steps=args.max_steps,
-                                       num_workers=args.workers, num_seeds=args.seeds)
+                                       num_workers=args.workers, num_seeds=args.seeds,
+                                       exact_effort=args.exact_effort, exact_workers=args.exact_workers)
     except ValueError as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -69,6 +69,9 @@ class RLHFuseConfig(RLHFuseBaseConfig):
     fuse_max_steps: Optional[int] = 20000
     fuse_time_limit_s: Optional[float] = None
     fuse_workers: int = 1  # independent annealing seeds in parallel
+    # CP-SAT refinement of the annealed schedule (deterministic-time budget; 0 = off): lowers the
+    # peak where annealing is stuck and proves bounds; seconds to minutes per plan, so off by default
+    fuse_exact_effort: float = 0.0
 
 
 @dataclass
@@ -223,7 +226,8 @@ class RLHFuse(System):
         result = search_fused_schedule(best.pipes, best.costs, mem_cap=self._mem_cap(ctx, layouts, best),
                                        seed=self.cfg.fuse_seed, time_limit_s=time_limit_s,
                                        max_steps=self.cfg.fuse_max_steps if time_limit_s is None else None,
-                                       num_workers=self.cfg.fuse_workers)
+                                       num_workers=self.cfg.fuse_workers,
+                                       exact_effort=self.cfg.fuse_exact_effort)
         # the fused stage's states and activation peak replace the base training layouts' in the ledger
         peak = simulate(result.schedule, best.costs, record_times=False).max_peak_memory
         layouts.ledger.commit("training", self._fused_need(ctx, best, peak))

@@ -28,6 +28,7 @@ from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, SimR
 from systems.rlhfuse.intra.anneal import AnnealParams, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms
 from systems.rlhfuse.intra.greedy import POLICIES, greedy_schedule
+from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 from systems.rlhfuse.intra.pipes import serial_schedule
 
 
@@ -66,6 +67,22 @@ class FusedResult:
     max_steps: int | None = None  # the budget per seed
     time_limit_s: float | None = None
     num_workers: int = 1
+    # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when given an effort:
+    exact_effort: float = 0.0          # its budget (CP-SAT deterministic time)
+    exact_workers: int = 0             # its portfolio's threads
+    exact_effort_used: float = 0.0
+    exact_s: float = 0.0               # its wall time (part of ``search_s``)
+    exact_makespan_status: str = ""    # "" (not run: the makespan was at the bound), OPTIMAL, ...
+    exact_memory_status: str = ""
+    annealed_makespan: float = 0.0     # the annealed best, before the exact refinement
+    annealed_peak_memory: float = 0.0
+    makespan_bound: float = 0.0        # proven: no schedule is shorter (>= lower_bound)
+    peak_bound: float = 0.0            # proven: no schedule this short holds less (0: none proven)
+
+    @property
+    def makespan_optimal(self) -> bool:
+        """The makespan is proven optimal: at the lower bound, or proven by the exact refinement."""
+        return self.makespan <= self.makespan_bound * (1.0 + 1e-9)
 
     @property
     def makespan_vs_lower_bound(self) -> float:
@@ -107,6 +124,16 @@ class FusedResult:
             "phase1_start": self.phase1_start, "phase1_tries": self.phase1_tries,
             "seeds": list(self.seeds), "max_steps": self.max_steps,
             "time_limit_s": self.time_limit_s, "num_workers": self.num_workers,
+            "exact_effort": self.exact_effort, "exact_workers": self.exact_workers,
+            "exact_effort_used": self.exact_effort_used,
+            "exact_s": self.exact_s, "exact_makespan_status": self.exact_makespan_status,
+            "exact_memory_status": self.exact_memory_status,
+            "annealed_makespan": self.annealed_makespan,
+            "annealed_peak_memory": self.annealed_peak_memory,
+            "makespan_bound": self.makespan_bound, "makespan_optimal": self.makespan_optimal,
+            "peak_bound": self.peak_bound,
+            "peak_bound_vs_serial": (self.peak_bound / self.serial_peak_memory
+                                     if self.serial_peak_memory > 0 else 0.0),
         }
 
 
@@ -218,7 +245,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           mem_cap: float | None = None, seed: int = 0,
                           time_limit_s: float | None = None, max_steps: int | None = None,
                           num_workers: int = 1, num_seeds: int | None = None,
-                          memory_phase: bool = True, low_memory_starts: bool = False) -> FusedResult:
+                          memory_phase: bool = True, low_memory_starts: bool = False,
+                          exact_effort: float = 0.0, exact_workers: int = 2) -> FusedResult:
     """Search a fused schedule. ``num_seeds`` independent seeds ``seed, seed+1, ...`` (default:
     ``num_workers``) each get the full ``max_steps`` (default ``DEFAULT_MAX_STEPS`` when no
     ``time_limit_s`` is given either) / ``time_limit_s`` budget, whichever runs out first, and run
@@ -226,10 +254,16 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     and every seed's memory phase also starts from the low-memory starting points; the best result
     wins (makespan, then peak memory, then lower seed). With ``low_memory_starts`` the memory phase
     also starts from memory-capped greedy schedules (:func:`capped_greedy_starts`), splitting its
-    budget evenly. Deterministic for a given step budget and
-    seeds (not under a time limit). Raises ValueError if ``mem_cap`` is below the serial
-    schedule's peak memory."""
+    budget evenly. With ``exact_effort > 0`` the annealed best is then refined by constraint
+    programming (:func:`_refine_exactly`): CP-SAT with that deterministic-time budget and an
+    ``exact_workers``-thread portfolio (part of the result's inputs, like the seeds: the same
+    number gives the same schedule on any machine). Deterministic for a given step budget, effort
+    and seeds (not under a time limit). Raises ValueError if ``mem_cap`` is below the serial schedule's peak memory."""
     t_begin = time.perf_counter()
+    if exact_effort < 0:
+        raise ValueError(f"exact_effort must be >= 0, got {exact_effort}")
+    if exact_workers < 1:
+        raise ValueError(f"exact_workers must be >= 1, got {exact_workers}")
     if max_steps is None and time_limit_s is None:
         max_steps = DEFAULT_MAX_STEPS
     pipes = dict(pipes)
@@ -256,10 +290,16 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                            capped_starts=[(_encode(s, costs), sim.max_peak_memory) for _, s, sim in front])
     start_name, start, start_sim = starts[best.start_index]
     ranks = serial.ranks
-    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(ranks, best.seqs)})
+    exact = _refine_exactly(model, best.seqs, bound.value, mem_cap, exact_effort, exact_workers, seed,
+                            None if time_limit_s is None else
+                            max(0.0, time_limit_s - (time.perf_counter() - t_begin)))
+    seqs = best.seqs if exact is None else exact.seqs
+    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(ranks, seqs)})
     tol = 1e-9 * max(1.0, start_sim.makespan)  # incremental and full timing differ in the last bits
-    if best.makespan > start_sim.makespan + tol or (best.makespan >= start_sim.makespan - tol and
-                                                    best.peak_memory > start_sim.max_peak_memory + 1e-12):
+    final_makespan = best.makespan if exact is None else exact.makespan
+    final_peak = best.peak_memory if exact is None else exact.peak_memory
+    if final_makespan > start_sim.makespan + tol or (final_makespan >= start_sim.makespan - tol and
+                                                     final_peak > start_sim.max_peak_memory + 1e-12):
         schedule = start  # cannot happen (the annealer keeps its best), but never return worse
     result = simulate(schedule, costs, record_times=False)
     try:
@@ -284,4 +324,55 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         memory_levels=best.memory_levels,
         memory_start=memory_start, phase1_start=phase1_start, phase1_tries=best.phase1_tries,
         max_steps=max_steps, time_limit_s=time_limit_s,
-        num_workers=num_workers)
+        num_workers=num_workers, exact_effort=exact_effort, exact_workers=exact_workers,
+        annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
+        **({"makespan_bound": bound.value} if exact is None else exact.fields(bound.value)))
+
+
+@dataclass
+class _Exact:
+    """What the exact refinement found (see :func:`_refine_exactly`)."""
+    seqs: list[list[int]]
+    makespan: float
+    peak_memory: float
+    makespan_status: str
+    memory_status: str
+    makespan_bound: float
+    peak_bound: float
+    effort_used: float
+    wall_s: float
+
+    def fields(self, lower_bound: float) -> dict:
+        return {"exact_makespan_status": self.makespan_status, "exact_memory_status": self.memory_status,
+                "makespan_bound": max(lower_bound, self.makespan_bound), "peak_bound": self.peak_bound,
+                "exact_effort_used": self.effort_used, "exact_s": self.wall_s}
+
+
+def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effort: float,
+                    num_workers: int, seed: int, time_left_s: float | None) -> _Exact | None:
+    """The exact refinement (:mod:`systems.rlhfuse.intra.exact`) of the annealed best order, with
+    the search's two objectives in turn: if its makespan is above the lower bound, CP-SAT
+    minimises the makespan (which may also prove it optimal); then, with the makespan fixed, the
+    peak memory, with what is left of ``effort``. Deterministic (the solver's interleaved search
+    and deterministic time) unless ``time_left_s`` is given (the search's time limit: then its
+    parallel search runs until either runs out). None when ``effort`` is 0."""
+    if effort <= 0:
+        return None
+    from systems.rlhfuse.intra.exact import refine  # OR-tools is only loaded when asked for
+
+    deterministic = time_left_s is None
+    t0 = time.perf_counter()
+    seqs = [list(s) for s in seqs]
+    used, makespan_status, makespan_bound = 0.0, "", lower_bound
+    out = None
+    state_makespan = OrderState(model, seqs, None, chain_tails(model)).makespan()
+    if state_makespan > lower_bound * (1.0 + 1e-9):
+        out = refine(model, seqs, "makespan", effort / 2, mem_cap, num_workers, seed, deterministic,
+                     time_left_s)
+        seqs, used, makespan_status = out.seqs, out.deterministic_time, out.status
+        makespan_bound = max(lower_bound, out.bound)  # OPTIMAL: the makespan, to the rounding
+    time_left = None if time_left_s is None else max(1e-3, time_left_s - (time.perf_counter() - t0))
+    mem = refine(model, seqs, "memory", max(1e-3, effort - used), mem_cap, num_workers, seed,
+                 deterministic, time_left)
+    return _Exact(mem.seqs, mem.makespan, mem.peak_memory, makespan_status, mem.status,
+                  makespan_bound, mem.bound, used + mem.deterministic_time, time.perf_counter() - t0)

@@ -1,0 +1,255 @@
+"""Exact refinement of a fused schedule by constraint programming (CP-SAT from Google OR-tools),
+after the annealing of RLHFuse (NSDI'25, arXiv 2409.13221, section 5) and with the same two
+objectives: first the makespan, then, with the makespan fixed, the peak activation memory.
+
+This module owns the constraint model of a fused pipeline schedule and the two refinements run on
+the annealer's best order. The model is the timing model of ``harness.schedule.simulate``:
+
+- one interval per action (its forward or backward time), ``F(s, m)`` after ``F(s-1, m)`` and
+  ``B(s, m)`` after ``F(s, m)`` and ``B(s+1, m)``, ``p2p`` on edges between ranks;
+- one rank runs one action at a time (a no-overlap constraint per rank);
+- activation memory: micro-batch ``m`` holds ``activation[s]`` on stage ``s``'s rank from the
+  start of ``F(s, m)`` to the end of ``B(s, m)`` (a cumulative constraint per rank whose capacity
+  is the peak). Because a rank's actions never overlap, the largest sum of lifetimes at any
+  instant is exactly the peak of the running sum over the rank's list that ``simulate`` reports;
+- the micro-batches of a pipe are interchangeable, so the forwards of every pipe's *first* stage
+  run in micro-batch order (symmetry breaking that loses no schedule; later stages are free).
+
+Times and memory are made integers by scaling so the shortest action lasts ``TIME_RESOLUTION``
+units and the smallest activation is ``MEMORY_RESOLUTION`` units, *rounding down*. Rounding down
+keeps every proof sound: any real schedule, re-timed with the rounded-down durations in the same
+order, is no longer, so a lower bound the solver proves on the integer problem is a lower bound on
+the real one (``makespan_bound``, ``peak_bound``). The other direction is checked, not assumed: a
+solution's per-rank orders (actions sorted by start time) are re-timed with the real costs by
+``OrderState`` and kept only if they are no longer than the target (within ``1e-9``
+relative: the rounding of one action is at most a billionth of the shortest) and hold less.
+
+The annealer's order is the solver's hint (its integer re-timing is a feasible solution), so the
+refinement starts where annealing stopped and never returns worse. With ``deterministic=True``
+the solver interleaves its portfolio deterministically (``interleave_search``) and stops on its
+*deterministic* time (an effort count, not the clock): the same inputs, seed, budget and number
+of workers give the same result on any machine, as the annealer's step budget does. The number of
+workers is part of the input (it decides which subsolvers make up the portfolio), not a machine
+fact: 2 workers on one core give the result of 2 workers on two, only slower.
+What it adds on the Table 3 shapes (docs/FUSED_SEARCH.md): lower peaks where annealing is stuck
+at a level, and proofs: a makespan that is optimal although above the lower bound, or the least
+peak any schedule at that makespan can have.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from harness.schedule import SimModel
+from systems.rlhfuse.intra.incremental import OrderState, chain_tails
+
+TIME_RESOLUTION = 1e10   # integer units of the shortest action: a path's rounding is <= 2e-10 of it
+MEMORY_RESOLUTION = 100  # integer units of the smallest activation
+# CP-SAT rejects models whose sums could overflow 64 bits; the cumulative constraints' energy is
+# about (sum of activations) x horizon, so the time resolution is lowered when that would pass this
+MAX_ENERGY = 2.0 ** 60
+_REL_TOL = 1e-9
+
+
+@dataclass
+class ExactOutcome:
+    seqs: list[list[int]]      # the refined order (the given one when nothing better was found)
+    makespan: float
+    peak_memory: float
+    improved: bool
+    objective: str             # "makespan" or "memory"
+    status: str                # CP-SAT's: OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, MODEL_INVALID
+    bound: float               # proven: no schedule (within the target makespan, for memory) does
+                               # better than this, in real units (time or memory)
+    deterministic_time: float  # solver effort spent (CP-SAT's deterministic time)
+    wall_s: float
+
+    @property
+    def optimal(self) -> bool:
+        """The solver proved that nothing beats the returned order's objective (to the integer
+        rounding)."""
+        return self.status == "OPTIMAL"
+
+
+def _require_ortools():
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as err:  # a core dependency; only a broken install gets here
+        raise ImportError("the exact refinement of fused schedules needs OR-tools "
+                          "(pip install ortools)") from err
+    return cp_model
+
+
+class _Scaled:
+    """Integer (rounded-down) durations, p2p latencies and activations of a ``SimModel``."""
+
+    def __init__(self, model: SimModel, makespan: float):
+        acts = [x for x in model.mem_delta if x > 0]
+        self.mem_unit = (min(acts) if acts else 1.0) / MEMORY_RESOLUTION
+        positive = [d for d in model.dur if d > 0]
+        self.time_unit = (min(positive) if positive else 1.0) / TIME_RESOLUTION
+        total_act = sum(math.floor(x / self.mem_unit) for x in acts) or 1
+        self.time_unit = max(self.time_unit, makespan * total_act / MAX_ENERGY)
+        self.dur = [int(math.floor(d / self.time_unit)) for d in model.dur]
+        self.lat_a = [int(math.floor(x / self.time_unit)) for x in model.lat_a]
+        self.lat_b = [int(math.floor(x / self.time_unit)) for x in model.lat_b]
+        self.act = [int(math.floor(x / self.mem_unit)) if x > 0 else 0 for x in model.mem_delta]
+
+    def retime(self, model: SimModel, seqs: Sequence[Sequence[int]]) -> list[int]:
+        """Integer start time of every action when the ranks run ``seqs`` in order (list
+        scheduling, as ``simulate``, in integers). Raises ValueError if the order deadlocks."""
+        start = [-1] * model.num_actions
+        end = [-1] * model.num_actions
+        pos = [0] * len(seqs)
+        clock = [0] * len(seqs)
+        left = sum(len(s) for s in seqs)
+        while left:
+            progressed = False
+            for r, seq in enumerate(seqs):
+                while pos[r] < len(seq):
+                    a = seq[pos[r]]
+                    t = clock[r]
+                    da, db = model.dep_a[a], model.dep_b[a]
+                    if (da >= 0 and end[da] < 0) or (db >= 0 and end[db] < 0):
+                        break
+                    if da >= 0:
+                        t = max(t, end[da] + self.lat_a[a])
+                    if db >= 0:
+                        t = max(t, end[db] + self.lat_b[a])
+                    start[a], end[a] = t, t + self.dur[a]
+                    clock[r] = end[a]
+                    pos[r] += 1
+                    left -= 1
+                    progressed = True
+            if not progressed:
+                raise ValueError("the order deadlocks")
+        return start
+
+
+def _build(cp_model, model: SimModel, scaled: _Scaled, seqs: Sequence[Sequence[int]], horizon: int):
+    """The constraint model over the actions ``seqs`` schedules (ids of ``model``): start
+    variables, per-rank lifetimes and the peak variable."""
+    m = cp_model.CpModel()
+    n = model.num_actions
+    dur = scaled.dur
+    start = [m.new_int_var(0, max(0, horizon - dur[a]), f"s{a}") for a in range(n)]
+    ends = [start[a] + dur[a] for a in range(n)]
+    for r, seq in enumerate(seqs):
+        m.add_no_overlap([m.new_fixed_size_interval_var(start[a], dur[a], f"i{a}") for a in seq])
+    for a in range(n):
+        if model.dep_a[a] >= 0:
+            m.add(start[a] >= ends[model.dep_a[a]] + scaled.lat_a[a])
+        if model.dep_b[a] >= 0:
+            m.add(start[a] >= ends[model.dep_b[a]] + scaled.lat_b[a])
+    total_act = sum(scaled.act)
+    backward = _backward_map(model)
+    peak = m.new_int_var(0, max(total_act, 0), "peak")
+    for _, (f_base, b_base, num_stages, num_mbs, _) in model.pipe_slots.items():
+        for mb in range(num_mbs - 1):  # first stage FIFO: micro-batches are interchangeable
+            m.add(start[f_base + mb + 1] >= ends[f_base + mb])
+    for seq in seqs:
+        lifetimes, demands = [], []
+        for f in seq:
+            if model.mem_delta[f] <= 0 or scaled.act[f] == 0:
+                continue
+            b = backward[f]
+            size = m.new_int_var(dur[f] + dur[b], horizon, f"l{f}")
+            lifetimes.append(m.new_interval_var(start[f], size, ends[b], f"life{f}"))
+            demands.append(scaled.act[f])
+        if lifetimes:
+            m.add_cumulative(lifetimes, demands, peak)
+    return m, start, ends, peak
+
+
+def _backward_map(model: SimModel) -> dict[int, int]:
+    """Forward id -> the backward that frees its activation (same pipe, stage, micro-batch)."""
+    out: dict[int, int] = {}
+    for f_base, b_base, _, _, _ in model.pipe_slots.values():
+        for f in range(f_base, b_base):
+            out[f] = b_base + (f - f_base)
+    return out
+
+
+def _solve(cp_model, m, budget: float, num_workers: int, seed: int, deterministic: bool,
+           time_limit_s: float | None):
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.num_workers = max(1, int(num_workers))
+    p.random_seed = int(seed)
+    if deterministic:
+        p.interleave_search = True
+        p.max_deterministic_time = float(budget)
+    else:
+        p.max_time_in_seconds = float(budget)
+    if time_limit_s is not None:
+        p.max_time_in_seconds = min(p.max_time_in_seconds, float(time_limit_s))
+    status = solver.solve(m)
+    return solver, solver.status_name(status)
+
+
+def _orders(solver, seqs: Sequence[Sequence[int]], start) -> list[list[int]]:
+    return [sorted(seq, key=lambda a: (solver.value(start[a]), a)) for seq in seqs]
+
+
+def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budget: float,
+           mem_cap: float | None = None, num_workers: int = 1, seed: int = 0,
+           deterministic: bool = True, time_limit_s: float | None = None) -> ExactOutcome:
+    """Refine the order ``seqs`` (action ids of ``model`` per rank) with CP-SAT.
+
+    ``objective="makespan"``: the shortest schedule (peak at most ``mem_cap`` when given).
+    ``objective="memory"``: the lowest peak activation memory among schedules no longer than
+    ``seqs``'s own makespan (and within ``mem_cap``). ``budget`` is the solver's deterministic
+    time (``deterministic=True``, reproducible) or seconds. Returns the better of ``seqs`` and the
+    solver's best, with the proven bound on the objective."""
+    if objective not in ("makespan", "memory"):
+        raise ValueError(f"objective must be 'makespan' or 'memory', got {objective!r}")
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0, got {budget}")
+    cp_model = _require_ortools()
+    t0 = time.perf_counter()
+    seqs = [list(s) for s in seqs]
+    tails = chain_tails(model)
+    given = OrderState(model, seqs, None, tails)
+    given_makespan, given_peak = given.makespan(), given.max_peak()
+    scaled = _Scaled(model, given_makespan)
+    hint = scaled.retime(model, seqs)
+    hint_makespan = max((hint[a] + scaled.dur[a] for seq in seqs for a in seq), default=0)
+    # every real schedule no longer than the given one fits (rounding down only shortens it), so
+    # the bounds the solver proves hold for the real problem; the given order itself fits
+    horizon = max(hint_makespan, int(math.floor(given_makespan / scaled.time_unit)))
+    m, start, ends, peak = _build(cp_model, model, scaled, seqs, horizon)
+    if mem_cap is not None:
+        m.add(peak <= int(math.floor(mem_cap / scaled.mem_unit)))
+    for seq in seqs:
+        for a in seq:
+            m.add_hint(start[a], hint[a])
+    if objective == "makespan":
+        makespan = m.new_int_var(0, horizon, "makespan")
+        m.add_max_equality(makespan, [ends[a] for seq in seqs for a in seq])
+        m.minimize(makespan)
+    else:
+        m.minimize(peak)
+    solver, status = _solve(cp_model, m, budget, num_workers, seed, deterministic, time_limit_s)
+    unit = scaled.time_unit if objective == "makespan" else scaled.mem_unit
+    if status in ("OPTIMAL", "FEASIBLE", "UNKNOWN"):
+        bound = solver.best_objective_bound * unit if status != "UNKNOWN" else 0.0
+    else:
+        bound = 0.0
+    best_seqs, best_makespan, best_peak, improved = seqs, given_makespan, given_peak, False
+    if status in ("OPTIMAL", "FEASIBLE"):
+        cand = _orders(solver, seqs, start)
+        state = OrderState(model, cand, None, tails)
+        mk, pk = state.makespan(), state.max_peak()
+        tol_t = _REL_TOL * max(abs(given_makespan), 1e-300)
+        within_cap = mem_cap is None or pk <= mem_cap * (1 + _REL_TOL)
+        if objective == "makespan":
+            better = within_cap and (mk < given_makespan - tol_t or
+                                     (mk <= given_makespan + tol_t and pk < given_peak))
+        else:
+            better = within_cap and mk <= given_makespan + tol_t and pk < given_peak * (1 - _REL_TOL)
+        if better:
+            best_seqs, best_makespan, best_peak, improved = cand, mk, pk, True
+    return ExactOutcome(best_seqs, best_makespan, best_peak, improved, objective, status, bound,
+                        solver.deterministic_time, time.perf_counter() - t0)

@@ -1,0 +1,140 @@
+"""The exact (CP-SAT) refinement of fused schedules: against brute force over every order of a
+small fused layout, soundness of the bounds it proves, never worse than its start, and
+determinism of the search with it."""
+import itertools
+
+import pytest
+
+from harness.schedule import Schedule, ScheduleError, sim_model, simulate, validate
+from systems.rlhfuse.intra import fused_costs, fused_pipes, greedy_schedule, search_fused_schedule
+from systems.rlhfuse.intra.exact import refine
+
+REL = 1e-9
+
+
+def _valid_rank_orders(model, ids):
+    """Every order of one rank's actions in which each backward follows its own forward."""
+    forward_of = {}
+    for a in ids:
+        if model.mem_delta[a] < 0:
+            forward_of[a] = model.dep_a[a]
+    for perm in itertools.permutations(ids):
+        pos = {a: i for i, a in enumerate(perm)}
+        if all(pos[f] < pos[b] for b, f in forward_of.items() if f in pos):
+            yield list(perm)
+
+
+def _all_schedules(pipes, costs):
+    """(order per rank as action ids, makespan, peak) of every order that does not deadlock."""
+    base = greedy_schedule(pipes, costs)
+    model = sim_model(base, costs)
+    ranks = base.ranks
+    per_rank = [list(_valid_rank_orders(model, [model.encode(base.order[r], r)][0])) for r in ranks]
+    out = []
+    for combo in itertools.product(*per_rank):
+        sched = Schedule(dict(pipes), {r: [model.actions[a] for a in seq] for r, seq in zip(ranks, combo)})
+        try:
+            sim = simulate(sched, costs, record_times=False)
+        except ScheduleError:
+            continue
+        out.append(([list(s) for s in combo], sim.makespan, sim.max_peak_memory))
+    return model, out
+
+
+CASES = [dict(fwd1=1.0, fwd2=0.7, mem1=1.0, mem2=1.6, p2p=0.1),
+         dict(fwd1=1.0, fwd2=1.3, mem1=2.0, mem2=1.0, p2p=0.0)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_exact_refinement_matches_brute_force(case):
+    # 2 ranks: a 2-stage model with 2 micro-batches one way, two 1-stage pipes the other way
+    pipes = fused_pipes(2, 1, 2, 1)
+    costs = fused_costs(pipes, case["fwd1"], case["fwd2"], mem1=case["mem1"], mem2=case["mem2"],
+                        p2p=case["p2p"])
+    model, every = _all_schedules(pipes, costs)
+    assert len(every) > 100
+    best_makespan = min(mk for _, mk, _ in every)
+    # makespan: from the longest order, the solver finds the shortest and proves it
+    worst = max(every, key=lambda e: (e[1], e[2]))
+    out = refine(model, worst[0], "makespan", budget=30.0, seed=0)
+    assert out.status == "OPTIMAL" and out.improved
+    assert out.makespan == pytest.approx(best_makespan, rel=REL)
+    assert out.bound <= best_makespan * (1 + REL)          # sound
+    assert out.bound >= best_makespan * (1 - 1e-6)         # and tight (to the integer rounding)
+    # memory: from the highest-peak order at each makespan level, the least peak at that makespan
+    for level in sorted({round(mk, 9) for _, mk, _ in every})[:4]:
+        at_level = [e for e in every if e[1] <= level * (1 + REL)]
+        least = min(pk for _, _, pk in at_level)
+        start = max((e for e in every if abs(e[1] - level) <= level * REL), key=lambda e: e[2])
+        out = refine(model, start[0], "memory", budget=30.0, seed=0)
+        assert out.status == "OPTIMAL"
+        assert out.makespan <= start[1] * (1 + REL)
+        assert out.peak_memory == pytest.approx(least, rel=1e-9)
+        assert out.improved == (least < start[2] * (1 - REL))
+        assert least * (1 - 0.011) <= out.bound <= least * (1 + REL)  # sound; memory rounds to 1%
+
+
+def test_refinement_is_never_worse_and_respects_the_cap():
+    pipes = fused_pipes(4, 2, 4, 4)
+    costs = fused_costs(pipes, 1.0, 0.6, mem1=1.0, mem2=0.7, p2p=0.05)
+    start = greedy_schedule(pipes, costs)
+    model = sim_model(start, costs)
+    seqs = [model.encode(start.order[r], r) for r in start.ranks]
+    before = simulate(start, costs, record_times=False)
+    for objective in ("makespan", "memory"):
+        for cap in (None, before.max_peak_memory):
+            out = refine(model, seqs, objective, budget=0.3, mem_cap=cap, seed=3)
+            sched = Schedule(dict(pipes), {r: [model.actions[a] for a in s]
+                                           for r, s in zip(start.ranks, out.seqs)})
+            validate(sched)
+            sim = simulate(sched, costs, record_times=False)
+            assert sim.makespan == pytest.approx(out.makespan, rel=REL)
+            assert sim.max_peak_memory == pytest.approx(out.peak_memory, rel=REL)
+            assert out.makespan <= before.makespan * (1 + REL)
+            if objective == "memory":
+                assert out.peak_memory <= before.max_peak_memory * (1 + REL)
+                assert out.bound <= out.peak_memory * (1 + REL)
+            else:
+                assert out.bound <= out.makespan * (1 + REL)
+            if cap is not None:
+                assert out.peak_memory <= cap * (1 + REL)
+
+
+def test_bad_arguments_are_refused():
+    pipes = fused_pipes(2, 2, 2, 2)
+    costs = fused_costs(pipes, 1.0, 1.0)
+    start = greedy_schedule(pipes, costs)
+    model = sim_model(start, costs)
+    seqs = [model.encode(start.order[r], r) for r in start.ranks]
+    with pytest.raises(ValueError, match="objective"):
+        refine(model, seqs, "latency", budget=1.0)
+    with pytest.raises(ValueError, match="budget"):
+        refine(model, seqs, "memory", budget=0.0)
+    with pytest.raises(ValueError, match="exact_effort"):
+        search_fused_schedule(pipes, costs, max_steps=10, exact_effort=-1.0)
+    with pytest.raises(ValueError, match="exact_workers"):
+        search_fused_schedule(pipes, costs, max_steps=10, exact_effort=1.0, exact_workers=0)
+
+
+def test_search_with_exact_refinement_is_deterministic_and_no_worse():
+    pipes = fused_pipes(4, 2, 6, 6)
+    costs = fused_costs(pipes, 1.0, 0.55, mem1=1.0, mem2=0.8, p2p=0.03)
+    plain = search_fused_schedule(pipes, costs, seed=1, max_steps=600)
+    runs = [search_fused_schedule(pipes, costs, seed=1, max_steps=600, exact_effort=0.4,
+                                  exact_workers=2, num_workers=w, num_seeds=1)
+            for w in (1, 1, 2)]
+    for r in runs:
+        assert r.valid
+        assert r.annealed_makespan == pytest.approx(plain.makespan, rel=REL)
+        assert r.annealed_peak_memory == pytest.approx(plain.peak_memory, rel=REL)
+        assert r.makespan <= plain.makespan * (1 + REL)
+        assert r.makespan > plain.makespan * (1 - REL) or r.exact_makespan_status != ""
+        assert r.peak_memory <= plain.peak_memory * (1 + REL) or r.makespan < plain.makespan * (1 - REL)
+        assert r.lower_bound <= r.makespan_bound <= r.makespan * (1 + REL)
+        assert r.peak_bound <= r.peak_memory * (1 + REL)
+        assert r.exact_memory_status in ("OPTIMAL", "FEASIBLE")
+        sim = simulate(r.schedule, costs, record_times=False)
+        assert sim.makespan == pytest.approx(r.makespan, rel=REL)
+    # the same seed, steps, effort and solver threads give the same schedule, whatever the number
+    # of annealing worker processes
+    assert runs[0].schedule.order == runs[1].schedule.order == runs[2].schedule.order
