@@ -5,6 +5,7 @@
     python benchmarks/fuse_search.py --max-steps 20000        # the same step budget on every row
     python benchmarks/fuse_search.py --time-limit 60          # wall-clock budget per seed instead
     python benchmarks/fuse_search.py --microbatches 8 16 --pairs 33b/13b
+    python benchmarks/fuse_search.py --action-steps 2e9 --exact-effort 4   # + CP-SAT refinement
 
 For every actor/critic pair and pipeline shape of Table 3 (33B/13B at pp 8/4 and 8/8, 65B/33B at
 pp 16/8 and 16/16; tp 8; per-stage costs from the H100-class cost model at the workload's median
@@ -25,7 +26,12 @@ so that with 2 seeds on 2 workers each row takes at most about 60 s of the idle 
 the greedy starting points (computed once in the parent) included: the issue's "60 s on 2
 cores". ``--max-steps`` gives every row the same step count instead. With a
 step budget every number but the wall time is deterministic (and the same with or without numba,
-only slower without). Not a test: numbers for docs/FUSED_SEARCH.md.
+only slower without). ``--exact-effort E`` adds the exact (CP-SAT) refinement after annealing
+and the columns it proves (``proven``: the makespan's proven bound over the lower bound, ``opt``
+when the makespan is proven optimal; ``peak >=``: no schedule that short holds less; a missed
+target below which that bound lies is printed as ``unreachable``). Off by default: with 2e9
+work units and effort 4 a row took 93-160 s here and met fewer targets than annealing alone
+with 4e9 (docs/FUSED_SEARCH.md). Not a test: numbers for docs/FUSED_SEARCH.md.
 """
 from __future__ import annotations
 
@@ -42,8 +48,8 @@ from systems.rlhfuse.experiments import fused_layout_costs
 from systems.rlhfuse.intra import search_fused_schedule
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
-DEFAULT_ACTION_STEPS = 2e9
-DEFAULT_EXACT_EFFORT = 4.0  # CP-SAT deterministic time for the exact refinement (2 threads)
+DEFAULT_ACTION_STEPS = 4e9
+DEFAULT_EXACT_EFFORT = 0.0  # CP-SAT deterministic time of the exact refinement (off: see the docstring)
 STEP_OVERHEAD_ACTIONS = 1024  # the fixed cost of a step, in actions re-timed (see the docstring)
 
 
