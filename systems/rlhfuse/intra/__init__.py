@@ -10,6 +10,7 @@ memory under a tightening cap), and reported against a lower bound and the seria
 - :mod:`.incremental` -- re-timing of swaps and moves from where they change (agrees with ``simulate``);
 - :mod:`.memory` -- the memory phase (lower the peak with the makespan fixed);
 - :mod:`.anneal` -- the two-phase simulated annealing, one or several seeds;
+- :mod:`.exact` -- the optional exact refinement by constraint programming (CP-SAT) and its proofs;
 - :mod:`.search` -- :func:`search_fused_schedule`, everything above end to end.
 """
 from systems.rlhfuse.intra.anneal import AnnealOutcome, AnnealParams, anneal_orders, anneal_seeds
