@@ -34,6 +34,14 @@ The golden files of these two systems are therefore in the current IR and carry 
   critical-path tie-breaking draws from its own seeded generator (the same in the compiled and
   the Python pass): fused makespan 0.052876 -> 0.053019 s (+0.27%, a different draw at the golden
   runs' 2 000-step budget), peak unchanged.
+- ``realhf`` on ``13b`` and ``disaggregated`` on both models (estimate notes only): the generation
+  estimate (``harness.planning.estimate.generation_s``) picks the data-parallel instances that hold
+  the longest samples; many samples tie at ``max_gen_len``, and numpy's default (unstable) argsort
+  broke those ties by the SIMD kernel the CPU dispatches to, so CI on another CPU got a different
+  ``search/best_estimate_s`` for ``realhf-65b_33b`` (12.7411 against 12.7785). The sort is stable
+  now; the plans and every metric are unchanged, only the estimates in three notes moved:
+  realhf 13b ``search/best_estimate_s`` 3.5666 -> 3.5711, disaggregated ``search/gen`` est.
+  2.60 -> 2.63 s (13b) and 9.18 -> 9.28 s (65b_33b).
 """
 from __future__ import annotations
 

@@ -35,7 +35,10 @@ def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: 
     dp = task.allocation.strategy.dp
     ids = np.arange(batch.num_samples)
     instance_of = ids % dp
-    slowest = list(dict.fromkeys(instance_of[np.argsort(-batch.output_lens)]))[:NUM_GEN_INSTANCES_ESTIMATED]
+    # a stable sort: many samples tie at max_gen_len, and numpy's default sort breaks ties by
+    # the SIMD kernel the CPU dispatches to (AVX-512 or not), which made estimates machine-dependent
+    longest_first = np.argsort(-batch.output_lens, kind="stable")
+    slowest = list(dict.fromkeys(instance_of[longest_first]))[:NUM_GEN_INSTANCES_ESTIMATED]
     worst = 0.0
     for k in slowest:
         mine = ids[instance_of == k]
