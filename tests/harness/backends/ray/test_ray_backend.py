@@ -17,6 +17,7 @@ One module-scoped set of runs (2 iterations each, tiny models, 2-4 devices) serv
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import re
@@ -61,6 +62,7 @@ RUNS.update({
                                  "system.mini_batch_size=4", "system.generation_batch_size=16",
                                  "workload.micro_batch_size=1"],
 })
+REAL_TIME_RUNS = ("interleaved",)  # runs whose timing a test reads
 ABORT = re.compile(r"terminate called|Aborted|core dumped|SIGABRT|destroy_process_group\(\) was not called", re.I)
 
 
@@ -71,12 +73,15 @@ def with_common(args: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_harness):
+def runs(tmp_path_factory, run_harness, machine_lock):
     root = tmp_path_factory.mktemp("ray_runs")
     out = {}
     for name, args in RUNS.items():
         start = time.monotonic()
-        proc = run_harness(with_common(args), root / name, timeout=600)
+        # interleaving's tasks of a few milliseconds must overlap in real time (see
+        # test_tasks_on_disjoint_meshes_run_at_the_same_time): no other test on the machine then
+        with machine_lock.exclusive() if name in REAL_TIME_RUNS else contextlib.nullcontext():
+            proc = run_harness(with_common(args), root / name, timeout=600)
         out[name] = (root / name, proc, time.monotonic() - start)
     return out
 
