@@ -32,9 +32,6 @@ def run_harness():
     return run
 
 
-
-
-
 # ---- parallel runs (pytest-xdist: the README's test command runs ``-n auto --dist loadfile``) ------
 # Test files run in parallel worker processes (whole files per worker). Two kinds of test must not
 # share the machine with others, so every test module holds an inter-process lock on MACHINE_LOCK
