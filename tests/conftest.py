@@ -43,10 +43,10 @@ def run_harness():
 # - a check of real-time behaviour (two Ray tasks of a few milliseconds overlapping in time,
 #   test_ray_backend.py) needs the cores it was written for, not a neighbour's load.
 # ``machine_lock.exclusive()`` turns this module's hold exclusive for a block; EXCLUSIVE_MODULES hold
-# it exclusively throughout; test_readme.py takes it exclusively from its first Ray command to its
-# end (``hold_ray_exclusively``) and holds nothing before.
+# it exclusively throughout; SELF_LOCKING_MODULES hold nothing until they call
+# ``machine_lock.acquire`` (test_readme.py: exclusively, from its first Ray command to its end).
 EXCLUSIVE_MODULES = ("tests/harness/backends/ray/test_ray_cluster.py",)
-OWN_LOCKING_MODULES = ("tests/test_readme.py",)
+SELF_LOCKING_MODULES = ("tests/test_readme.py",)
 MACHINE_LOCK = Path(tempfile.gettempdir()) / "rlhf-harness-tests-machine.lock"
 
 
@@ -81,25 +81,12 @@ class MachineLock:
             self.file = None
 
 
-def _relative(request) -> str:
-    return Path(str(request.node.path)).relative_to(Path(str(request.config.rootpath))).as_posix()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def machine_lock(request):
-    """This module's hold on MACHINE_LOCK (see above)."""
+    """This module's hold on MACHINE_LOCK (see above); ``.held`` says whether it holds it."""
     lock = MachineLock()
-    where = _relative(request)
-    if where not in OWN_LOCKING_MODULES:
+    where = Path(str(request.node.path)).relative_to(Path(str(request.config.rootpath))).as_posix()
+    if where not in SELF_LOCKING_MODULES:
         lock.acquire(exclusive=where in EXCLUSIVE_MODULES)
-    yield lock
-    lock.release()
-
-
-@pytest.fixture(scope="module")
-def hold_ray_exclusively():
-    """``hold_ray_exclusively.acquire(exclusive=True)`` takes MACHINE_LOCK exclusively until the
-    module ends; ``.held`` says whether it was taken."""
-    lock = MachineLock()
     yield lock
     lock.release()

@@ -184,10 +184,10 @@ RAY_COMMAND = re.compile(r"(^|&& )ray |backend=ray")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", RUNNABLE, ids=[f"{i:02d} {c[:90]}" for i, c in enumerate(RUNNABLE)])
-def test_readme_command_runs(command, workdir, hold_ray_exclusively):
+def test_readme_command_runs(command, workdir, machine_lock):
     run = as_run(command, SPECS[command])
     if RAY_COMMAND.search(run):  # `ray start` / `ray stop` / backend=ray: no other Ray test beside them
-        hold_ray_exclusively.acquire(exclusive=True)
+        machine_lock.acquire(exclusive=True)  # kept until the module ends (tests/conftest.py)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=str(README.parent), WANDB_MODE="disabled")
     proc = subprocess.run(["bash", "-c", run], cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
@@ -196,10 +196,10 @@ def test_readme_command_runs(command, workdir, hold_ray_exclusively):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def stop_ray_cluster(hold_ray_exclusively):
+def stop_ray_cluster(machine_lock):
     """Never leave the cluster that README's `ray start` started running, even when a test failed
     (while this module still holds the Ray lock: `ray stop` stops every Ray on the machine)."""
     yield
-    if not hold_ray_exclusively.held:
+    if not machine_lock.held:
         return
     subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=120)
