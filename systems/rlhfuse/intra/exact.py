@@ -12,8 +12,15 @@ the annealer's best order. The model is the timing model of ``harness.schedule.s
   start of ``F(s, m)`` to the end of ``B(s, m)`` (a cumulative constraint per rank whose capacity
   is the peak). Because a rank's actions never overlap, the largest sum of lifetimes at any
   instant is exactly the peak of the running sum over the rank's list that ``simulate`` reports;
-- the micro-batches of a pipe are interchangeable, so the forwards of every pipe's *first* stage
-  run in micro-batch order (symmetry breaking that loses no schedule; later stages are free).
+- every stage runs its forwards, and its backwards, in micro-batch order (first-in first-out).
+  This loses nothing, for the makespan or the memory. The micro-batches of a pipe cost the same,
+  so in any schedule, give the k-th forward slot of each stage (by start time) to micro-batch k,
+  and likewise the backward slots. The dependencies still hold: if slot k of stage s starts at t,
+  the k+1 micro-batches the original schedule ran in slots 0..k had each finished stage s-1
+  (plus p2p) by t, so stage s-1's slot k had too (the same argument for ``B(s, k)`` after
+  ``B(s+1, k)`` and after ``F(s, k)``). Every rank keeps the same busy intervals, and its
+  activation memory at any instant (forwards started minus backwards ended, per stage) does not
+  depend on labels. So a bound proven under this rule holds for every schedule.
 
 Times and memory are made integers by scaling so the shortest action lasts ``TIME_RESOLUTION``
 units and the smallest activation is ``MEMORY_RESOLUTION`` units, *rounding down*. Rounding down
@@ -46,7 +53,7 @@ from harness.schedule import SimModel
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 
 TIME_RESOLUTION = 1e10   # integer units of the shortest action: a path's rounding is <= 2e-10 of it
-MEMORY_RESOLUTION = 100  # integer units of the smallest activation
+MEMORY_RESOLUTION = 1000  # integer units of the smallest activation
 # CP-SAT rejects models whose sums could overflow 64 bits; the cumulative constraints' energy is
 # about (sum of activations) x horizon, so the time resolution is lowered when that would pass this
 MAX_ENERGY = 2.0 ** 60
@@ -96,6 +103,15 @@ class _Scaled:
         self.lat_a = [int(math.floor(x / self.time_unit)) for x in model.lat_a]
         self.lat_b = [int(math.floor(x / self.time_unit)) for x in model.lat_b]
         self.act = [int(math.floor(x / self.mem_unit)) if x > 0 else 0 for x in model.mem_delta]
+        # integer memory change of every action (a backward frees exactly its forward's units)
+        self.delta = [int(math.floor(x / self.mem_unit)) if x > 0 else -int(math.floor(-x / self.mem_unit))
+                      for x in model.mem_delta]
+
+    def memory_units(self, memory: float) -> int:
+        """The most integer memory a real ``memory`` can hold: its activations round down, so
+        their integer sum is at most ``memory / mem_unit`` (plus a little for the float division:
+        7.6 / 0.008 is 949.999...)."""
+        return int(math.floor(memory / self.mem_unit + 1e-6))
 
     def retime(self, model: SimModel, seqs: Sequence[Sequence[int]]) -> list[int]:
         """Integer start time of every action when the ranks run ``seqs`` in order (list
@@ -128,9 +144,10 @@ class _Scaled:
         return start
 
 
-def _build(cp_model, model: SimModel, scaled: _Scaled, seqs: Sequence[Sequence[int]], horizon: int):
+def _build(cp_model, model: SimModel, scaled: _Scaled, seqs: Sequence[Sequence[int]], horizon: int,
+           cap_units: int | None = None):
     """The constraint model over the actions ``seqs`` schedules (ids of ``model``): start
-    variables, per-rank lifetimes and the peak variable."""
+    variables, per-rank lifetimes and the peak variable, at most ``cap_units`` when given."""
     m = cp_model.CpModel()
     n = model.num_actions
     dur = scaled.dur
@@ -145,10 +162,24 @@ def _build(cp_model, model: SimModel, scaled: _Scaled, seqs: Sequence[Sequence[i
             m.add(start[a] >= ends[model.dep_b[a]] + scaled.lat_b[a])
     total_act = sum(scaled.act)
     backward = _backward_map(model)
-    peak = m.new_int_var(0, max(total_act, 0), "peak")
+    peak = m.new_int_var(0, max(total_act, 0) if cap_units is None else max(0, cap_units), "peak")
     for _, (f_base, b_base, num_stages, num_mbs, _) in model.pipe_slots.items():
-        for mb in range(num_mbs - 1):  # first stage FIFO: micro-batches are interchangeable
-            m.add(start[f_base + mb + 1] >= ends[f_base + mb])
+        # every stage first-in first-out, forwards and backwards (no loss: see the docstring)
+        for base in (f_base, b_base):
+            for stage in range(num_stages):
+                first = base + stage * num_mbs
+                for mb in range(num_mbs - 1):
+                    m.add(start[first + mb + 1] >= ends[first + mb])
+        if cap_units is None:
+            continue
+        # under a cap, a stage holds at most ``k`` of its activations: first-in first-out, the
+        # forward of micro-batch ``mb + k`` waits for the backward of ``mb`` (implied by the
+        # cumulative constraint, but as precedences they propagate far better)
+        for stage in range(num_stages):
+            act = scaled.act[f_base + stage * num_mbs]
+            k = cap_units // act if act > 0 else num_mbs
+            for mb in range(max(0, num_mbs - k)):
+                m.add(start[f_base + stage * num_mbs + mb + k] >= ends[b_base + stage * num_mbs + mb])
     for seq in seqs:
         lifetimes, demands = [], []
         for f in seq:
@@ -200,9 +231,10 @@ def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budge
 
     ``objective="makespan"``: the shortest schedule (peak at most ``mem_cap`` when given).
     ``objective="memory"``: the lowest peak activation memory among schedules no longer than
-    ``seqs``'s own makespan (and within ``mem_cap``). ``budget`` is the solver's deterministic
-    time (``deterministic=True``, reproducible) or seconds. Returns the better of ``seqs`` and the
-    solver's best, with the proven bound on the objective."""
+    ``seqs``'s own makespan (and within ``mem_cap``), by a descent over caps
+    (:func:`_descend_memory`). ``budget`` is the solver's deterministic time
+    (``deterministic=True``, reproducible) or seconds. Returns the better of ``seqs`` and the
+    solver's best, with the proven bound on the objective (0 when nothing was proven)."""
     if objective not in ("makespan", "memory"):
         raise ValueError(f"objective must be 'makespan' or 'memory', got {objective!r}")
     if budget <= 0:
@@ -219,24 +251,20 @@ def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budge
     # every real schedule no longer than the given one fits (rounding down only shortens it), so
     # the bounds the solver proves hold for the real problem; the given order itself fits
     horizon = max(hint_makespan, int(math.floor(given_makespan / scaled.time_unit)))
-    m, start, ends, peak = _build(cp_model, model, scaled, seqs, horizon)
-    if mem_cap is not None:
-        m.add(peak <= int(math.floor(mem_cap / scaled.mem_unit)))
+    if objective == "memory":
+        return _descend_memory(cp_model, model, seqs, given_makespan, given_peak, scaled, horizon,
+                               mem_cap, budget, num_workers, seed, deterministic, time_limit_s, t0)
+    # the cap, in integer units (rounded down: every real schedule within it fits)
+    cap_units = None if mem_cap is None else scaled.memory_units(mem_cap)
+    m, start, ends, peak = _build(cp_model, model, scaled, seqs, horizon, cap_units)
     for seq in seqs:
         for a in seq:
             m.add_hint(start[a], hint[a])
-    if objective == "makespan":
-        makespan = m.new_int_var(0, horizon, "makespan")
-        m.add_max_equality(makespan, [ends[a] for seq in seqs for a in seq])
-        m.minimize(makespan)
-    else:
-        m.minimize(peak)
+    makespan = m.new_int_var(0, horizon, "makespan")
+    m.add_max_equality(makespan, [ends[a] for seq in seqs for a in seq])
+    m.minimize(makespan)
     solver, status = _solve(cp_model, m, budget, num_workers, seed, deterministic, time_limit_s)
-    unit = scaled.time_unit if objective == "makespan" else scaled.mem_unit
-    if status in ("OPTIMAL", "FEASIBLE", "UNKNOWN"):
-        bound = solver.best_objective_bound * unit if status != "UNKNOWN" else 0.0
-    else:
-        bound = 0.0
+    bound = solver.best_objective_bound * scaled.time_unit if status in ("OPTIMAL", "FEASIBLE") else 0.0
     best_seqs, best_makespan, best_peak, improved = seqs, given_makespan, given_peak, False
     if status in ("OPTIMAL", "FEASIBLE"):
         cand = _orders(solver, seqs, start)
@@ -244,12 +272,100 @@ def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budge
         mk, pk = state.makespan(), state.max_peak()
         tol_t = _REL_TOL * max(abs(given_makespan), 1e-300)
         within_cap = mem_cap is None or pk <= mem_cap * (1 + _REL_TOL)
-        if objective == "makespan":
-            better = within_cap and (mk < given_makespan - tol_t or
-                                     (mk <= given_makespan + tol_t and pk < given_peak))
-        else:
-            better = within_cap and mk <= given_makespan + tol_t and pk < given_peak * (1 - _REL_TOL)
-        if better:
+        if within_cap and (mk < given_makespan - tol_t or (mk <= given_makespan + tol_t and pk < given_peak)):
             best_seqs, best_makespan, best_peak, improved = cand, mk, pk, True
     return ExactOutcome(best_seqs, best_makespan, best_peak, improved, objective, status, bound,
                         solver.deterministic_time, time.perf_counter() - t0)
+
+
+def _integer_peak(scaled: _Scaled, seqs: Sequence[Sequence[int]]) -> int:
+    """The largest running sum of integer activations over the ranks' lists."""
+    out = 0
+    for seq in seqs:
+        held = 0
+        for a in seq:
+            held += scaled.delta[a]
+            out = max(out, held)
+    return out
+
+
+def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_makespan: float,
+                    given_peak: float, scaled: _Scaled, horizon: int, mem_cap: float | None,
+                    budget: float, num_workers: int, seed: int, deterministic: bool,
+                    time_limit_s: float | None, t0: float) -> ExactOutcome:
+    """The memory objective, with the makespan at most the given order's, in two steps:
+
+    1. minimise the peak under a cap at the best peak so far (half the budget). The cap is fixed
+       in the model, so its implied precedences (``_build``) prune the search; this step often
+       ends proven optimal.
+    2. if not, bisect over integer caps between the proven bound ``lo`` and the best peak
+       ``hi``: a feasibility problem at the middle (half of what is left), which either finds a
+       schedule (``hi`` drops to its peak) or proves that none exists (``lo`` rises past the
+       middle). A low cap is often refuted at once by propagation, which a minimisation's bound
+       rarely reaches. Stops when ``lo`` meets ``hi`` (the best is optimal to the rounding), when a
+       probe runs out of budget, or when the budget is spent.
+
+    Returns the best order (the given one unless something better was found) and the proven
+    bound ``lo`` in real units (no schedule that short holds less)."""
+    tails = chain_tails(model)
+    tol_t = _REL_TOL * max(abs(given_makespan), 1e-300)
+    cap_units = None if mem_cap is None else scaled.memory_units(mem_cap)
+    best = {"seqs": seqs, "makespan": given_makespan, "peak": given_peak, "improved": False}
+    within = mem_cap is None or given_peak <= mem_cap * (1 + _REL_TOL)
+    hi = _integer_peak(scaled, seqs) if within else cap_units  # feasible level (to the rounding)
+    lo = 0                                                   # proven: no schedule holds less
+    effort = 0.0
+    deadline = None if time_limit_s is None else t0 + time_limit_s
+
+    def left() -> float:
+        if deadline is not None and time.perf_counter() >= deadline:
+            return 0.0
+        return budget - effort if deterministic else budget - (time.perf_counter() - t0)
+
+    def probe(cap: int, share: float, minimise: bool):
+        nonlocal effort
+        m, start, _, peak = _build(cp_model, model, scaled, seqs, horizon, cap)
+        hint = scaled.retime(model, best["seqs"])
+        for seq in seqs:
+            for a in seq:
+                m.add_hint(start[a], hint[a])
+        if minimise:
+            m.minimize(peak)
+        solver, status = _solve(cp_model, m, share, num_workers, seed, deterministic,
+                                None if deadline is None else max(1e-3, deadline - time.perf_counter()))
+        effort += solver.deterministic_time
+        if status in ("OPTIMAL", "FEASIBLE"):
+            cand = _orders(solver, seqs, start)
+            state = OrderState(model, cand, None, tails)
+            mk, pk = state.makespan(), state.max_peak()
+            if mk <= given_makespan + tol_t and pk < best["peak"] * (1 - _REL_TOL) and (
+                    mem_cap is None or pk <= mem_cap * (1 + _REL_TOL)):
+                best.update(seqs=cand, makespan=mk, peak=pk, improved=True)
+            return solver, status, _integer_peak(scaled, cand)
+        return solver, status, None
+
+    if left() > 1e-6:
+        solver, status, found = probe(hi, left() / 2, minimise=True)
+        if status == "OPTIMAL":
+            lo = hi = found
+        elif status == "INFEASIBLE":
+            lo = hi + 1
+        else:
+            if status == "FEASIBLE":
+                hi = min(hi, found)
+                lo = max(lo, int(math.ceil(solver.best_objective_bound - 1e-9)))
+    while lo < hi and left() > 1e-6:
+        mid = (lo + hi) // 2
+        _, status, found = probe(mid, left() / 2, minimise=False)
+        if status in ("OPTIMAL", "FEASIBLE"):
+            hi = min(mid, found)
+        elif status == "INFEASIBLE":
+            lo = mid + 1
+        else:
+            break  # the probe ran out of budget: the rest would too
+    proven = lo >= hi
+    within = mem_cap is None or best["peak"] <= mem_cap * (1 + _REL_TOL)
+    status = ("INFEASIBLE" if not within and lo > (cap_units if cap_units is not None else lo)
+              else "OPTIMAL" if proven and within else "FEASIBLE" if within else "UNKNOWN")
+    return ExactOutcome(best["seqs"], best["makespan"], best["peak"], best["improved"], "memory",
+                        status, lo * scaled.mem_unit, effort, time.perf_counter() - t0)

@@ -72,6 +72,16 @@ def test_exact_refinement_matches_brute_force(case):
         assert out.peak_memory == pytest.approx(least, rel=1e-9)
         assert out.improved == (least < start[2] * (1 - REL))
         assert least * (1 - 0.011) <= out.bound <= least * (1 + REL)  # sound; memory rounds to 1%
+    # under a cap at each peak level: the shortest schedule within it (the cap's implied
+    # precedences and the first-in first-out rule cut off no schedule that fits)
+    for cap in sorted({round(pk, 9) for _, _, pk in every})[:4]:
+        fits = [e for e in every if e[2] <= cap * (1 + REL)]
+        shortest = min(mk for _, mk, _ in fits)
+        out = refine(model, worst[0], "makespan", budget=30.0, mem_cap=cap, seed=0)
+        assert out.status == "OPTIMAL"
+        assert out.peak_memory <= cap * (1 + REL)
+        assert out.makespan == pytest.approx(shortest, rel=REL)
+        assert out.bound <= shortest * (1 + REL)
 
 
 def test_refinement_is_never_worse_and_respects_the_cap():
