@@ -29,9 +29,10 @@ step budget every number but the wall time is deterministic (and the same with o
 only slower without). ``--exact-effort E`` adds the exact (CP-SAT) refinement after annealing
 and the columns it proves (``proven``: the makespan's proven bound over the lower bound, ``opt``
 when the makespan is proven optimal; ``peak >=``: no schedule that short holds less; a missed
-target below which that bound lies is printed as ``unreachable``). Off by default: with 2e9
-work units and effort 4 a row took 93-160 s here and met fewer targets than annealing alone
-with 4e9 (docs/FUSED_SEARCH.md). Not a test: numbers for docs/FUSED_SEARCH.md.
+target above which that bound lies is printed as ``unreachable``: no schedule that short meets
+it). Off by default: with 2e9 work units and effort 10 a row took 34-111 s here; it decides
+more rows (met or proven unreachable), but the halved annealing budget costs some of the
+32-64-micro-batch rows (docs/FUSED_SEARCH.md). Not a test: numbers for docs/FUSED_SEARCH.md.
 """
 from __future__ import annotations
 
