@@ -30,7 +30,7 @@ only slower without). ``--exact-effort E`` adds the exact (CP-SAT) refinement af
 and the columns it proves (``proven``: the makespan's proven bound over the lower bound, ``opt``
 when the makespan is proven optimal; ``peak >=``: no schedule that short holds less; a missed
 target above which that bound lies is printed as ``unreachable``: no schedule that short meets
-it). Off by default: with 2e9 work units and effort 10 a row took 34-111 s here; it decides
+it). Off by default: with 2e9 work units and effort 10 a row took 33-111 s here; it decides
 more rows (met or proven unreachable), but the halved annealing budget costs some of the
 32-64-micro-batch rows (docs/FUSED_SEARCH.md). Not a test: numbers for docs/FUSED_SEARCH.md.
 """

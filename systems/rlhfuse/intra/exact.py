@@ -302,8 +302,9 @@ def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_make
        ``hi``: a feasibility problem at the middle (half of what is left), which either finds a
        schedule (``hi`` drops to its peak) or proves that none exists (``lo`` rises past the
        middle). A low cap is often refuted at once by propagation, which a minimisation's bound
-       rarely reaches. Stops when ``lo`` meets ``hi`` (the best is optimal to the rounding), when a
-       probe runs out of budget, or when the budget is spent.
+       rarely reaches. A probe that runs out of its share undecided moves the next one up,
+       between it and ``hi``. Stops when ``lo`` meets ``hi`` (the best is optimal to the
+       rounding), when the probes reach ``hi``, or when the budget is spent.
 
     Returns the best order (the given one unless something better was found) and the proven
     bound ``lo`` in real units (no schedule that short holds less)."""
@@ -354,15 +355,16 @@ def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_make
             if status == "FEASIBLE":
                 hi = min(hi, found)
                 lo = max(lo, int(math.ceil(solver.best_objective_bound - 1e-9)))
-    while lo < hi and left() > 1e-6:
-        mid = (lo + hi) // 2
+    floor = lo  # probes go no lower: proven (lo) or undecided below
+    while floor < hi and left() > 1e-6:
+        mid = (floor + hi) // 2
         _, status, found = probe(mid, left() / 2, minimise=False)
         if status in ("OPTIMAL", "FEASIBLE"):
             hi = min(mid, found)
         elif status == "INFEASIBLE":
-            lo = mid + 1
+            lo = floor = mid + 1
         else:
-            break  # the probe ran out of budget: the rest would too
+            floor = mid + 1  # undecided: try closer to the best, where schedules are easier to find
     proven = lo >= hi
     within = mem_cap is None or best["peak"] <= mem_cap * (1 + _REL_TOL)
     status = ("INFEASIBLE" if not within and lo > (cap_units if cap_units is not None else lo)
