@@ -102,10 +102,10 @@ class _Scaled:
         self.dur = [int(math.floor(d / self.time_unit)) for d in model.dur]
         self.lat_a = [int(math.floor(x / self.time_unit)) for x in model.lat_a]
         self.lat_b = [int(math.floor(x / self.time_unit)) for x in model.lat_b]
-        self.act = [int(math.floor(x / self.mem_unit)) if x > 0 else 0 for x in model.mem_delta]
         # integer memory change of every action (a backward frees exactly its forward's units)
         self.delta = [int(math.floor(x / self.mem_unit)) if x > 0 else -int(math.floor(-x / self.mem_unit))
                       for x in model.mem_delta]
+        self.act = [max(d, 0) for d in self.delta]  # what each forward holds (0 for backwards)
 
     def memory_units(self, memory: float) -> int:
         """The most integer memory a real ``memory`` can hold: its activations round down, so
@@ -231,8 +231,8 @@ def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budge
 
     ``objective="makespan"``: the shortest schedule (peak at most ``mem_cap`` when given).
     ``objective="memory"``: the lowest peak activation memory among schedules no longer than
-    ``seqs``'s own makespan (and within ``mem_cap``), by a descent over caps
-    (:func:`_descend_memory`). ``budget`` is the solver's deterministic time
+    ``seqs``'s own makespan (and within ``mem_cap``): minimised under a cap, then a bisection
+    over caps (:func:`_descend_memory`). ``budget`` is the solver's deterministic time
     (``deterministic=True``, reproducible) or seconds. Returns the better of ``seqs`` and the
     solver's best, with the proven bound on the objective (0 when nothing was proven)."""
     if objective not in ("makespan", "memory"):
@@ -351,10 +351,9 @@ def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_make
             lo = hi = found
         elif status == "INFEASIBLE":
             lo = hi + 1
-        else:
-            if status == "FEASIBLE":
-                hi = min(hi, found)
-                lo = max(lo, int(math.ceil(solver.best_objective_bound - 1e-9)))
+        elif status == "FEASIBLE":
+            hi = min(hi, found)
+            lo = max(lo, int(math.ceil(solver.best_objective_bound - 1e-9)))
     floor = lo  # probes go no lower: proven (lo) or undecided below
     while floor < hi and left() > 1e-6:
         mid = (floor + hi) // 2
@@ -367,7 +366,7 @@ def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_make
             floor = mid + 1  # undecided: try closer to the best, where schedules are easier to find
     proven = lo >= hi
     within = mem_cap is None or best["peak"] <= mem_cap * (1 + _REL_TOL)
-    status = ("INFEASIBLE" if not within and lo > (cap_units if cap_units is not None else lo)
+    status = ("INFEASIBLE" if not within and lo > cap_units  # (not within: a cap was given)
               else "OPTIMAL" if proven and within else "FEASIBLE" if within else "UNKNOWN")
     return ExactOutcome(best["seqs"], best["makespan"], best["peak"], best["improved"], "memory",
                         status, lo * scaled.mem_unit, effort, time.perf_counter() - t0)

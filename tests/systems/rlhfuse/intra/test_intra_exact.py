@@ -71,7 +71,7 @@ def test_exact_refinement_matches_brute_force(case):
         assert out.makespan <= start[1] * (1 + REL)
         assert out.peak_memory == pytest.approx(least, rel=1e-9)
         assert out.improved == (least < start[2] * (1 - REL))
-        assert least * (1 - 0.011) <= out.bound <= least * (1 + REL)  # sound; memory rounds to 1%
+        assert least * (1 - 0.011) <= out.bound <= least * (1 + REL)  # sound; memory rounds to 0.1% of an activation
     # under a cap at each peak level: the shortest schedule within it (the cap's implied
     # precedences and the first-in first-out rule cut off no schedule that fits)
     for cap in sorted({round(pk, 9) for _, _, pk in every})[:4]:
