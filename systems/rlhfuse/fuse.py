@@ -13,7 +13,9 @@ seed (default ``DEFAULT_MAX_STEPS``: the same seed and steps give the same sched
 ``--time-limit`` seconds per seed if given (whichever runs out first when both are). ``--workers N``
 anneals ``--seeds`` (default N) seeds in N processes. ``--exact-effort E`` then refines the best
 by constraint programming (``systems/rlhfuse/intra/exact.py``, CP-SAT, deterministic budget E) and
-reports what it proves: a lower bound on the makespan and on the peak at that makespan. With ``--json`` it prints one JSON object
+reports what it proves: a lower bound on the makespan and on the peak at that makespan.
+``--makespan-slack FRAC`` trades time for memory: the memory phase (and the refinement's) may
+return a schedule up to ``(1 + FRAC)`` x the makespan phase's best. With ``--json`` it prints one JSON object
 (makespan, lower bound, their ratio, peak memory and its ratio to the serial baseline's, the
 makespan phase's peak, ...); otherwise a short table and the rank x step grid. ``--out`` writes
 the schedule CSV (``harness.schedule.to_csv``). Bad input exits with status 2 and a message.
@@ -61,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-workers", type=int, default=2,
                    help="threads of the constraint solver's portfolio (default 2; part of the "
                         "result's inputs: the same number gives the same schedule on any machine)")
+    p.add_argument("--makespan-slack", type=float, default=0.0, metavar="FRAC",
+                   help="trade time for memory: the memory phase may lengthen the schedule up to "
+                        "(1 + FRAC) x the makespan phase's best (default 0: never)")
     p.add_argument("--out", help="write the schedule as CSV here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -81,9 +86,11 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                             ("--workers", args.workers, args.workers >= 1),
                             ("--seeds", args.seeds, args.seeds is None or args.seeds >= 1),
                             ("--exact-effort", args.exact_effort, args.exact_effort >= 0),
+                            ("--makespan-slack", args.makespan_slack, args.makespan_slack >= 0),
                             ("--exact-workers", args.exact_workers, args.exact_workers >= 1)):
         if not ok:
-            p.error(f"{flag} must be positive (>= 0 for --p2p and --exact-effort), got {value:g}")
+            p.error(f"{flag} must be positive (>= 0 for --p2p, --exact-effort and --makespan-slack), "
+                    f"got {value:g}")
     if args.models[0] == args.models[1]:
         p.error(f"--models needs two different names, got {args.models[0]!r} twice")
 
@@ -106,6 +113,10 @@ def _table(summary: dict) -> str:
                    f"({summary['steps_memory']} in the memory phase), start {summary['best_start']}"),
         ("valid", str(summary["valid"])),
     ]
+    if summary["makespan_slack_frac"] > 0:
+        rows.insert(-2, ("makespan slack", f"{summary['makespan_slack_frac']:g} (the memory phase may end up "
+                                           f"to this fraction above the makespan phase's "
+                                           f"{summary['phase1_makespan']:g})"))
     if summary["exact_effort"] > 0:
         proven = (f"makespan >= {summary['makespan_bound']:g} (optimal: {summary['makespan_optimal']}); "
                   f"peak at this makespan >= {summary['peak_bound']:g} "
@@ -130,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         result = search_fused_schedule(pipes, costs, mem_cap=args.mem_cap, seed=args.seed,
                                        time_limit_s=args.time_limit, max_steps=args.max_steps,
                                        num_workers=args.workers, num_seeds=args.seeds,
-                                       exact_effort=args.exact_effort, exact_workers=args.exact_workers)
+                                       exact_effort=args.exact_effort, exact_workers=args.exact_workers,
+                                       makespan_slack_frac=args.makespan_slack)
     except ValueError as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -72,6 +72,9 @@ class RLHFuseConfig(RLHFuseBaseConfig):
     # CP-SAT refinement of the annealed schedule (deterministic-time budget; 0 = off): lowers the
     # peak where annealing is stuck and proves bounds; seconds to minutes per plan, so off by default
     fuse_exact_effort: float = 0.0
+    # time for memory: the fused schedule may be up to this fraction longer than the shortest found
+    # if that lowers its peak activation memory (0 = never; docs/FUSED_SEARCH.md has the trade-off)
+    fuse_makespan_slack_frac: float = 0.0
 
 
 @dataclass
@@ -95,6 +98,8 @@ class RLHFuse(System):
             raise PlanError(f"system.migration_transfer={self.cfg.migration_transfer!r}; use kv or tokens")
         if self.cfg.migration_frac is not None and not 0.0 <= self.cfg.migration_frac < 1.0:
             raise PlanError(f"system.migration_frac={self.cfg.migration_frac} must be in [0, 1)")
+        if not self.cfg.fuse_makespan_slack_frac >= 0.0:
+            raise PlanError(f"system.fuse_makespan_slack_frac={self.cfg.fuse_makespan_slack_frac} must be >= 0")
         try:
             return checked(self._plan(ctx, self.cfg.inter_stage), ctx)
         except NoLayoutFits as e:
@@ -227,7 +232,8 @@ class RLHFuse(System):
                                        seed=self.cfg.fuse_seed, time_limit_s=time_limit_s,
                                        max_steps=self.cfg.fuse_max_steps if time_limit_s is None else None,
                                        num_workers=self.cfg.fuse_workers,
-                                       exact_effort=self.cfg.fuse_exact_effort)
+                                       exact_effort=self.cfg.fuse_exact_effort,
+                                       makespan_slack_frac=self.cfg.fuse_makespan_slack_frac)
         # the fused stage's states and activation peak replace the base training layouts' in the ledger
         peak = simulate(result.schedule, best.costs, record_times=False).max_peak_memory
         layouts.ledger.commit("training", self._fused_need(ctx, best, peak))
@@ -244,6 +250,9 @@ class RLHFuse(System):
                       "fused/bubble_frac": round(result.bubble_frac, 4),
                       "fused/serial_bubble_frac": round(self._serial_bubble(best), 4),
                       "fused/search_s": round(result.search_s, 2)})
+        if result.makespan_slack_frac > 0:  # the time given up for memory, against the shortest found
+            notes.update({"fused/makespan_slack_frac": result.makespan_slack_frac,
+                          "fused/phase1_makespan_s": round(result.phase1_makespan, 6)})
         return [TrainingStage(("update_actor", "update_critic"), result.schedule,
                               w.global_batch_size // w.mini_batch_size, w.micro_batch_size)]
 

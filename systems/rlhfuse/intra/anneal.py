@@ -66,6 +66,12 @@ class AnnealParams:
     q_critical: float = 0.8
     phase1_cycle_steps: int | None = 20_000  # cooling cycle of phase 1 under long step budgets
     front_try_frac: float = 0.125  # share of phase 1's budget for each lower-memory start tried
+    # the memory phase may lengthen the schedule up to (1 + this) x phase 1's best makespan (0: never)
+    makespan_slack_frac: float = 0.0
+    # with a slack: share of the memory phase's budget kept to shorten the slack part's result again
+    # under a hard cap at its peak (_trade_time_for_memory)
+    slack_polish_frac: float = 0.125
+    slack_at_target_frac: float = 0.375  # with a slack: share of the memory phase run at phase 1's makespan
     memory_phase: bool = True
     memory: MemoryParams = field(default_factory=MemoryParams)
 
@@ -81,7 +87,8 @@ class AnnealOutcome:
     seed: int
     elapsed_s: float
     start_index: int = 0
-    phase1_makespan: float = 0.0     # makespan of phase 1's best order (the memory phase's target)
+    phase1_makespan: float = 0.0     # makespan of phase 1's best order (the memory phase's target;
+                                     # with a slack, its second part's is (1 + slack) x this)
     phase1_peak_memory: float = 0.0  # peak of phase 1's best order (the memory phase's start)
     memory_levels: int = 0           # how many times the memory phase lowered the peak
     memory_start: int = -1           # the memory phase's start that gave the result (0: phase 1's
@@ -247,6 +254,43 @@ def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Rando
     return best_seqs, best, used, front, tries
 
 
+def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
+                           temps: tuple[float, float], cls: list[int], mem_cap: float | None,
+                           seqs: list[list[int]], start: list[list[int]], makespan: float, steps: int | None,
+                           polish_steps: int | None, seconds: float | None, polish_s: float | None
+                           ) -> tuple[list[list[int]], int, int]:
+    """The memory phase's second part under a makespan slack: from ``start`` (phase 1's order)
+    lower the peak with the makespan allowed up to ``(1 + makespan_slack_frac) x makespan``; an
+    order found there is kept only if it holds less than ``seqs`` (the best order at phase 1's
+    ``makespan``), and is then annealed back towards ``makespan`` under a hard cap at its peak
+    (the slack should buy memory, not be given away at a peak the shorter schedule already had).
+    It starts from phase 1's order, not from ``seqs``: the memory phase's best order at the
+    makespan is usually in a basin that the looser target does not get it out of (on 33B/13B 8/4
+    with 16 micro-batches and a 0.1% slack: 1.138x the serial peak from there, 1.013x from
+    phase 1's order). ``steps`` and
+    ``seconds`` for the search, ``polish_steps`` (plus what the search left) and ``polish_s`` for
+    the shortening. Returns (order, steps used, levels lowered)."""
+    peak = OrderState(model, seqs, mem_cap, tails).max_peak()
+    search, used, _ = _memory_phase(model, tails, makespan * (1.0 + p.makespan_slack_frac), mem_cap, rng,
+                                    p, [start], steps, seconds)
+    if search.best_seqs is None or search.best_peak >= peak - _EPS:
+        return seqs, used, 0
+    out = search.best_seqs
+    state = OrderState(model, out, mem_cap, tails)
+    longer, peak = state.makespan(), state.max_peak()
+    left = None if steps is None else steps + polish_steps - used
+    left_s = polish_s
+    if longer > makespan + _EPS * max(1.0, makespan) and (left is None or left > 0):
+        cap = peak if mem_cap is None else min(peak, mem_cap)
+        capped = OrderState(model, out, cap + _EPS * max(1.0, cap), tails)
+        shorter_seqs, shorter, polished = _phase_makespan(capped, rng, _Budget(left, left_s), makespan, temps,
+                                                          p.q_critical, cls, p.phase1_cycle_steps)
+        used += polished
+        if shorter < longer - _EPS * max(1.0, longer):
+            out = shorter_seqs
+    return out, used, search.levels_total
+
+
 def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
                   mem_cap: float | None = None, params: AnnealParams | None = None,
                   memory_starts: Sequence[Sequence[Sequence[int]]] = (),
@@ -282,17 +326,34 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
         steps_1 += used
     phase1 = OrderState(model, best_seqs, mem_cap, tails)
     phase1_peak = phase1.max_peak()
+    target = phase1.makespan()
+    slack = p.makespan_slack_frac > 0 and p.memory_phase
     steps_2, levels, memory_start = 0, 0, -1
     if p.memory_phase:
         left_steps = None if p.max_steps is None else p.max_steps - steps_1
         left_s = None if p.time_limit_s is None else p.time_limit_s - (time.perf_counter() - t_begin)
-        search, steps_2, memory_start = _memory_phase(model, tails, phase1.makespan(), mem_cap, rng, p,
-                                                      [best_seqs, *memory_starts], left_steps, left_s)
+        # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
+        share = p.slack_at_target_frac if slack else 1.0
+        phase1_seqs = best_seqs
+        search, steps_2, memory_start = _memory_phase(
+            model, tails, target, mem_cap, rng, p, [best_seqs, *memory_starts],
+            None if left_steps is None else int(left_steps * share),
+            None if left_s is None else left_s * share)
         if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
             best_seqs = search.best_seqs
             levels = search.levels_total
         else:
             memory_start = -1
+        if slack:
+            polish = None if left_steps is None else int(left_steps * p.slack_polish_frac)
+            polish_s = None if left_s is None else left_s * p.slack_polish_frac
+            best_seqs, used, more = _trade_time_for_memory(
+                model, tails, rng, p, temps, cls, mem_cap, best_seqs, phase1_seqs, target,
+                None if left_steps is None else left_steps - steps_2 - polish, polish,
+                None if left_s is None else p.time_limit_s - (time.perf_counter() - t_begin) - polish_s,
+                polish_s)
+            steps_2 += used
+            levels += more
     final = OrderState(model, best_seqs, mem_cap, tails)
     return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
                          steps_2, p.seed, time.perf_counter() - t_begin,
@@ -329,13 +390,19 @@ def anneal_seeds(model: SimModel, starts: Sequence[Sequence[Sequence[int]]], low
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         with multiprocessing.get_context(method).Pool(workers) as pool:
             outcomes = pool.map(_worker, jobs, chunksize=1)
-    return best_outcome(outcomes), outcomes
+    return best_outcome(outcomes, params.makespan_slack_frac), outcomes
 
 
-def best_outcome(outcomes: Sequence[AnnealOutcome]) -> AnnealOutcome:
+def best_outcome(outcomes: Sequence[AnnealOutcome], makespan_slack_frac: float = 0.0) -> AnnealOutcome:
     """Lowest makespan (makespans within a relative 1e-9 of it count as equal: different timing
-    passes differ in the last bits), then lowest peak memory, then lowest seed."""
+    passes differ in the last bits), then lowest peak memory, then lowest seed. With
+    ``makespan_slack_frac`` > 0: lowest peak memory among the outcomes within that fraction of the
+    shortest makespan any seed reached (in either phase), then lowest makespan, then lowest seed."""
     shortest = min(o.makespan for o in outcomes)
+    if makespan_slack_frac > 0:
+        shortest = min(shortest, *(o.phase1_makespan for o in outcomes)) * (1.0 + makespan_slack_frac)
     tol = 1e-9 * max(1.0, abs(shortest))
-    return min((o for o in outcomes if o.makespan <= shortest + tol),
-               key=lambda o: (o.peak_memory, o.seed))
+    eligible = [o for o in outcomes if o.makespan <= shortest + tol]
+    if makespan_slack_frac > 0:
+        return min(eligible, key=lambda o: (o.peak_memory, o.makespan, o.seed))
+    return min(eligible, key=lambda o: (o.peak_memory, o.seed))

@@ -226,33 +226,42 @@ def _orders(solver, seqs: Sequence[Sequence[int]], start) -> list[list[int]]:
 
 def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budget: float,
            mem_cap: float | None = None, num_workers: int = 1, seed: int = 0,
-           deterministic: bool = True, time_limit_s: float | None = None) -> ExactOutcome:
+           deterministic: bool = True, time_limit_s: float | None = None,
+           max_makespan: float | None = None) -> ExactOutcome:
     """Refine the order ``seqs`` (action ids of ``model`` per rank) with CP-SAT.
 
     ``objective="makespan"``: the shortest schedule (peak at most ``mem_cap`` when given).
     ``objective="memory"``: the lowest peak activation memory among schedules no longer than
-    ``seqs``'s own makespan (and within ``mem_cap``): minimised under a cap, then a bisection
-    over caps (:func:`_descend_memory`). ``budget`` is the solver's deterministic time
+    ``max_makespan`` (default: ``seqs``'s own makespan; never below it) and within ``mem_cap``:
+    minimised under a cap, then a bisection over caps (:func:`_descend_memory`).
+    ``max_makespan`` above the order's own makespan trades time for memory (the search's
+    ``makespan_slack_frac``). ``budget`` is the solver's deterministic time
     (``deterministic=True``, reproducible) or seconds. Returns the better of ``seqs`` and the
     solver's best, with the proven bound on the objective (0 when nothing was proven)."""
     if objective not in ("makespan", "memory"):
         raise ValueError(f"objective must be 'makespan' or 'memory', got {objective!r}")
     if budget <= 0:
         raise ValueError(f"budget must be > 0, got {budget}")
+    if max_makespan is not None and objective != "memory":
+        raise ValueError("max_makespan applies to objective='memory' only")
     cp_model = _require_ortools()
     t0 = time.perf_counter()
     seqs = [list(s) for s in seqs]
     tails = chain_tails(model)
     given = OrderState(model, seqs, None, tails)
     given_makespan, given_peak = given.makespan(), given.max_peak()
-    scaled = _Scaled(model, given_makespan)
+    if max_makespan is not None and max_makespan < given_makespan * (1 - _REL_TOL):
+        raise ValueError(f"max_makespan {max_makespan:g} is below the given order's makespan "
+                         f"{given_makespan:g}")
+    limit = given_makespan if max_makespan is None else max(given_makespan, max_makespan)
+    scaled = _Scaled(model, limit)
     hint = scaled.retime(model, seqs)
     hint_makespan = max((hint[a] + scaled.dur[a] for seq in seqs for a in seq), default=0)
-    # every real schedule no longer than the given one fits (rounding down only shortens it), so
+    # every real schedule no longer than the limit fits (rounding down only shortens it), so
     # the bounds the solver proves hold for the real problem; the given order itself fits
-    horizon = max(hint_makespan, int(math.floor(given_makespan / scaled.time_unit)))
+    horizon = max(hint_makespan, int(math.floor(limit / scaled.time_unit)))
     if objective == "memory":
-        return _descend_memory(cp_model, model, seqs, given_makespan, given_peak, scaled, horizon,
+        return _descend_memory(cp_model, model, seqs, limit, given_makespan, given_peak, scaled, horizon,
                                mem_cap, budget, num_workers, seed, deterministic, time_limit_s, t0)
     # the cap, in integer units (rounded down: every real schedule within it fits)
     cap_units = None if mem_cap is None else scaled.memory_units(mem_cap)
@@ -289,11 +298,12 @@ def _integer_peak(scaled: _Scaled, seqs: Sequence[Sequence[int]]) -> int:
     return out
 
 
-def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_makespan: float,
-                    given_peak: float, scaled: _Scaled, horizon: int, mem_cap: float | None,
-                    budget: float, num_workers: int, seed: int, deterministic: bool,
+def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], limit: float,
+                    given_makespan: float, given_peak: float, scaled: _Scaled, horizon: int,
+                    mem_cap: float | None, budget: float, num_workers: int, seed: int, deterministic: bool,
                     time_limit_s: float | None, t0: float) -> ExactOutcome:
-    """The memory objective, with the makespan at most the given order's, in two steps:
+    """The memory objective, with the makespan at most ``limit`` (at least the given order's
+    makespan), in two steps:
 
     1. minimise the peak under a cap at the best peak so far (half the budget). The cap is fixed
        in the model, so its implied precedences (``_build``) prune the search; this step often
@@ -309,7 +319,7 @@ def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_make
     Returns the best order (the given one unless something better was found) and the proven
     bound ``lo`` in real units (no schedule that short holds less)."""
     tails = chain_tails(model)
-    tol_t = _REL_TOL * max(abs(given_makespan), 1e-300)
+    tol_t = _REL_TOL * max(abs(limit), 1e-300)
     cap_units = None if mem_cap is None else scaled.memory_units(mem_cap)
     best = {"seqs": seqs, "makespan": given_makespan, "peak": given_peak, "improved": False}
     within = mem_cap is None or given_peak <= mem_cap * (1 + _REL_TOL)
@@ -339,7 +349,7 @@ def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], given_make
             cand = _orders(solver, seqs, start)
             state = OrderState(model, cand, None, tails)
             mk, pk = state.makespan(), state.max_peak()
-            if mk <= given_makespan + tol_t and pk < best["peak"] * (1 - _REL_TOL) and (
+            if mk <= limit + tol_t and pk < best["peak"] * (1 - _REL_TOL) and (
                     mem_cap is None or pk <= mem_cap * (1 + _REL_TOL)):
                 best.update(seqs=cand, makespan=mk, peak=pk, improved=True)
             return solver, status, _integer_peak(scaled, cand)

@@ -57,7 +57,8 @@ class FusedResult:
     start_makespan: float = 0.0
     steps_memory: int = 0       # of ``steps``, those spent in the memory phase
     steps_per_s: float = 0.0    # annealing steps (trial moves) per second, best seed
-    phase1_makespan: float = 0.0     # the makespan phase's result (the memory phase keeps it)
+    phase1_makespan: float = 0.0     # the makespan phase's result (the memory phase keeps it,
+                                     # or stays within makespan_slack_frac above it)
     phase1_peak_memory: float = 0.0  # peak of the makespan phase's result (memory phase start)
     memory_levels: int = 0      # times the memory phase lowered the peak (best seed)
     memory_start: str = ""      # the memory phase's starting order that gave the result
@@ -67,6 +68,7 @@ class FusedResult:
     max_steps: int | None = None  # the budget per seed
     time_limit_s: float | None = None
     num_workers: int = 1
+    makespan_slack_frac: float = 0.0   # the makespan the memory phase may give up (0: none)
     # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when given an effort:
     exact_effort: float = 0.0          # its budget (CP-SAT deterministic time)
     exact_workers: int = 0             # its portfolio's threads
@@ -124,6 +126,7 @@ class FusedResult:
             "phase1_start": self.phase1_start, "phase1_tries": self.phase1_tries,
             "seeds": list(self.seeds), "max_steps": self.max_steps,
             "time_limit_s": self.time_limit_s, "num_workers": self.num_workers,
+            "makespan_slack_frac": self.makespan_slack_frac,
             "exact_effort": self.exact_effort, "exact_workers": self.exact_workers,
             "exact_effort_used": self.exact_effort_used,
             "exact_s": self.exact_s, "exact_makespan_status": self.exact_makespan_status,
@@ -246,7 +249,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           time_limit_s: float | None = None, max_steps: int | None = None,
                           num_workers: int = 1, num_seeds: int | None = None,
                           memory_phase: bool = True, low_memory_starts: bool = False,
-                          exact_effort: float = 0.0, exact_workers: int = 2) -> FusedResult:
+                          exact_effort: float = 0.0, exact_workers: int = 2,
+                          makespan_slack_frac: float = 0.0) -> FusedResult:
     """Search a fused schedule. ``num_seeds`` independent seeds ``seed, seed+1, ...`` (default:
     ``num_workers``) each get the full ``max_steps`` (default ``DEFAULT_MAX_STEPS`` when no
     ``time_limit_s`` is given either) / ``time_limit_s`` budget, whichever runs out first, and run
@@ -257,13 +261,19 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     budget evenly. With ``exact_effort > 0`` the annealed best is then refined by constraint
     programming (:func:`_refine_exactly`): CP-SAT with that deterministic-time budget and an
     ``exact_workers``-thread portfolio (part of the result's inputs, like the seeds: the same
-    number gives the same schedule on any machine). Deterministic for a given step budget, effort
-    and seeds (not under a time limit). Raises ValueError if ``mem_cap`` is below the serial schedule's peak memory."""
+    number gives the same schedule on any machine). ``makespan_slack_frac`` trades time for
+    memory: the memory phase (and the exact refinement's) may return any order up to
+    ``(1 + makespan_slack_frac)`` x the makespan phase's best (0, the default: never longer).
+    Deterministic for a given step budget, effort and seeds (not under a time limit). Raises
+    ValueError if ``mem_cap`` is below the serial schedule's peak memory, or on a negative effort
+    or slack."""
     t_begin = time.perf_counter()
     if exact_effort < 0:
         raise ValueError(f"exact_effort must be >= 0, got {exact_effort}")
     if exact_workers < 1:
         raise ValueError(f"exact_workers must be >= 1, got {exact_workers}")
+    if not makespan_slack_frac >= 0:
+        raise ValueError(f"makespan_slack_frac must be >= 0, got {makespan_slack_frac}")
     if max_steps is None and time_limit_s is None:
         max_steps = DEFAULT_MAX_STEPS
     pipes = dict(pipes)
@@ -283,7 +293,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     model = sim_model(serial, costs)
     seeds = [seed + k for k in range(num_seeds or max(1, num_workers))]
     params = AnnealParams(seed=seed, time_limit_s=time_limit_s, max_steps=max_steps,
-                          memory_phase=memory_phase)
+                          memory_phase=memory_phase, makespan_slack_frac=makespan_slack_frac)
     best, _ = anneal_seeds(model, [_encode(s, costs) for _, s, _ in starts], bound.value, mem_cap,
                            seeds, params, num_workers,
                            memory_starts=[_encode(s, costs) for _, s, _ in lows],
@@ -292,13 +302,17 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     ranks = serial.ranks
     exact = _refine_exactly(model, best.seqs, bound.value, mem_cap, exact_effort, exact_workers, seed,
                             None if time_limit_s is None else
-                            max(0.0, time_limit_s - (time.perf_counter() - t_begin)))
+                            max(0.0, time_limit_s - (time.perf_counter() - t_begin)),
+                            best.phase1_makespan, makespan_slack_frac)
     seqs = best.seqs if exact is None else exact.seqs
     schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(ranks, seqs)})
     tol = 1e-9 * max(1.0, start_sim.makespan)  # incremental and full timing differ in the last bits
     final_makespan = best.makespan if exact is None else exact.makespan
     final_peak = best.peak_memory if exact is None else exact.peak_memory
-    if final_makespan > start_sim.makespan + tol or (final_makespan >= start_sim.makespan - tol and
+    allowed = start_sim.makespan  # what the start gives; with a slack, what the slack allows
+    if makespan_slack_frac > 0:
+        allowed = max(allowed, best.phase1_makespan * (1.0 + makespan_slack_frac))
+    if final_makespan > allowed + tol or (final_makespan >= start_sim.makespan - tol and
                                                      final_peak > start_sim.max_peak_memory + 1e-12):
         schedule = start  # cannot happen (the annealer keeps its best), but never return worse
     result = simulate(schedule, costs, record_times=False)
@@ -324,7 +338,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         memory_levels=best.memory_levels,
         memory_start=memory_start, phase1_start=phase1_start, phase1_tries=best.phase1_tries,
         max_steps=max_steps, time_limit_s=time_limit_s,
-        num_workers=num_workers, exact_effort=exact_effort, exact_workers=exact_workers,
+        num_workers=num_workers, makespan_slack_frac=makespan_slack_frac,
+        exact_effort=exact_effort, exact_workers=exact_workers,
         annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
         **({"makespan_bound": bound.value} if exact is None else exact.fields(bound.value)))
 
@@ -349,13 +364,18 @@ class _Exact:
 
 
 def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effort: float,
-                    num_workers: int, seed: int, time_left_s: float | None) -> _Exact | None:
+                    num_workers: int, seed: int, time_left_s: float | None,
+                    reference_makespan: float = 0.0, makespan_slack_frac: float = 0.0) -> _Exact | None:
     """The exact refinement (:mod:`systems.rlhfuse.intra.exact`) of the annealed best order, with
     the search's two objectives in turn: if its makespan is above the lower bound, CP-SAT
     minimises the makespan (which may also prove it optimal); then, with the makespan fixed, the
-    peak memory, with what is left of ``effort``. Deterministic (the solver's interleaved search
-    and deterministic time) unless ``time_left_s`` is given (the search's time limit: then its
-    parallel search runs until either runs out). None when ``effort`` is 0."""
+    peak memory, with what is left of ``effort``. With ``makespan_slack_frac`` > 0 the annealed
+    order may be longer than the makespan phase's best (``reference_makespan``): the makespan
+    step then runs if that best is above the bound, and the memory step keeps the makespan
+    within the slack above the shorter of the two, from the lower-peak order of those that fit.
+    Deterministic (the solver's interleaved search and deterministic time) unless
+    ``time_left_s`` is given (the search's time limit: then its parallel search runs until either
+    runs out). None when ``effort`` is 0."""
     if effort <= 0:
         return None
     from systems.rlhfuse.intra.exact import refine  # OR-tools is only loaded when asked for
@@ -364,15 +384,28 @@ def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effo
     t0 = time.perf_counter()
     seqs = [list(s) for s in seqs]
     used, makespan_status, makespan_bound = 0.0, "", lower_bound
-    out = None
-    state_makespan = OrderState(model, seqs, None, chain_tails(model)).makespan()
-    if state_makespan > lower_bound * (1.0 + 1e-9):
+    annealed = OrderState(model, seqs, None, chain_tails(model))
+    slack = makespan_slack_frac > 0
+    reference = min(annealed.makespan(), reference_makespan) if slack else annealed.makespan()
+    limit = None
+    if reference > lower_bound * (1.0 + 1e-9):
         out = refine(model, seqs, "makespan", effort / 2, mem_cap, num_workers, seed, deterministic,
                      time_left_s)
-        seqs, used, makespan_status = out.seqs, out.deterministic_time, out.status
+        used, makespan_status = out.deterministic_time, out.status
         makespan_bound = max(lower_bound, out.bound)  # OPTIMAL: the makespan, to the rounding
+        if not slack:
+            seqs = out.seqs
+        else:
+            reference = min(reference, out.makespan)
+            fits = out.makespan <= reference * (1.0 + makespan_slack_frac) * (1.0 + 1e-9)
+            if annealed.makespan() > reference * (1.0 + makespan_slack_frac) * (1.0 + 1e-9) or (
+                    fits and out.peak_memory < annealed.max_peak()):
+                seqs = out.seqs  # the annealed order no longer fits the slack, or holds more
+    if slack:
+        limit = max(reference * (1.0 + makespan_slack_frac),
+                    OrderState(model, seqs, None, chain_tails(model)).makespan())
     time_left = None if time_left_s is None else max(1e-3, time_left_s - (time.perf_counter() - t0))
     mem = refine(model, seqs, "memory", max(1e-3, effort - used), mem_cap, num_workers, seed,
-                 deterministic, time_left)
+                 deterministic, time_left, max_makespan=limit)
     return _Exact(mem.seqs, mem.makespan, mem.peak_memory, makespan_status, mem.status,
                   makespan_bound, mem.bound, used + mem.deterministic_time, time.perf_counter() - t0)

@@ -77,3 +77,19 @@ def test_inference_needs_each_sample_finished():
     first_inference = min(s.start_s for s in trace.spans if s.task in ("ref", "reward", "values"))
     assert first_inference >= first_finish
     assert metrics[mk.STEP_TIME] > 0
+
+
+def test_makespan_slack_reaches_the_search_and_is_checked():
+    from harness.errors import PlanError
+    from harness.testing import plan_for
+
+    with pytest.raises(PlanError, match=r"system\.fuse_makespan_slack_frac=-0\.1 must be >= 0"):
+        plan_for(["+system=rlhfuse", *SMALL, "system.fuse_makespan_slack_frac=-0.1"])
+    plan, _, _ = plan_for(["+system=rlhfuse", *SMALL, "system.inter_stage=false",
+                           "system.fuse_makespan_slack_frac=0.05"])
+    notes = plan.notes
+    assert notes["fused/makespan_slack_frac"] == 0.05
+    assert notes["fused/lower_bound_s"] <= notes["fused/phase1_makespan_s"] + 1e-12
+    assert notes["fused/makespan_s"] <= notes["fused/phase1_makespan_s"] * 1.05 + 2e-6  # notes are rounded
+    plain, _, _ = plan_for(["+system=rlhfuse", *SMALL, "system.inter_stage=false"])
+    assert "fused/makespan_slack_frac" not in plain.notes  # the default plan's notes are unchanged

@@ -40,6 +40,19 @@ def test_table_and_grid_without_json():
     assert "r0 |" in proc.stdout and "A0F0" in proc.stdout
 
 
+def test_makespan_slack_in_the_json():
+    base = ["--stages", 4, 2, "--microbatches", 4, 4, "--fwd", 1, 0.6, "--mem", 1, 0.7, "--max-steps", 3000,
+            "--json"]
+    plain = json.loads(_run(*base).stdout)
+    slack = _run(*base, "--makespan-slack", 0.05)
+    assert slack.returncode == 0, slack.stderr
+    data = json.loads(slack.stdout)
+    assert plain["makespan_slack_frac"] == 0 and data["makespan_slack_frac"] == 0.05
+    assert data["valid"] is True
+    assert plain["makespan"] <= plain["phase1_makespan"] * (1 + 1e-9)
+    assert data["makespan"] <= data["phase1_makespan"] * 1.05 * (1 + 1e-9)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--stages", 0, 2, "--microbatches", 1, 1, "--fwd", 1, 1, "--mem", 1, 1], "--stages"),
     (["--stages", 2, 2, "--microbatches", 1, -1, "--fwd", 1, 1, "--mem", 1, 1], "--microbatches"),
@@ -49,6 +62,8 @@ def test_table_and_grid_without_json():
     (["--stages", 2, 2, "--microbatches", 2, 2, "--fwd", 1, 1, "--mem", 1, 1, "--mem-cap", 1],
      "below the peak"),
     (["--stages", 2, 2, "--microbatches", 1, 1, "--fwd", 1, 1], "--mem"),
+    (["--stages", 2, 2, "--microbatches", 1, 1, "--fwd", 1, 1, "--mem", 1, 1, "--makespan-slack", -0.1],
+     "--makespan-slack"),
 ])
 def test_bad_input_exits_2(args, message):
     proc = _run(*args, "--max-steps", 10)

@@ -1,6 +1,7 @@
 """The exact (CP-SAT) refinement of fused schedules: against brute force over every order of a
 small fused layout, soundness of the bounds it proves, never worse than its start, and
-determinism of the search with it."""
+determinism of the search with it. The makespan slack (memory for time) is checked against the
+same brute force, in the refinement and in the whole search."""
 import itertools
 
 import pytest
@@ -45,13 +46,18 @@ CASES = [dict(fwd1=1.0, fwd2=0.7, mem1=1.0, mem2=1.6, p2p=0.1),
          dict(fwd1=1.0, fwd2=1.3, mem1=2.0, mem2=1.0, p2p=0.0)]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_exact_refinement_matches_brute_force(case):
-    # 2 ranks: a 2-stage model with 2 micro-batches one way, two 1-stage pipes the other way
+def _small_layout(case):
+    """2 ranks: a 2-stage model with 2 micro-batches one way, two 1-stage pipes the other way;
+    (pipes, costs, model, every order with its makespan and peak)."""
     pipes = fused_pipes(2, 1, 2, 1)
     costs = fused_costs(pipes, case["fwd1"], case["fwd2"], mem1=case["mem1"], mem2=case["mem2"],
                         p2p=case["p2p"])
-    model, every = _all_schedules(pipes, costs)
+    return (pipes, costs, *_all_schedules(pipes, costs))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_exact_refinement_matches_brute_force(case):
+    pipes, costs, model, every = _small_layout(case)
     assert len(every) > 100
     best_makespan = min(mk for _, mk, _ in every)
     # makespan: from the longest order, the solver finds the shortest and proves it
@@ -82,6 +88,50 @@ def test_exact_refinement_matches_brute_force(case):
         assert out.peak_memory <= cap * (1 + REL)
         assert out.makespan == pytest.approx(shortest, rel=REL)
         assert out.bound <= shortest * (1 + REL)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_makespan_slack_gives_the_least_peak_within_it(case):
+    # the least peak of any schedule within (1 + slack) x the optimal makespan, at the first few
+    # makespan levels: from the refinement (proven) and from the search, annealing alone or refined
+    pipes, costs, model, every = _small_layout(case)
+    best_makespan = min(mk for _, mk, _ in every)
+    fastest = max((e for e in every if e[1] <= best_makespan * (1 + REL)), key=lambda e: e[2])
+    levels = sorted({round(mk, 9) for _, mk, _ in every})[:4]
+    trades = 0
+    for level in levels:
+        least = min(pk for _, mk, pk in every if mk <= level * (1 + REL))
+        out = refine(model, fastest[0], "memory", budget=30.0, seed=0, max_makespan=level)
+        assert out.status == "OPTIMAL"
+        assert out.makespan <= level * (1 + REL)
+        assert out.peak_memory == pytest.approx(least, rel=1e-9)
+        slack = level / best_makespan - 1.0
+        if slack <= 0:
+            continue
+        trades += least < min(pk for _, mk, pk in every if mk <= best_makespan * (1 + REL)) * (1 - REL)
+        # the whole search with the refinement: the shortest makespan proven, then the least peak
+        # within the slack above it, proven
+        res = search_fused_schedule(pipes, costs, seed=0, max_steps=3000, makespan_slack_frac=slack,
+                                    exact_effort=5.0)
+        assert res.valid and res.makespan_slack_frac == slack
+        assert res.makespan_bound == pytest.approx(best_makespan, rel=1e-6)
+        assert res.makespan <= level * (1 + REL)
+        assert res.peak_memory == pytest.approx(least, rel=1e-9)
+        assert least * (1 - 0.011) <= res.peak_bound <= least * (1 + REL)
+        # annealing alone (which stops above the optimum on this layout): within the slack above
+        # its own makespan phase, never above its peak
+        alone = search_fused_schedule(pipes, costs, seed=0, max_steps=3000, makespan_slack_frac=slack)
+        assert alone.valid
+        assert alone.makespan <= alone.phase1_makespan * (1 + slack) * (1 + REL)
+        assert alone.peak_memory <= alone.phase1_peak_memory * (1 + REL)
+    if case == CASES[0]:
+        assert trades > 0  # on this layout a longer makespan holds less: the check is not vacuous
+    with pytest.raises(ValueError, match="below the given order"):
+        refine(model, fastest[0], "memory", budget=1.0, max_makespan=best_makespan * 0.9)
+    with pytest.raises(ValueError, match="max_makespan applies"):
+        refine(model, fastest[0], "makespan", budget=1.0, max_makespan=best_makespan)
+    with pytest.raises(ValueError, match="makespan_slack_frac"):
+        search_fused_schedule(pipes, costs, max_steps=10, makespan_slack_frac=-0.1)
 
 
 def test_refinement_is_never_worse_and_respects_the_cap():

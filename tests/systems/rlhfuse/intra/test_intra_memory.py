@@ -160,6 +160,44 @@ def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespa
     assert out.phase1_front == -1 and out.peak_memory == pytest.approx(plain.peak_memory)
 
 
+def test_slack_part_keeps_only_lower_peaks_and_shortens_them():
+    """The memory phase's part under a makespan slack: from an order at phase 1's makespan it keeps
+    an order only if it holds less, within the slack, and anneals it back towards that makespan
+    under a hard cap at its peak; with no step budget it returns its input."""
+    from systems.rlhfuse.intra.anneal import _trade_time_for_memory, action_classes
+
+    pipes, costs, start, model, seqs = _setup(4, 4, 6, 6, policy="critical_path")
+    tails = chain_tails(model)
+    before = OrderState(model, seqs, None, tails)
+    mean = sum(model.dur) / len(model.dur)
+    temps = (mean, 0.02 * mean)
+    for slack in (0.02, 0.2):
+        p = AnnealParams(makespan_slack_frac=slack)
+        out, used, levels = _trade_time_for_memory(model, tails, random.Random(0), p, temps, action_classes(model),
+                                                   None, seqs, seqs, before.makespan(), 3000, 1000, None, None)
+        after = simulate(_decode(model, start.ranks, out, pipes), costs)
+        assert 0 < used <= 4000 and levels > 0
+        assert after.max_peak_memory < before.max_peak() - 1e-9
+        assert after.makespan <= before.makespan() * (1 + slack) * (1 + 1e-9)
+    same, used, levels = _trade_time_for_memory(model, tails, random.Random(0), AnnealParams(makespan_slack_frac=0.2),
+                                                temps, action_classes(model), None, seqs, seqs, before.makespan(),
+                                                0, 0, None, None)
+    assert same == seqs and used == 0 and levels == 0
+
+
+@pytest.mark.parametrize("slack", [0.01, 0.1])
+def test_slack_search_stays_within_its_slack_and_is_deterministic(slack):
+    pipes = fused_pipes(8, 4, 8, 8)
+    costs = fused_costs(pipes, 1.0, 0.9, mem1=1.0, mem2=1.1)
+    runs = [search_fused_schedule(pipes, costs, seed=3, max_steps=3000, num_seeds=2, num_workers=w,
+                                  makespan_slack_frac=slack) for w in (1, 2)]
+    assert runs[0].schedule.order == runs[1].schedule.order
+    res = runs[0]
+    assert res.valid and res.makespan_slack_frac == slack
+    assert res.makespan <= res.phase1_makespan * (1 + slack) * (1 + 1e-9)
+    assert res.peak_memory <= res.phase1_peak_memory * (1 + 1e-9)
+
+
 @pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: nothing compiled to compare")
 @pytest.mark.parametrize("stages,m,p2p", [((4, 4), 6, 0.0), ((8, 4), 8, 0.1), ((4, 2), 5, 0.05)])
 def test_compiled_and_python_passes_give_the_same_search(monkeypatch, stages, m, p2p):
