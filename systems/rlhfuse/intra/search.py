@@ -396,10 +396,9 @@ def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effo
         if not slack:
             seqs = out.seqs
         else:
-            reference = min(reference, out.makespan)
-            fits = out.makespan <= reference * (1.0 + makespan_slack_frac) * (1.0 + 1e-9)
-            if annealed.makespan() > reference * (1.0 + makespan_slack_frac) * (1.0 + 1e-9) or (
-                    fits and out.peak_memory < annealed.max_peak()):
+            reference = min(reference, out.makespan)  # out is no longer than the annealed order
+            if annealed.makespan() > reference * (1.0 + makespan_slack_frac) * (1.0 + 1e-9) or \
+                    out.peak_memory < annealed.max_peak():
                 seqs = out.seqs  # the annealed order no longer fits the slack, or holds more
     if slack:
         limit = max(reference * (1.0 + makespan_slack_frac),
