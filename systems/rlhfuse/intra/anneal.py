@@ -215,6 +215,17 @@ def _memory_phase(model: SimModel, tails: list[float], target: float, mem_cap: f
     return search, used, best_from
 
 
+def _anneal_under_peak(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
+                       temps: tuple[float, float], cls: list[int], mem_cap: float | None,
+                       seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: _Budget
+                       ) -> tuple[list[list[int]], float, int]:
+    """Anneal the makespan of ``seqs`` towards ``goal`` under a hard cap at ``peak`` (and
+    ``mem_cap``): a shorter order that holds no more. Returns (best order, its makespan, steps)."""
+    cap = peak if mem_cap is None else min(peak, mem_cap)
+    state = OrderState(model, seqs, cap + _EPS * max(1.0, cap), tails)
+    return _phase_makespan(state, rng, budget, goal, temps, p.q_critical, cls, p.phase1_cycle_steps)
+
+
 def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
                           temps: tuple[float, float], cls: list[int], mem_cap: float | None,
                           best_seqs: list[list[int]], best: float,
@@ -240,12 +251,10 @@ def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Rando
             break
         if deadline is not None and time.perf_counter() >= deadline:
             break
-        cap = start_peak if mem_cap is None else min(start_peak, mem_cap)
-        state = OrderState(model, seqs, cap + _EPS * max(1.0, cap), tails)
         budget = _Budget(None if steps is None else min(steps_each, steps - used), secs_each)
         # stop as soon as the best makespan so far is matched: equal makespan, less memory
-        seqs_k, makespan_k, used_k = _phase_makespan(state, rng, budget, best, temps, p.q_critical,
-                                                     cls, p.phase1_cycle_steps)
+        seqs_k, makespan_k, used_k = _anneal_under_peak(model, tails, rng, p, temps, cls, mem_cap, seqs,
+                                                        start_peak, best, budget)
         used += used_k
         tries += 1
         if makespan_k <= best + _EPS * max(1.0, abs(best)):
@@ -267,9 +276,8 @@ def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Rand
     It starts from phase 1's order, not from ``seqs``: the memory phase's best order at the
     makespan is usually in a basin that the looser target does not get it out of (on 33B/13B 8/4
     with 16 micro-batches and a 0.1% slack: 1.138x the serial peak from there, 1.013x from
-    phase 1's order). ``steps`` and
-    ``seconds`` for the search, ``polish_steps`` (plus what the search left) and ``polish_s`` for
-    the shortening. Returns (order, steps used, levels lowered)."""
+    phase 1's order). ``steps`` and ``seconds`` for the search, ``polish_steps`` (plus what the
+    search left) and ``polish_s`` for the shortening. Returns (order, steps used, levels lowered)."""
     peak = OrderState(model, seqs, mem_cap, tails).max_peak()
     search, used, _ = _memory_phase(model, tails, makespan * (1.0 + p.makespan_slack_frac), mem_cap, rng,
                                     p, [start], steps, seconds)
@@ -279,12 +287,9 @@ def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Rand
     state = OrderState(model, out, mem_cap, tails)
     longer, peak = state.makespan(), state.max_peak()
     left = None if steps is None else steps + polish_steps - used
-    left_s = polish_s
     if longer > makespan + _EPS * max(1.0, makespan) and (left is None or left > 0):
-        cap = peak if mem_cap is None else min(peak, mem_cap)
-        capped = OrderState(model, out, cap + _EPS * max(1.0, cap), tails)
-        shorter_seqs, shorter, polished = _phase_makespan(capped, rng, _Budget(left, left_s), makespan, temps,
-                                                          p.q_critical, cls, p.phase1_cycle_steps)
+        shorter_seqs, shorter, polished = _anneal_under_peak(model, tails, rng, p, temps, cls, mem_cap, out,
+                                                             peak, makespan, _Budget(left, polish_s))
         used += polished
         if shorter < longer - _EPS * max(1.0, longer):
             out = shorter_seqs
@@ -327,7 +332,7 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
     phase1 = OrderState(model, best_seqs, mem_cap, tails)
     phase1_peak = phase1.max_peak()
     target = phase1.makespan()
-    slack = p.makespan_slack_frac > 0 and p.memory_phase
+    slack = p.makespan_slack_frac > 0
     steps_2, levels, memory_start = 0, 0, -1
     if p.memory_phase:
         left_steps = None if p.max_steps is None else p.max_steps - steps_1

@@ -384,7 +384,8 @@ def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effo
     t0 = time.perf_counter()
     seqs = [list(s) for s in seqs]
     used, makespan_status, makespan_bound = 0.0, "", lower_bound
-    annealed = OrderState(model, seqs, None, chain_tails(model))
+    tails = chain_tails(model)
+    annealed = OrderState(model, seqs, None, tails)
     slack = makespan_slack_frac > 0
     reference = min(annealed.makespan(), reference_makespan) if slack else annealed.makespan()
     limit = None
@@ -402,7 +403,7 @@ def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effo
                 seqs = out.seqs  # the annealed order no longer fits the slack, or holds more
     if slack:
         limit = max(reference * (1.0 + makespan_slack_frac),
-                    OrderState(model, seqs, None, chain_tails(model)).makespan())
+                    OrderState(model, seqs, None, tails).makespan())
     time_left = None if time_left_s is None else max(1e-3, time_left_s - (time.perf_counter() - t0))
     mem = refine(model, seqs, "memory", max(1e-3, effort - used), mem_cap, num_workers, seed,
                  deterministic, time_left, max_makespan=limit)
