@@ -6,6 +6,7 @@
     python benchmarks/fuse_search.py --time-limit 60          # wall-clock budget per seed instead
     python benchmarks/fuse_search.py --microbatches 8 16 --pairs 33b/13b
     python benchmarks/fuse_search.py --action-steps 2e9 --exact-effort 4   # + CP-SAT refinement
+    python benchmarks/fuse_search.py --costs flexfusion       # FlexFusion's integer instances
 
 For every actor/critic pair and pipeline shape of Table 3 (33B/13B at pp 8/4 and 8/8, 65B/33B at
 pp 16/8 and 16/16; tp 8; per-stage costs from the H100-class cost model at the workload's median
@@ -32,7 +33,10 @@ when the makespan is proven optimal; ``peak >=``: no schedule that short holds l
 target above which that bound lies is printed as ``unreachable``: no schedule that short meets
 it). Off by default: with 2e9 work units and effort 10 a row took 33-111 s here; it decides
 more rows (met or proven unreachable), but the halved annealing budget costs some of the
-32-64-micro-batch rows (docs/FUSED_SEARCH.md). Not a test: numbers for docs/FUSED_SEARCH.md.
+32-64-micro-batch rows (docs/FUSED_SEARCH.md). ``--costs flexfusion`` runs the same shapes with
+the paper authors' own integer stage costs (``systems.rlhfuse.experiments.FLEXFUSION_COSTS``),
+the problems their public solver was run on, so that the two searches can be compared on the
+same instances (docs/FUSED_SEARCH.md, "Against FlexFusion"). Not a test: numbers for docs/FUSED_SEARCH.md.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from omegaconf import OmegaConf
 
 from harness.app import compose
 from harness.runner import build_context
-from systems.rlhfuse.experiments import fused_layout_costs
+from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
 from systems.rlhfuse.intra import search_fused_schedule
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
@@ -83,18 +87,27 @@ def main() -> None:
     p.add_argument("--makespan-slack", type=float, default=0.0,
                    help="let the memory phase lengthen the schedule up to (1 + this) x the makespan "
                         "phase's best (default 0; the time-for-memory trade in docs/FUSED_SEARCH.md)")
+    p.add_argument("--memory-move-reach", type=int, default=8,
+                   help="longest shift of the memory phase's moves along a rank's list "
+                        "(default 8; docs/FUSED_SEARCH.md, \"Against FlexFusion\", measures 64)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--costs", choices=("model", "flexfusion"), default="model",
+                   help="stage costs: our calibrated cost model (default) or FlexFusion's integer "
+                        "instances of the same shapes (the paper authors' solver's own problems)")
     args = p.parse_args()
     if not args.makespan_slack >= 0:
         p.error(f"--makespan-slack must be >= 0, got {args.makespan_slack:g}")
+    if args.memory_move_reach < 1:
+        p.error(f"--memory-move-reach must be >= 1, got {args.memory_move_reach}")
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
               else f"{args.action_steps:g} work units (steps x (actions + {STEP_OVERHEAD_ACTIONS}))") + " per seed"
     print(f"# {budget}, {args.seeds or args.workers} seed(s) on {args.workers} worker(s), "
           f"exact refinement effort {args.exact_effort:g} on {args.exact_workers} threads, "
-          f"makespan slack {args.makespan_slack:g}, "
+          f"makespan slack {args.makespan_slack:g}, memory move reach {args.memory_move_reach}, "
+          f"{args.costs} costs, "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'proven':>8}{'peak/serial':>13}{'annealed':>10}"
           f"{'peak >=':>9}{'phase-1 peak':>14}"
@@ -103,19 +116,24 @@ def main() -> None:
     for actor, critic, pp_a, pp_c in CASES:
         if args.pairs and f"{actor}/{critic}" not in args.pairs:
             continue
-        run = OmegaConf.to_object(compose(["+system=rlhfuse", f"llama@model.actor={actor}",
-                                           f"llama@model.ref={actor}", f"llama@model.critic={critic}",
-                                           f"llama@model.reward={critic}"]))
-        ctx = build_context(run)
+        if args.costs == "model":
+            run = OmegaConf.to_object(compose(["+system=rlhfuse", f"llama@model.actor={actor}",
+                                               f"llama@model.ref={actor}", f"llama@model.critic={critic}",
+                                               f"llama@model.reward={critic}"]))
+            ctx = build_context(run)
         for m in args.microbatches:
-            pipes, costs, _ = fused_layout_costs(ctx, actor, critic, pp_a, pp_c, m, args.tp)
+            if args.costs == "model":
+                pipes, costs, _ = fused_layout_costs(ctx, actor, critic, pp_a, pp_c, m, args.tp)
+            else:
+                pipes, costs, _ = flexfusion_layout_costs(pp_a, pp_c, m)
             actions = sum(2 * pipe.num_stages * pipe.num_mbs for pipe in pipes.values())
             steps = None if args.time_limit else (args.max_steps or round(args.action_steps / (actions + STEP_OVERHEAD_ACTIONS)))
             t0, cpu0 = time.perf_counter(), _cpu_s()
             res = search_fused_schedule(pipes, costs, seed=args.seed, time_limit_s=args.time_limit,
                                         max_steps=steps, num_workers=args.workers, num_seeds=args.seeds,
                                         exact_effort=args.exact_effort, exact_workers=args.exact_workers,
-                                        makespan_slack_frac=args.makespan_slack)
+                                        makespan_slack_frac=args.makespan_slack,
+                                        memory_move_reach=args.memory_move_reach)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
             target = memory_target(m)
             # at the lower bound, or at a makespan the exact refinement proved optimal

@@ -58,6 +58,36 @@ def fused_layout_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: 
     return pipes, costs, m_c
 
 
+# The paper authors' own instances of the Table 3 shapes (FlexFusion, github.com/FlexFusion/FlexFusion,
+# parallel_driver.cc, get_config_exp0..exp11 at commit 212c257): integer forward times (backward =
+# 2 x forward) and activation per micro-batch and stage, per (actor stages, critic stages), the same
+# on every stage. ``benchmarks/fuse_search.py --costs flexfusion`` runs our search on them, to
+# compare with their solver on its own problems (docs/FUSED_SEARCH.md, "Against FlexFusion").
+FLEXFUSION_COSTS = {  # (pp_actor, pp_critic): (actor fwd, critic fwd, actor activation, critic activation)
+    (8, 4): (5, 4, 1.95, 2.0),
+    (8, 8): (5, 2, 1.95, 1.0),
+    (16, 8): (2, 2, 1.64, 2.0),
+    (16, 16): (2, 1, 1.64, 1.0),
+}
+
+
+def flexfusion_layout_costs(pp_a: int, pp_c: int, m_a: int):
+    """FlexFusion's integer instance of a Table 3 shape: the same fused layout as
+    ``fused_layout_costs`` (the global batch split so that every critic pipe gets
+    ``m_a * pp_c / pp_a`` micro-batches), uniform integer stage costs from ``FLEXFUSION_COSTS``."""
+    if (pp_a, pp_c) not in FLEXFUSION_COSTS:
+        raise ValueError(f"FlexFusion has no instance for pp {pp_a}/{pp_c}; known: "
+                         + ", ".join(f"{a}/{c}" for a, c in FLEXFUSION_COSTS))
+    fwd_a, fwd_c, act_a, act_c = FLEXFUSION_COSTS[(pp_a, pp_c)]
+    num_ranks = math.lcm(pp_a, pp_c)
+    m_c = max(1, m_a * (num_ranks // pp_a) // (num_ranks // pp_c))
+    pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
+    costs = {name: PipeCosts.uniform(pipe.num_stages, fwd_a if pipe.model == "actor" else fwd_c, None,
+                                     act_a if pipe.model == "actor" else act_c)
+             for name, pipe in pipes.items()}
+    return pipes, costs, m_c
+
+
 def _one_f_one_b_plus(ctx, pp_a: int, pp_c: int, m_a: int, m_c: int, tp: int) -> tuple[float, float]:
     """Each model on half the stages with twice the replicas (half the micro-batches), serially."""
     pipes, costs, _ = fused_layout_costs(ctx, "", "", max(1, pp_a // 2), max(1, pp_c // 2), max(1, m_a // 2), tp)

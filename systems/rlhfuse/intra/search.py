@@ -29,6 +29,7 @@ from systems.rlhfuse.intra.anneal import AnnealParams, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms
 from systems.rlhfuse.intra.greedy import POLICIES, greedy_schedule
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
+from systems.rlhfuse.intra.memory import MemoryParams
 from systems.rlhfuse.intra.pipes import serial_schedule
 
 
@@ -69,6 +70,7 @@ class FusedResult:
     time_limit_s: float | None = None
     num_workers: int = 1
     makespan_slack_frac: float = 0.0   # the makespan the memory phase may give up (0: none)
+    memory_move_reach: int = MemoryParams.max_shift  # longest shift of the memory phase's moves
     # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when given an effort:
     exact_effort: float = 0.0          # its budget (CP-SAT deterministic time)
     exact_workers: int = 0             # its portfolio's threads
@@ -126,7 +128,7 @@ class FusedResult:
             "phase1_start": self.phase1_start, "phase1_tries": self.phase1_tries,
             "seeds": list(self.seeds), "max_steps": self.max_steps,
             "time_limit_s": self.time_limit_s, "num_workers": self.num_workers,
-            "makespan_slack_frac": self.makespan_slack_frac,
+            "makespan_slack_frac": self.makespan_slack_frac, "memory_move_reach": self.memory_move_reach,
             "exact_effort": self.exact_effort, "exact_workers": self.exact_workers,
             "exact_effort_used": self.exact_effort_used,
             "exact_s": self.exact_s, "exact_makespan_status": self.exact_makespan_status,
@@ -250,7 +252,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           num_workers: int = 1, num_seeds: int | None = None,
                           memory_phase: bool = True, low_memory_starts: bool = False,
                           exact_effort: float = 0.0, exact_workers: int = 2,
-                          makespan_slack_frac: float = 0.0) -> FusedResult:
+                          makespan_slack_frac: float = 0.0,
+                          memory_move_reach: int = MemoryParams.max_shift) -> FusedResult:
     """Search a fused schedule. ``num_seeds`` independent seeds ``seed, seed+1, ...`` (default:
     ``num_workers``) each get the full ``max_steps`` (default ``DEFAULT_MAX_STEPS`` when no
     ``time_limit_s`` is given either) / ``time_limit_s`` budget, whichever runs out first, and run
@@ -264,9 +267,11 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     number gives the same schedule on any machine). ``makespan_slack_frac`` trades time for
     memory: the memory phase (and the exact refinement's) may return any order up to
     ``(1 + makespan_slack_frac)`` x the makespan phase's best (0, the default: never longer).
+    ``memory_move_reach`` is the longest shift of the memory phase's moves along a rank's list
+    (``MemoryParams.max_shift``; docs/FUSED_SEARCH.md measures 64 against the default 8).
     Deterministic for a given step budget, effort and seeds (not under a time limit). Raises
     ValueError if ``mem_cap`` is below the serial schedule's peak memory, or on a negative effort
-    or slack."""
+    or slack, or a reach below 1."""
     t_begin = time.perf_counter()
     if exact_effort < 0:
         raise ValueError(f"exact_effort must be >= 0, got {exact_effort}")
@@ -274,6 +279,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         raise ValueError(f"exact_workers must be >= 1, got {exact_workers}")
     if not makespan_slack_frac >= 0:
         raise ValueError(f"makespan_slack_frac must be >= 0, got {makespan_slack_frac}")
+    if int(memory_move_reach) != memory_move_reach or memory_move_reach < 1:
+        raise ValueError(f"memory_move_reach must be an integer >= 1, got {memory_move_reach}")
     if max_steps is None and time_limit_s is None:
         max_steps = DEFAULT_MAX_STEPS
     pipes = dict(pipes)
@@ -293,7 +300,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     model = sim_model(serial, costs)
     seeds = [seed + k for k in range(num_seeds or max(1, num_workers))]
     params = AnnealParams(seed=seed, time_limit_s=time_limit_s, max_steps=max_steps,
-                          memory_phase=memory_phase, makespan_slack_frac=makespan_slack_frac)
+                          memory_phase=memory_phase, makespan_slack_frac=makespan_slack_frac,
+                          memory=MemoryParams(max_shift=int(memory_move_reach)))
     best, _ = anneal_seeds(model, [_encode(s, costs) for _, s, _ in starts], bound.value, mem_cap,
                            seeds, params, num_workers,
                            memory_starts=[_encode(s, costs) for _, s, _ in lows],
@@ -339,6 +347,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         memory_start=memory_start, phase1_start=phase1_start, phase1_tries=best.phase1_tries,
         max_steps=max_steps, time_limit_s=time_limit_s,
         num_workers=num_workers, makespan_slack_frac=makespan_slack_frac,
+        memory_move_reach=int(memory_move_reach),
         exact_effort=exact_effort, exact_workers=exact_workers,
         annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
         **({"makespan_bound": bound.value} if exact is None else exact.fields(bound.value)))

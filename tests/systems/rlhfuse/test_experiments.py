@@ -1,11 +1,14 @@
 """The schedule experiments (Table 3, Figure 10) search with a step budget by default, so the same
-config and seed give the same schedule; a wall-clock budget only when asked."""
+config and seed give the same schedule; a wall-clock budget only when asked. FlexFusion's integer
+instances of the same shapes are its own problems, and its published schedules check our bound."""
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from harness.schedule import PipeSpec
-from systems.rlhfuse.experiments import DEFAULT_SEARCH_ACTION_STEPS, search_budget
+from systems.rlhfuse.experiments import DEFAULT_SEARCH_ACTION_STEPS, flexfusion_layout_costs, search_budget
+from systems.rlhfuse.intra.bounds import lower_bound_terms
 
 PIPES = {"A0": PipeSpec("A0", num_stages=4, num_mbs=8, stage_to_rank=(0, 1, 2, 3), model="actor"),
          "C0": PipeSpec("C0", num_stages=2, num_mbs=8, stage_to_rank=(3, 2), model="critic")}
@@ -27,3 +30,43 @@ def test_shipped_experiment_configs_are_step_budgeted():
     for name in ("table3_schedules", "fig10_schedule"):
         params = OmegaConf.load(CONF / f"{name}.yaml").experiment_params
         assert "max_steps" in search_budget(params, PIPES), name
+
+
+# Makespans of the schedules FlexFusion (the paper authors' solver) published for its own instances
+# of the Table 3 shapes (github.com/FlexFusion/FlexFusion, results/trace_exp*.txt at commit 212c257,
+# the largest end time in each trace), per (actor pp, critic pp, actor micro-batches).
+FLEXFUSION_PUBLISHED_MAKESPAN = {
+    (8, 4, 8): 225, (8, 4, 16): 372, (8, 4, 32): 708,
+    (8, 8, 8): 225, (8, 8, 16): 366, (8, 8, 32): 702,
+    (16, 8, 16): 186, (16, 8, 32): 330, (16, 8, 64): 618,
+    (16, 16, 16): 186, (16, 16, 32): 318, (16, 16, 64): 613,
+}
+
+
+def test_flexfusion_instances_are_its_problems():
+    pipes, costs, m_c = flexfusion_layout_costs(8, 4, 16)
+    assert m_c == 8  # two critic pipes share the global batch
+    actor = [n for n, p in pipes.items() if p.model == "actor"]
+    critic = [n for n, p in pipes.items() if p.model == "critic"]
+    assert len(actor) == 1 and len(critic) == 2
+    assert costs[actor[0]].fwd == (5,) * 8 and costs[actor[0]].bwd == (10,) * 8
+    assert costs[actor[0]].activation == (1.95,) * 8
+    assert all(costs[n].fwd == (4,) * 4 and costs[n].bwd == (8,) * 4 for n in critic)
+    assert sorted(r for n in critic for r in pipes[n].stage_to_rank) == list(range(8))
+
+
+def test_lower_bound_holds_and_is_tight_on_flexfusion_published_schedules():
+    """A lower bound above a schedule someone ran would be wrong; FlexFusion reached it on every
+    instance but 16/16 with 64 micro-batches, so there it is also tight."""
+    for (pp_a, pp_c, m), published in FLEXFUSION_PUBLISHED_MAKESPAN.items():
+        bound = lower_bound_terms(*flexfusion_layout_costs(pp_a, pp_c, m)[:2]).value
+        assert bound <= published + 1e-9, (pp_a, pp_c, m)
+        if (pp_a, pp_c, m) != (16, 16, 64):
+            assert bound == pytest.approx(published), (pp_a, pp_c, m)
+        else:
+            assert bound == pytest.approx(606)
+
+
+def test_flexfusion_has_no_other_shapes():
+    with pytest.raises(ValueError, match="no instance for pp 4/2"):
+        flexfusion_layout_costs(4, 2, 8)

@@ -10,6 +10,7 @@ from systems.rlhfuse.intra import (MemorySearch, OrderState, fused_costs, fused_
                                    greedy_schedule, lower_bound, search_fused_schedule,
                                    serial_schedule)
 from systems.rlhfuse.intra.anneal import AnnealParams, anneal_orders
+from systems.rlhfuse.intra import anneal as anneal_module
 from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.incremental import chain_tails
 
@@ -234,3 +235,30 @@ def test_compiled_and_python_passes_give_the_same_search(monkeypatch, stages, m,
         results[compiled] = search_fused_schedule(pipes, costs, seed=2, max_steps=3000)
     assert results[True].schedule.order == results[False].schedule.order
     assert results[True].peak_memory == results[False].peak_memory
+
+
+def test_memory_move_reach_reaches_the_memory_phase_and_is_deterministic(monkeypatch):
+    pipes = fused_pipes(8, 4, 8, 8)
+    costs = fused_costs(pipes, 1.0, 0.9, mem1=1.0, mem2=1.1)
+    seen = []
+    real = anneal_module.MemorySearch
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1].max_shift)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(anneal_module, "MemorySearch", spy)
+    res = search_fused_schedule(pipes, costs, seed=1, max_steps=2000, memory_move_reach=64)
+    assert seen and set(seen) == {64} and res.memory_move_reach == 64 and res.valid
+    monkeypatch.undo()
+    runs = [search_fused_schedule(pipes, costs, seed=1, max_steps=2000, num_seeds=2, num_workers=w,
+                                  memory_move_reach=64) for w in (1, 2)]
+    assert runs[0].schedule.order == runs[1].schedule.order
+    assert search_fused_schedule(pipes, costs, seed=1, max_steps=200).memory_move_reach == 8  # the default
+
+
+@pytest.mark.parametrize("reach", [0, -3, 2.5])
+def test_memory_move_reach_must_be_a_positive_integer(reach):
+    pipes = fused_pipes(4, 2, 4, 4)
+    with pytest.raises(ValueError, match="memory_move_reach must be an integer >= 1"):
+        search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), max_steps=10, memory_move_reach=reach)
