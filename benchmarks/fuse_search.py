@@ -50,7 +50,7 @@ from omegaconf import OmegaConf
 from harness.app import compose
 from harness.runner import build_context
 from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
-from systems.rlhfuse.intra import search_fused_schedule
+from systems.rlhfuse.intra import MemoryParams, search_fused_schedule
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
 DEFAULT_ACTION_STEPS = 4e9
@@ -87,9 +87,10 @@ def main() -> None:
     p.add_argument("--makespan-slack", type=float, default=0.0,
                    help="let the memory phase lengthen the schedule up to (1 + this) x the makespan "
                         "phase's best (default 0; the time-for-memory trade in docs/FUSED_SEARCH.md)")
-    p.add_argument("--memory-move-reach", type=int, default=8,
+    p.add_argument("--memory-move-reach", type=int, default=MemoryParams.max_shift,
                    help="longest shift of the memory phase's moves along a rank's list "
-                        "(default 8; docs/FUSED_SEARCH.md, \"Against FlexFusion\", measures 64)")
+                        f"(default {MemoryParams.max_shift}; docs/FUSED_SEARCH.md, \"Against FlexFusion\", "
+                        "measures 64)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
     p.add_argument("--seed", type=int, default=0)

@@ -39,16 +39,22 @@ def _stage_costs(cm, model, num_stages: int, tokens: float, seq: float, tp: int,
     return fwd, bwd, cm.activation_gb(model, mbs, act_seq, tp, layers, recompute)
 
 
-def fused_layout_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: int, m_a: int, tp: int):
-    """Fused layout with K1*M1 = K2*M2 (the global batch is fixed across both models)."""
-    cm, w = ctx.cost_model, ctx.workload
-    actor, critic = ctx.model("actor"), ctx.model("critic")
+def _fused_layout(pp_a: int, pp_c: int, m_a: int):
+    """The fused actor/critic pipes with K1*M1 = K2*M2 (the global batch is fixed across both
+    models, so each of the K2 critic pipes gets ``m_a * K1 / K2`` micro-batches), and that count."""
     num_ranks = math.lcm(pp_a, pp_c)
     k_a, k_c = num_ranks // pp_a, num_ranks // pp_c
     m_c = max(1, m_a * k_a // k_c)
+    return fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic"), m_c
+
+
+def fused_layout_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: int, m_a: int, tp: int):
+    """Fused layout (``_fused_layout``) with per-stage costs from the cost model."""
+    cm, w = ctx.cost_model, ctx.workload
+    actor, critic = ctx.model("actor"), ctx.model("critic")
     seq = float(w.prompt_len.median + w.output_len.median)
     tokens = w.micro_batch_size * seq
-    pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
+    pipes, m_c = _fused_layout(pp_a, pp_c, m_a)
     costs = {}
     for name, pipe in pipes.items():
         model = actor if pipe.model == "actor" else critic
@@ -73,15 +79,13 @@ FLEXFUSION_COSTS = {  # (pp_actor, pp_critic): (actor fwd, critic fwd, actor act
 
 def flexfusion_layout_costs(pp_a: int, pp_c: int, m_a: int):
     """FlexFusion's integer instance of a Table 3 shape: the same fused layout as
-    ``fused_layout_costs`` (the global batch split so that every critic pipe gets
-    ``m_a * pp_c / pp_a`` micro-batches), uniform integer stage costs from ``FLEXFUSION_COSTS``."""
+    ``fused_layout_costs`` (``_fused_layout``), uniform integer stage costs from
+    ``FLEXFUSION_COSTS``."""
     if (pp_a, pp_c) not in FLEXFUSION_COSTS:
         raise ValueError(f"FlexFusion has no instance for pp {pp_a}/{pp_c}; known: "
                          + ", ".join(f"{a}/{c}" for a, c in FLEXFUSION_COSTS))
     fwd_a, fwd_c, act_a, act_c = FLEXFUSION_COSTS[(pp_a, pp_c)]
-    num_ranks = math.lcm(pp_a, pp_c)
-    m_c = max(1, m_a * (num_ranks // pp_a) // (num_ranks // pp_c))
-    pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
+    pipes, m_c = _fused_layout(pp_a, pp_c, m_a)
     costs = {name: PipeCosts.uniform(pipe.num_stages, fwd_a if pipe.model == "actor" else fwd_c, None,
                                      act_a if pipe.model == "actor" else act_c)
              for name, pipe in pipes.items()}
