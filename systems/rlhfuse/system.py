@@ -12,7 +12,7 @@ that an ablation is one override:
   Candidate layouts: equal tp for both models (merging ``s`` stages of the smaller-tp model into
   one rank of the larger tp is the same as laying that model out at the larger tp with ``pp/s``
   stages, so equal tp covers it), actor ``pp_a`` and critic ``pp_c`` near the ones the base search
-  chose, ``N = lcm(pp_a, pp_c)`` ranks per group, ``G = devices / (N tp)`` groups; each candidate
+  chose (exactly those of a layout pinned with ``system.layouts.update_actor/update_critic``), ``N = lcm(pp_a, pp_c)`` ranks per group, ``G = devices / (N tp)`` groups; each candidate
   is scored by its best quick schedule (serial 1F1B or two greedy policies) plus
   gradient sync and optimizer step; the best one is then annealed under the memory left next to
   the resident states.
@@ -305,9 +305,13 @@ class RLHFuse(System):
         actor, critic = ctx.model("actor"), ctx.model("critic")
         seq = float((layouts.batch.prompt_lens + layouts.batch.output_lens).mean())
         tokens = w.micro_batch_size * seq
+        # a layout the user pinned (system.layouts.update_actor / update_critic) keeps its pp in the
+        # fused stage; the others try half and twice the base search's pp
+        pp_a_choices = [base_a.pp] if "update_actor" in layouts.pinned else _pp_choices(base_a.pp, actor.num_layers)
+        pp_c_choices = [base_c.pp] if "update_critic" in layouts.pinned else _pp_choices(base_c.pp, critic.num_layers)
         for tp in sorted({base_a.tp, base_c.tp}):
-            for pp_a in _pp_choices(base_a.pp, actor.num_layers):
-                for pp_c in _pp_choices(base_c.pp, critic.num_layers):
+            for pp_a in pp_a_choices:
+                for pp_c in pp_c_choices:
                     num_ranks = math.lcm(pp_a, pp_c)
                     if n % (num_ranks * tp) or tp not in divisors(ctx.cluster.gpus_per_node):
                         continue

@@ -83,28 +83,44 @@ def exchange(rank: int, sends: dict[int, torch.Tensor], recv_numel: dict[int, in
 class PipeChannel:
     """Activations and gradients between pipeline stages, safe under NCCL as well as gloo.
 
-    A send is queued when its tensor is produced and posted together with the next receive, in one
-    ``batch_isend_irecv`` group (or alone, by :meth:`post`, before the next computation). Under
+    A send is queued when its tensor is produced and posted together with the next receives, in
+    one ``batch_isend_irecv`` group (or alone, by :meth:`post`, before the next computation). Under
     NCCL a send posted on its own ahead of a blocking receive can deadlock when two stages send to
     each other at once (each send waits for a receive queued behind the other's send); grouping the
-    pending sends with the receive lets NCCL progress both, which is what torch's pipelining
-    runtime does by batching each action's point-to-point operations. Tags keep messages apart on
-    gloo; NCCL matches point-to-point operations between two ranks in posting order, which the
-    plan's validated schedules keep consistent on both sides."""
+    pending sends with the receives lets NCCL progress both, which is what torch's pipelining
+    runtime does by batching each action's point-to-point operations.
 
-    def __init__(self, device):
+    Matching. NCCL ignores tags and matches the messages between two ranks in posting order; with
+    ``in_order`` (the default, and the only mode on CUDA) this channel posts every message with tag
+    0, so gloo matches the same way and a CPU run sees exactly what an NCCL run would. The caller
+    must then post, per rank pair, receives in the sender's send order: the training pass runs
+    lowered action lists ordered by :func:`harness.schedule.p2p_order.order_receives`, checked by
+    :func:`~harness.schedule.p2p_order.check_in_order`. With ``in_order=False`` messages keep
+    their tags (gloo matches by tag and source; for comparison only)."""
+
+    def __init__(self, device, in_order: bool = True):
         self.device = device
+        self.in_order = in_order
         self.queued: list = []  # P2POps not yet posted (sends)
         self.in_flight: list = []  # (work, tensor) of posted sends
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.queued.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), dst, tag=tag))
+    def _tag(self, tag: int) -> int:
+        return 0 if self.in_order else tag
 
-    def recv(self, shape: tuple[int, ...], src: int, tag: int, dtype=torch.float32) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        works = self._post([dist.P2POp(dist.irecv, buf, src, tag=tag)])
-        works[-1].wait()
-        return buf
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.queued.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), dst, tag=self._tag(tag)))
+
+    def recv(self, shape: tuple[int, ...], src: int, tag: int = 0, dtype=torch.float32) -> torch.Tensor:
+        return self.recv_all([(shape, src, tag, dtype)])[0]
+
+    def recv_all(self, specs: list[tuple[tuple[int, ...], int, int, torch.dtype]]) -> list[torch.Tensor]:
+        """Post the queued sends and a receive for each ``(shape, src, tag, dtype)``, in list order,
+        in one group; wait for the receives and return their buffers."""
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, _, _, dtype in specs]
+        ops = [dist.P2POp(dist.irecv, buf, src, tag=self._tag(tag)) for buf, (_, src, tag, _) in zip(bufs, specs)]
+        for work in self._post(ops):
+            work.wait()
+        return bufs
 
     def post(self) -> None:
         """Post the queued sends (before computing, so no peer waits on a send held back)."""
@@ -112,14 +128,21 @@ class PipeChannel:
             self._post([])
 
     def _post(self, receives: list) -> list:
-        ops, sends = self.queued + receives, self.queued
+        """Post the queued sends, then ``receives``, as one group; return the works to wait for
+        the receives. gloo gives one work per operation; NCCL one coalesced work for the group
+        (its ``wait`` makes the compute stream wait, not the host), which then stands for both."""
+        sends = self.queued
         self.queued = []
-        works = dist.batch_isend_irecv(ops)
-        self.in_flight += [(w, op.tensor) for w, op in zip(works, sends)]
+        works = dist.batch_isend_irecv(sends + receives)
+        if len(works) == len(sends) + len(receives):
+            self.in_flight.append((works[:len(sends)], [op.tensor for op in sends]))
+            return works[len(sends):]
+        self.in_flight.append((works, [op.tensor for op in sends]))  # keep the sent tensors alive
         return works
 
     def flush(self) -> None:
         self.post()
-        for work, _ in self.in_flight:
-            work.wait()
+        for works, _ in self.in_flight:
+            for work in works:
+                work.wait()
         self.in_flight.clear()

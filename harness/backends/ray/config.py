@@ -14,6 +14,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 GENERATION_ENGINES = ("ours", "vllm")
 ZERO3_IMPLS = ("auto", "deepspeed", "native")
+P2P_MATCHINGS = ("in_order", "tags")
 REWARD_KINDS = ("model", "token_range")
 
 
@@ -81,6 +82,9 @@ class RayOptions:
     temperature: float = 1.0
     whiten_advantages: bool = True
     zero3_impl: str = "auto"  # auto (DeepSpeed when importable) | deepspeed | native
+    # how pipeline messages between two ranks are matched: in_order (tags ignored, first posted
+    # first matched per rank pair, as NCCL does; gloo runs emulate it) | tags (gloo only)
+    p2p_matching: str = "in_order"
     # failure handling (seconds)
     setup_timeout_s: float = 600.0
     task_timeout_s: float = 600.0
@@ -104,6 +108,11 @@ class RayOptions:
                               f"{', '.join(GENERATION_ENGINES)}")
         if self.zero3_impl not in ZERO3_IMPLS:
             raise ConfigError(f"backend.options.zero3_impl={self.zero3_impl!r}: use one of {', '.join(ZERO3_IMPLS)}")
+        if self.p2p_matching not in P2P_MATCHINGS:
+            raise ConfigError(f"backend.options.p2p_matching={self.p2p_matching!r}: use one of {', '.join(P2P_MATCHINGS)}")
+        if self.p2p_matching == "tags" and self.device == "cuda":
+            raise ConfigError("backend.options.p2p_matching=tags: NCCL ignores tags (messages between two ranks "
+                              "match in posting order); use in_order on CUDA")
         if len(self.adam_betas) != 2:
             raise ConfigError(f"backend.options.adam_betas={list(self.adam_betas)}: give two numbers")
         self.adam_betas = [float(b) for b in self.adam_betas]

@@ -40,11 +40,22 @@ from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
 from harness.plan import Allocation, Plan, TaskKind
 from harness.planning.taskmodels.passes import pipe_stage_devices
+from harness.schedule import Schedule
+from harness.schedule.p2p_order import check_in_order, order_receives
 from harness.trace import PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
 
 TRAIN_KEYS = {"actor": ("tokens", "attn", "action_mask", "old_logprobs", "advantages"),
               "critic": ("tokens", "attn", "action_mask", "old_values", "returns")}
+
+
+def p2p_ordered(schedule: Schedule) -> Schedule:
+    """The training stage's schedule as the workers run it: lowered to sends and receives, every
+    rank posting its receives in its peers' send order (so messages match in posting order per
+    rank pair, as NCCL matches them), checked."""
+    ordered = order_receives(schedule)
+    check_in_order(ordered)
+    return ordered
 
 
 class Iteration(PlanInterpreter):
@@ -265,9 +276,11 @@ class Iteration(PlanInterpreter):
                    "micro_batch_size": stage.micro_batch_size, "loss": role, "temperature": self.opts.temperature,
                    "clip_eps": self.opts.clip_eps, "value_clip_eps": self.opts.value_clip_eps}
         pipe = next(iter(stage.schedule.pipes.values()))
-        payload["actions_by_stage"] = {p: [a.token() for a in stage.schedule.order.get(r, []) if a.is_compute
-                                           and a.pipe == pipe.name and a.stage == p]
+        ordered = p2p_ordered(stage.schedule)
+        payload["actions_by_stage"] = {p: [a.token() for a in ordered.order.get(r, [])
+                                           if a.pipe == pipe.name and a.stage == p]
                                        for p, r in enumerate(pipe.stage_to_rank)}
+        payload["p2p_in_order"] = self.opts.p2p_matching == "in_order"
         return self.b.start(name, "train", role, alloc, payload), \
             lambda results: self._trained(name, role, alloc, results, len(minibatches))
 
@@ -290,8 +303,9 @@ class Iteration(PlanInterpreter):
                                              "loss": t.model.value, "micro_batch_size": stage.micro_batch_size}
                              for t in unit.tasks},
                    "pipe_role": {name: pipe.model for name, pipe in stage.schedule.pipes.items()},
-                   "actions_by_device": {str(d): [a.token() for a in stage.schedule.order.get(r, []) if a.is_compute]
-                                         for d, r in rank_of.items()}}
+                   "actions_by_device": {str(d): [a.token() for a in p2p_ordered(stage.schedule).order.get(r, [])]
+                                         for d, r in rank_of.items()},
+                   "p2p_in_order": self.opts.p2p_matching == "in_order"}
         first = unit.tasks[0]
         call = self.b.start(unit.label, "train_fused", first.model.value, first.allocation, payload, unit.devices)
         group0 = {devices[0] for devices in pipe_stage_devices(self.plan, stage).values()}

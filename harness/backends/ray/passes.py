@@ -8,10 +8,12 @@ instances and inference replicas); a training mini-batch is cut into dp contiguo
 share into micro-batches of ``micro_batch_size``.
 
 Pipeline parallelism executes the plan's own action list for this device's stage (the schedule
-``harness.schedule`` builds and the simulator times): ``F`` receives the activation from the
-previous stage, runs the stage and sends its output on; ``B`` receives the output gradient,
-back-propagates and sends the input gradient back. Sends are asynchronous and receives block, so
-any schedule that ``harness.schedule.validate`` accepts runs without deadlock.
+``harness.schedule`` builds and the simulator times), lowered to sends and receives with the
+receives in each sender's send order (``harness.schedule.p2p_order``): ``RF``/``RB`` receive an
+activation/gradient, ``F`` runs the stage, ``SF`` sends its output on; ``B`` back-propagates and
+``SB`` sends the input gradient back. Sends are asynchronous and receives block, so any schedule
+that ``harness.schedule.validate`` accepts runs without deadlock, and messages match in posting
+order per rank pair, as under NCCL (which ignores tags).
 """
 from __future__ import annotations
 
@@ -125,7 +127,7 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
     num_mbs = math.ceil(len(mine) / mbs)
     if getattr(replica, "lockstep", False):  # DeepSpeed gathers inside forward: equal pass counts
         num_mbs = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)
-    chan, spans, outputs = PipeChannel(replica.device), [], []
+    chan, spans, outputs = PipeChannel(replica.device, in_order=p.get("p2p_in_order", True)), [], []
     hidden = replica.args.hidden_size
     dev = replica.device
     with torch.no_grad(), replica.compute():
@@ -189,20 +191,35 @@ def train(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
     return spans[replica.role], outs[replica.role]
 
 
+def _message_tag(tag_base: dict[str, int], act: Action) -> int:
+    """A message's tag (used only when the channel matches by tag): its pipe, micro-batch and
+    direction (a forward activation and the gradient coming back)."""
+    return tag_base[act.pipe] + 2 * act.mb + (act.kind in ("SB", "RB"))
+
+
 def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dict[str, dict]
                 ) -> tuple[dict[str, list[SpanT]], dict[str, Any]]:
     """One PPO epoch of every model in ``replicas`` (role -> this device's replica) through one
     pipeline schedule: this device's logical rank runs ``p["actions"]`` in order, each action of
     the pipe ``p["pipe_role"]`` maps to a model (RLHFuse section 5: actor and critic share ranks
     and fill each other's bubbles). Per mini-batch, after the schedule, each model steps its
-    optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs per role."""
+    optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs per role.
+
+    ``p["actions"]`` is the *lowered* list (``harness.schedule.lower``) with its receives in the
+    senders' order (``harness.schedule.p2p_order.order_receives``), executed verbatim: ``RF``/``RB``
+    receive an activation/gradient (consecutive receives are posted together, with the sends
+    queued so far, right before the next computation, and kept until their computation runs);
+    ``F``/``B`` compute; ``SF``/``SB`` queue the output/input gradient for the neighbouring stage.
+    Posting follows the list, so messages match in posting order per rank pair, as under NCCL."""
     roles = list(replicas)
     any_replica = replicas[roles[0]]
     dev = any_replica.device
     actions = [Action.parse(a) for a in p["actions"]]
+    if any_replica.strategy.pp > 1 and all(a.is_compute for a in actions):
+        raise ValueError("train_fused needs the lowered action list (sends and receives), got compute actions only")
     pipe_role = p.get("pipe_role") or {}
     pipes = sorted({a.pipe for a in actions})
-    tag_base = {name: i * 8192 for i, name in enumerate(pipes)}  # keeps every pipe's messages apart
+    tag_base = {name: i * 8192 for i, name in enumerate(pipes)}  # keeps every pipe's messages apart (tag mode)
     data = {r: {n: torch.tensor(v, device=dev) for n, v in p["parts"][r]["data"].items()} for r in roles}
     spans: dict[str, list[SpanT]] = {r: [] for r in roles}
     totals: dict[str, dict[str, float]] = {r: {} for r in roles}
@@ -221,21 +238,36 @@ def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dic
                 num_tokens[r] = float(data[r]["action_mask"][torch.tensor(index)].sum())
                 mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p["parts"][r]["micro_batch_size"])
                 saved[r] = {}
-            chan = PipeChannel(dev)
+            chan = PipeChannel(dev, in_order=p.get("p2p_in_order", True))
+            received: dict[tuple[str, str, int], Tensor] = {}  # (pipe, RF/RB, mb) -> payload
+            to_send: dict[tuple[str, str, int], Tensor] = {}  # (pipe, SF/SB, mb) -> tensor computed
+            pending: list[Action] = []  # receives to post before the next computation
             first_start = {r: None for r in roles}
             for act in actions:
-                if not act.is_compute:
-                    continue
                 r = pipe_role.get(act.pipe, roles[0])
                 rep, loss_p = replicas[r], {**p, **p["parts"][r]}
                 mb = mbs[r][act.mb]
-                tag = tag_base[act.pipe] + 2 * act.mb
+                if act.kind in ("RF", "RB"):
+                    pending.append(act)
+                    continue
+                if act.kind in ("SF", "SB"):
+                    chan.send(to_send.pop((act.pipe, act.kind, act.mb)), rep.neighbour(1 if act.kind == "SF" else -1),
+                              _message_tag(tag_base, act))
+                    continue
+                if pending:
+                    specs = []
+                    for q in pending:
+                        qr = replicas[pipe_role.get(q.pipe, roles[0])]
+                        qmb = mbs[pipe_role.get(q.pipe, roles[0])][q.mb]["tokens"]
+                        specs.append(((qmb.shape[0], qmb.shape[1], qr.args.hidden_size),
+                                      qr.neighbour(-1 if q.kind == "RF" else 1), _message_tag(tag_base, q), qr.dtype))
+                    for q, buf in zip(pending, chan.recv_all(specs)):
+                        received[(q.pipe, q.kind, q.mb)] = buf
+                    pending = []
+                chan.post()
                 t0 = time.time()
                 if act.kind == "F":
-                    shape = (mb["tokens"].shape[0], mb["tokens"].shape[1], rep.args.hidden_size)
-                    x = mb["tokens"] if rep.is_first else chan.recv(shape, rep.neighbour(-1), tag, dtype=rep.dtype)
-                    chan.post()
-                    t0 = time.time()
+                    x = mb["tokens"] if rep.is_first else received.pop((act.pipe, "RF", act.mb))
                     if not rep.is_first:
                         x.requires_grad_(True)
                     out = rep(x, attention_mask=mb["attn"])
@@ -245,21 +277,17 @@ def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dic
                             totals[r][key] = totals[r].get(key, 0.0) + v
                         saved[r][act.mb] = (x, loss, None)
                     else:
-                        chan.send(out, rep.neighbour(1), tag)
+                        to_send[(act.pipe, "SF", act.mb)] = out
                         saved[r][act.mb] = (x, None, out)
                     kind, factor = "forward", 1.0
                 else:
                     x, loss, out = saved[r].pop(act.mb)
-                    grad = None if rep.is_last else chan.recv(tuple(out.shape), rep.neighbour(1), tag + 1,
-                                                              dtype=out.dtype)
-                    chan.post()
-                    t0 = time.time()
                     if rep.is_last:
                         rep.backward(loss)
                     else:
-                        rep.backward(None, output=out, grad=grad)
+                        rep.backward(None, output=out, grad=received.pop((act.pipe, "RB", act.mb)))
                     if not rep.is_first:
-                        chan.send(x.grad, rep.neighbour(-1), tag + 1)
+                        to_send[(act.pipe, "SB", act.mb)] = x.grad
                     kind, factor = "backward", 2.0
                 t1 = time.time()
                 first_start[r] = t0 if first_start[r] is None else first_start[r]
@@ -267,6 +295,9 @@ def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dic
                 spans[r].append((kind, t0, t1, flops, 0.0))
                 if act.kind == "B":
                     spans[r] += [(kd, a, b, 0.0, 0.0) for kd, a, b in rep.micro_step()]
+            if pending or received or to_send:
+                raise RuntimeError(f"train_fused: the action list left messages unmatched (receives not "
+                                   f"consumed: {sorted(received)}, sends not posted: {sorted(to_send)})")
             chan.flush()
             end = time.time()
             for r in roles:

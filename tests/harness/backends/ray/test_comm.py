@@ -1,0 +1,101 @@
+"""PipeChannel under NCCL's matching rule, emulated on gloo processes (no Ray).
+
+In ``in_order`` mode the channel posts every message with tag 0, so gloo, like NCCL, hands the
+k-th receive between two ranks the k-th send. Each rank replays a searched fused schedule's lowered
+action list exactly as ``passes.train_fused`` executes it (receives collected and posted together,
+with the queued sends, before the next computation; a send queued after its computation), each
+message carrying its own identity as payload, and records every receive that got another
+message's payload. Oracles:
+
+- the schedule ordered by ``order_receives``: no receive gets a wrong payload (4 and 8 stages);
+- the naive lowering (receives in the receiver's compute order): wrong payloads in in-order mode
+  (what NCCL would do before this fix), none in tag mode (gloo's tags hid it from CPU tests).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from harness.schedule import Action, Schedule, lower  # noqa: E402
+from harness.schedule.p2p_order import order_mismatches, order_receives  # noqa: E402
+
+
+def _message_id(send: Action) -> float:
+    """A number naming the message a send action posts (pipe, direction, sender stage, mb)."""
+    return float(ord(send.pipe) * 100000 + (send.kind == "SB") * 10000 + send.stage * 100 + send.mb)
+
+
+def _expected_send(recv: Action) -> Action:
+    stage = recv.stage - 1 if recv.kind == "RF" else recv.stage + 1
+    return Action(recv.pipe, stage, "SF" if recv.kind == "RF" else "SB", recv.mb)
+
+
+def _replay(rank: int, world: int, init_file: str, schedule: Schedule, in_order: bool, out) -> None:
+    from harness.backends.ray.comm import PipeChannel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dist.barrier()
+        chan = PipeChannel(torch.device("cpu"), in_order=in_order)
+        wrong, pending = 0, []
+        for act in schedule.order.get(rank, []):
+            if act.kind in ("RF", "RB"):
+                pending.append(act)
+            elif act.kind in ("SF", "SB"):
+                tag = ord(act.pipe) * 1000 + 2 * act.mb + (act.kind == "SB")
+                chan.send(torch.full((4,), _message_id(Action(act.pipe, act.stage, act.kind, act.mb))), act.peer, tag)
+            else:
+                if pending:
+                    specs = [((4,), q.peer, ord(q.pipe) * 1000 + 2 * q.mb + (q.kind == "RB"), torch.float32)
+                             for q in pending]
+                    for q, buf in zip(pending, chan.recv_all(specs)):
+                        wrong += int(buf[0].item() != _message_id(_expected_send(q)))
+                    pending = []
+                chan.post()
+        chan.flush()
+        dist.barrier()
+        out.put((rank, wrong))
+    finally:
+        dist.destroy_process_group()
+
+
+def _wrong_payloads(schedule: Schedule, in_order: bool) -> int:
+    world = len(schedule.ranks)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_replay, args=(r, world, init_file, schedule, in_order, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    return sum(results.values())
+
+
+def _searched(num_stages: int, num_mbs: int) -> Schedule:
+    from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
+
+    pipes = fused_pipes(num_stages, num_stages, num_mbs, num_mbs)
+    return search_fused_schedule(pipes, fused_costs(pipes, 1.0, 1.0), seed=0, max_steps=2000).schedule
+
+
+@pytest.mark.parametrize("num_stages", [4, 8])
+def test_ordered_schedule_delivers_every_message_under_in_order_matching(num_stages):
+    schedule = _searched(num_stages, 8)
+    assert order_mismatches(schedule), "the searched schedule should be one the naive lowering gets wrong"
+    assert _wrong_payloads(order_receives(schedule), in_order=True) == 0
+
+
+def test_naive_lowering_is_wrong_under_in_order_matching_and_hidden_by_tags():
+    naive = lower(_searched(4, 8))
+    assert _wrong_payloads(naive, in_order=True) > 0  # what NCCL would deliver
+    assert _wrong_payloads(naive, in_order=False) == 0  # gloo's tags match by identity

@@ -1,0 +1,76 @@
+"""Fused pipelines of 4 and 8 stages under NCCL's message matching, emulated on gloo.
+
+NCCL matches the point-to-point messages between two ranks in posting order and ignores tags;
+``backend.options.p2p_matching=in_order`` (the default) posts every pipeline message with tag 0, so
+gloo matches them the same way. RLHFuse's searched fused schedules (section 5) interleave the
+actor's activations and the critic's gradients on each link differently on its two ends, so a
+runtime that posted receives in its own compute order would hand activations to the wrong
+micro-batch or model (with equal shapes silently). Here the fused stage's actor and critic layouts
+are pinned to ``pp = N`` on N devices (N = 4, 8; N layers per model, 8 micro-batches per pipe), and
+the run must end with the same weights as the same layouts trained one model after the other
+(``system.intra_stage=false``). The test first checks that the plan's searched schedule is one the
+naive lowering gets wrong, so that it can fail.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _args(num_stages: int, fused: bool) -> list[str]:
+    layout = f"dp1tp1pp{num_stages}"
+    return ["+system=rlhfuse", "model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1",
+            f"cluster.gpus_per_node={num_stages}", "logger=none", "logger.progress_bar=false",
+            "backend.num_iterations=1", "backend.options.dump_weights_dir=w", "backend.options.p2p_matching=in_order",
+            f"model.actor.num_layers={num_stages}", f"model.critic.num_layers={num_stages}",
+            "workload.micro_batch_size=1", "workload.mini_batch_size=8", "system.inter_stage=false",
+            f"system.layouts.update_actor={layout}", f"system.layouts.update_critic={layout}",
+            "system.fuse_max_steps=2000", f"system.intra_stage={str(fused).lower()}"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, run_harness, machine_lock):
+    root = tmp_path_factory.mktemp("fused_order")
+    out = {}
+    for n in (4, 8):
+        for fused in (True, False):
+            cwd = root / f"pp{n}_{'fused' if fused else 'serial'}"
+            out[(n, fused)] = (cwd, run_harness(_args(n, fused), cwd, timeout=900))
+    return out
+
+
+def _flat(path: Path) -> torch.Tensor:
+    state = torch.load(path)
+    return torch.cat([state[n].reshape(-1).double() for n in sorted(state)])
+
+
+@pytest.mark.parametrize("num_stages", [4, 8])
+def test_fused_training_matches_serial_under_in_order_matching(runs, num_stages):
+    from harness.plan import Plan
+    from harness.schedule import lower
+    from harness.schedule.p2p_order import order_mismatches
+
+    for fused in (True, False):
+        cwd, proc = runs[(num_stages, fused)]
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    cwd = runs[(num_stages, True)][0]
+    [plan_path] = cwd.glob("results/default/*/tiny/seed*/plan.json")
+    [stage] = Plan.from_json(plan_path.read_text()).training
+    assert stage.fused and all(p.num_stages == num_stages for p in stage.schedule.pipes.values())
+    # the searched schedule is one that posting receives in compute order would get wrong
+    assert order_mismatches(lower(stage.schedule)), "schedule too easy: the test could not fail"
+    summary = json.loads(plan_path.with_name("summary.json").read_text())["metrics"]
+    for role in ("actor", "critic"):
+        serial = _flat(runs[(num_stages, False)][0] / "w" / f"{role}.pt")
+        fused = _flat(cwd / "w" / f"{role}.pt")
+        update = summary[f"rl/{role}_update_l2"]
+        diff = float((fused - serial).norm())
+        assert update > 1e-4
+        assert diff < 1e-6 * float(serial.norm()) and diff < 1e-2 * update, (role, diff, update)
