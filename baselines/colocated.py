@@ -48,7 +48,8 @@ class Colocated(System):
 
         def score(strategy: ParallelStrategy) -> float:  # PlanError (memory, batch split) = infeasible
             shared = Allocation(full_mesh(n), strategy)
-            plans[strategy] = assemble_ppo_plan(ctx, cfg.name, {task: shared for task in PPO_TASKS}, policy)
+            plans[strategy] = assemble_ppo_plan(ctx, cfg.name, {task: shared for task in PPO_TASKS}, policy,
+                                                layout_keys={task: "system.layout" for task in PPO_TASKS})
             return simulate_plan(ctx, plans[strategy]).makespan_s
 
         best = search(candidates, score, "the shared layout", system=cfg.name)

@@ -23,19 +23,27 @@ What the original does, and what we reproduce as plan data:
   ``generate`` returns one tensor padded to the round's longest sequence, which the ref, reward,
   critic and training passes then process padded (``pad_to_longest``). Reproduced as generation
   policy data (``harness.plan.GenerationPolicy``).
-- **Mini-batch and generation batch, derived from the cluster and the workload**: DeepSpeed-Chat
-  trains with ZeRO-3 data parallelism over all N GPUs, so every step needs at least one
-  micro-batch on every GPU (its ``per_device_training_batch_size`` >= 1); the RLHFuse authors
-  therefore raised its mini-batch from the workload's 64 to 256 on their 256 GPUs (RLHFuse
-  section 7). ``mini_batch_size: null`` (the default) applies that rule to any cluster: the
-  mini-batch is the smallest multiple of N x ``workload.micro_batch_size`` that is at least
-  ``workload.mini_batch_size`` and divides ``workload.global_batch_size``
+- **Mini-batch, micro-batch and generation batch, derived from the cluster and the workload**:
+  DeepSpeed-Chat trains with ZeRO-3 data parallelism over all N GPUs, so every micro-step needs at
+  least one sample on every GPU: its mini-batch (``train_batch_size``) is
+  ``per_device_training_batch_size`` (>= 1) x N x gradient-accumulation steps, a multiple of N. The
+  RLHFuse authors therefore raised its mini-batch from the workload's 64 to 256 on their 256 GPUs
+  (RLHFuse section 7): the smallest change that gives every GPU a sample. ``mini_batch_size: null``
+  (the default) applies that rule to any cluster: the mini-batch is the smallest multiple of N that
+  is at least ``workload.mini_batch_size`` and divides ``workload.global_batch_size``
   (:func:`derived_mini_batch_size`): 256 on the paper's 256 GPUs with batch 512, the workload's 64
-  on one 8-GPU node, 8 for ``workload=tiny`` on 4 devices. DeepSpeed-Chat's defaults use the same
-  per-device batch for generation and training (``per_device_generation_batch_size`` =
+  on one 8-GPU node, the workload's 4 for ``workload=tiny`` on 1, 2 or 4 devices. Each GPU's
+  micro-batch (``per_device_training_batch_size``) is the workload's, or the largest divisor of the
+  mini-batch's share per GPU below it where that share is smaller
+  (:func:`per_device_micro_batch_size`; ``workload=tiny`` on 4 devices: 1, one sample per GPU):
+  the mini-batch is raised only where one sample per GPU forces it, so wherever it can DeepSpeed-Chat
+  solves the same optimisation problem as the other systems (the same mini-batches; the micro-batch
+  split changes only float summation order). DeepSpeed-Chat's defaults use the same per-device batch
+  for generation and training (``per_device_generation_batch_size`` =
   ``per_device_training_batch_size``, one generation round per training batch), so
   ``generation_batch_size: null`` is the mini-batch (256 on the paper's testbed). Either can be
-  set (``system.mini_batch_size=...``); set values are checked, not adjusted.
+  set (``system.mini_batch_size=...``); set values are checked (a mini-batch must be a multiple
+  of N), not adjusted.
 
 Modelled rather than executed here: ZeRO-3's per-layer gathers and reduce-scatters are costed by
 the simulator as collectives overlapped with compute (prefetching); the host cost of the eager
@@ -79,21 +87,30 @@ class DeepSpeedChatConfig(SystemConfig):
 
 def derived_mini_batch_size(num_devices: int, workload: WorkloadConfig) -> int:
     """DeepSpeed-Chat's mini-batch when ``system.mini_batch_size`` is not set: the smallest multiple
-    of ``num_devices x workload.micro_batch_size`` (one micro-batch per GPU of the ZeRO-3 data
-    parallelism, DeepSpeed-Chat's minimum) that is at least ``workload.mini_batch_size`` and divides
-    ``workload.global_batch_size``. RLHFuse testbed (256 GPUs, micro-batch 1, mini-batch 64, batch
-    512): 256, as RLHFuse section 7 ran it; one 8-GPU node: 64; ``workload=tiny`` on 4 devices
-    (micro-batch 2, mini-batch 4, batch 8): 8."""
-    step = num_devices * workload.micro_batch_size
-    gbs = workload.global_batch_size
-    if gbs % step:
-        raise PlanError(f"deepspeed_chat trains with ZeRO-3 data parallelism over all {num_devices} devices, at "
-                        f"least one micro-batch of workload.micro_batch_size={workload.micro_batch_size} per device "
-                        f"per step: workload.global_batch_size={gbs} must be a multiple of {step}")
-    mini = step * max(1, -(-workload.mini_batch_size // step))
+    of ``num_devices`` (at least one sample per GPU of the ZeRO-3 data parallelism per micro-step,
+    DeepSpeed-Chat's minimum) that is at least ``workload.mini_batch_size`` and divides
+    ``workload.global_batch_size``. RLHFuse testbed (256 GPUs, mini-batch 64, batch 512): 256, as
+    RLHFuse section 7 ran it; one 8-GPU node: 64; ``workload=tiny`` (mini-batch 4, batch 8) on 1, 2
+    or 4 devices: 4, the workload's own; on 8 devices: 8."""
+    n, gbs = num_devices, workload.global_batch_size
+    if gbs % n:
+        raise PlanError(f"deepspeed_chat trains with ZeRO-3 data parallelism over all {n} devices, at least one "
+                        f"sample per device per step: workload.global_batch_size={gbs} must be a multiple of {n}")
+    mini = n * max(1, -(-workload.mini_batch_size // n))
     while gbs % mini:
-        mini += step
+        mini += n
     return mini
+
+
+def per_device_micro_batch_size(mini_batch_size: int, num_devices: int, workload: WorkloadConfig) -> int:
+    """DeepSpeed-Chat's ``per_device_training_batch_size`` for a mini-batch of ``mini_batch_size``
+    samples over ``num_devices`` ZeRO-3 data-parallel GPUs: the workload's micro-batch when it
+    divides each GPU's share of the mini-batch, else the largest divisor of that share below it
+    (the mini-batch is then per-device micro-batch x devices x gradient-accumulation steps, as
+    DeepSpeed requires). ``workload=tiny`` (micro-batch 2, mini-batch 4): 2 on 1 or 2 devices, 1 on
+    4."""
+    share = mini_batch_size // num_devices
+    return max(d for d in range(1, min(workload.micro_batch_size, share) + 1) if share % d == 0)
 
 
 class DeepSpeedChat(System):
@@ -114,6 +131,10 @@ class DeepSpeedChat(System):
                             f"workload.global_batch_size={gbs}")
         if gbs % mini:
             raise PlanError(f"system.mini_batch_size={mini} must divide the global batch {gbs}")
+        if mini % ctx.num_devices:
+            raise PlanError(f"system.mini_batch_size={mini} must be a multiple of the {ctx.num_devices} devices: "
+                            f"deepspeed_chat trains with ZeRO-3 data parallelism (dp={ctx.num_devices}) over all of "
+                            f"them, at least one sample per device per step")
         gen = cfg.generation_batch_size if cfg.generation_batch_size is not None else mini
         if gen > gbs:
             raise PlanError(f"system.generation_batch_size={gen} is larger than the global batch "
@@ -127,6 +148,7 @@ class DeepSpeedChat(System):
         mesh = full_mesh(n)
         gbs = ctx.workload.global_batch_size
         mini_batch_size, generation_batch_size = self.batch_sizes(ctx)
+        micro_batch_size = per_device_micro_batch_size(mini_batch_size, n, ctx.workload)
         zero = ParallelStrategy(dp=n, tp=1, pp=1, zero_stage=cfg.zero_stage)
         if gen_tp < 1 or per_node % gen_tp or n % gen_tp:
             raise PlanError(f"deepspeed_chat generation (system.gen_tp): tp={gen_tp} must divide the {per_node} "
@@ -147,7 +169,7 @@ class DeepSpeedChat(System):
                                   synced_instances=cfg.synced_generation and cfg.zero_stage == 3,
                                   pad_to_longest=cfg.pad_to_longest)
         return assemble_ppo_plan(
-            ctx, cfg.name, allocs, policy, mini_batch_size=mini_batch_size,
+            ctx, cfg.name, allocs, policy, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
             notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // generation_batch_size,
                    "zero_stage": cfg.zero_stage})
 

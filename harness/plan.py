@@ -279,6 +279,10 @@ class Plan:
     global_batch_size: int = 512
     mini_batch_size: int = 64
     notes: dict[str, Any] = field(default_factory=dict)  # system-specific facts shown in plan.json
+    # task -> the command-line key that pins its layout in the system that made the plan (e.g.
+    # ``system.layouts.gen``, ``system.layout``), for hints in refusals; not what runs, so neither
+    # written to plan.json nor compared
+    layout_keys: dict[str, str] = field(default_factory=dict, compare=False)
 
     # ---- queries -------------------------------------------------------------------------
     def task(self, name: str) -> Task:
@@ -374,6 +378,7 @@ class Plan:
     # ---- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = _plain(asdict(self))
+        d.pop("layout_keys")
         d["training"] = [
             {**{k: v for k, v in asdict(s).items() if k != "schedule"}, "schedule": schedule_to_dict(s.schedule)}
             for s in self.training

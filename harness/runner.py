@@ -28,7 +28,7 @@ from harness.planning.memory import check_plan_memory
 from harness.plan import Plan
 from harness.schedule import to_csv
 from harness.system import PlanContext, System
-from harness.trace import trace_devices, write_chrome_trace
+from harness.trace import PARAM_DIGEST, StepTrace, trace_devices, write_chrome_trace
 from harness.validation import check_batch_sizes
 from harness.workload import make_batch, resolve_workload, validate_workload
 
@@ -85,6 +85,19 @@ def plan_info(plan: Plan, memory) -> dict[str, Any]:
     info["generation/batching"] = plan.generation.batching
     info.update({f"notes/{k}": v for k, v in plan.notes.items()})
     return info
+
+
+def final_weights(trace: StepTrace) -> dict[str, Any] | None:
+    """``summary.json``'s ``final_weights``: the digest of each trained model's full weights after
+    the run's last iteration (``{"iteration": k, "models": {model: {num_params, sum, l2, update_l2,
+    sha256}}}``, :func:`harness.real.digest.weights_digest`), from a backend that reports it
+    (``StepTrace.extra[PARAM_DIGEST]``); None from one that holds no weights (``backend=sim``) or
+    with ``backend.options.digest=false``. Not averaged: the metrics' ``rl/<model>_param_*`` are
+    averages over the measured iterations."""
+    digests = trace.extra.get(PARAM_DIGEST)
+    if not digests:
+        return None
+    return {"iteration": trace.iteration, "models": {model: dict(d) for model, d in digests.items()}}
 
 
 def _write_static_files(folder: results.RunFolder, cfg: DictConfig, plan: Plan) -> None:
@@ -164,8 +177,10 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
         logger.log_summary(summary)
         logger.finish()
         info = plan_info(plan, memory)
+        weights = final_weights(traces[-1])
         results.write_json(folder.path(results.SUMMARY_FILE), {
             "metrics": summary, "info": info, "provenance": prov,
+            **({"final_weights": weights} if weights else {}),
             "run": {"experiment": run.experiment_name, "system": system.name, "variant": variant, "model": label,
                     "seed": run.seed,
                     "backend": run.backend.name, "cluster": run.cluster.name,

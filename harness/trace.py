@@ -10,7 +10,12 @@ Both backends emit the same structure, so every metric means the same thing simu
 - :class:`PipelineRun` per executed training pipeline (one per mini-batch and training stage):
   its makespan, ranks and compute time, from which the bubble fraction is computed;
 - ``counters``: named scalars a backend measured (e.g. migrated samples), keyed by metric name;
-- ``memory_gb``: peak memory per device.
+- ``memory_gb``: peak memory per device;
+- ``extra``: anything else a backend reports. ``extra[PARAM_DIGEST]`` (``param_digest``), from a
+  backend that holds real weights, is ``{model: digest}`` of each trained model's full weights after
+  the iteration (:func:`harness.real.digest.weights_digest`: ``num_params``, ``sum``, ``l2``,
+  ``update_l2``, ``sha256``); the runner writes the last iteration's to ``summary.json`` as
+  ``final_weights``.
 
 ``to_chrome_trace`` writes the Chrome trace-event format, which Perfetto opens.
 """
@@ -58,6 +63,8 @@ class PipelineRun:
     num_ranks: int
     compute_s: float  # sum over ranks of forward/backward time
     peak_activation_gb: float
+
+PARAM_DIGEST = "param_digest"  # StepTrace.extra key: {model: digest of its full weights after the iteration}
 
 
 @dataclass

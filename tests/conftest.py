@@ -38,8 +38,9 @@ def run_harness():
 # while it runs (whole modules: module-scoped fixtures start work before any test), shared by
 # default and exclusive where needed:
 # - a cluster started with ``ray start`` (the README's cluster commands in test_readme.py,
-#   test_ray_cluster.py) is what any embedded ``ray.init()`` on the machine joins, and ``ray stop``
-#   stops every Ray on the machine;
+#   test_ray_cluster.py): ``ray stop`` stops every Ray on the machine, and a plain ``ray.init()``
+#   would join such a cluster (the harness's embedded runs start their own instance beside it,
+#   which test_ray_cluster.py checks);
 # - a check of real-time behaviour (two Ray tasks of a few milliseconds overlapping in time,
 #   test_ray_backend.py) needs the cores it was written for, not a neighbour's load.
 # ``machine_lock.exclusive()`` turns this module's hold exclusive for a block; EXCLUSIVE_MODULES hold

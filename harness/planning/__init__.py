@@ -7,6 +7,7 @@ backends use it, it never imports a backend (a test enforces that).
 | module | owns |
 |---|---|
 | :mod:`.workflow` | the PPO tasks and their data keys, weight-movement tasks, single-pipe stages, layout checks |
+| :mod:`.dataflow` | what each training loss consumes, as workflow data keys: the training tasks' reads; a task's view of only its declared inputs |
 | :mod:`.assembler` | the one PPO plan assembler: layouts in, the whole iteration plan out (reshard rule, residency, streams) |
 | :mod:`.strategies` | (dp, tp, pp) enumeration, ReaLHF's mesh options, pinned layouts, best-of search |
 | :mod:`.layout_search` | RLHFuse-Base's per-task brute-force search (all devices or a pool) |

@@ -43,17 +43,25 @@ def needs_movement(source: Allocation, target: Allocation) -> bool:
     return s.zero_stage == 3 and t.zero_stage != 3
 
 
-def single_pipe_stages(ctx: PlanContext, allocations: dict[str, Allocation], mini_batch_size: int) -> list[TrainingStage]:
+def single_pipe_stages(ctx: PlanContext, allocations: dict[str, Allocation], mini_batch_size: int,
+                       micro_batch_size: Optional[int] = None) -> list[TrainingStage]:
+    """Each training task as its own 1F1B stage, in micro-batches of ``micro_batch_size`` (None: the
+    workload's)."""
     w = ctx.workload
-    return [single_pipe_stage(t, m, allocations[t].strategy, mini_batch_size, w.micro_batch_size, w.global_batch_size)
+    micro = w.micro_batch_size if micro_batch_size is None else micro_batch_size
+    return [single_pipe_stage(t, m, allocations[t].strategy, mini_batch_size, micro, w.global_batch_size)
             for t, m in TRAINING_TASKS]
 
 
 def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allocation], generation: GenerationPolicy,
                       *, training: Optional[list[TrainingStage]] = None, mini_batch_size: Optional[int] = None,
+                      micro_batch_size: Optional[int] = None,
                       actor_sync: MovementKind = MovementKind.REALLOC, stream_inference: bool = False,
-                      offloaded: Sequence[str] = (), notes: Optional[dict] = None) -> Plan:
-    """The PPO iteration plan for ``allocations`` (one per task of :data:`PPO_TASKS`)."""
+                      offloaded: Sequence[str] = (), notes: Optional[dict] = None,
+                      layout_keys: Optional[dict[str, str]] = None) -> Plan:
+    """The PPO iteration plan for ``allocations`` (one per task of :data:`PPO_TASKS`). ``mini_batch_size``
+    and ``micro_batch_size`` (None: the workload's) size the default training stages; ``layout_keys``
+    names the system's key that pins each task's layout (``Plan.layout_keys``, for hints)."""
     missing = sorted(set(PPO_TASKS) - set(allocations))
     if missing:
         raise PlanError(f"{system}: no layout for task(s) {missing}")
@@ -78,8 +86,9 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
     resident += [ResidentState(m, m, "weights") for m in ("ref", "reward") if m not in offloaded]
     if actor_sync == MovementKind.PARAM_SYNC:
         resident.append(ResidentState("actor", "gen", "weights"))  # the generation pool's shadow actor
-    return Plan(system=system, tasks=tasks,
-                training=training if training is not None else single_pipe_stages(ctx, allocations, mini_batch_size),
+    if training is None:
+        training = single_pipe_stages(ctx, allocations, mini_batch_size, micro_batch_size)
+    return Plan(system=system, tasks=tasks, training=training,
                 generation=generation, weight_movements=movements, resident=resident, offloaded=list(offloaded),
                 global_batch_size=ctx.workload.global_batch_size, mini_batch_size=mini_batch_size,
-                notes=dict(notes or {}))
+                notes=dict(notes or {}), layout_keys=dict(layout_keys or {}))

@@ -9,7 +9,12 @@ and write; dependency edges follow from the keys (see :meth:`harness.plan.Plan.d
     reward         reads responses                      writes rewards
     values         reads responses, critic weights      writes values
     update_actor   reads responses, old_logprobs, ref_logprobs, rewards, values   writes new actor weights
-    update_critic  reads responses, rewards, values     writes new critic weights
+    update_critic  reads responses, old_logprobs, ref_logprobs, rewards, values   writes new critic weights
+
+The training tasks' reads are not written here: they follow from what each loss consumes
+(:func:`harness.planning.dataflow.training_reads`). Both read all five, because the advantages
+(actor) and the returns (critic) come from the same KL-penalised rewards: ``rewards`` plus
+``-kl_coef (old_logprobs - ref_logprobs)`` per token, then GAE with ``values``.
 
 A weight movement ``realloc_<model>_<task>`` reads ``<model>_weights`` and writes
 ``<model>_weights@<task>``, which the consuming task then reads instead.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 from harness.errors import PlanError
 from harness.plan import Allocation, MovementKind, ParallelStrategy, Task, TrainingStage, WeightMovement
+from harness.planning.dataflow import training_reads
 from harness.schedule import PipeSpec, build
 
 PPO_TASKS = {
@@ -25,9 +31,8 @@ PPO_TASKS = {
     "ref": ("inference", "ref", ("responses",), ("ref_logprobs",)),
     "reward": ("inference", "reward", ("responses",), ("rewards",)),
     "values": ("inference", "critic", ("responses", "critic_weights"), ("values",)),
-    "update_actor": ("train", "actor", ("responses", "old_logprobs", "ref_logprobs", "rewards", "values"),
-                     ("new_actor_weights",)),
-    "update_critic": ("train", "critic", ("responses", "rewards", "values"), ("new_critic_weights",)),
+    "update_actor": ("train", "actor", training_reads("actor"), ("new_actor_weights",)),
+    "update_critic": ("train", "critic", training_reads("critic"), ("new_critic_weights",)),
 }
 
 

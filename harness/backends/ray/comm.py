@@ -3,11 +3,17 @@
 ``torch.distributed.new_group`` must be called by every rank, in the same order, for every group
 (torch.distributed docs, "Groups"). The driver therefore derives one sorted list of rank sets
 from the plan (:func:`plan_group_ranks`: each allocation's mesh, its tensor-parallel groups and
-its data-parallel groups) and every worker creates them in that order at set-up.
+its data-parallel groups) and every worker creates them in that order at set-up. Right after a
+sub-group is created, its members take part in one collective on it, and every rank in one on the
+default group right after ``init_process_group`` (:meth:`Groups.first_collective`, called by the
+worker): ``batch_isend_irecv`` is undefined when it is the first collective call of its group and
+not every rank of the group takes part (its docs), and on CUDA each worker has set its current
+device before (harness/backends/ray/worker.py).
 
 Point-to-point traffic (pipeline activations, weight reallocation) uses the default group with
-global ranks. :func:`exchange` sends one flat buffer per (source, destination) pair, posting all
-sends and receives at once with ``batch_isend_irecv`` so no pair waits on another.
+global ranks, after its all-rank first collective. :func:`exchange` sends one flat buffer per
+(source, destination) pair, posting all sends and receives at once with ``batch_isend_irecv`` so no
+pair waits on another.
 """
 from __future__ import annotations
 
@@ -41,18 +47,38 @@ def plan_group_ranks(plan: Plan, extra: Iterable[Allocation] = ()) -> list[tuple
 
 
 class Groups:
-    """Rank set -> process group (None for a set of one rank: no communication needed)."""
+    """Rank set -> process group (None for a set of one rank: no communication needed).
 
-    def __init__(self, rank: int, world_size: int, rank_sets: list[tuple[int, ...]]):
+    Every rank creates every group, in ``rank_sets`` order (``new_group`` is collective over the
+    default group; with NCCL bound to a device it splits the default communicator, which all ranks
+    must call); the members of a new group then run its first collective together before the next
+    group is created, on ``device`` (the worker's). A set of every rank is the default group, whose
+    first collective the worker ran after ``init_process_group``."""
+
+    def __init__(self, rank: int, world_size: int, rank_sets: list[tuple[int, ...]], device=None):
         self.rank, self.world_size = rank, world_size
+        device = torch.device("cpu") if device is None else device
         self._groups = {}
         for ranks in rank_sets:
             if len(ranks) == world_size:
                 group = dist.group.WORLD
             else:
                 group = dist.new_group(list(ranks))
+                if rank in ranks:
+                    self.first_collective(group, device)
             if rank in ranks:
                 self._groups[ranks] = group
+
+    @staticmethod
+    def first_collective(group, device) -> None:
+        """The first collective of ``group`` (None: the default group), by every member: an
+        all-reduce of one element, waited for and checked (it must count every member), so that no
+        later ``batch_isend_irecv`` among a subset of the group's ranks is its first call."""
+        ones = torch.ones(1, device=device)
+        dist.all_reduce(ones, group=group)
+        size = dist.get_world_size(group)
+        if int(ones.item()) != size:  # .item() waits for the collective (on CUDA: synchronises)
+            raise RuntimeError(f"first collective of a group of {size} ranks counted {int(ones.item())}")
 
     def get(self, ranks: Iterable[int]):
         key = tuple(sorted(ranks))

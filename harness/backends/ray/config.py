@@ -81,7 +81,9 @@ class RayOptions:
     value_clip_eps: float = 0.2
     temperature: float = 1.0
     whiten_advantages: bool = True
-    zero3_impl: str = "auto"  # auto (DeepSpeed when importable) | deepspeed | native
+    # auto (DeepSpeed when importable and the ZeRO-3 layout spans every device, in fp32 or DeepSpeed's own
+    # bf16 mode; else native) | deepspeed (refused before Ray starts where it cannot run) | native
+    zero3_impl: str = "auto"
     # how pipeline messages between two ranks are matched: in_order (tags ignored, first posted
     # first matched per rank pair, as NCCL does; gloo runs emulate it) | tags (gloo only)
     p2p_matching: str = "in_order"
@@ -152,7 +154,8 @@ class RayOptions:
 
 
 def check_address(address: Optional[str]) -> Optional[str]:
-    """``backend.address``: None (start an embedded local Ray), ``auto`` (join the running cluster
+    """``backend.address``: None (start a local Ray instance of our own, even when a cluster runs on
+    this machine: ``RAY_ADDRESS`` and ``ray start``'s address file are not followed), ``auto`` (join the running cluster
     that ``ray start`` left on this machine, or ``RAY_ADDRESS``), ``<host>:<port>`` of a cluster's
     head (its GCS port, 6379 by default) or ``ray://<host>:<port>`` (Ray Client). Anything else
     raises ConfigError."""
@@ -173,7 +176,7 @@ class RayBackendConfig(BackendConfig):
     name: str = "ray"
     _target_: str = "harness.backends.ray.RayBackend"
     num_iterations: int = 3
-    # None = start an embedded local Ray; auto = join the cluster `ray start --head` started
+    # None = start a local Ray of our own (never a running cluster); auto = join the cluster `ray start --head` started
     # (one worker per GPU, or per logical CPU device); <host>:<port>; ray://<host>:<port>
     address: Optional[str] = None
     num_devices: Optional[int] = None  # must equal cluster.num_nodes x cluster.gpus_per_node when set

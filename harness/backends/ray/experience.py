@@ -3,7 +3,8 @@
 Owns what is the same for every system: prompt tokens (the workload file's, or drawn from (seed,
 iteration, sample id)); the rollout as right-padded tensors; the KL-penalised rewards, GAE
 advantages (the matrix form, RLHFuse section 6) and returns, computed once over the whole batch in
-float32; whitening over the whole batch; and the mini-batch partition, a permutation drawn from
+float32 from the data under the workflow's keys (:func:`sample_data`, :func:`training_data`);
+whitening over the whole batch; and the mini-batch partition, a permutation drawn from
 (seed, iteration). None of it depends on layouts, so every system trains on identical numbers.
 
 Token positions: for a sequence of ``P`` prompt and ``R`` response tokens, the "action" at index
@@ -14,7 +15,9 @@ last token ``P+R-1``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,8 +27,9 @@ from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, 
 from harness.workload import Batch
 
 
-# what each inference model's pass produces
+# what each inference model's pass produces, and the workflow data key it is written under
 INFERENCE_OUTPUT = {"ref": "logprobs", "reward": "score", "critic": "values"}
+OUTPUT_KEY = {"ref": "ref_logprobs", "reward": "rewards", "critic": "values"}
 
 
 def stable_seed(*parts) -> int:
@@ -98,14 +102,34 @@ def scatter_rows(parts: list[dict], shape: tuple[int, ...]) -> np.ndarray:
     return full
 
 
-def advantages(rollout: Rollout, ref_logprobs: np.ndarray, values: np.ndarray, scores: np.ndarray,
-               kl_coef: float, gamma: float, lam: float, whiten: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    mask = torch.as_tensor(rollout.action_mask)
-    logp, ref = torch.as_tensor(rollout.old_logprobs), torch.as_tensor(ref_logprobs)
-    vals = torch.as_tensor(values) * mask
-    rewards = kl_penalized_rewards(torch.as_tensor(scores), logp, ref, mask, kl_coef)
+def sample_data(rollout: Rollout | None, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """What the iteration has produced so far, under the workflow's data keys
+    (:data:`harness.planning.dataflow.SAMPLE_DATA`): the rollout once generation has finished,
+    each inference model's output (keyed by its role in ``outputs``) once its task has."""
+    data: dict[str, Any] = {}
+    if rollout is not None:
+        data["responses"] = {"tokens": rollout.tokens, "attn": rollout.attn, "action_mask": rollout.action_mask}
+        data["old_logprobs"] = rollout.old_logprobs
+    for role, key in OUTPUT_KEY.items():
+        if role in outputs:
+            data[key] = outputs[role]
+    return data
+
+
+def training_data(inputs: Mapping[str, Any], kl_coef: float, gamma: float, lam: float,
+                  whiten: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Every training loss's inputs (:data:`harness.planning.dataflow.LOSS_INPUTS`) and the
+    batch's RL statistics, from the workflow data in ``inputs`` (:func:`sample_data`'s keys), read
+    by key only: the driver passes a training task's
+    :class:`~harness.planning.dataflow.TaskInputs`, so reading data the task does not declare fails."""
+    responses = inputs["responses"]
+    mask = torch.as_tensor(responses["action_mask"])
+    logp, ref = torch.as_tensor(inputs["old_logprobs"]), torch.as_tensor(inputs["ref_logprobs"])
+    scores = torch.as_tensor(inputs["rewards"])
+    vals = torch.as_tensor(inputs["values"]) * mask
+    rewards = kl_penalized_rewards(scores, logp, ref, mask, kl_coef)
     adv, ret = gae_advantages(rewards, vals, mask, gamma, lam)
-    stats = {"reward_mean": float(torch.as_tensor(scores).mean()),
+    stats = {"reward_mean": float(scores.mean()),
              "kl": float(masked_mean(logp - ref, mask)),
              "token_reward_mean": float(masked_mean(rewards, mask)),
              "advantage_mean": float(masked_mean(adv, mask)),
@@ -113,7 +137,9 @@ def advantages(rollout: Rollout, ref_logprobs: np.ndarray, values: np.ndarray, s
              "value_mean": float(masked_mean(vals, mask))}
     if whiten:
         adv = masked_whiten(adv, mask)
-    return {"advantages": adv.numpy(), "returns": ret.numpy(), "old_values": vals.numpy()}, stats
+    return {"tokens": responses["tokens"], "attn": responses["attn"], "action_mask": responses["action_mask"],
+            "old_logprobs": inputs["old_logprobs"], "advantages": adv.numpy(), "returns": ret.numpy(),
+            "old_values": vals.numpy()}, stats
 
 
 def minibatch_indices(num_samples: int, mini_batch_size: int, seed: int, iteration: int) -> list[np.ndarray]:
@@ -121,14 +147,3 @@ def minibatch_indices(num_samples: int, mini_batch_size: int, seed: int, iterati
     order = np.random.default_rng([seed, iteration, 0x5EED]).permutation(num_samples)
     return [order[i:i + mini_batch_size] for i in range(0, num_samples, mini_batch_size)]
 
-
-def param_digest(state: dict[str, torch.Tensor], init: dict[str, torch.Tensor] | None) -> dict[str, float | str]:
-    """Sum, L2 norm, distance from the initial weights, and a SHA-256 of the values rounded to
-    6 decimals (exact equality only survives identical layouts; compare the floats across layouts)."""
-    flat = torch.cat([state[n].reshape(-1).double() for n in sorted(state)])
-    out: dict[str, float | str] = {"sum": float(flat.sum()), "l2": float(flat.norm())}
-    if init is not None:
-        start = torch.cat([init[n].reshape(-1).double() for n in sorted(init)])
-        out["update_l2"] = float((flat - start).norm())
-    out["sha256"] = hashlib.sha256(np.round(flat.numpy(), 6).tobytes()).hexdigest()
-    return out

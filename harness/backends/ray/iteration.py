@@ -19,8 +19,10 @@ of the iteration that computes with it has finished; the next weight movement re
 the plan offloads keep their weights in host memory between uses (``replica.Replica.compute``).
 
 RL metrics go to ``StepTrace.counters`` under ``rl/``; weight digests (sum, L2, distance from the
-initial weights) to ``rl/<model>_param_{sum,l2}`` and ``rl/<model>_update_l2`` and, with the SHA,
-to ``StepTrace.extra["param_digest"]``.
+initial weights) to ``rl/<model>_param_{sum,l2}`` and ``rl/<model>_update_l2`` and, with the
+parameter count and the SHA-256 of the full weights (:func:`harness.real.digest.weights_digest`), to
+``StepTrace.extra["param_digest"]``, which the runner writes to ``summary.json``'s ``final_weights``
+for the last iteration.
 """
 from __future__ import annotations
 
@@ -38,15 +40,14 @@ from harness.backends.ray.layout import assemble
 from harness.backends.ray.rewards import reward_fields
 from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
-from harness.plan import Allocation, Plan, TaskKind
+from harness.plan import Allocation, Plan, Task, TaskKind
+from harness.real.digest import weights_digest
+from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.schedule import Schedule
 from harness.schedule.p2p_order import check_in_order, order_receives
-from harness.trace import PipelineRun, SampleRecord, StepTrace
+from harness.trace import PARAM_DIGEST, PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
-
-TRAIN_KEYS = {"actor": ("tokens", "attn", "action_mask", "old_logprobs", "advantages"),
-              "critic": ("tokens", "attn", "action_mask", "old_values", "returns")}
 
 
 def p2p_ordered(schedule: Schedule) -> Schedule:
@@ -65,7 +66,7 @@ class Iteration(PlanInterpreter):
         self.trace = StepTrace(iteration=iteration, num_devices=backend.ctx.num_devices)
         self.rollout: ex.Rollout | None = None
         self.outputs: dict[str, np.ndarray] = {}  # model role -> its inference output
-        self.train_data: dict[str, np.ndarray] | None = None
+        self.experience: dict[frozenset[str], dict[str, np.ndarray]] = {}  # by the inputs it was computed from
         self.t0 = time.time()
         self.copies = self._transient_copies()
 
@@ -190,7 +191,7 @@ class Iteration(PlanInterpreter):
         if len(unit.tasks) > 1 or len(unit.stage.schedule.pipes) > 1:
             return self._train_fused(unit)
         (task,) = unit.tasks
-        return self._train(task.name, task.model, task.allocation, unit.stage)
+        return self._train(task, unit.stage)
 
     # ---- weights ----------------------------------------------------------------------------
     def _current(self, role: str, alloc: Allocation) -> bool:
@@ -255,24 +256,28 @@ class Iteration(PlanInterpreter):
             self.outputs[role] = ex.scatter_rows(self.b.outputs(results), shape)
         return self.b.start(name, "infer", role, alloc, payload), finish
 
-    def _experience(self) -> dict[str, np.ndarray]:
-        if self.train_data is None:
-            r, o = self.rollout, self.outputs
-            derived, stats = ex.advantages(r, o["ref"], o["critic"], o["reward"], self.opts.kl_coef,
-                                           self.opts.gamma, self.opts.lam, self.opts.whiten_advantages)
-            self.train_data = {"tokens": r.tokens, "attn": r.attn, "action_mask": r.action_mask,
-                               "old_logprobs": r.old_logprobs, **derived}
-            for key, value in stats.items():
-                self.trace.counters[f"rl/{key}"] = value
-        return self.train_data
+    def _training_data(self, task: Task) -> dict[str, np.ndarray]:
+        """The loss inputs of training task ``task``, computed from exactly the data it declares
+        it reads (:class:`TaskInputs`: a declared input not written yet, or an undeclared one read,
+        fails at once). Computed once per distinct set of declared inputs; both PPO training tasks
+        declare the same, so advantages and returns are computed once per iteration."""
+        inputs = TaskInputs(task.name, task.reads, ex.sample_data(self.rollout, self.outputs))
+        key = frozenset(inputs)
+        if key not in self.experience:
+            self.experience[key], stats = ex.training_data(inputs, self.opts.kl_coef, self.opts.gamma,
+                                                           self.opts.lam, self.opts.whiten_advantages)
+            for name, value in stats.items():
+                self.trace.counters[f"rl/{name}"] = value
+        data = self.experience[key]
+        return {k: data[k] for k in LOSS_INPUTS[task.model.value]}
 
     def _minibatches(self) -> list:
         return ex.minibatch_indices(self.batch.num_samples, self.plan.mini_batch_size, self.b.ctx.seed, self.iteration)
 
-    def _train(self, name: str, role: str, alloc: Allocation, stage):
-        data = self._experience()
+    def _train(self, task: Task, stage):
+        name, role, alloc = task.name, task.model.value, task.allocation
         minibatches = self._minibatches()
-        payload = {"data": {k: data[k] for k in TRAIN_KEYS[role]}, "minibatches": minibatches,
+        payload = {"data": self._training_data(task), "minibatches": minibatches,
                    "micro_batch_size": stage.micro_batch_size, "loss": role, "temperature": self.opts.temperature,
                    "clip_eps": self.opts.clip_eps, "value_clip_eps": self.opts.value_clip_eps}
         pipe = next(iter(stage.schedule.pipes.values()))
@@ -287,7 +292,7 @@ class Iteration(PlanInterpreter):
     def _train_fused(self, unit: Unit):
         """A fused stage (RLHFuse section 5): every device of the stage runs its logical rank's
         action list from the plan's fused schedule, interleaving actor and critic actions."""
-        stage, data = unit.stage, self._experience()
+        stage = unit.stage
         minibatches = self._minibatches()
         rank_of: dict[int, int] = {}
         for (pipe, st), devices in pipe_stage_devices(self.plan, stage).items():
@@ -299,7 +304,7 @@ class Iteration(PlanInterpreter):
         payload = {"roles": roles, "minibatches": minibatches, "temperature": self.opts.temperature,
                    "clip_eps": self.opts.clip_eps, "value_clip_eps": self.opts.value_clip_eps,
                    "allocations": {t.model.value: dataclasses.asdict(t.allocation) for t in unit.tasks},
-                   "parts": {t.model.value: {"data": {k: data[k] for k in TRAIN_KEYS[t.model.value]},
+                   "parts": {t.model.value: {"data": self._training_data(t),
                                              "loss": t.model.value, "micro_batch_size": stage.micro_batch_size}
                              for t in unit.tasks},
                    "pipe_role": {name: pipe.model for name, pipe in stage.schedule.pipes.items()},
@@ -369,7 +374,7 @@ class Iteration(PlanInterpreter):
             s = alloc.strategy
             pp, tp = (1, 1) if s.zero_stage == 3 else (s.pp, s.tp)
             state = assemble(pieces, self.b.args[role], pp, tp)
-            d = ex.param_digest(state, self.b.init_states.get(role))
+            d = weights_digest(state, self.b.init_states.get(role))
             digests[role] = d
             for key, counter in (("sum", "param_sum"), ("l2", "param_l2"), ("update_l2", "update_l2")):
                 if key in d:
@@ -378,7 +383,7 @@ class Iteration(PlanInterpreter):
                 folder = Path(self.opts.dump_weights_dir)
                 folder.mkdir(parents=True, exist_ok=True)
                 torch.save(state, folder / f"{role}.pt")
-        self.trace.extra["param_digest"] = digests
+        self.trace.extra[PARAM_DIGEST] = digests
         if self.opts.dump_weights_dir and self.rollout is not None:  # what the models said of each sample
             np.savez(Path(self.opts.dump_weights_dir) / "experience.npz", scores=self.outputs["reward"],
                      ref_logprobs=self.outputs["ref"], values=self.outputs["critic"],

@@ -6,6 +6,17 @@ plan, then calls :meth:`DeviceWorker.run` on the devices of each task's mesh. A 
 model role, a *home* replica in the layout where the model trains (actor, critic) or infers (ref,
 reward), plus copies in the layouts of other tasks, which weight movements refresh.
 
+CUDA set-up follows the torch.distributed docs: each worker makes the one GPU Ray gave it its
+current device (``torch.cuda.set_device``, :func:`cuda_local_index`) before anything else touches
+CUDA, and passes it as ``device_id`` to ``init_process_group`` (the NCCL communicator is then formed
+at once, and sub-groups are split from it). ``batch_isend_irecv`` needs both: without the current
+device set NCCL point-to-point traffic may hang, and the first collective call in a group must
+involve all of its ranks -- but pipeline activations and weight reallocation are point-to-point
+among a few ranks of the default group. So every worker takes part in one all-rank collective on
+the default group right after ``init_process_group``, and every member of each sub-group in one on
+that group right after it is created (:meth:`harness.backends.ray.comm.Groups.first_collective`),
+before any point-to-point traffic. gloo (CPU workers) runs the same sequence without the CUDA steps.
+
 :meth:`shutdown` ends cleanly: a barrier, then ``destroy_process_group`` (without it, gloo in
 torch 2.13 aborts the process at exit).
 """
@@ -27,6 +38,24 @@ def alloc_from_dict(d: dict) -> Allocation:
     return Allocation(tuple(d["mesh"]), ParallelStrategy(**d["strategy"]))
 
 
+def cuda_local_index(gpu_ids: list, visible: str | None) -> int:
+    """This process's index of the one GPU Ray assigned to the worker (``ray.get_gpu_ids()``).
+
+    Ray sets ``CUDA_VISIBLE_DEVICES`` of a GPU actor to the GPUs it was given, so the one GPU is index
+    0; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it leaves the variable alone and the index
+    is the GPU's position in it (or the id itself when the variable is unset)."""
+    if len(gpu_ids) != 1:
+        raise RuntimeError(f"a CUDA worker needs exactly one GPU from Ray, got {list(gpu_ids)} "
+                           f"(ray.get_gpu_ids(); the driver asks for num_gpus=1 per worker)")
+    gpu = str(gpu_ids[0])
+    if visible is None:
+        return int(gpu)
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if gpu not in listed:
+        raise RuntimeError(f"Ray assigned GPU {gpu}, which CUDA_VISIBLE_DEVICES={visible!r} does not list")
+    return listed.index(gpu)
+
+
 def layout_key(alloc: Allocation) -> str:
     """Layouts that place the same pieces on the same devices share replicas: ZeRO stages 0-2
     differ only in how the optimizer is sharded, which matters to the home (training) replica alone."""
@@ -43,7 +72,13 @@ class DeviceWorker:
         import torch
 
         torch.set_num_threads(int(options["torch_threads"]))
-        self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+        self.device = torch.device("cpu")
+        if self.use_cuda:  # the current device is set before anything touches CUDA or torch.distributed
+            import ray
+
+            self.device = torch.device("cuda", cuda_local_index(ray.get_gpu_ids(),
+                                                                os.environ.get("CUDA_VISIBLE_DEVICES")))
+            torch.cuda.set_device(self.device)
         # parameter/activation dtype of every replica (resolved by the driver: bf16 on CUDA, fp32 on CPU)
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.get("dtype", "fp32")]
         self.peak_state_bytes = 0  # largest model state (params + master + Adam) held at once
@@ -75,13 +110,21 @@ class DeviceWorker:
         return ray.get_runtime_context().get_node_id()
 
     def init_distributed(self, ip: str, port: int, timeout_s: float) -> int:
+        """Join the job's default process group, then take part in its first collective (every
+        rank, before any point-to-point traffic: see the module docstring)."""
         import torch.distributed as dist
 
+        from harness.backends.ray.comm import Groups
+
         os.environ.update(MASTER_ADDR=ip, MASTER_PORT=str(port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.device.index or 0))
+        # on CUDA, device_id binds the group to this worker's GPU: NCCL connects now (eagerly) and
+        # sub-groups are split from this communicator (torch.distributed.init_process_group docs)
+        extra = {"device_id": self.device} if self.use_cuda else {}
         dist.init_process_group("nccl" if self.use_cuda else "gloo", init_method=f"tcp://{ip}:{port}",
                                 rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s), **extra)
+        Groups.first_collective(None, self.device)
         return self.rank
 
     def setup(self, plan_json: str, setup: dict[str, Any]) -> float:
@@ -91,7 +134,7 @@ class DeviceWorker:
         t0 = time.time()
         self.plan = Plan.from_json(plan_json)
         self.setup_info = setup
-        self.groups = Groups(self.rank, self.world_size, [tuple(r) for r in setup["groups"]])
+        self.groups = Groups(self.rank, self.world_size, [tuple(r) for r in setup["groups"]], self.device)
         for role, home in setup["homes"].items():
             alloc = alloc_from_dict(home["allocation"])
             if self.rank in alloc.mesh:
@@ -127,7 +170,8 @@ class DeviceWorker:
 
                 state = self._full_init_state(role)  # DeepSpeed partitions the model it is given
                 replica = DeepSpeedReplica(role, args, alloc, self.rank, self.groups, self.device, state, hparams,
-                                           home.get("micro_batch_size", 1), home.get("grad_accum", 1))
+                                           home.get("micro_batch_size", 1), home.get("grad_accum", 1),
+                                           dtype=self.dtype)
                 replica.lockstep = True
             else:
                 state = None if seeded else self._full_init_state(role)

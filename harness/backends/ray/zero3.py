@@ -13,6 +13,15 @@ gradient that the other layouts compute. ``stage3_param_persistence_threshold = 
 partition even small parameters (its default keeps parameters under 1e5 elements whole on every
 rank, which for the tiny test models would be all of them).
 
+Precision: in bf16 runs (``backend.options.dtype=bf16``, the default on CUDA) the engine runs in
+DeepSpeed's own bf16 mode (``"bf16": {"enabled": true}``, DeepSpeed config docs, "BFLOAT16 training
+options"): the module's parameters are bf16 and DeepSpeed's ZeRO-3 optimizer keeps the float32 master
+partition and hands our Adam float32 parameters, so its states are float32 as well. Gradients are
+reduce-scattered and accumulated in float32 (``communication_data_type`` and
+``data_types.grad_accum_dtype``), as the native ZeRO-3 does (harness/backends/ray/optim.py), so the two
+differ only in summation order and rounding. DeepSpeed's CPU accelerator supports bf16
+(``is_bf16_supported``), which is how CI tests this path.
+
 On CPU, DeepSpeed needs ``DS_ACCELERATOR=cpu`` (set by the worker before import) and we keep it
 from JIT-compiling its shared-memory all-reduce kernel, which only its inference kernels use.
 """
@@ -55,8 +64,10 @@ def _import_deepspeed():
     return deepspeed
 
 
-def ds_config(micro_batch_size: int, grad_accum: int, dp: int) -> dict:
-    return {
+def ds_config(micro_batch_size: int, grad_accum: int, dp: int, dtype: torch.dtype = torch.float32) -> dict:
+    """The DeepSpeed config of one ZeRO-3 engine; ``dtype=torch.bfloat16`` turns on DeepSpeed's bf16
+    mode with float32 master weights, gradient reduction and accumulation."""
+    config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": micro_batch_size * grad_accum * dp,
@@ -66,12 +77,20 @@ def ds_config(micro_batch_size: int, grad_accum: int, dp: int) -> dict:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if dtype == torch.bfloat16:
+        config.update({"bf16": {"enabled": True}, "communication_data_type": "fp32",
+                       "data_types": {"grad_accum_dtype": "fp32"}})
+    elif dtype != torch.float32:
+        raise ValueError(f"DeepSpeed ZeRO-3 here runs in float32 or bf16, not {dtype}")
+    return config
 
 
 class DeepSpeedReplica(Replica):
     def __init__(self, role, args, alloc, rank, groups, device, full_state: dict[str, Tensor],
-                 hparams: dict | None = None, micro_batch_size: int = 1, grad_accum: int = 1):
+                 hparams: dict | None = None, micro_batch_size: int = 1, grad_accum: int = 1,
+                 dtype: torch.dtype = torch.float32):
         super().__init__(role, args, alloc, rank, groups, device)
+        self.dtype = dtype  # DeepSpeed casts the module to bf16 itself (its master stays float32)
         deepspeed = _import_deepspeed()
         self._ds = deepspeed
         with torch.device("meta"):
@@ -87,7 +106,7 @@ class DeepSpeedReplica(Replica):
                                          eps=hparams["eps"], weight_decay=hparams["weight_decay"], foreach=False)
         self.engine, *_ = deepspeed.initialize(
             model=module, optimizer=optimizer,
-            config=ds_config(micro_batch_size if optimizer else 1, grad_accum if optimizer else 1, dp))
+            config=ds_config(micro_batch_size if optimizer else 1, grad_accum if optimizer else 1, dp, dtype))
         self.module = self.engine.module
 
     def __call__(self, x: Tensor, **kwargs) -> Tensor:
