@@ -74,6 +74,8 @@ SPECS: dict[str, Spec] = {
     "python -m systems.rlhfuse.fuse --stages 16 8 --microbatches 16 32 --fwd 1 1 --mem 1 1 --json":
         tiny("--max-steps 2000"),
     # comparing runs (they read the sweep "demo" above), figures
+    "python -m harness.validate data/published/replay.jsonl --json out.json":
+        Spec(replace=(("data/published/", f"{README.parent}/data/published/"),)),
     "python -m harness.report results/demo": AS_IS,
     "python -m harness.report results/demo --baseline rlhfuse_base --format csv -o table.csv --plot compare": AS_IS,
     "python -m harness.figures all --run":

@@ -1,0 +1,208 @@
+"""Replay published measurements of real RLHF runs in the simulator (issue 26, item 3).
+
+    python -m harness.validate data/published/replay.jsonl                  # table + summaries
+    python -m harness.validate data/published/replay.jsonl --json out.json  # and records for machines
+    python -m harness.validate data/published/replay.jsonl --ids P037 P042  # some points only
+
+A replay file has one published measurement per line (JSON)::
+
+    {"id": "P037", "overrides": ["+system=deepspeed_chat", ...], "metric": "step_s",
+     "value": 1189.13, "source": "...", "assumptions": "..."}
+
+``overrides`` are the Hydra overrides of ``python -m harness`` that express the measured setup,
+``metric`` one of :data:`METRICS` (what the simulator's summary reports it as), ``value`` the
+measured number in that metric's unit, ``source`` where it was published (points are grouped by
+it), ``assumptions`` (optional) what the line had to assume where the source is silent.
+
+Every line is read and every config composed before the first simulation, so a malformed line, an
+unknown metric or an override the harness does not know ends the command with one line on stderr
+and exit code 2 before any work. Then each setup is planned and simulated (``backend=sim``, its
+iterations and warm-up) and the command prints predicted vs measured per point, then per source
+and overall: the median and 90th percentile of predicted/measured, and the worst points (furthest
+from 1 on a log scale). Deterministic: the same file gives the same numbers.
+
+This module measures; it fits nothing. What the replay file says about each point (and which points
+it leaves out, and why) is data, documented in docs/VALIDATION.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.errors import ConfigError
+
+# replay metric -> the simulator summary's key (harness.metrics)
+METRICS = {
+    "step_s": "timing_s/step",
+    "samples_per_s": "perf/samples_per_s",
+    "gen_inference_s": "timing_s/gen_inference",
+    "train_s": "timing_s/train",
+}
+REQUIRED_FIELDS = ("id", "overrides", "metric", "value", "source")
+WORST_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class ReplayPoint:
+    id: str
+    overrides: tuple[str, ...]
+    metric: str
+    value: float
+    source: str
+    assumptions: str = ""
+
+
+def read_replay(path: Path) -> list[ReplayPoint]:
+    """The points of a replay file; ConfigError naming the line for anything malformed."""
+    if not path.is_file():
+        raise ConfigError(f"replay file {path} does not exist")
+    points, seen = [], set()
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{where}: expected a JSON object")
+        missing = [f for f in REQUIRED_FIELDS if f not in record]
+        if missing:
+            raise ConfigError(f"{where}: missing field(s) {missing} (a line needs {list(REQUIRED_FIELDS)})")
+        unknown = sorted(set(record) - set(REQUIRED_FIELDS) - {"assumptions"})
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}")
+        if record["metric"] not in METRICS:
+            raise ConfigError(f"{where}: metric {record['metric']!r} is not one of {', '.join(METRICS)}")
+        if not isinstance(record["overrides"], list) or not all(isinstance(o, str) for o in record["overrides"]):
+            raise ConfigError(f"{where}: overrides must be a list of strings")
+        value = record["value"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{where}: value must be a positive number, got {value!r}")
+        if record["id"] in seen:
+            raise ConfigError(f"{where}: id {record['id']!r} appears twice")
+        seen.add(record["id"])
+        points.append(ReplayPoint(str(record["id"]), tuple(record["overrides"]), record["metric"], float(value),
+                                  str(record["source"]), str(record.get("assumptions", ""))))
+    if not points:
+        raise ConfigError(f"replay file {path} has no points")
+    return points
+
+
+def _composed(point: ReplayPoint):
+    from harness.app import compose
+
+    overrides = [o for o in point.overrides if not o.startswith(("backend=", "logger="))]
+    try:
+        cfg = compose([*overrides, "backend=sim", "logger=none", "logger.progress_bar=false"])
+    except Exception as e:  # Hydra's errors: unknown keys and options, wrong types
+        raise ConfigError(f"point {point.id}: its overrides do not compose: {str(e).splitlines()[0]}") from None
+    if "system" not in cfg or cfg.system is None:
+        raise ConfigError(f"point {point.id}: no system chosen (add +system=<name> to its overrides)")
+    return cfg
+
+
+def simulate_summary(cfg) -> dict[str, float]:
+    """Plan and simulate one composed config as ``python -m harness`` would (without writing any
+    results): the summary metrics averaged after the warm-up iterations."""
+    from omegaconf import OmegaConf
+
+    from hydra.utils import get_class
+
+    from harness import metrics as mk
+    from harness.runner import build_context
+    from harness.validation import check_batch_sizes
+    from harness.workload import make_batch
+
+    check_batch_sizes(cfg)
+    run = OmegaConf.to_object(cfg)
+    ctx = build_context(run)
+    plan = get_class(run.system.impl)(run.system).plan(ctx)
+    plan.validate(ctx.num_devices)
+    backend = get_class(cfg.backend._target_)(run.backend, ctx)
+    backend.check(plan)
+    task_models = {t.name: t.model for t in plan.tasks}
+    peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
+    rows = []
+    backend.setup(plan)
+    try:
+        for it in range(run.backend.num_iterations):
+            batch = make_batch(run.workload, run.seed, it)
+            rows.append(mk.iteration_metrics(backend.run_iteration(plan, it, batch), batch.total_num_tokens,
+                                             task_models, peak_flops))
+    finally:
+        backend.close()
+    return mk.summarize(rows, run.backend.num_warmup_iterations)
+
+
+def _stats(ratios: list[float]) -> dict[str, float]:
+    r = np.asarray(ratios)
+    return {"n": len(r), "median": float(np.median(r)), "p90": float(np.percentile(r, 90)),
+            "within_0.5_2x_frac": float(np.mean((r >= 0.5) & (r <= 2.0)))}
+
+
+def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
+    """One record per point: id, source, metric, predicted, measured, ratio (predicted/measured)."""
+    configs = [(p, _composed(p)) for p in points]  # every config composes before any work
+    records = []
+    for point, cfg in configs:
+        predicted = simulate_summary(cfg)[METRICS[point.metric]]
+        records.append({"id": point.id, "source": point.source, "metric": point.metric, "predicted": predicted,
+                        "measured": point.value, "ratio": predicted / point.value})
+    return records
+
+
+def report(records: list[dict[str, Any]]) -> str:
+    lines = [f"{'id':<12}{'metric':<17}{'predicted':>12}{'measured':>12}{'pred/meas':>11}  source"]
+    for r in records:
+        lines.append(f"{r['id']:<12}{r['metric']:<17}{r['predicted']:>12.4g}{r['measured']:>12.4g}"
+                     f"{r['ratio']:>11.3f}  {r['source'][:60]}")
+    lines.append("")
+    lines.append(f"{'group':<62}{'n':>4}{'median':>9}{'p90':>9}{'in 0.5-2x':>11}")
+    by_source: dict[str, list[float]] = {}
+    for r in records:
+        by_source.setdefault(r["source"], []).append(r["ratio"])
+    for source, ratios in sorted(by_source.items()):
+        s = _stats(ratios)
+        lines.append(f"{source[:60]:<62}{s['n']:>4}{s['median']:>9.3f}{s['p90']:>9.3f}{s['within_0.5_2x_frac']:>11.0%}")
+    s = _stats([r["ratio"] for r in records])
+    lines.append(f"{'overall':<62}{s['n']:>4}{s['median']:>9.3f}{s['p90']:>9.3f}{s['within_0.5_2x_frac']:>11.0%}")
+    worst = sorted(records, key=lambda r: -abs(math.log(r["ratio"])))[:WORST_SHOWN]
+    lines.append("worst: " + ", ".join(f"{r['id']} {r['ratio']:.2f}x" for r in worst))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.validate",
+                                description="Replay published RLHF measurements in the simulator.")
+    p.add_argument("file", type=Path, help="replay file (JSON lines)")
+    p.add_argument("--json", type=Path, metavar="OUT", help="also write the records as a JSON list here")
+    p.add_argument("--ids", nargs="+", metavar="ID", help="replay only these points")
+    args = p.parse_args(argv)
+    try:
+        points = read_replay(args.file)
+        if args.ids:
+            unknown = sorted(set(args.ids) - {pt.id for pt in points})
+            if unknown:
+                raise ConfigError(f"--ids: no point(s) {unknown} in {args.file}")
+            points = [pt for pt in points if pt.id in set(args.ids)]
+        records = replay(points)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(records))
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
