@@ -285,7 +285,6 @@ class Iteration(PlanInterpreter):
         payload["actions_by_stage"] = {p: [a.token() for a in ordered.order.get(r, [])
                                            if a.pipe == pipe.name and a.stage == p]
                                        for p, r in enumerate(pipe.stage_to_rank)}
-        payload["p2p_in_order"] = self.opts.p2p_matching == "in_order"
         return self.b.start(name, "train", role, alloc, payload), \
             lambda results: self._trained(name, role, alloc, results, len(minibatches))
 
@@ -309,8 +308,7 @@ class Iteration(PlanInterpreter):
                              for t in unit.tasks},
                    "pipe_role": {name: pipe.model for name, pipe in stage.schedule.pipes.items()},
                    "actions_by_device": {str(d): [a.token() for a in p2p_ordered(stage.schedule).order.get(r, [])]
-                                         for d, r in rank_of.items()},
-                   "p2p_in_order": self.opts.p2p_matching == "in_order"}
+                                         for d, r in rank_of.items()}}
         first = unit.tasks[0]
         call = self.b.start(unit.label, "train_fused", first.model.value, first.allocation, payload, unit.devices)
         group0 = {devices[0] for devices in pipe_stage_devices(self.plan, stage).values()}

@@ -224,6 +224,8 @@ class DeviceWorker:
                 and fault.get("op") in (None, spec["op"]):
             os._exit(17)  # test hook: die as a crashed worker would, without cleaning up
         op, role = spec["op"], spec["role"]
+        if isinstance(payload, dict):  # pipeline messages matched as backend.options.p2p_matching says (comm.PipeChannel)
+            payload = {**payload, "p2p_in_order": self.options.get("p2p_matching", "in_order") == "in_order"}
         alloc = alloc_from_dict(spec["allocation"])
         model_cfg = self.setup_info["model_cfgs"][role]
         if op == "move":

@@ -9,7 +9,8 @@ micro-batch or model (with equal shapes silently). Here the fused stage's actor 
 are pinned to ``pp = N`` on N devices (N = 4, 8; N layers per model, 8 micro-batches per pipe), and
 the run must end with the same weights as the same layouts trained one model after the other
 (``system.intra_stage=false``). The test first checks that the plan's searched schedule is one the
-naive lowering gets wrong, so that it can fail.
+naive lowering gets wrong, so that it can fail. With gloo's tag matching (``p2p_matching=tags``)
+the same lists give bit-identical weights.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def _args(num_stages: int, fused: bool) -> list[str]:
+def _args(num_stages: int, fused: bool, matching: str = "in_order") -> list[str]:
     layout = f"dp1tp1pp{num_stages}"
     return ["+system=rlhfuse", "model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1",
             f"cluster.gpus_per_node={num_stages}", "logger=none", "logger.progress_bar=false",
-            "backend.num_iterations=1", "backend.options.dump_weights_dir=w", "backend.options.p2p_matching=in_order",
+            "backend.num_iterations=1", "backend.options.dump_weights_dir=w", f"backend.options.p2p_matching={matching}",
             f"model.actor.num_layers={num_stages}", f"model.critic.num_layers={num_stages}",
             "workload.micro_batch_size=1", "workload.mini_batch_size=8", "system.inter_stage=false",
             f"system.layouts.update_actor={layout}", f"system.layouts.update_critic={layout}",
@@ -43,6 +44,8 @@ def runs(tmp_path_factory, run_harness, machine_lock):
         for fused in (True, False):
             cwd = root / f"pp{n}_{'fused' if fused else 'serial'}"
             out[(n, fused)] = (cwd, run_harness(_args(n, fused), cwd, timeout=900))
+    cwd = root / "pp4_fused_tags"  # gloo's tag matching (backend.options.p2p_matching=tags), for comparison
+    out[(4, "tags")] = (cwd, run_harness(_args(4, True, "tags"), cwd, timeout=900))
     return out
 
 
@@ -74,3 +77,13 @@ def test_fused_training_matches_serial_under_in_order_matching(runs, num_stages)
         diff = float((fused - serial).norm())
         assert update > 1e-4
         assert diff < 1e-6 * float(serial.norm()) and diff < 1e-2 * update, (role, diff, update)
+
+
+def test_tag_matching_gives_the_same_weights_as_in_order(runs):
+    """The ordered lists are correct under either matching rule: gloo's tags agree with posting order."""
+    for key in ((4, True), (4, "tags")):
+        assert runs[key][1].returncode == 0, runs[key][1].stderr[-3000:]
+    for role in ("actor", "critic"):
+        in_order = _flat(runs[(4, True)][0] / "w" / f"{role}.pt")
+        tags = _flat(runs[(4, "tags")][0] / "w" / f"{role}.pt")
+        assert torch.equal(in_order, tags), role
