@@ -107,6 +107,16 @@ def _write_static_files(folder: results.RunFolder, cfg: DictConfig, plan: Plan) 
         to_csv(stage.schedule, folder.path(f"schedules/{'+'.join(stage.tasks)}.csv"))
 
 
+def make_plan(system: System, ctx: PlanContext) -> tuple[Plan, float, Any]:
+    """The system's plan for ``ctx``, the seconds planning took, and its memory check: a plan that
+    breaks the IR or does not fit in device memory raises here, before any backend work."""
+    start = time.perf_counter()
+    plan = system.plan(ctx)
+    plan_s = time.perf_counter() - start
+    plan.validate(ctx.num_devices)
+    return plan, plan_s, check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+
+
 def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
     """Run one benchmark; ``overrides`` (the command line's) define the results variant."""
     if OmegaConf.is_missing(cfg, "system"):
@@ -125,11 +135,7 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
         print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
         return RunOutcome(path, stored["metrics"], skipped=True, info=stored.get("info"))
 
-    start = time.perf_counter()
-    plan = system.plan(ctx)
-    plan_s = time.perf_counter() - start
-    plan.validate(ctx.num_devices)
-    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    plan, plan_s, memory = make_plan(system, ctx)
 
     backend = get_class(cfg.backend._target_)(run.backend, ctx)
     backend.check(plan)  # features the backend cannot execute: refused before anything is written

@@ -111,22 +111,22 @@ def _composed(point: ReplayPoint):
 
 
 def simulate_summary(cfg) -> dict[str, float]:
-    """Plan and simulate one composed config as ``python -m harness`` would (without writing any
-    results): the summary metrics averaged after the warm-up iterations."""
+    """Plan and simulate one composed config as ``python -m harness`` would (the same planning and
+    checks, :func:`harness.runner.make_plan`; without writing any results): the summary metrics
+    averaged after the warm-up iterations."""
     from omegaconf import OmegaConf
 
     from hydra.utils import get_class
 
     from harness import metrics as mk
-    from harness.runner import build_context
+    from harness.runner import build_context, make_plan
     from harness.validation import check_batch_sizes
     from harness.workload import make_batch
 
     check_batch_sizes(cfg)
     run = OmegaConf.to_object(cfg)
     ctx = build_context(run)
-    plan = get_class(run.system.impl)(run.system).plan(ctx)
-    plan.validate(ctx.num_devices)
+    plan, _, _ = make_plan(get_class(run.system.impl)(run.system), ctx)
     backend = get_class(cfg.backend._target_)(run.backend, ctx)
     backend.check(plan)
     task_models = {t.name: t.model for t in plan.tasks}

@@ -41,9 +41,9 @@ from harness.backends.ray.rewards import reward_fields
 from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
 from harness.plan import Allocation, Plan, Task, TaskKind
-from harness.real.digest import weights_digest
 from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
 from harness.planning.taskmodels.passes import pipe_stage_devices
+from harness.real.digest import weights_digest
 from harness.schedule import Schedule
 from harness.schedule.p2p_order import check_in_order, order_receives
 from harness.trace import PARAM_DIGEST, PipelineRun, SampleRecord, StepTrace
@@ -293,6 +293,7 @@ class Iteration(PlanInterpreter):
         action list from the plan's fused schedule, interleaving actor and critic actions."""
         stage = unit.stage
         minibatches = self._minibatches()
+        ordered = p2p_ordered(stage.schedule)
         rank_of: dict[int, int] = {}
         for (pipe, st), devices in pipe_stage_devices(self.plan, stage).items():
             rank = stage.schedule.pipes[pipe].stage_to_rank[st]
@@ -307,7 +308,7 @@ class Iteration(PlanInterpreter):
                                              "loss": t.model.value, "micro_batch_size": stage.micro_batch_size}
                              for t in unit.tasks},
                    "pipe_role": {name: pipe.model for name, pipe in stage.schedule.pipes.items()},
-                   "actions_by_device": {str(d): [a.token() for a in p2p_ordered(stage.schedule).order.get(r, [])]
+                   "actions_by_device": {str(d): [a.token() for a in ordered.order.get(r, [])]
                                          for d, r in rank_of.items()}}
         first = unit.tasks[0]
         call = self.b.start(unit.label, "train_fused", first.model.value, first.allocation, payload, unit.devices)
