@@ -14,15 +14,16 @@ What the original does, and what we reproduce as plan data:
 - **Sequential stages**: generation, then ref, reward and critic inference, then actor training,
   then critic training, one after another on all GPUs. Reproduced (every task uses every device,
   so the simulator serialises them).
-- **Generation as its reference implementation runs it** (DeepSpeedExamples
-  ``dschat/rlhf/ppo_trainer.py`` ``_generate_sequence`` and DeepSpeed's ``hybrid_engine.py``): the
-  hybrid engine swaps DeepSpeed inference kernels into the layers and calls Hugging Face
-  ``generate`` -- a Python loop issuing every kernel of every step, no CUDA graphs
-  (``generation_engine: eager``); under ZeRO-3 it passes ``synced_gpus=True``, so every rank
-  keeps stepping until the longest response of the round on any rank ends (``synced_instances``);
-  ``generate`` returns one tensor padded to the round's longest sequence, which the ref, reward,
-  critic and training passes then process padded (``pad_to_longest``). Reproduced as generation
-  policy data (``harness.plan.GenerationPolicy``).
+- **Engines of its reference implementation** (:mod:`harness.engines`): generation on the hybrid
+  engine (``conf/engine/generation/ds_hybrid.yaml``: DeepSpeed's fused inference kernels under Hugging
+  Face ``generate``, an eager Python loop, rounds synced across ranks under ZeRO-3, prompts padded to
+  the maximum and later passes padded to the round's longest sequence) and training on DeepSpeed ZeRO
+  (``conf/engine/training/deepspeed.yaml``; ``deepspeed_offload`` for ``--offload``). With
+  ``engine.generation=ds_chat_generate`` (hybrid engine disabled) the actor generates in place with
+  its training layout, each GPU its own batch, gathering ZeRO-3 shards at every step.
+  ``system.actor_zero_stage`` / ``critic_zero_stage`` set the per-model ZeRO stages (the reference
+  model follows the actor's, the reward model the critic's), ``system.offload_reference_model`` keeps
+  the reference model in host memory.
 - **Mini-batch, micro-batch and generation batch, derived from the cluster and the workload**:
   DeepSpeed-Chat trains with ZeRO-3 data parallelism over all N GPUs, so every micro-step needs at
   least one sample on every GPU: its mini-batch (``train_batch_size``) is
@@ -47,8 +48,7 @@ What the original does, and what we reproduce as plan data:
 
 Modelled rather than executed here: ZeRO-3's per-layer gathers and reduce-scatters are costed by
 the simulator as collectives overlapped with compute (prefetching); the host cost of the eager
-loop is the calibrated model's ``eager`` engine (measured for plain eager PyTorch, an upper bound
-for the hybrid engine's fused kernels; ``system.generation_engine=graph`` shows the other bound).
+loop and the other engine mechanisms are the engine's (docs/VALIDATION.md).
 """
 from __future__ import annotations
 
@@ -74,15 +74,15 @@ class DeepSpeedChatConfig(SystemConfig):
     generation_batch_size: Optional[int] = None
     gen_tp: int = 0  # hybrid-engine inference_tp_size; 0 = GPUs per node
     zero_stage: int = 3
-    generation_engine: str = "eager"  # graph | eager: HF generate loop, no CUDA graphs
-    # Kernels per layer per decode step of the hybrid engine's fused LLaMA inference layer, read
-    # from DeepSpeed's deepspeed/ops/transformer/inference/{ds_attention,ds_mlp}.py: fused
-    # norm+QKV GEMM, fused rotary+KV-append+attention (softmax_context), output GEMM, fused
-    # residual+norm+gate/up GEMM+activation, down GEMM, residual add: 6 (plus an all-reduce per
-    # attention and MLP block when inference_tp_size > 1, which the cost model times separately).
-    eager_launches_per_layer: int = 6
-    synced_generation: bool = True  # generate(synced_gpus=zero_stage == 3)
-    pad_to_longest: bool = True  # later passes see the round's padded tensor
+    # --actor_zero_stage / --critic_zero_stage (None: zero_stage). The reference model follows the
+    # actor's stage and the reward model the critic's, as DeepSpeed-Chat initialises them (rlhf_engine.py).
+    actor_zero_stage: Optional[int] = None
+    critic_zero_stage: Optional[int] = None
+    offload_reference_model: bool = False  # --offload_reference_model: ref weights in host memory
+    # How its reference implementation runs the work (harness/engines.py, conf/engine/): the hybrid
+    # engine (static rounds, eager fused kernels, synced under ZeRO-3, padded) and DeepSpeed ZeRO.
+    generation_engine: str = "ds_hybrid"
+    training_engine: str = "deepspeed"
 
 
 def derived_mini_batch_size(num_devices: int, workload: WorkloadConfig) -> int:
@@ -149,29 +149,39 @@ class DeepSpeedChat(System):
         gbs = ctx.workload.global_batch_size
         mini_batch_size, generation_batch_size = self.batch_sizes(ctx)
         micro_batch_size = per_device_micro_batch_size(mini_batch_size, n, ctx.workload)
-        zero = ParallelStrategy(dp=n, tp=1, pp=1, zero_stage=cfg.zero_stage)
+        stages = {role: cfg.zero_stage if own is None else own
+                  for role, own in (("actor", cfg.actor_zero_stage), ("critic", cfg.critic_zero_stage))}
+        for role, stage in stages.items():
+            if stage not in (0, 1, 2, 3):
+                raise ConfigError(f"system.{role}_zero_stage / system.zero_stage: ZeRO stage {stage} is not 0-3")
         if gen_tp < 1 or per_node % gen_tp or n % gen_tp:
             raise PlanError(f"deepspeed_chat generation (system.gen_tp): tp={gen_tp} must divide the {per_node} "
                             f"GPUs of a node (the hybrid engine's tensor parallelism stays on NVLink)")
-        gen = ParallelStrategy(dp=n // gen_tp, tp=gen_tp, pp=1)
-        check_layout_fits(gen, n, per_node, ctx.models.actor.num_layers, "deepspeed_chat generation (system.gen_tp)")
-        num_instances = gen.dp
+        actor_alloc = Allocation(mesh, ParallelStrategy(dp=n, tp=1, pp=1, zero_stage=stages["actor"]))
+        critic_alloc = Allocation(mesh, ParallelStrategy(dp=n, tp=1, pp=1, zero_stage=stages["critic"]))
+        allocs = {"ref": actor_alloc, "update_actor": actor_alloc,
+                  "reward": critic_alloc, "values": critic_alloc, "update_critic": critic_alloc}
+        in_place = ctx.engines is not None and ctx.engines.generation.weights == "training_layout"
+        if in_place:  # hybrid engine disabled: HF generate() on the ZeRO module, each GPU its own batch
+            gen_tp = 1
+            allocs["gen"] = actor_alloc
+        else:  # the hybrid engine gathers ZeRO-3 shards into this layout
+            gen = ParallelStrategy(dp=n // gen_tp, tp=gen_tp, pp=1)
+            check_layout_fits(gen, n, per_node, ctx.models.actor.num_layers,
+                              "deepspeed_chat generation (system.gen_tp)")
+            allocs["gen"] = Allocation(mesh, gen)
+        num_instances = n // gen_tp
         if generation_batch_size % num_instances:
             raise PlanError(f"system.generation_batch_size={generation_batch_size} must be a multiple of the "
-                            f"{num_instances} hybrid-engine TP groups (N / gen_tp)")
-        train_alloc = Allocation(mesh, zero)
-        allocs = {name: train_alloc for name in ("ref", "reward", "values", "update_actor", "update_critic")}
-        allocs["gen"] = Allocation(mesh, gen)  # the hybrid engine gathers ZeRO-3 shards into this layout
-        policy = GenerationPolicy(batching="static", max_batch_size=generation_batch_size // num_instances,
-                                  engine=cfg.generation_engine,
-                                  eager_launches_per_layer=(cfg.eager_launches_per_layer
-                                                            if cfg.generation_engine == "eager" else None),
-                                  synced_instances=cfg.synced_generation and cfg.zero_stage == 3,
-                                  pad_to_longest=cfg.pad_to_longest)
+                            f"{num_instances} generation instances (N / gen_tp)")
+        # batching, kernels, syncing and padding come from the generation engine (the assembler)
+        policy = GenerationPolicy(batching="static", max_batch_size=generation_batch_size // num_instances)
         return assemble_ppo_plan(
             ctx, cfg.name, allocs, policy, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+            offloaded=("ref",) if cfg.offload_reference_model else (),
             notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // generation_batch_size,
-                   "zero_stage": cfg.zero_stage})
+                   "zero_stage": cfg.zero_stage, "actor_zero_stage": stages["actor"],
+                   "critic_zero_stage": stages["critic"]})
 
 
 register_system_config("deepspeed_chat", DeepSpeedChatConfig)

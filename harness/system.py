@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 
 from harness.config import ClusterConfig, ModelsConfig, SystemConfig, WorkloadConfig
 from harness.costmodel import CostModel
+from harness.engines import Engines
 from harness.plan import Plan
 
 
@@ -28,6 +29,10 @@ class PlanContext:
     cost_model: CostModel
     seed: int = 0
     planning_budget_s: float | None = None  # caps any search a system runs (RunConfig.planning_budget_s)
+    # The execution engines the plan will run on (harness/engines.py): the system's defaults unless
+    # engine.* overrides them; None (contexts built by hand in tests) = the plan carries no engines and
+    # the simulator times ops on the cost model as is.
+    engines: Engines | None = None
 
     def wall_clock_budget_s(self, own_s: float | None) -> float | None:
         """A search's wall-clock budget, or None when it is budgeted in steps (the default): the

@@ -21,8 +21,13 @@ iterations and warm-up) and the command prints predicted vs measured per point, 
 and overall: the median and 90th percentile of predicted/measured, and the worst points (furthest
 from 1 on a log scale). Deterministic: the same file gives the same numbers.
 
-This module measures; it fits nothing. What the replay file says about each point (and which points
-it leaves out, and why) is data, documented in docs/VALIDATION.md.
+    python -m harness.validate data/published/replay.jsonl --fit --cv --write  # fit the engines' constants
+
+By default it measures with the engines' constants as ``data/engines/fitted.json`` has them
+(``--prior``: every fitted constant at its prior). ``--fit`` fits the shared per-engine constants on
+the file's points (:mod:`harness.engine_fit`), prints them and the replay under them; ``--cv`` adds
+leave-one-source-out cross-validation; ``--write`` stores the constants. What the replay file says
+about each point (and which points it leaves out, and why) is data, documented in docs/VALIDATION.md.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,7 @@ METRICS = {
 }
 REQUIRED_FIELDS = ("id", "overrides", "metric", "value", "source")
 WORST_SHOWN = 5
+FITTED_REL = "data/engines/fitted.json"
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,38 @@ def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
     return records
 
 
+def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iterations: int = 3):
+    """Fitted constants on every point and, when ``cross_validate``, leave-one-source-out records
+    (each source's points predicted with constants fitted without them); see :mod:`harness.engine_fit`."""
+    from harness import engine_fit as ef
+
+    cfgs = [_composed(p) for p in points]
+    deps = [ef.point_constants(c) for c in cfgs]
+    measured = [p.value for p in points]
+    cache: dict[tuple, float] = {}
+
+    def predict(i: int, values: dict) -> float:
+        key = (i, tuple(sorted((c.label, round(values.get(c, c.prior), 12)) for c in deps[i])))
+        if key not in cache:
+            with ef.constants(values):
+                cache[key] = simulate_summary(cfgs[i])[METRICS[points[i].metric]]
+        return cache[key]
+
+    values = ef.fit(len(points), deps, measured, predict, iterations=iterations)
+    cv_records = []
+    if cross_validate:
+        for source in sorted({p.source for p in points}):
+            train = [i for i, p in enumerate(points) if p.source != source]
+            fold = ef.fit(len(points), deps, measured, predict, include=train, iterations=iterations,
+                          start=values)
+            for i, p in enumerate(points):
+                if p.source == source:
+                    predicted = predict(i, fold)
+                    cv_records.append({"id": p.id, "source": p.source, "metric": p.metric, "predicted": predicted,
+                                       "measured": p.value, "ratio": predicted / p.value})
+    return values, cv_records
+
+
 def report(records: list[dict[str, Any]]) -> str:
     lines = [f"{'id':<12}{'metric':<17}{'predicted':>12}{'measured':>12}{'pred/meas':>11}  source"]
     for r in records:
@@ -186,7 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file", type=Path, help="replay file (JSON lines)")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the records as a JSON list here")
     p.add_argument("--ids", nargs="+", metavar="ID", help="replay only these points")
+    p.add_argument("--fit", action="store_true",
+                   help="fit the engines' shared constants on these points, then replay with them")
+    p.add_argument("--cv", action="store_true", help="with --fit: leave-one-source-out cross-validation")
+    p.add_argument("--write", action="store_true", help=f"with --fit: write the constants to {FITTED_REL}")
+    p.add_argument("--prior", action="store_true",
+                   help="replay with every fitted constant at its prior (engine.fitted=false)")
     args = p.parse_args(argv)
+    if (args.cv or args.write) and not args.fit:
+        p.error("--cv and --write need --fit")
     try:
         points = read_replay(args.file)
         if args.ids:
@@ -194,11 +240,36 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 raise ConfigError(f"--ids: no point(s) {unknown} in {args.file}")
             points = [pt for pt in points if pt.id in set(args.ids)]
-        records = replay(points)
+        if args.prior:
+            points = [replace(pt, overrides=pt.overrides + ("engine.fitted=false",)) for pt in points]
+        cv_records: list[dict[str, Any]] = []
+        if args.fit:
+            from harness import engine_fit as ef
+
+            values, cv_records = fit_and_cross_validate(points, args.cv)
+            print("fitted constants (prior -> fitted):")
+            for c, v in sorted(values.items(), key=lambda kv: kv[0].label):
+                print(f"  {c.label:<48}{c.prior:>10.4g} -> {v:.4g}")
+            with ef.constants(values):
+                records = replay(points)
+        else:
+            records = replay(points)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(records))
+    if cv_records:
+        print("\nleave-one-source-out (each source predicted with constants fitted without it):")
+        print(report(cv_records))
+    if args.fit and args.write:
+        from harness.engines import FITTED_PATH
+
+        cv = None
+        if cv_records:
+            cv = {source: _stats([r["ratio"] for r in cv_records if r["source"] == source])["median"]
+                  for source in sorted({r["source"] for r in cv_records})}
+        ef.write_fitted(values, FITTED_PATH, str(args.file), len(points), cv)
+        print(f"wrote {FITTED_PATH}")
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
     return 0

@@ -14,7 +14,10 @@ What a layer costs (per GPU of a tp group, ``M`` tokens):
 
 * **linear and elementwise ops** (norms, QKV, rope, output projection, gate/up, SwiGLU, down,
   residual adds): the sum of their fitted laws (:mod:`.measured`: a latency floor, then linear in
-  FLOPs and bytes), evaluated on this model's dimensions, per tp;
+  FLOPs and bytes), evaluated on this model's dimensions, per tp. A GeLU MLP (``mlp="gelu"``: OPT,
+  GPT) is Vidur's ``use_gated_mlp=False``: an up projection of ``ffn`` columns and a two-operand
+  activation; a model with ``learned_positions`` has no rotary op (its position embedding is added
+  once per pass with the token lookup, which is not charged either);
 * **attention core** (not in the profiles): FLOPs at the FlashAttention-2 efficiency of
   ``ATTENTION_EFFICIENCY_FRAC`` (below), or the KV bytes it must stream at the measured
   elementwise streaming rate (the ``add`` law's seconds per byte), whichever is larger (a
@@ -209,10 +212,13 @@ class CalibratedCompute:
     # -- pieces ---------------------------------------------------------------------------
 
     def _linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
-        """One layer's linear and elementwise ops (every profiled op but the embedding)."""
+        """One layer's linear and elementwise ops (every profiled op but the embedding; no rope
+        with learned positions)."""
         dims = _vidur_dims(d)
         total = 0.0
         for op in LAYER_OPS:
+            if op == "attn_rope" and d.learned_positions:
+                continue
             flops, nbytes, width = _op_work(op, dims, tp, num_tokens)
             total += self.cal.law(OP_CLASS[op], tp).seconds(flops, nbytes, width)
         return total
@@ -376,23 +382,27 @@ def derived_graph_step_overhead_s() -> float:
 
 
 @lru_cache(maxsize=None)
-def _vidur_dims(d: ModelDims) -> tuple[float, float, float, float]:
-    return float(d.hidden_size), float(d.ffn_hidden_size), float(d.num_heads), float(d.num_kv_heads)
+def _vidur_dims(d: ModelDims) -> tuple[float, float, float, float, float]:
+    """``(h, ffn, heads, kv heads, up-projection matrices)``: 2 (gate and up) for SwiGLU, Vidur's
+    ``use_gated_mlp``; 1 for a GeLU MLP."""
+    return (float(d.hidden_size), float(d.ffn_hidden_size), float(d.num_heads),
+            float(d.num_kv_heads), 2.0 if d.gated_mlp else 1.0)
 
 
-def _op_work(op: str, dims: tuple[float, float, float, float], tp: int,
+def _op_work(op: str, dims: tuple[float, float, float, float, float], tp: int,
              m: float) -> tuple[float, float, float]:
     """(FLOPs, bytes, width) of a profiled op; see :func:`harness.costmodel.measured.op_work`
     (tested equal)."""
-    h, f, n_head, n_kv = dims
+    h, f, n_head, n_kv, up = dims
     kv = max(1.0, float(int(n_kv // tp))) * (h / n_head)
     b = BF16_BYTES
     if op in ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj"):
         k, n = {"attn_pre_proj": (h, h / tp + 2.0 * kv), "attn_post_proj": (h / tp, h),
-                "mlp_up_proj": (h, 2.0 * f / tp), "mlp_down_proj": (f / tp, h)}[op]
+                "mlp_up_proj": (h, up * f / tp), "mlp_down_proj": (f / tp, h)}[op]
         return 2.0 * m * k * n, b * (k * n + m * k + m * n), b * (k * n + k + n)
     per_token = {"input_layernorm": 2.0 * h, "post_attention_layernorm": 2.0 * h, "emb": 2.0 * h,
-                 "attn_rope": 2.0 * (h / tp + kv), "mlp_act": 3.0 * f / tp, "add": 3.0 * h}[op]
+                 "attn_rope": 2.0 * (h / tp + kv), "mlp_act": (up + 1.0) * f / tp,
+                 "add": 3.0 * h}[op]
     return 0.0, b * per_token * m, b * per_token
 
 

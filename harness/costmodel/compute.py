@@ -13,6 +13,9 @@ sit on the critical path and are added, not overlapped. Kernel-launch overheads 
 imperfect overlap of compute with memory traffic inside one op are not modelled; the
 efficiency factors of ``conf/cluster`` absorb part of them.
 
+The architecture enters through :mod:`.llama` (MLP kind, tied head, learned positions): an LM
+head tied to the input embedding still runs its GEMM and streams its matrix.
+
 Pipeline parallelism (``pp``) in generation: the batch is split into ``num_mbs = min(pp,
 batch)`` micro-batches that chase each other through the ``pp`` stages. In steady state a
 decode step of one micro-batch takes ``pp`` stage times, and during it each stage serves
@@ -38,11 +41,9 @@ from harness.costmodel.llama import (
     BF16_BYTES,
     ModelDims,
     activation_io_elems_per_token_layer,
-    embedding_params,
     forward_flops,
     head_params,
     kv_bytes_per_token,
-    num_params,
     params_per_layer,
 )
 
@@ -184,7 +185,9 @@ class Roofline:
         per_mb = tp * num_mbs
         flops = forward_flops(d, batch_tokens, context_len, d.num_layers, include_head=False)
         flops += 2.0 * head_params(d) * head_tokens
-        weights = num_params(d) - embedding_params(d)  # the looked-up rows are negligible
+        # Streamed weights: the layers, final norm and head GEMM (a tied LM head is the embedding
+        # matrix, streamed all the same); the looked-up embedding rows are negligible.
+        weights = d.num_layers * params_per_layer(d) + d.hidden_size + head_params(d)
         weight_bytes = weights * BF16_BYTES / tp
         kv_bytes = kv_bytes_per_token(d) * kv_tokens / (min(tp, d.num_kv_heads) * num_mbs)
         activations = activation_io_elems_per_token_layer(d) * batch_tokens * d.num_layers

@@ -11,6 +11,23 @@ parameters), SwiGLU MLP with three matrices (gate, up, down), no biases anywhere
 input embedding and LM head. Critic and reward models replace the vocab-sized LM head by a
 scalar value head of ``hidden_size`` weights.
 
+Other decoders (OPT: Zhang et al. 2022; GPT-3: Brown et al. 2020; Megatron GPT) differ from LLaMA
+in three ways, each a :class:`ModelDims` field whose default is LLaMA's:
+
+* ``mlp``: ``"swiglu"`` (gate, up, down: three ``h x ffn`` matrices) or ``"gelu"`` (up, down: two
+  ``h x ffn`` matrices, ffn = 4h in OPT and GPT);
+* ``tied_embeddings``: the LM head is the input embedding matrix. Its GEMM still runs (FLOPs and
+  the bytes it streams are those of an untied head), but its weights, gradients and optimizer
+  state exist once: :func:`num_params` counts them once, and so does a single pipeline stage that
+  holds both ends (:mod:`.memory`; with ``pp > 1`` the last stage keeps its own copy, as
+  Megatron-LM does). A scalar value head is never tied;
+* ``learned_positions``: a ``max_seq_len x hidden_size`` position embedding (counted with the
+  input embedding; a lookup, no FLOPs) instead of rotary embeddings (no parameters).
+
+OPT and GPT also have biases in every linear layer and LayerNorm (weight + bias) instead of
+RMSNorm; those biases are not counted (under 0.1% of the parameters: ``7h + ffn`` per layer
+against ``12 h^2``).
+
 FLOP convention. A matmul with ``P`` weights costs ``2 * P`` FLOPs per token (multiply +
 add). Attention scores ``Q K^T`` and the weighted sum ``A V`` each cost ``2 * h`` FLOPs per
 (query, key) pair, so ``4 * h * context_len`` FLOPs per token per layer, where
@@ -38,6 +55,10 @@ from omegaconf import DictConfig
 # Bytes per element of the bf16/fp16 tensors we store weights, activations and KV in.
 BF16_BYTES = 2
 
+# MLP variants (``ModelDims.mlp``, ``LlamaConfig.mlp``) and their number of ``h x ffn`` matrices.
+MLP_MATRICES = {"swiglu": 3, "gelu": 2}
+MLP_KINDS = tuple(MLP_MATRICES)
+
 
 @dataclass(frozen=True)
 class ModelDims:
@@ -51,6 +72,15 @@ class ModelDims:
     ffn_hidden_size: int
     vocab_size: int = 32000
     value_head: bool = False
+    mlp: str = "swiglu"  # "swiglu" (LLaMA) or "gelu" (OPT, GPT); see the module docstring
+    tied_embeddings: bool = False  # LM head = input embedding (OPT, Megatron GPT)
+    learned_positions: bool = False  # max_seq_len x hidden position embedding (OPT, GPT)
+    max_seq_len: int = 4096  # only counted with learned_positions
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP is gated (SwiGLU: gate and up projections), as Vidur's ``use_gated_mlp``."""
+        return self.mlp == "swiglu"
 
     @property
     def head_dim(self) -> int:
@@ -88,7 +118,8 @@ _DICTCONFIG_CACHE: dict[int, tuple[Any, ModelDims]] = {}
 _DICTCONFIG_CACHE_MAX = 1024
 
 
-_FIELD_TYPES = {"name": str, "value_head": bool}
+_FIELD_TYPES = {"name": str, "value_head": bool, "mlp": str, "tied_embeddings": bool,
+                "learned_positions": bool}
 _FIELD_TYPES.update(
     {f.name: int for f in dataclasses.fields(ModelDims) if f.name not in _FIELD_TYPES}
 )
@@ -103,6 +134,9 @@ def _dims_from(cfg: Any) -> ModelDims:
             raise ValueError(f"model config lacks required field {f.name!r}: {cfg!r}")
         values[f.name] = _FIELD_TYPES[f.name](value)
     dims = ModelDims(**values)
+    if dims.mlp not in MLP_MATRICES:
+        raise ValueError(f"model {dims.name!r}: mlp={dims.mlp!r} is not one of {', '.join(MLP_KINDS)} "
+                         f"(swiglu: LLaMA's gate/up/down; gelu: OPT/GPT's up/down)")
     if dims.hidden_size % dims.num_heads or dims.num_heads % dims.num_kv_heads:
         raise ValueError(
             f"model {dims.name!r}: hidden_size {dims.hidden_size} must divide into "
@@ -120,7 +154,8 @@ def _dims_from(cfg: Any) -> ModelDims:
 def _matmul_params_per_layer(d: ModelDims) -> int:
     h = d.hidden_size
     attention = 2 * h * h + 2 * h * d.kv_dim  # W_q, W_o: h x h; W_k, W_v: h x kv_dim
-    mlp = 3 * h * d.ffn_hidden_size  # SwiGLU gate, up (h x ffn) and down (ffn x h)
+    # SwiGLU: gate, up (h x ffn) and down (ffn x h); GeLU: up and down
+    mlp = MLP_MATRICES[d.mlp] * h * d.ffn_hidden_size
     return attention + mlp
 
 
@@ -130,31 +165,45 @@ def matmul_params_per_layer(m: Any) -> int:
 
 
 def params_per_layer(m: Any) -> int:
-    """All weights of one decoder layer: attention, SwiGLU MLP and two RMSNorm vectors."""
+    """All weights of one decoder layer: attention, MLP and two norm weight vectors (biases of
+    OPT/GPT LayerNorms and linears not counted; see the module docstring)."""
     d = ModelDims.of(m)
     return _matmul_params_per_layer(d) + 2 * d.hidden_size
 
 
 def embedding_params(m: Any) -> int:
-    """Input token embedding: ``vocab_size x hidden_size``."""
+    """Input embedding: tokens (``vocab_size x hidden_size``) plus, with ``learned_positions``,
+    positions (``max_seq_len x hidden_size``)."""
     d = ModelDims.of(m)
-    return d.vocab_size * d.hidden_size
+    positions = d.max_seq_len if d.learned_positions else 0
+    return (d.vocab_size + positions) * d.hidden_size
 
 
 def head_params(m: Any) -> int:
-    """Output head: untied LM head (``vocab x h``) or a scalar value head (``h``)."""
+    """Weights of the output head's GEMM: the LM head (``vocab x h``; the input embedding
+    matrix itself when ``tied_embeddings``) or a scalar value head (``h``). What the head costs
+    in FLOPs and streamed bytes; :func:`stored_head_params` is what it adds to the model."""
     d = ModelDims.of(m)
     return d.hidden_size if d.value_head else d.vocab_size * d.hidden_size
+
+
+def stored_head_params(m: Any) -> int:
+    """Parameters the head adds to the model: :func:`head_params`, or 0 for an LM head tied to
+    the input embedding (a value head is never tied)."""
+    d = ModelDims.of(m)
+    return 0 if d.tied_embeddings and not d.value_head else head_params(d)
 
 
 @lru_cache(maxsize=None)
 def _num_params(d: ModelDims) -> int:
     final_norm = d.hidden_size
-    return d.num_layers * params_per_layer(d) + embedding_params(d) + final_norm + head_params(d)
+    return (d.num_layers * params_per_layer(d) + embedding_params(d) + final_norm
+            + stored_head_params(d))
 
 
 def num_params(m: Any) -> int:
-    """Total parameters: layers + embedding + final norm + head."""
+    """Total parameters: layers + embedding (+ learned positions) + final norm + head (once
+    when tied to the embedding)."""
     return _num_params(ModelDims.of(m))
 
 
@@ -173,7 +222,8 @@ def forward_flops(
     """FLOPs of one forward pass over ``num_tokens`` tokens through ``num_layers`` layers
     (all of them when ``None``), each token attending to ``context_len`` keys on average
     (see the module docstring for the convention). ``include_head`` adds the LM / value
-    head matmul; the embedding lookup costs no FLOPs."""
+    head matmul (tied or not); the embedding lookups (tokens, learned positions) cost no
+    FLOPs."""
     d = ModelDims.of(m)
     layers = d.num_layers if num_layers is None else num_layers
     per_token_layer = 2.0 * _matmul_params_per_layer(d) + 4.0 * d.hidden_size * context_len
@@ -198,9 +248,13 @@ def activation_io_elems_per_token_layer(d: ModelDims) -> int:
     Our own count: norm 1 (read h, write h), QKV (read h, write h + 2 kv_dim), attention
     core (read h + 2 kv_dim, write h), output projection (read h, write h), residual add
     (read 2h, write h), norm 2 (2h), gate/up (read h, write 2 ffn), SwiGLU (read 2 ffn,
-    write ffn), down (read ffn, write h), residual add (3h).
+    write ffn), down (read ffn, write h), residual add (3h). A GeLU MLP: up (read h, write
+    ffn), GeLU (read ffn, write ffn), down (read ffn, write h).
     """
     h, kv, f = d.hidden_size, d.kv_dim, d.ffn_hidden_size
     attention_block = 2 * h + (2 * h + 2 * kv) + (2 * h + 2 * kv) + 2 * h + 3 * h
-    mlp_block = 2 * h + (h + 2 * f) + 3 * f + (f + h) + 3 * h
+    if d.gated_mlp:
+        mlp_block = 2 * h + (h + 2 * f) + 3 * f + (f + h) + 3 * h
+    else:
+        mlp_block = 2 * h + (h + f) + 2 * f + (f + h) + 3 * h
     return attention_block + mlp_block

@@ -10,7 +10,11 @@ Layout assumptions. Model parallelism (``tp * pp``) splits the model first: ``pp
 first stage, the final norm and head on the last; each stage is split evenly over ``tp``
 ranks (Megatron-LM also shards the embedding and LM head over tp; the few norm vectors that
 are in truth replicated are divided too -- negligible). Data-parallel ZeRO sharding then
-divides what it shards over ``dp``.
+divides what it shards over ``dp``. An LM head tied to the input embedding
+(``tied_embeddings``: OPT, Megatron GPT) is held once when one stage has both ends (``pp = 1``);
+with ``pp > 1`` the last stage keeps its own copy of the matrix, with its own gradients and
+optimizer state (Megatron-LM's ``initialize_word_embeddings``, whose gradients are all-reduced
+between the first and last stage), so the heaviest stage is as if untied.
 
 Training state follows the ZeRO paper (Rajbhandari et al., SC'20, section 3.1): mixed-
 precision Adam keeps 2 bytes/param of bf16 weights, 2 of bf16 gradients and K = 12 of fp32
@@ -20,8 +24,12 @@ ZeRO-3 the weights as well.
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", Table 2 (bytes per layer, ``s`` sequence, ``b`` micro-batch, ``h``
 hidden, ``a`` heads, ``t`` tensor-parallel size). Their coefficients are derived for GPT
-(4h GeLU MLP, dropout); we apply them to LLaMA unchanged as an approximation (SwiGLU with
-ffn ~ 8h/3 stores a similar amount, and LLaMA has no dropout masks, so this errs high).
+(4h GeLU MLP, dropout); we apply them to LLaMA (``mlp="swiglu"``) unchanged as an
+approximation (SwiGLU with ffn ~ 8h/3 stores a similar amount, and LLaMA has no dropout masks,
+so this errs high). For a GeLU MLP (``mlp="gelu"``) we keep their derivation but with the
+model's ``f = ffn_hidden_size`` in place of ``4h`` (the GeLU input and the second linear's input
+are ``2 s b f`` bytes each): the tensor-parallel part ``24 s b h`` becomes ``8 s b h + 4 s b f``,
+exactly their numbers when ``f = 4h`` (OPT, GPT).
 Pipeline schedules multiply these per-micro-batch numbers by the micro-batches in flight;
 that is the schedule simulator's job, not this module's.
 """
@@ -36,6 +44,7 @@ from harness.costmodel.llama import (
     head_params,
     kv_bytes_per_token,
     params_per_layer,
+    stored_head_params,
 )
 
 GB = 1e9
@@ -52,13 +61,14 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def max_stage_params(model: Any, pp: int = 1) -> float:
-    """Parameters of the heaviest of ``pp`` uniform pipeline stages (before tp sharding)."""
+    """Parameters of the heaviest of ``pp`` uniform pipeline stages (before tp sharding). A
+    tied LM head counts once at ``pp = 1`` and as the last stage's own copy at ``pp > 1``."""
     d = ModelDims.of(model)
     layers = d.num_layers / pp * params_per_layer(d)
     first = embedding_params(d)
-    last = d.hidden_size + head_params(d)  # final norm + head
     if pp == 1:
-        return layers + first + last
+        return layers + first + (d.hidden_size + stored_head_params(d))  # final norm + head
+    last = d.hidden_size + head_params(d)  # final norm + head (a tied head's copy)
     return layers + max(first, last)
 
 
@@ -90,13 +100,21 @@ def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: flo
     * ``full`` (only each layer's input is kept): ``2 s b h``. With sequence
       parallelism that input would be sharded too (``/ t``); we keep the unsharded, larger
       figure, which is safe for feasibility checks.
+
+    For ``mlp="gelu"`` the ``24`` is ``8 + 4 f / h`` and the ``34`` is ``18 + 4 f / h`` (the
+    same at ``f = 4h``; module docstring); SwiGLU models keep the coefficients above.
     """
     d = ModelDims.of(model)
     sbh = seq_len * micro_batch_size * d.hidden_size
+    if d.gated_mlp:
+        sharded, selective = 24, 34
+    else:
+        ffn_ratio = d.ffn_hidden_size / d.hidden_size
+        sharded, selective = 8 + 4 * ffn_ratio, 18 + 4 * ffn_ratio
     if recompute == "none":
-        return sbh * (10 + 24 / tp + 5 * d.num_heads * seq_len / (d.hidden_size * tp))
+        return sbh * (10 + sharded / tp + 5 * d.num_heads * seq_len / (d.hidden_size * tp))
     if recompute == "selective":
-        return sbh * 34 / tp
+        return sbh * selective / tp
     if recompute == "full":
         return 2 * sbh
     raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")

@@ -18,12 +18,17 @@ training stages). What is decided once, here, for all of them:
 - **residency**: actor and critic training states stay resident; ref and reward weights too
   unless offloaded; a separate pool's shadow actor weights;
 - **training**: each training task as its own 1F1B stage unless the system passes its stages
-  (RLHFuse's fused pipeline).
+  (RLHFuse's fused pipeline);
+- **engines** (:mod:`harness.engines`): the plan records the run's execution engines; the generation
+  engine sets the policy's batching, kernels, syncing and padding (the system keeps batch limits and
+  migration), and a plan its engines cannot run is refused.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
+from harness.engines import check_compatible, policy_fields
 from harness.errors import PlanError
 from harness.plan import (Allocation, GenerationPolicy, MovementKind, Plan, ResidentState, TrainingStage,
                           WeightMovement)
@@ -68,6 +73,10 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
     if actor_sync == MovementKind.PER_REPLICA:
         raise PlanError(f"{system}: the actor reaches generation by realloc or param_sync, not per replica")
     mini_batch_size = ctx.workload.mini_batch_size if mini_batch_size is None else mini_batch_size
+    if ctx.engines is not None:  # the generation engine decides batching, kernels, syncing, padding
+        check_compatible(ctx.engines, allocations, generation.migration is not None)
+        zero3_actor = allocations["update_actor"].strategy.zero_stage == 3
+        generation = replace(generation, **policy_fields(ctx.engines, zero3_actor))
     movement_tasks, movements, moved = [], [], {}
     for model, consumer, source in MOVED_WEIGHTS:
         src, dst = allocations[source], allocations[consumer]
@@ -90,5 +99,6 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
         training = single_pipe_stages(ctx, allocations, mini_batch_size, micro_batch_size)
     return Plan(system=system, tasks=tasks, training=training,
                 generation=generation, weight_movements=movements, resident=resident, offloaded=list(offloaded),
+                engines=ctx.engines,
                 global_batch_size=ctx.workload.global_batch_size, mini_batch_size=mini_batch_size,
                 notes=dict(notes or {}), layout_keys=dict(layout_keys or {}))

@@ -3,7 +3,8 @@
 For every task and every device of its mesh: memory = states resident on that device all
 iteration (``Plan.resident``) + the task's working set:
 
-- generate: the generation copy of the weights (unless resident) + the KV cache of at least one
+- generate: the generation copy of the weights (unless resident; on ZeRO-3 shards in place, two gathered
+  layers) + the KV cache of at least one
   maximum-length sample (prompt cap + ``max_gen_len``); the rest of memory is KV capacity;
 - inference: weights (unless resident) + one layer's forward activations for a micro-batch;
 - train: weights, gradients and optimizer states (unless resident) + the schedule's peak in-flight
@@ -38,16 +39,26 @@ class MemoryReport:
     kv_capacity_gb: dict[str, float] = field(default_factory=dict)  # generate task -> free memory for KV per device
 
 
-def state_gb(cm: CostModel, model, s, what: str) -> float:
-    """A model's ``train`` state (weights, gradients, optimizer) or ``weights`` in strategy ``s``."""
+def state_gb(cm: CostModel, model, s, what: str, optimizer_offload: bool = False) -> float:
+    """A model's ``train`` state (weights, gradients, optimizer; without the optimizer states when the
+    training engine offloads them to host memory, ZeRO-Offload) or ``weights`` in strategy ``s``."""
     if what == "train":
+        if optimizer_offload:
+            return _no_optimizer_gb(cm, model, s)
         return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage)
     weights = cm.weights_gb(model, s.tp, s.pp)
     return weights / s.dp if s.zero_stage == 3 else weights
 
 
-def _state_gb(cm: CostModel, model, alloc: Allocation, what: str) -> float:
-    return state_gb(cm, model, alloc.strategy, what)
+def _no_optimizer_gb(cm: CostModel, model, s) -> float:
+    """Weights and gradients only (what stays on the GPU under ZeRO-Offload)."""
+    weights = cm.weights_gb(model, s.tp, s.pp)
+    grads = weights  # bf16 gradients, the same bytes as the weights
+    return weights / (s.dp if s.zero_stage >= 3 else 1) + grads / (s.dp if s.zero_stage >= 2 else 1)
+
+
+def _state_gb(cm: CostModel, model, alloc: Allocation, what: str, optimizer_offload: bool = False) -> float:
+    return state_gb(cm, model, alloc.strategy, what, optimizer_offload)
 
 
 def max_seq_len(ctx_workload) -> int:
@@ -96,7 +107,10 @@ def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: 
     s = task.allocation.strategy
     terms: dict[str, float] = {}
     if task.kind == "generate":
-        if not resident_here:
+        if s.zero_stage == 3 and resident_here:  # generate() on ZeRO-3 shards in place: the shards are the resident
+            # training state; a layer is gathered at a time, the next one prefetched
+            terms[f"{task.model} weights gathered (2 layers, zero3)"] = 2 * cm.weights_gb(model, s.tp, s.pp) / model.num_layers
+        elif not resident_here:
             terms[f"{task.model} weights (tp{s.tp} pp{s.pp})"] = cm.weights_gb(model, s.tp, s.pp)
         terms["KV cache of one max-length sample"] = kv_one_sample_gb(cm, model, s, workload)
     elif task.kind == "inference":
@@ -112,11 +126,12 @@ def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: 
 
 def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryReport:
     capacity = cm.hbm_capacity_gb
+    offload = plan.engines is not None and plan.engines.training.optimizer_offload  # ZeRO-Offload
     resident: dict[int, list[tuple[str, float]]] = defaultdict(list)
     resident_keys: set[tuple[str, str]] = set()
     for r in plan.resident:
         task = plan.task(r.task)
-        gb = _state_gb(cm, getattr(models, r.model), task.allocation, r.what)
+        gb = _state_gb(cm, getattr(models, r.model), task.allocation, r.what, offload)
         resident_keys.add((r.model, r.task))
         for d in task.allocation.mesh:
             resident[d].append((f"resident {r.model} {r.what} ({task.allocation.strategy})", gb))
@@ -125,7 +140,9 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
     for task in plan.tasks:
         if task.kind == "weight_movement":
             continue
-        resident_here = (task.model, task.name) in resident_keys
+        resident_here = (task.model, task.name) in resident_keys or any(  # e.g. generate() in place on
+            r.model == task.model and plan.task(r.task).allocation == task.allocation  # the training module
+            for r in plan.resident)
         working = _working_set_gb(task, cm, models, workload, resident_here, train_act)
         worst = 0.0
         for d in task.allocation.mesh:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from harness import metrics as mk
+from harness.engines import EngineCosts
 from harness.errors import PlanError
 from harness.interpreter import PlanInterpreter, Unit
 from harness.plan import Plan, TaskKind
@@ -38,11 +41,16 @@ class PlanSimulator(PlanInterpreter):
 
     def __init__(self, ctx: PlanContext, plan: Plan, memory: MemoryReport, iteration: int, batch: Batch):
         self.ctx, self.cm, self.plan, self.memory, self.batch = ctx, ctx.cost_model, plan, memory, batch
+        self.prompt_lens = batch.prompt_lens
+        if plan.engines is not None:  # ops as the plan's execution engines run them
+            self.cm = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
+            if plan.engines.generation.pad_prompts_to_max:  # every prompt padded to the longest allowed
+                self.prompt_lens = np.full_like(batch.prompt_lens, ctx.workload.prompt_len.max)
         self.trace = StepTrace(iteration=iteration, num_devices=ctx.num_devices)
         self.sched = ListScheduler(plan, ctx.num_devices)
         gen_dp = max((t.allocation.strategy.dp for t in plan.tasks if t.kind == TaskKind.GENERATE), default=1)
         # what later passes see: own lengths, or padded to the longest of a generation round
-        self.seq_lens = padded_lengths(plan.generation, gen_dp, batch.prompt_lens, batch.output_lens)
+        self.seq_lens = padded_lengths(plan.generation, gen_dp, self.prompt_lens, batch.output_lens)
         self.moves = {m.task: m for m in plan.weight_movements}
         self.generated: dict[str, GenerationResult] = {}  # generate task -> its result (for streams)
 
@@ -65,7 +73,7 @@ class PlanSimulator(PlanInterpreter):
     def generate(self, unit: Unit) -> None:
         (task,) = unit.tasks
         gen = simulate_generation(self.cm, task, self.plan.generation, self.ctx.model(task.model),
-                                  self.batch.prompt_lens, self.batch.output_lens, self.sched.start_s(unit),
+                                  self.prompt_lens, self.batch.output_lens, self.sched.start_s(unit),
                                   self.memory.kv_capacity_gb[task.name], self.ctx.workload.max_gen_len)
         self.generated[task.name] = gen
         spans = [s for inst in gen.instances for s in inst.spans]
@@ -114,6 +122,22 @@ class PlanSimulator(PlanInterpreter):
         result = simulate_weight_movement(self.cm, self.moves[task.name], self.ctx.model(task.model),
                                           self.sched.start_s(unit))
         self._record(unit, result)
+
+
+def generation_gather_s(ctx: PlanContext, plan: Plan) -> float:
+    """Seconds to all-gather the actor's weights once, paid at every generation step when the
+    generation engine runs the training engine's module in place (``weights: training_layout``) on
+    ZeRO-3 shards: DeepSpeed's parameter hooks gather every layer for every forward (0 otherwise)."""
+    if plan.engines is None or plan.engines.generation.weights != "training_layout":
+        return 0.0
+    gen = next((t for t in plan.tasks if t.kind == TaskKind.GENERATE), None)
+    if gen is None:
+        return 0.0
+    s = gen.allocation.strategy
+    if s.zero_stage != 3 or s.dp <= 1:
+        return 0.0
+    weights_bytes = ctx.cost_model.weights_gb(ctx.model(gen.model), s.tp, s.pp) * 1e9
+    return ctx.cost_model.allgather_s(weights_bytes, list(gen.allocation.mesh))
 
 
 def simulate_iteration(ctx: PlanContext, plan: Plan, memory: MemoryReport, iteration: int, batch: Batch) -> StepTrace:

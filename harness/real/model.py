@@ -12,6 +12,11 @@ Pipeline stages (:class:`PipelineStage`) own a contiguous range of layers; the f
 embedding, the last the final norm and head. Parameter names use global layer indices
 (``layers.7.attn.wq.weight``), so a stage's ``state_dict`` is a subset of the full model's.
 Running the stages of :meth:`LlamaModel.split` in sequence equals :meth:`LlamaModel.forward`.
+
+Only the LLaMA architecture is built: a config asking for another one (``LlamaConfig.mlp="gelu"``,
+``tied_embeddings``, ``learned_positions``: the OPT and GPT configs the simulator also costs) is
+refused with a ConfigError naming the field (:func:`check_architecture`, called by
+:meth:`ModelArgs.from_llama_config`), before any module is built.
 """
 from __future__ import annotations
 
@@ -25,6 +30,46 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from harness.config import LlamaConfig
+from harness.errors import ConfigError
+
+# LlamaConfig architecture fields and the only value this module builds (LLaMA's).
+LLAMA_ARCHITECTURE = {"mlp": "swiglu", "tied_embeddings": False, "learned_positions": False}
+
+
+def _field(cfg, name: str, default=None):
+    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+
+
+def unsupported_architecture(cfg) -> list[str]:
+    """``field=value`` for each architecture field of ``cfg`` (a ``LlamaConfig``, a DictConfig of
+    one, or a mapping) that this LLaMA implementation cannot build; empty when it can."""
+    out = []
+    for name, built in LLAMA_ARCHITECTURE.items():
+        value = _field(cfg, name, built)
+        if value != built:
+            out.append(f"{name}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+def check_architecture(cfg, where: str | None = None) -> None:
+    """Raise :class:`ConfigError` naming every field of ``cfg`` this module cannot build (a GeLU MLP,
+    a tied LM head, learned positions). ``where`` is the config's key (``model.actor``), which
+    prefixes the fields in the message; by default the message names the model."""
+    bad = unsupported_architecture(cfg)
+    if not bad:
+        return
+    prefix = f"{where}." if where else ""
+    subject = where or f"model {_field(cfg, 'name', '?')}"
+    raise ConfigError(f"{subject}: backend=ray builds LLaMA modules only (SwiGLU MLP, untied LM head, rotary "
+                      f"positions) and cannot run {', '.join(prefix + b for b in bad)}; use backend=sim for "
+                      f"this model, or a LLaMA model on backend=ray")
+
+
+def check_models_architecture(models) -> None:
+    """:func:`check_architecture` of the four PPO roles of ``models`` (``RunConfig.model``), one
+    ConfigError for the first role that fails, named ``model.<role>``."""
+    for role in ("actor", "critic", "ref", "reward"):
+        check_architecture(getattr(models, role), f"model.{role}")
 
 
 @dataclass(frozen=True)
@@ -58,7 +103,9 @@ class ModelArgs:
     @classmethod
     def from_llama_config(cls, cfg: LlamaConfig, **extra) -> "ModelArgs":
         """Take the dimensions of ``cfg`` (a ``LlamaConfig`` or a DictConfig of one) plus ``extra``
-        (``rope_theta``, ``rms_norm_eps``, ``head_dim``, or overrides such as ``value_head``)."""
+        (``rope_theta``, ``rms_norm_eps``, ``head_dim``, or overrides such as ``value_head``).
+        Raises :class:`ConfigError` for an architecture other than LLaMA's (:func:`check_architecture`)."""
+        check_architecture(cfg)
         fields = {f.name for f in dataclasses.fields(cls)}
         base = {name: getattr(cfg, name) for name in fields if name not in extra and hasattr(cfg, name)}
         return cls(**base, **extra)

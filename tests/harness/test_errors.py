@@ -5,7 +5,8 @@
   (``-m``) before any job starts;
 - degenerate batch sizes (zero, negative, micro > mini > global): one line, exit 2, nothing written;
 - cluster-dependent system defaults are derived: every system runs ``model=tiny workload=tiny`` on
-  4 devices with no per-system override;
+  4 devices with no per-system override of its batch sizes (a placement with more pools than 4
+  devices, OpenRLHF's, is given a split that fits: :data:`FOUR_DEVICE_PLACEMENTS`);
 - a sweep with a failing job exits 1 and ends with a table of this sweep's failures only.
 
 Exit codes and stderr are checked in subprocesses (``python -m harness``, a few seconds each); the
@@ -25,6 +26,9 @@ from harness.validation import check_command_line
 
 FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1"]
 TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
+# Placements whose default needs more devices than 4: OpenRLHF's ref:reward:actor:critic:vLLM =
+# 1:1:2:2:2 is 8 units of whole GPUs; on 4, one GPU per model and no vLLM pool (its "ray" mode).
+FOUR_DEVICE_PLACEMENTS = {"openrlhf": ["system.split.actor=1", "system.split.critic=1", "system.split.gen=0"]}
 
 
 def run_refused(run_harness, tmp_path: Path, *args: str):
@@ -185,8 +189,9 @@ def test_every_system_runs_tiny_on_four_devices(system, tmp_path):
     from harness.app import compose
     from harness.runner import execute
 
-    cfg = compose([f"+system={system}", *TINY_4, "logger=none", "logger.progress_bar=false",
-                   "backend.num_iterations=1", "backend.num_warmup_iterations=0", f"results_dir={tmp_path}"])
+    cfg = compose([f"+system={system}", *TINY_4, *FOUR_DEVICE_PLACEMENTS.get(system, []), "logger=none",
+                   "logger.progress_bar=false", "backend.num_iterations=1", "backend.num_warmup_iterations=0",
+                   f"results_dir={tmp_path}"])
     outcome = execute(cfg, [])
     assert outcome.summary["perf/samples_per_s"] > 0
     plan = json.loads((outcome.path / "plan.json").read_text())

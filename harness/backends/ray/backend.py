@@ -33,7 +33,7 @@ from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.options import option_conflicts, unsupported_features, zero3_engine
 from harness.errors import ConfigError, PlanError
 from harness.plan import Allocation, Plan, TaskKind, TrainingStage
-from harness.real.model import ModelArgs
+from harness.real.model import ModelArgs, check_models_architecture
 from harness.trace import Span, StepTrace
 from harness.workload import Batch
 
@@ -94,6 +94,7 @@ class RayBackend(Backend):
         self.opts = RayOptions.from_config(cfg.options)
         self.address = check_address(cfg.address)
         # dimensions, and checkpoints checked from their headers (a bad one fails here, one line)
+        check_models_architecture(ctx.models)  # OPT/GPT shapes: simulator only
         self.args, self.checkpoints = resolve_checkpoints(ctx.models)
         self.reward_spec = dataclasses.asdict(self.opts.reward)  # the reward stage's scores (rewards.py)
         vocab = self.args["actor"].vocab_size

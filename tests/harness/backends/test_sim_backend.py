@@ -50,13 +50,19 @@ def test_spans_stay_on_the_task_mesh_and_inside_the_step(simulated):
 
 def test_training_flops_match_the_model(simulated):
     """Forward+backward FLOPs recorded on the actor's spans = 3 x forward FLOPs of every token the
-    plan trains on (padded to the longest of its generation round where the plan pads)."""
+    plan trains on (prompts padded to the maximum where the generation engine pads them, samples to
+    the longest of their generation round where the plan pads)."""
+    import numpy as np
+
     from harness.costmodel.llama import forward_flops
     from harness.planning.taskmodels.generation import padded_lengths
 
     plan, ctx, batch, trace, _ = simulated
     gen_dp = plan.task("gen").allocation.strategy.dp
-    seq = padded_lengths(plan.generation, gen_dp, batch.prompt_lens, batch.output_lens)
+    prompts = batch.prompt_lens
+    if plan.engines.generation.pad_prompts_to_max:
+        prompts = np.full_like(prompts, ctx.workload.prompt_len.max)
+    seq = padded_lengths(plan.generation, gen_dp, prompts, batch.output_lens)
     recorded = sum(s.flops * len(s.devices) for s in trace.spans if s.task == "update_actor")
     mbs = plan.mini_batch_size
     expected = 0.0

@@ -1,0 +1,139 @@
+"""Fit the execution engines' shared constants on published measurements, with leave-one-source-out
+cross-validation (issue 26, item 4).
+
+What is fitted: only the constants :data:`harness.engines.FITTED_PRIORS` names, one value per engine
+(``kind/fit_key``), shared by every point that runs on that engine: never one per point. Which
+constants a point informs follows from the engines its overrides resolve to.
+
+How: least squares on ``log(predicted / measured)`` over the points, in the logs of the constants,
+by Gauss-Newton with finite-difference sensitivities (each point re-simulated with one constant
+doubled), a few iterations, with a weak pull (``PRIOR_WEIGHT``) of every constant towards its prior,
+so a constant no point informs stays at its prior instead of drifting. Leave-one-source-out: the same
+fit without one source's points, whose predictions are then simulated with that fold's constants.
+
+Runtime: every iteration simulates each point once per constant it depends on, plus once; about a
+minute per iteration for the committed replay file on one CPU core. The result is written to
+``data/engines/fitted.json`` with what produced it.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from harness import engines as eng
+
+PRIOR_WEIGHT = 0.1  # residual weight of log(constant / prior): a tenth of one point's
+STEP_LOG = math.log(2.0)  # finite-difference step: each constant doubled
+MAX_ABS_LOG = math.log(20.0)  # constants stay within 1/20x..20x of their priors
+
+
+@dataclass(frozen=True)
+class Constant:
+    key: str  # kind/fit_key
+    name: str  # constant name
+
+    @property
+    def label(self) -> str:
+        return f"{self.key}:{self.name}"
+
+    @property
+    def prior(self) -> float:
+        return eng.FITTED_PRIORS[self.key.split("/")[0]][self.name]
+
+
+def table_of(values: dict[Constant, float]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for c, v in values.items():
+        out.setdefault(c.key, {})[c.name] = float(v)
+    return out
+
+
+@contextmanager
+def constants(values: dict[Constant, float]) -> Iterator[None]:
+    """Resolve every engine with ``values`` (the others at their priors) inside the block."""
+    saved = eng._TABLE_OVERRIDE
+    eng._TABLE_OVERRIDE = table_of(values)
+    try:
+        yield
+    finally:
+        eng._TABLE_OVERRIDE = saved
+
+
+def point_constants(cfg: Any) -> list[Constant]:
+    """The fitted constants the engines of one composed config depend on (those its YAML leaves free)."""
+    from omegaconf import OmegaConf
+
+    run = OmegaConf.to_object(cfg)
+    out = []
+    for kind in eng.KINDS:
+        name = getattr(run.engine, kind, None) or getattr(run.system, f"{kind}_engine")
+        engine = eng.load_engine(kind, str(name))
+        for const in eng.FITTED_PRIORS[kind]:
+            if getattr(engine, const) is None and _matters(kind, engine, const):
+                out.append(Constant(eng.fit_key(kind, engine), const))
+    return out
+
+
+def _matters(kind: str, engine: Any, const: str) -> bool:
+    return const != "cpu_adam_gbps" or bool(getattr(engine, "optimizer_offload", False))
+
+
+Predict = Callable[[int, dict[Constant, float]], float]
+
+
+def fit(num_points: int, deps: list[list[Constant]], measured: list[float], predict: Predict,
+        include: Optional[list[int]] = None, iterations: int = 3,
+        start: Optional[dict[Constant, float]] = None) -> dict[Constant, float]:
+    """Constants minimising the squared log error over the points ``include`` (default all);
+    ``predict(i, values)`` simulates point ``i`` under ``values``."""
+    include = list(range(num_points)) if include is None else include
+    unknowns = sorted({c for i in include for c in deps[i]}, key=lambda c: c.label)
+    values = {c: (start or {}).get(c, c.prior) for c in unknowns}
+    if not unknowns:
+        return values
+    for _ in range(iterations):
+        rows, residuals = [], []
+        for i in include:
+            base = predict(i, values)
+            row = np.zeros(len(unknowns))
+            for j, c in enumerate(unknowns):
+                if c in deps[i]:
+                    bumped = dict(values)
+                    bumped[c] = values[c] * math.exp(STEP_LOG)
+                    row[j] = (math.log(predict(i, bumped)) - math.log(base)) / STEP_LOG
+            rows.append(row)
+            residuals.append(math.log(base / measured[i]))
+        for j, c in enumerate(unknowns):  # weak pull towards the prior
+            row = np.zeros(len(unknowns))
+            row[j] = PRIOR_WEIGHT
+            rows.append(row)
+            residuals.append(PRIOR_WEIGHT * math.log(values[c] / c.prior))
+        a, r = np.asarray(rows), np.asarray(residuals)
+        step, *_ = np.linalg.lstsq(a, -r, rcond=None)
+        for j, c in enumerate(unknowns):
+            log_rel = math.log(values[c] / c.prior) + float(step[j])
+            values[c] = c.prior * math.exp(max(-MAX_ABS_LOG, min(MAX_ABS_LOG, log_rel)))
+    return values
+
+
+def write_fitted(values: dict[Constant, float], path: Path, replay_file: str, num_points: int,
+                 cv: Optional[dict[str, Any]] = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"written_by": f"python -m harness.validate {replay_file} --fit --write",
+           "date": datetime.date.today().isoformat(),
+           "num_points": num_points,
+           "note": "per-engine constants shared by every run of the engine (harness/engines.py); "
+                   "see docs/VALIDATION.md",
+           "constants": table_of(values)}
+    if cv is not None:
+        doc["leave_one_source_out"] = cv
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,312 @@
+"""Execution engines: how a framework's engines run a plan's work (issue 26).
+
+A system decides *where* and *in what layout* each PPO task runs (its :class:`~harness.plan.Plan`);
+an execution engine is *how* the framework it reimplements runs that work on the GPUs: padding,
+host overhead per step, how weights reach generation, optimizer offload, and how far its kernels
+fall short of our per-op profiles. Two systems with the same plan differ by up to 10x in published
+measurements for these reasons alone (../shared/published/README.md), so they are modelled here,
+as data, once for every system:
+
+- a **generation engine** (``conf/engine/generation/<name>.yaml``, :class:`GenerationEngine`):
+  static or continuous batching, CUDA graphs or an eager host loop (``launches_per_layer`` kernels
+  issued from Python per layer per step), whether it generates from weights gathered once into its
+  own layout or from the training engine's module in place (``weights``: under ZeRO-3 every step
+  then all-gathers every layer), synced rounds under ZeRO-3, padding;
+- a **training engine** (``conf/engine/training/<name>.yaml``, :class:`TrainingEngine`): which
+  parallelism it supports, CPU optimizer offload (ZeRO-Offload), the speed of its kernels.
+
+Each system names its default engines (``system.generation_engine`` / ``system.training_engine``:
+the engines of the implementation it reimplements); ``engine.generation=<name or yaml path>`` and
+``engine.training=...`` run any system on any compatible engine. The chosen engines are plan data
+(``Plan.engines``) and the simulator applies them through :class:`EngineCosts`.
+
+Fitted constants. Every mechanism constant is cited in its YAML file. The few constants no
+measurement gives (marked ``fitted`` below: a GPU-time factor per generation engine, a compute
+factor per training engine, the CPU optimizer's streaming rate) are
+fitted by ``python -m harness.validate FILE --fit`` on the published end-to-end measurements of
+``data/published/replay.jsonl`` and stored, with their provenance, in ``data/engines/fitted.json``;
+they are shared by every run of an engine, never per point. ``engine.fitted=false`` runs with every
+fitted constant at its prior (1, 0: the mechanism model alone, what the simulator did before issue
+26). See docs/VALIDATION.md.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from harness.errors import ConfigError, PlanError
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_DIR = ROOT / "conf" / "engine"
+FITTED_PATH = ROOT / "data" / "engines" / "fitted.json"
+KINDS = ("generation", "training")
+
+# The fitted constants of each kind of engine and their priors (the value when unfitted).
+FITTED_PRIORS = {
+    "generation": {"gpu_time_scale": 1.0},
+    "training": {"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0},
+}
+# The prior of the CPU optimizer's rate: a two-socket DGX A100 host (2 x AMD EPYC 7742, 8 channels of
+# DDR4-3200 each: 409.6 GB/s peak, AMD datasheet) streaming Adam's states at about an eighth of peak,
+# since eight ranks' optimizer processes share it. A placeholder until fitted (data/engines/fitted.json).
+
+# Set by harness.validate while fitting: replaces the fit file's table for every engine resolved.
+_TABLE_OVERRIDE: Optional[dict[str, dict[str, float]]] = None
+
+
+@dataclass
+class EngineSelection:
+    """``engine.*`` of the run config: which engines run the plan (null: the system's defaults)."""
+
+    generation: Optional[str] = None  # a name under conf/engine/generation/ or a YAML path
+    training: Optional[str] = None  # a name under conf/engine/training/ or a YAML path
+    fitted: bool = True  # false: every fitted constant at its prior (the mechanism model alone)
+
+
+@dataclass(frozen=True)
+class GenerationEngine:
+    """How the actor's generation runs (see the module docstring)."""
+
+    name: str
+    batching: str = "continuous"  # continuous (Orca / vLLM iteration scheduling) | static (rounds)
+    kernels: str = "graph"  # graph (CUDA graphs: host cost hidden) | eager (host issues every kernel)
+    launches_per_layer: Optional[int] = None  # eager: kernels the host issues per layer per step
+    # inference_layout: weights gathered once into the engine's own (tp, pp) layout (DeepSpeed
+    # hybrid engine, vLLM); training_layout: generate() on the training engine's module in place
+    # (ZeRO-3 shards are then all-gathered layer by layer at every step)
+    weights: str = "inference_layout"
+    synced_under_zero3: bool = False  # generate(synced_gpus=True): rounds end on the longest rank
+    pad_to_longest: bool = False  # later passes see the round's padded tensor
+    pad_prompts_to_max: bool = False  # prompts padded to the workload's longest prompt
+    # fitted (None: data/engines/fitted.json, else the prior)
+    gpu_time_scale: Optional[float] = None  # GPU time of a step relative to our kernel profiles
+    fit_key: Optional[str] = None  # engines sharing fitted constants (None: its own name)
+    source: str = ""  # where the mechanism facts come from
+
+    def __post_init__(self) -> None:
+        _check_choice(self.name, "batching", self.batching, ("continuous", "static"))
+        _check_choice(self.name, "kernels", self.kernels, ("graph", "eager"))
+        _check_choice(self.name, "weights", self.weights, ("inference_layout", "training_layout"))
+        if self.kernels == "eager" and (self.launches_per_layer or 0) < 1:
+            raise ConfigError(f"generation engine {self.name}: kernels=eager needs launches_per_layer >= 1")
+        if self.kernels == "graph" and self.launches_per_layer is not None:
+            raise ConfigError(f"generation engine {self.name}: launches_per_layer is for kernels=eager")
+        if (self.synced_under_zero3 or self.pad_to_longest) and self.batching != "static":
+            raise ConfigError(f"generation engine {self.name}: synced_under_zero3 / pad_to_longest need "
+                              f"batching=static (rounds)")
+
+
+@dataclass(frozen=True)
+class TrainingEngine:
+    """How forward/backward passes and optimizer steps run (training and ref/reward/critic inference)."""
+
+    name: str
+    # parallelism the engine runs: zero (DeepSpeed ZeRO data parallelism over HF modules: tp = pp = 1)
+    # or megatron (3D: tp, pp, dp with a distributed optimizer)
+    parallelism: str = "megatron"
+    optimizer_offload: bool = False  # ZeRO-Offload: fp32 states and Adam on the CPU
+    # fitted (None: data/engines/fitted.json, else the prior)
+    compute_time_scale: Optional[float] = None  # forward/backward time relative to our kernel profiles
+    cpu_adam_gbps: Optional[float] = None  # per node: optimizer-state bytes CPU Adam streams per second
+    fit_key: Optional[str] = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.name, "parallelism", self.parallelism, ("zero", "megatron"))
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The engines a plan runs on, with their fitted constants resolved."""
+
+    generation: GenerationEngine
+    training: TrainingEngine
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generation": asdict(self.generation), "training": asdict(self.training)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Engines":
+        return Engines(GenerationEngine(**d["generation"]), TrainingEngine(**d["training"]))
+
+
+def _check_choice(name: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"engine {name}: {key}={value!r}, expected one of {allowed}")
+
+
+def available(kind: str) -> list[str]:
+    """Engine names under ``conf/engine/<kind>/``."""
+    return sorted(p.stem for p in (ENGINE_DIR / kind).glob("*.yaml"))
+
+
+def _engine_file(kind: str, name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"engine.{kind}={name_or_path}: no such file")
+        return path
+    path = ENGINE_DIR / kind / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"engine.{kind}={name_or_path!r} is not a {kind} engine; available: "
+                          f"{', '.join(available(kind))} (or a path to a .yaml file)")
+    return path
+
+
+def load_engine(kind: str, name_or_path: str) -> GenerationEngine | TrainingEngine:
+    """The engine ``name_or_path`` of ``kind`` as written in its YAML file (fitted constants unresolved).
+    Unknown keys are refused."""
+    if kind not in KINDS:
+        raise ValueError(f"engine kind must be one of {KINDS}, not {kind!r}")
+    cls = GenerationEngine if kind == "generation" else TrainingEngine
+    path = _engine_file(kind, name_or_path)
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: an engine file is a mapping of its fields")
+    data.setdefault("name", path.stem)
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(f"{path}: unknown {kind}-engine key(s) {unknown}; allowed: {sorted(allowed)}")
+    return cls(**data)
+
+
+def fitted_table(path: Path = FITTED_PATH) -> dict[str, dict[str, float]]:
+    """``kind/fit_key -> {constant: value}`` from the fit file (empty when there is none)."""
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("constants", {})
+
+
+def fit_key(kind: str, engine: GenerationEngine | TrainingEngine) -> str:
+    return f"{kind}/{engine.fit_key or engine.name}"
+
+
+def resolve(kind: str, engine: Any, use_fitted: bool = True,
+            table: Optional[dict[str, dict[str, float]]] = None) -> Any:
+    """``engine`` with every fitted constant set: the value its YAML pins, else the fit file's (when
+    ``use_fitted``), else the prior."""
+    if table is None and use_fitted:
+        table = _TABLE_OVERRIDE if _TABLE_OVERRIDE is not None else fitted_table()
+    table = table or {}
+    fitted = table.get(fit_key(kind, engine), {}) if use_fitted else {}
+    values = {}
+    for key, prior in FITTED_PRIORS[kind].items():
+        pinned = getattr(engine, key)
+        values[key] = float(pinned if pinned is not None else fitted.get(key, prior))
+    return replace(engine, **values)
+
+
+def select_engines(selection: Any, system_cfg: Any,
+                   table: Optional[dict[str, dict[str, float]]] = None) -> Engines:
+    """The run's engines: ``engine.*`` where set, else the system's defaults
+    (``system.generation_engine`` / ``system.training_engine``)."""
+    use_fitted = bool(getattr(selection, "fitted", True))
+    chosen = {}
+    for kind in KINDS:
+        name = getattr(selection, kind, None) or getattr(system_cfg, f"{kind}_engine", None)
+        if not name:
+            raise ConfigError(f"system {getattr(system_cfg, 'name', '?')} names no default {kind} engine "
+                              f"(system.{kind}_engine); set engine.{kind}=<{'|'.join(available(kind))}>")
+        chosen[kind] = resolve(kind, load_engine(kind, str(name)), use_fitted, table)
+    return Engines(chosen["generation"], chosen["training"])
+
+
+def check_compatible(engines: Engines, allocations: dict[str, Any], migration: bool) -> None:
+    """Refuse a plan its engines cannot run (PlanError naming the engine)."""
+    gen, train = engines.generation, engines.training
+    if migration and gen.batching != "continuous":
+        raise PlanError(f"generation engine {gen.name} batches statically; long-tail migration needs a "
+                        f"continuous-batching engine (engine.generation=vllm)")
+    if train.parallelism == "zero":
+        for name in ("update_actor", "update_critic", "ref", "reward", "values"):
+            s = allocations[name].strategy
+            if s.tp > 1 or s.pp > 1:
+                raise PlanError(f"training engine {train.name} (DeepSpeed ZeRO over Hugging Face modules) runs "
+                                f"data parallelism only, but task {name} is laid out {s}; choose "
+                                f"engine.training=megatron or a dp-only layout")
+    if gen.weights == "training_layout":
+        g, a = allocations["gen"], allocations["update_actor"]
+        if g.mesh != a.mesh or (g.strategy.dp, g.strategy.tp, g.strategy.pp) != (
+                a.strategy.dp, a.strategy.tp, a.strategy.pp):
+            raise PlanError(f"generation engine {gen.name} generates with the training engine's module in "
+                            f"place, so gen must use update_actor's layout ({a.strategy} on {len(a.mesh)} "
+                            f"devices), not {g.strategy} on {len(g.mesh)}")
+
+
+def policy_fields(engines: Engines, zero3_actor: bool) -> dict[str, Any]:
+    """The :class:`~harness.plan.GenerationPolicy` fields the generation engine decides."""
+    gen = engines.generation
+    return {"batching": gen.batching, "engine": gen.kernels,
+            "eager_launches_per_layer": gen.launches_per_layer if gen.kernels == "eager" else None,
+            "synced_instances": gen.synced_under_zero3 and zero3_actor,
+            "pad_to_longest": gen.pad_to_longest}
+
+
+@dataclass
+class EngineCosts:
+    """The cost model as a plan's engines see it: same interface as
+    :class:`~harness.costmodel.CostModel` (everything not overridden is delegated), with
+
+    - prefill and decode steps: ``max(GPU time x gpu_time_scale, eager host time, ZeRO-3 gather)``,
+      the gather only when the engine generates from ZeRO-3 shards in place;
+    - forward and backward: ``x compute_time_scale``;
+    - optimizer step with offload: the CPU Adam step over the node's share of the optimizer states
+      plus the fp16 gradients down and parameters up over PCIe, instead of the GPU's."""
+
+    cm: Any
+    engines: Engines
+    gen_gather_s: float = 0.0  # all-gather of the actor's weights per generation step (0: none)
+    _cache: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cm, name)
+
+    def _step(self, gpu_s: float, d: Any, kernels: str, launches: Optional[int]) -> float:
+        g = self.engines.generation
+        host_s = 0.0
+        if kernels == "eager" and self.cm.calibration is not None:
+            from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH, GPT_FAST_LAUNCHES_PER_LAYER
+            host_s = d.num_layers * (launches or GPT_FAST_LAUNCHES_PER_LAYER) * EAGER_HOST_S_PER_LAUNCH
+        return max(gpu_s * g.gpu_time_scale, host_s, self.gen_gather_s)
+
+    def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,
+                      pp: int = 1, engine: str = "graph", launches_per_layer: Optional[int] = None) -> float:
+        if batch_size <= 0:
+            return 0.0
+        from harness.costmodel.llama import ModelDims
+        gpu_s = self.cm.decode_step_s(model, batch_size, context_tokens_total, tp, pp, "graph")
+        return self._step(gpu_s, ModelDims.of(model), engine, launches_per_layer)
+
+    def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
+                  seq_len: Optional[float] = None, engine: str = "graph",
+                  launches_per_layer: Optional[int] = None) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        from harness.costmodel.llama import ModelDims
+        gpu_s = self.cm.prefill_s(model, num_tokens, tp, pp, seq_len, "graph")
+        return self._step(gpu_s, ModelDims.of(model), engine, launches_per_layer)
+
+    def forward_s(self, *args: Any, **kwargs: Any) -> float:
+        return self.cm.forward_s(*args, **kwargs) * self.engines.training.compute_time_scale
+
+    def backward_s(self, *args: Any, **kwargs: Any) -> float:
+        return self.cm.backward_s(*args, **kwargs) * self.engines.training.compute_time_scale
+
+    def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0) -> float:
+        t = self.engines.training
+        if not t.optimizer_offload:
+            return self.cm.optimizer_step_s(model, dp, tp, pp, zero_stage)
+        from harness.costmodel.compute import ADAM_BYTES_PER_PARAM
+        from harness.costmodel.llama import ModelDims
+        from harness.costmodel.memory import max_stage_params
+        params = max_stage_params(ModelDims.of(model), pp) / tp / (dp if zero_stage >= 1 else 1)
+        ranks_per_node = min(dp * tp * pp, self.cm.gpus_per_node)  # ranks sharing one host's memory
+        cpu_s = params * ranks_per_node * ADAM_BYTES_PER_PARAM / (t.cpu_adam_gbps * 1e9)
+        # fp16 gradients to the host, fp16 parameters back (ZeRO-Offload, Ren et al. ATC'21, section 4)
+        pcie_s = 2 * self.cm.host_transfer_s(2.0 * params)
+        return cpu_s + pcie_s
