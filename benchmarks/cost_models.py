@@ -38,27 +38,34 @@ def run(system: str, pair: str, max_gen_len: int, cost_model: str) -> dict[str, 
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", nargs="+", default=list(PAIRS))
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
-    p.add_argument("--max-gen-len", type=int, nargs="+", default=[1024])
-    args = p.parse_args()
+def side_by_side(args: argparse.Namespace, labels: tuple[str, str], run_variant) -> None:
+    """Print ``run_variant(system, pair, length, first)`` for ``first`` True and False side by side, per
+    stage, with their ratio (second / first); shared with ``fig7_engines.py``."""
     cols = [name for name, _ in STAGES] + ["samples/s"]
-    print(f"{'pair':<8} {'len':>5} {'system':<17} " + " ".join(f"{c + ' roof':>12} {c + ' cal':>11} {'x':>5}"
+    a, b = labels
+    print(f"{'pair':<8} {'len':>5} {'system':<17} " + " ".join(f"{c + ' ' + a:>14} {c + ' ' + b:>11} {'x':>5}"
                                                            for c in cols))
     t0 = time.perf_counter()
     for pair in args.pairs:
         for length in args.max_gen_len:
             for system in args.systems:
                 try:
-                    roof, cal = (run(system, pair, length, cm) for cm in ("roofline", "calibrated"))
+                    first, second = (run_variant(system, pair, length, v) for v in (True, False))
                 except HarnessError as e:
                     print(f"{pair:<8} {length:>5} {system:<17} refused: {' '.join(str(e).split()[:12])}")
                     continue
-                cells = " ".join(f"{roof[c]:>12.3f} {cal[c]:>11.3f} {cal[c] / roof[c]:>5.2f}" for c in cols)
+                cells = " ".join(f"{first[c]:>14.3f} {second[c]:>11.3f} {second[c] / first[c]:>5.2f}" for c in cols)
                 print(f"{pair:<8} {length:>5} {system:<17} {cells}", flush=True)
-    print(f"# {time.perf_counter() - t0:.0f} s; x = calibrated / roofline")
+    print(f"# {time.perf_counter() - t0:.0f} s; x = {b} / {a}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", nargs="+", default=list(PAIRS))
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
+    p.add_argument("--max-gen-len", type=int, nargs="+", default=[1024])
+    side_by_side(p.parse_args(), ("roof", "cal"),
+                 lambda system, pair, length, first: run(system, pair, length, "roofline" if first else "calibrated"))
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ class SystemConfig:
     impl: str = MISSING  # dotted path of a harness.system.System subclass
     # The execution engines of the implementation this system reimplements (harness/engines.py,
     # conf/engine/): the defaults that engine.generation / engine.training override.
-    generation_engine: str = "vllm"
+    generation_engine: str = "cuda_graph"
     training_engine: str = "megatron"
 
 

@@ -222,6 +222,11 @@ def check_compatible(engines: Engines, allocations: dict[str, Any], migration: b
     if migration and gen.batching != "continuous":
         raise PlanError(f"generation engine {gen.name} batches statically; long-tail migration needs a "
                         f"continuous-batching engine (engine.generation=vllm)")
+    if train.optimizer_offload:
+        for name in ("update_actor", "update_critic"):
+            if allocations[name].strategy.zero_stage < 1:
+                raise PlanError(f"training engine {train.name} offloads the optimizer (ZeRO-Offload), which "
+                                f"DeepSpeed runs with ZeRO stages 1-3 only; task {name} is ZeRO-0")
     if train.parallelism == "zero":
         for name in ("update_actor", "update_critic", "ref", "reward", "values"):
             s = allocations[name].strategy
@@ -263,16 +268,29 @@ class EngineCosts:
     gen_gather_s: float = 0.0  # all-gather of the actor's weights per generation step (0: none)
     _cache: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        unresolved = [f"{kind}.{key}" for kind, engine in (("generation", self.engines.generation),
+                                                           ("training", self.engines.training))
+                      for key in FITTED_PRIORS[kind] if getattr(engine, key) is None]
+        if unresolved:
+            raise PlanError(f"engines with unresolved fitted constants {unresolved}: build them with "
+                            f"harness.engines.select_engines or resolve()")
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cm, name)
 
-    def _step(self, gpu_s: float, d: Any, kernels: str, launches: Optional[int]) -> float:
+    def _step(self, graph_s: float, d: Any, kernels: str, launches: Optional[int]) -> float:
+        """A step from the cost model's CUDA-graph time of it (GPU time + the graph replay overhead)."""
         g = self.engines.generation
+        overhead_s = float(getattr(self.cm.compute, "graph_step_overhead_s", 0.0))
+        gpu_s = max(0.0, graph_s - overhead_s) * g.gpu_time_scale
+        if kernels == "graph":
+            return max(gpu_s + overhead_s, self.gen_gather_s)
         host_s = 0.0
-        if kernels == "eager" and self.cm.calibration is not None:
+        if self.cm.calibration is not None:  # the roofline has no host model (as before issue 26)
             from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH, GPT_FAST_LAUNCHES_PER_LAYER
             host_s = d.num_layers * (launches or GPT_FAST_LAUNCHES_PER_LAYER) * EAGER_HOST_S_PER_LAUNCH
-        return max(gpu_s * g.gpu_time_scale, host_s, self.gen_gather_s)
+        return max(gpu_s, host_s, self.gen_gather_s)
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,
                       pp: int = 1, engine: str = "graph", launches_per_layer: Optional[int] = None) -> float:

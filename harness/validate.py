@@ -18,8 +18,9 @@ Every line is read and every config composed before the first simulation, so a m
 unknown metric or an override the harness does not know ends the command with one line on stderr
 and exit code 2 before any work. Then each setup is planned and simulated (``backend=sim``, its
 iterations and warm-up) and the command prints predicted vs measured per point, then per source
-and overall: the median and 90th percentile of predicted/measured, and the worst points (furthest
-from 1 on a log scale). Deterministic: the same file gives the same numbers.
+and overall: the median and 90th percentile of predicted/measured as times (``time x``: a throughput
+point's ratio is measured/predicted, so > 1 always means the simulator is slower than the real run),
+and the worst points (furthest from 1 on a log scale). Deterministic: the same file gives the same numbers.
 
     python -m harness.validate data/published/replay.jsonl --fit --cv --write  # fit the engines' constants
 
@@ -50,6 +51,9 @@ METRICS = {
     "gen_inference_s": "timing_s/gen_inference",
     "train_s": "timing_s/train",
 }
+# Metrics where more is faster: their ratio is measured / predicted, so that every ratio reads as the
+# simulator's time over the measured time (> 1: the simulator is slower than the real run).
+THROUGHPUT_METRICS = ("samples_per_s",)
 REQUIRED_FIELDS = ("id", "overrides", "metric", "value", "source")
 WORST_SHOWN = 5
 FITTED_REL = "data/engines/fitted.json"
@@ -155,14 +159,24 @@ def _stats(ratios: list[float]) -> dict[str, float]:
             "within_0.5_2x_frac": float(np.mean((r >= 0.5) & (r <= 2.0)))}
 
 
+def time_ratio(metric: str, predicted: float, measured: float) -> float:
+    """Predicted over measured, as times: > 1 means the simulator is slower than the measured run."""
+    return measured / predicted if metric in THROUGHPUT_METRICS else predicted / measured
+
+
+def record(point: ReplayPoint, predicted: float) -> dict[str, Any]:
+    return {"id": point.id, "source": point.source, "metric": point.metric, "predicted": predicted,
+            "measured": point.value, "ratio": time_ratio(point.metric, predicted, point.value)}
+
+
 def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
-    """One record per point: id, source, metric, predicted, measured, ratio (predicted/measured)."""
+    """One record per point: id, source, metric, predicted, measured, ratio (predicted/measured as times:
+    :func:`time_ratio`)."""
     configs = [(p, _composed(p)) for p in points]  # every config composes before any work
     records = []
     for point, cfg in configs:
         predicted = simulate_summary(cfg)[METRICS[point.metric]]
-        records.append({"id": point.id, "source": point.source, "metric": point.metric, "predicted": predicted,
-                        "measured": point.value, "ratio": predicted / point.value})
+        records.append(record(point, predicted))
     return records
 
 
@@ -188,18 +202,17 @@ def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iter
     if cross_validate:
         for source in sorted({p.source for p in points}):
             train = [i for i, p in enumerate(points) if p.source != source]
-            fold = ef.fit(len(points), deps, measured, predict, include=train, iterations=iterations,
+            fold = ef.fit(len(points), deps, measured, predict, include=train, iterations=max(1, iterations - 1),
                           start=values)
             for i, p in enumerate(points):
                 if p.source == source:
                     predicted = predict(i, fold)
-                    cv_records.append({"id": p.id, "source": p.source, "metric": p.metric, "predicted": predicted,
-                                       "measured": p.value, "ratio": predicted / p.value})
+                    cv_records.append(record(p, predicted))
     return values, cv_records
 
 
 def report(records: list[dict[str, Any]]) -> str:
-    lines = [f"{'id':<12}{'metric':<17}{'predicted':>12}{'measured':>12}{'pred/meas':>11}  source"]
+    lines = [f"{'id':<12}{'metric':<17}{'predicted':>12}{'measured':>12}{'time x':>11}  source"]
     for r in records:
         lines.append(f"{r['id']:<12}{r['metric']:<17}{r['predicted']:>12.4g}{r['measured']:>12.4g}"
                      f"{r['ratio']:>11.3f}  {r['source'][:60]}")
@@ -271,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         ef.write_fitted(values, FITTED_PATH, str(args.file), len(points), cv)
         print(f"wrote {FITTED_PATH}")
     if args.json:
-        args.json.write_text(json.dumps(records, indent=1) + "\n")
+        args.json.write_text(json.dumps(records + [{**r, "cross_validation": "leave_one_source_out"}
+                                                   for r in cv_records], indent=1) + "\n")
     return 0
 
 

@@ -105,6 +105,7 @@ SPECS: dict[str, Spec] = {
     "python benchmarks/sim_speed.py": tiny("--iterations 2 --systems deepspeed_chat"),
     "python benchmarks/sim_vs_real.py": tiny("--systems rlhfuse_base --iterations 2"),
     "python benchmarks/cost_models.py": tiny("--pairs 13b_33b --systems deepspeed_chat rlhfuse_base"),
+    "python benchmarks/fig7_engines.py": tiny("--systems deepspeed_chat rlhfuse_base"),
     "python benchmarks/fuse_search.py": tiny("--pairs 33b/13b --microbatches 8 --action-steps 2e5 --workers 1"),
     "python benchmarks/feasibility_map.py": tiny("--nodes 1 2 --systems deepspeed_chat --pairs 13b_33b"),
     "python -m harness.calibrate report --gpu h100": AS_IS,

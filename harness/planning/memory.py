@@ -102,7 +102,7 @@ def training_activation_gb(plan: Plan, cm: CostModel, models, workload) -> dict[
 
 
 def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: bool,
-                    train_act_gb: dict[str, float]) -> dict[str, float]:
+                    train_act_gb: dict[str, float], optimizer_offload: bool = False) -> dict[str, float]:
     model = getattr(models, task.model)
     s = task.allocation.strategy
     terms: dict[str, float] = {}
@@ -119,7 +119,8 @@ def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: 
         terms["forward activations (1 layer)"] = inference_activation_gb(cm, model, s, workload)
     elif task.kind == "train":
         if not resident_here:
-            terms[f"{task.model} train states ({s})"] = _state_gb(cm, model, task.allocation, "train")
+            terms[f"{task.model} train states ({s})"] = _state_gb(cm, model, task.allocation, "train",
+                                                                   optimizer_offload)
         terms["peak in-flight activations"] = train_act_gb.get(task.name, 0.0)
     return terms
 
@@ -143,7 +144,7 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
         resident_here = (task.model, task.name) in resident_keys or any(  # e.g. generate() in place on
             r.model == task.model and plan.task(r.task).allocation == task.allocation  # the training module
             for r in plan.resident)
-        working = _working_set_gb(task, cm, models, workload, resident_here, train_act)
+        working = _working_set_gb(task, cm, models, workload, resident_here, train_act, offload)
         worst = 0.0
         for d in task.allocation.mesh:
             total = sum(gb for _, gb in resident[d]) + sum(working.values())

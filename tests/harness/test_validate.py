@@ -86,3 +86,47 @@ def test_committed_replay_file_reads_and_a_point_replays_deterministically():
     one = [p for p in points if p.id == "P038"]
     first, second = validate.replay(one), validate.replay(one)
     assert first == second and first[0]["predicted"] > 0 and first[0]["measured"] == 1184.31
+
+
+# The calibration set's points (graded A or B in ../shared/published/measurements.jsonl) that the
+# replay file cannot express yet, each with the reason docs/VALIDATION.md gives.
+NOT_EXPRESSED = {"P002", "P005"}
+GRADED_A_OR_B = {f"P{i:03d}" for i in [*range(1, 15), *range(21, 30), *range(37, 46), 56, 57, 58, 70, 72]}
+
+
+def test_replay_file_covers_the_calibration_set():
+    ids = {p.id.split(".")[0] for p in validate.read_replay(REPLAY)}
+    assert len(GRADED_A_OR_B) == 37
+    assert ids == GRADED_A_OR_B - NOT_EXPRESSED
+
+
+def test_a_subset_of_every_source_replays_in_ci():
+    """One point per source (the CI subset of issue 26): each plans, fits in memory and simulates."""
+    points = validate.read_replay(REPLAY)
+    chosen = {}
+    for p in points:
+        if "." not in p.id:
+            chosen.setdefault(p.source, p)
+    records = validate.replay(list(chosen.values()))
+    assert len(records) == 6
+    for r in records:
+        assert r["predicted"] > 0 and 0.05 < r["ratio"] < 20, r
+
+
+def test_fit_recovers_known_constants_on_synthetic_measurements():
+    """Oracle for the fit: measurements made by the simulator itself under known constants are fitted
+    back to those constants (two points on two engines, each informing one constant)."""
+    from harness import engine_fit as ef
+
+    gen = ef.Constant("generation/vllm", "gpu_time_scale")
+    train = ef.Constant("training/megatron", "compute_time_scale")
+    truth = {gen: 2.0, train: 0.5}
+    deps = [[gen], [train]]
+
+    def predict(i, values):  # a toy monotone model: time = 10 x constant^0.8
+        c = deps[i][0]
+        return 10.0 * values.get(c, c.prior) ** 0.8
+
+    measured = [predict(0, truth), predict(1, truth)]
+    fitted = ef.fit(2, deps, measured, predict, iterations=4)
+    assert fitted[gen] == pytest.approx(2.0, rel=0.05) and fitted[train] == pytest.approx(0.5, rel=0.05)

@@ -1,0 +1,435 @@
+"""Execution engines (harness/engines.py, conf/engine/; issue 26).
+
+Oracles, not mocks:
+
+- every engine file under conf/engine/ loads and resolves; malformed engines (unknown keys, unknown
+  names, bad batching / kernels / parallelism values) are refused with a ConfigError naming the fault;
+- direction of the overrides on one DeepSpeed-Chat setup (the issue's acceptance test): vLLM
+  generates faster than the hybrid engine, generate() on ZeRO-3 shards in place slower, ZeRO-Offload
+  trains slower;
+- ``engine.fitted=false`` resolves every fitted constant to its prior (FITTED_PRIORS); a fitted
+  table reaches the plan's engines, and doubling the hybrid engine's GPU-time factor cannot speed up
+  generation, cannot more than double it, and leaves training untouched;
+- identical runs give identical summaries;
+- plans an engine cannot run are refused (static batching under long-tail migration; DeepSpeed ZeRO
+  under a tensor/pipeline-parallel layout);
+- :class:`EngineCosts` against its closed forms (GPU-time factor, eager host floor, ZeRO-3 gather
+  floor, compute factor, CPU-Adam optimizer step recomputed from its docstring) and the plan memory
+  check against cost-model primitives (ZeRO-Offload's freed optimizer states, in-place generation's
+  two gathered layers);
+- plans round-trip their engines through to_dict / from_dict / JSON.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from harness import engines as eng
+from harness.app import compose
+from harness.engine_fit import Constant, constants
+from harness.engines import (FITTED_PRIORS, EngineCosts, Engines, GenerationEngine, TrainingEngine,
+                             available, load_engine, resolve)
+from harness.errors import ConfigError, PlanError
+from harness.plan import Plan, TaskKind
+from harness.planning.simulate import generation_gather_s
+from harness.runner import build_context, make_plan
+from harness.validate import simulate_summary
+
+ROOT = Path(__file__).resolve().parents[2]
+QUIET = ["logger=none", "logger.progress_bar=false", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]
+# One 8-GPU node of DeepSpeed-Chat on LLaMA-7B, 64 samples of at most 256 new tokens: ~0.2 s to plan + simulate.
+DSCHAT = ["+system=deepspeed_chat", "model=7b", "cluster=a800_8x", "cluster.num_nodes=1",
+          "workload.global_batch_size=64", "workload.mini_batch_size=64", "workload.max_gen_len=256",
+          "workload.output_len.max=256", *QUIET]
+# RLHFuse with inter-stage fusion and a pinned migration threshold (so the plan migrates the long tail).
+RLHFUSE = ["+system=rlhfuse", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
+           "system.fuse_max_steps=50", "system.migration_frac=0.25", *QUIET]
+COLOCATED = ["+system=colocated", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", *QUIET]
+PRIORS = ["engine.fitted=false"]
+
+
+def summary(overrides: list[str]) -> dict[str, float]:
+    return simulate_summary(compose(overrides))
+
+
+def planned(overrides: list[str]):
+    """(context, plan, memory report) of a composed config, as ``python -m harness`` plans it."""
+    run = OmegaConf.to_object(compose(overrides))
+    ctx = build_context(run)
+    plan, _, memory = make_plan(get_class(run.system.impl)(run.system), ctx)
+    return ctx, plan, memory
+
+
+# ---- 1. engine files ------------------------------------------------------------------------------
+ENGINE_FILES = sorted((ROOT / "conf" / "engine").glob("*/*.yaml"))
+
+
+def test_engine_files_are_the_available_engines():
+    assert ENGINE_FILES, "no engine files under conf/engine/"
+    assert {p.parent.name for p in ENGINE_FILES} == set(eng.KINDS)
+    for kind in eng.KINDS:
+        assert available(kind) == sorted(p.stem for p in ENGINE_FILES if p.parent.name == kind)
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_engine_file_loads_and_resolves(path):
+    kind, name = path.parent.name, path.stem
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    engine = load_engine(kind, name)
+    assert isinstance(engine, GenerationEngine if kind == "generation" else TrainingEngine)
+    assert engine.name == name
+    for key, value in raw.items():  # the file's values, as written
+        assert getattr(engine, key) == value, key
+    assert load_engine(kind, str(path)) == engine  # by path, the same engine
+    for use_fitted in (False, True):
+        resolved = resolve(kind, engine, use_fitted=use_fitted)
+        for const, prior in FITTED_PRIORS[kind].items():
+            value = getattr(resolved, const)
+            assert isinstance(value, float) and value > 0
+            pinned = raw.get(const)
+            if pinned is not None:
+                assert value == pinned
+            elif not use_fitted:
+                assert value == prior
+
+
+def test_every_system_default_engine_exists():
+    for system in sorted(p.stem for p in (ROOT / "conf" / "system").glob("*.yaml")):
+        cfg = compose([f"+system={system}", *QUIET])
+        for kind in eng.KINDS:
+            name = cfg.system[f"{kind}_engine"]
+            assert name in available(kind), (system, kind, name)
+
+
+def test_unknown_key_in_an_engine_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("batching: continuous\nkernels: graph\ncuda_graph_bucket: 8\n")
+    with pytest.raises(ConfigError, match="cuda_graph_bucket"):
+        load_engine("generation", str(path))
+    # and through the run config, before any planning
+    with pytest.raises(ConfigError, match="cuda_graph_bucket"):
+        summary([*DSCHAT, f"engine.generation={path}"])
+    train = tmp_path / "train.yaml"
+    train.write_text("parallelism: zero\noffload_everything: true\n")
+    with pytest.raises(ConfigError, match="offload_everything"):
+        load_engine("training", str(train))
+
+
+def test_an_engine_file_that_is_not_a_mapping_is_refused(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- static\n- eager\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_engine("generation", str(path))
+
+
+@pytest.mark.parametrize("kind", eng.KINDS)
+def test_unknown_engine_name_lists_the_available_ones(kind):
+    with pytest.raises(ConfigError) as info:
+        load_engine(kind, "no_such_engine")
+    message = str(info.value)
+    assert "no_such_engine" in message
+    for name in available(kind):
+        assert name in message
+    with pytest.raises(ConfigError) as info:  # through the run config
+        summary([*DSCHAT, f"engine.{kind}=no_such_engine"])
+    assert all(name in str(info.value) for name in available(kind))
+
+
+def test_missing_engine_file_and_bad_kind_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_engine("generation", str(tmp_path / "absent.yaml"))
+    with pytest.raises(ValueError, match="kind"):
+        load_engine("inference", "vllm")
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"batching": "dynamic"}, "batching"),
+    ({"kernels": "jit"}, "kernels"),
+    ({"weights": "somewhere"}, "weights"),
+    ({"kernels": "eager"}, "launches_per_layer"),  # eager without its launch count
+    ({"kernels": "eager", "launches_per_layer": 0}, "launches_per_layer"),
+    ({"kernels": "graph", "launches_per_layer": 6}, "launches_per_layer"),
+    ({"batching": "continuous", "pad_to_longest": True}, "static"),
+    ({"batching": "continuous", "synced_under_zero3": True}, "static"),
+])
+def test_bad_generation_engine_values_are_refused(tmp_path, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        GenerationEngine(name="bad", **fields)
+    path = tmp_path / "bad.yaml"  # the same through a file
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(fields)))
+    with pytest.raises(ConfigError, match=message):
+        load_engine("generation", str(path))
+
+
+def test_bad_training_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="parallelism"):
+        TrainingEngine(name="bad", parallelism="fsdp")
+
+
+def test_an_engine_file_equal_to_vllm_runs_as_vllm(tmp_path):
+    path = tmp_path / "my_vllm.yaml"
+    path.write_text((ROOT / "conf" / "engine" / "generation" / "vllm.yaml").read_text())
+    assert summary([*DSCHAT, *PRIORS, f"engine.generation={path}"]) == \
+        summary([*DSCHAT, *PRIORS, "engine.generation=vllm"])
+
+
+# ---- 2. direction of the overrides (the issue's acceptance test) -----------------------------------
+@pytest.fixture(scope="module", params=[False, True], ids=["priors", "fitted"])
+def dschat_by_engine(request):
+    fitted = [] if request.param else PRIORS
+    runs = {"default": [], "ds_hybrid": ["engine.generation=ds_hybrid"], "vllm": ["engine.generation=vllm"],
+            "ds_chat_generate": ["engine.generation=ds_chat_generate"]}
+    return {name: summary([*DSCHAT, *fitted, *extra]) for name, extra in runs.items()}
+
+
+def test_dschat_default_is_its_hybrid_engine(dschat_by_engine):
+    assert dschat_by_engine["default"] == dschat_by_engine["ds_hybrid"]
+
+
+def test_vllm_generates_faster_than_the_hybrid_engine(dschat_by_engine):
+    assert dschat_by_engine["vllm"]["timing_s/gen"] < dschat_by_engine["default"]["timing_s/gen"]
+
+
+def test_generate_on_zero3_shards_in_place_is_slower_than_the_hybrid_engine(dschat_by_engine):
+    assert dschat_by_engine["ds_chat_generate"]["timing_s/gen"] > dschat_by_engine["default"]["timing_s/gen"]
+    # it generates in place: no reallocation of the actor to a generation layout
+    assert "timing_s/realloc" in dschat_by_engine["default"]
+    assert dschat_by_engine["ds_chat_generate"].get("timing_s/realloc", 0.0) == 0.0
+
+
+def test_zero_offload_trains_slower_at_the_priors():
+    base = summary([*DSCHAT, *PRIORS, "engine.training=deepspeed"])
+    offload = summary([*DSCHAT, *PRIORS, "engine.training=deepspeed_offload"])
+    assert base == summary([*DSCHAT, *PRIORS])  # deepspeed is DS-Chat's default
+    assert offload["timing_s/train"] > base["timing_s/train"]
+    # generation does not see the optimizer
+    assert offload["timing_s/gen"] == pytest.approx(base["timing_s/gen"], rel=1e-12, abs=0)
+
+
+def test_in_place_generation_gathers_the_actor_every_step():
+    ctx, plan, _ = planned([*DSCHAT, *PRIORS, "engine.generation=ds_chat_generate"])
+    gen = next(t for t in plan.tasks if t.kind == TaskKind.GENERATE)
+    actor = plan.task("update_actor")
+    assert gen.allocation == actor.allocation and gen.allocation.strategy.zero_stage == 3
+    assert all(m.model != "actor" for m in plan.weight_movements)  # no copy of the actor for generation
+    cm = ctx.cost_model
+    expected = cm.allgather_s(cm.weights_gb(ctx.models.actor, 1, 1) * 1e9, list(gen.allocation.mesh))
+    assert expected > 0 and generation_gather_s(ctx, plan) == expected
+    ctx, plan, _ = planned([*DSCHAT, *PRIORS])  # the hybrid engine gathers once, into its own layout
+    assert generation_gather_s(ctx, plan) == 0.0
+    assert [m.model for m in plan.weight_movements] == ["actor"]
+
+
+# ---- 3. fitted constants -------------------------------------------------------------------------
+def _priors_of(engines: Engines) -> None:
+    for kind in eng.KINDS:
+        for const, prior in FITTED_PRIORS[kind].items():
+            assert getattr(getattr(engines, kind), const) == prior, (kind, const)
+
+
+def test_unfitted_engines_resolve_to_the_priors():
+    for extra in ([], ["engine.generation=vllm"], ["engine.generation=ds_chat_generate"],
+                  ["engine.training=deepspeed_offload"]):
+        _, plan, _ = planned([*DSCHAT, *PRIORS, *extra])
+        _priors_of(plan.engines)
+    # even while a fitted table is in force
+    with constants({Constant("generation/ds_hybrid", "gpu_time_scale"): 2.0,
+                    Constant("training/deepspeed", "cpu_adam_gbps"): 7.0}):
+        _, plan, _ = planned([*DSCHAT, *PRIORS])
+    _priors_of(plan.engines)
+
+
+def test_a_fitted_table_reaches_the_plan_and_scales_generation_only():
+    key = Constant("generation/ds_hybrid", "gpu_time_scale")
+    with constants({key: 2.0}):
+        _, plan, _ = planned(DSCHAT)
+        doubled = summary(DSCHAT)
+    assert plan.engines.generation.name == "ds_hybrid" and plan.engines.generation.gpu_time_scale == 2.0
+    assert plan.engines.training.compute_time_scale == FITTED_PRIORS["training"]["compute_time_scale"]
+    with constants({key: 1.0}):
+        single = summary(DSCHAT)
+    assert single == summary([*DSCHAT, *PRIORS])  # a table at the priors is the mechanism model alone
+    # each step is max(GPU x scale, host, gather): doubling the GPU factor cannot speed generation
+    # up, nor more than double it; training does not run on the generation engine
+    assert single["timing_s/gen"] <= doubled["timing_s/gen"] <= 2 * single["timing_s/gen"] * (1 + 1e-12)
+    # and the table is not ignored: this setup's hybrid-engine steps (LLaMA-7B, tp 8, rounds of 64)
+    # are GPU-bound (the eager host floor, 32 layers x 6 launches, is below them), so it slows down
+    assert doubled["timing_s/gen"] > single["timing_s/gen"]
+    # (equal up to rounding: the durations are differences of absolute times, which moved)
+    for key_ in ("timing_s/train", "timing_s/update_actor", "timing_s/update_critic"):
+        assert doubled[key_] == pytest.approx(single[key_], rel=1e-12, abs=0)
+
+
+def test_fitted_constants_of_another_engine_do_not_apply():
+    with constants({Constant("generation/vllm", "gpu_time_scale"): 5.0}):
+        _, plan, _ = planned(DSCHAT)
+        other = summary(DSCHAT)
+    assert plan.engines.generation.gpu_time_scale == 1.0
+    assert other == summary([*DSCHAT, *PRIORS])
+
+
+# ---- 4. determinism ------------------------------------------------------------------------------
+def test_identical_runs_give_identical_summaries():
+    first, second = summary(DSCHAT), summary(DSCHAT)
+    assert first == second
+    assert summary([*DSCHAT, "engine.generation=vllm"]) == summary([*DSCHAT, "engine.generation=vllm"])
+
+
+# ---- 5. compatibility refusals -------------------------------------------------------------------
+def test_rlhfuse_migration_needs_continuous_batching():
+    _, plan, _ = planned(RLHFUSE)  # its own engine (vLLM-style) migrates the long tail
+    assert plan.engines.generation.batching == "continuous" and plan.generation.migration is not None
+    with pytest.raises(PlanError, match="continuous-batching") as info:
+        planned([*RLHFUSE, "engine.generation=ds_hybrid"])
+    assert "ds_hybrid" in str(info.value)
+
+
+def test_deepspeed_training_refuses_tensor_and_pipeline_parallel_layouts():
+    layout = "system.layout=dp2tp2pp2"
+    _, plan, _ = planned([*COLOCATED, layout])  # runs on its default Megatron-style engine
+    assert plan.engines.training.name == "megatron"
+    with pytest.raises(PlanError, match="training engine deepspeed") as info:
+        planned([*COLOCATED, layout, "engine.training=deepspeed"])
+    assert "dp2tp2pp2" in str(info.value)
+    # a data-parallel-only layout runs on it
+    _, plan, _ = planned([*COLOCATED, "system.layout=dp8tp1pp1", "workload.global_batch_size=32",
+                          "workload.mini_batch_size=16", "engine.training=deepspeed"])
+    assert plan.engines.training.name == "deepspeed"
+
+
+# ---- 6. EngineCosts closed forms -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ctx():
+    return build_context(OmegaConf.to_object(compose([*DSCHAT, *PRIORS])))
+
+
+def _engines(gen: dict, train: dict) -> Engines:
+    """Resolved engines (every fitted constant set: the priors unless given)."""
+    return Engines(GenerationEngine(name="g", **{"gpu_time_scale": 1.0, **gen}),
+                   TrainingEngine(name="t", **{"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0, **train}))
+
+
+DECODE_CASES = [(1, 300, 1, 1), (64, 64 * 500, 8, 1), (16, 16 * 700, 2, 2), (256, 256 * 400, 4, 1)]
+
+
+@pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)
+def test_gpu_time_scale_multiplies_graph_steps(ctx, batch, context, tp, pp):
+    cm, model = ctx.cost_model, ctx.models.actor
+    ec = EngineCosts(cm, _engines({"gpu_time_scale": 3.0}, {}))
+    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == \
+        pytest.approx(3 * cm.decode_step_s(model, batch, context, tp, pp, "graph"), rel=1e-12)
+    assert ec.prefill_s(model, context, tp, pp, context / batch, "graph") == \
+        pytest.approx(3 * cm.prefill_s(model, context, tp, pp, context / batch, "graph"), rel=1e-12)
+    assert ec.decode_step_s(model, 0, 0.0, tp, pp) == 0.0 and ec.prefill_s(model, 0, tp, pp) == 0.0
+    unit = EngineCosts(cm, _engines({"gpu_time_scale": 1.0}, {}))  # the prior: the cost model as is
+    assert unit.decode_step_s(model, batch, context, tp, pp) == cm.decode_step_s(model, batch, context, tp, pp)
+
+
+@pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)
+def test_eager_steps_are_floored_by_the_host_and_steps_by_the_gather(ctx, batch, context, tp, pp):
+    from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH
+
+    cm, model = ctx.cost_model, ctx.models.actor
+    gpu = cm.decode_step_s(model, batch, context, tp, pp, "graph")
+    launches = 6
+    ec = EngineCosts(cm, _engines({"gpu_time_scale": 1.5, "kernels": "eager", "launches_per_layer": launches,
+                                   "batching": "static"}, {}))
+    host = model.num_layers * launches * EAGER_HOST_S_PER_LAUNCH
+    assert ec.decode_step_s(model, batch, context, tp, pp, "eager", launches) == pytest.approx(
+        max(1.5 * gpu, host), rel=1e-12)
+    gather = 10 * max(gpu, host)  # a ZeRO-3 gather longer than the step bounds it
+    ec = EngineCosts(cm, _engines({"gpu_time_scale": 3.0}, {}), gen_gather_s=gather)
+    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == gather
+    tiny = 1e-12
+    ec = EngineCosts(cm, _engines({"gpu_time_scale": 3.0}, {}), gen_gather_s=tiny)
+    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == pytest.approx(3 * gpu, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp,num_layers,head", [(1, None, None), (2, 16, True), (8, 8, False)])
+def test_compute_time_scale_multiplies_forward_and_backward_exactly(ctx, tp, num_layers, head):
+    cm, model = ctx.cost_model, ctx.models.actor
+    ec = EngineCosts(cm, _engines({}, {"compute_time_scale": 1.7}))
+    args = (model, 4 * 600.0, 600.0, tp, num_layers, head)
+    assert ec.forward_s(*args) == cm.forward_s(*args) * 1.7
+    assert ec.backward_s(*args) == cm.backward_s(*args) * 1.7
+    # everything else is the cost model's
+    assert ec.optimizer_step_s(model, 8, tp, 1, 3) == cm.optimizer_step_s(model, 8, tp, 1, 3)
+    assert ec.allgather_s(1e9, list(range(8))) == cm.allgather_s(1e9, list(range(8)))
+    assert ec.decode_step_s(model, 8, 8 * 300, tp) == cm.decode_step_s(model, 8, 8 * 300, tp)
+
+
+@pytest.mark.parametrize("dp,tp,pp,zero", [(8, 1, 1, 3), (4, 2, 1, 1), (2, 1, 1, 2), (16, 1, 1, 3),
+                                           (2, 2, 2, 1), (1, 1, 1, 0)])
+def test_optimizer_offload_is_the_cpu_adam_step(ctx, dp, tp, pp, zero):
+    from harness.costmodel.llama import ModelDims, num_params
+    from harness.costmodel.memory import max_stage_params
+
+    cm, model = ctx.cost_model, ctx.models.actor
+    gbps = 37.0
+    ec = EngineCosts(cm, _engines({}, {"optimizer_offload": True, "cpu_adam_gbps": gbps}))
+    stage_params = num_params(model) if pp == 1 else max_stage_params(ModelDims.of(model), pp)
+    params = stage_params / tp / (dp if zero >= 1 else 1)  # one rank's share of the optimizer states
+    ranks_per_node = min(dp * tp * pp, cm.gpus_per_node)
+    cpu_adam_s = params * ranks_per_node * 28 / (gbps * 1e9)  # fp32 master + 2 Adam moments (+ grads)
+    pcie_s = 2 * cm.host_transfer_s(2 * params)  # fp16 gradients down, fp16 parameters up
+    assert ec.optimizer_step_s(model, dp, tp, pp, zero) == pytest.approx(cpu_adam_s + pcie_s, rel=1e-12)
+    # and it replaces the GPU's step: without offload the cost model's
+    plain = EngineCosts(cm, _engines({}, {"cpu_adam_gbps": gbps}))
+    assert plain.optimizer_step_s(model, dp, tp, pp, zero) == cm.optimizer_step_s(model, dp, tp, pp, zero)
+
+
+def test_zero_offload_frees_the_optimizer_states_on_the_gpus():
+    ctx, _, base = planned([*DSCHAT, *PRIORS])
+    _, plan, offload = planned([*DSCHAT, *PRIORS, "engine.training=deepspeed_offload"])
+    assert plan.engines.training.optimizer_offload
+    cm, n = ctx.cost_model, ctx.num_devices
+    freed = 0.0
+    for role in ("actor", "critic"):  # ZeRO-3: weights and gradients stay, sharded over the dp ranks
+        model = getattr(ctx.models, role)
+        freed += cm.training_state_gb(model, n, 1, 1, 3) - 2 * cm.weights_gb(model) / n
+    assert freed > 0
+    for task in ("update_actor", "update_critic", "ref"):
+        assert base.task_peak_gb[task] - offload.task_peak_gb[task] == pytest.approx(freed, rel=1e-9)
+
+
+def test_in_place_generation_holds_two_gathered_layers():
+    ctx, plan, memory = planned([*DSCHAT, *PRIORS, "engine.generation=ds_chat_generate"])
+    cm, models, n, w = ctx.cost_model, ctx.models, ctx.num_devices, ctx.workload
+    resident = (cm.training_state_gb(models.actor, n, 1, 1, 3) + cm.training_state_gb(models.critic, n, 1, 1, 3)
+                + cm.weights_gb(models.ref) / n + cm.weights_gb(models.reward) / n)
+    max_seq = w.prompt_len.max + w.max_gen_len
+    gen = resident + 2 * cm.weights_gb(models.actor) / models.actor.num_layers + cm.kv_cache_gb(models.actor, max_seq)
+    assert memory.task_peak_gb["gen"] == pytest.approx(gen, rel=1e-9)
+    # the hybrid engine holds its own full tp-sharded copy instead
+    _, plan, memory = planned([*DSCHAT, *PRIORS])
+    tp = plan.task("gen").allocation.strategy.tp
+    gen = resident + cm.weights_gb(models.actor, tp) + cm.kv_cache_gb(models.actor, max_seq, tp)
+    assert memory.task_peak_gb["gen"] == pytest.approx(gen, rel=1e-9)
+
+
+# ---- 7. plans carry their engines ----------------------------------------------------------------
+@pytest.mark.parametrize("extra", [[], ["engine.generation=vllm", "engine.training=deepspeed_offload"],
+                                   ["engine.generation=ds_chat_generate"]])
+def test_plan_round_trips_its_engines(extra):
+    _, plan, _ = planned([*DSCHAT, *extra])
+    assert plan.engines is not None
+    d = plan.to_dict()
+    assert d["engines"] == plan.engines.to_dict()
+    again = Plan.from_dict(copy.deepcopy(d))
+    assert again.engines == plan.engines
+    assert again.to_dict() == d
+    assert Plan.from_json(plan.to_json()).engines == plan.engines
+    assert Engines.from_dict(plan.engines.to_dict()) == plan.engines
+
+
+def test_plan_without_engines_round_trips():
+    _, plan, _ = planned(DSCHAT)
+    d = plan.to_dict()
+    d["engines"] = None
+    assert Plan.from_dict(d).engines is None
+    del d["engines"]  # a plan.json written before issue 26
+    assert Plan.from_dict(d).engines is None
