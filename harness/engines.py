@@ -26,8 +26,9 @@ factor per training engine, the CPU optimizer's streaming rate) are
 fitted by ``python -m harness.validate FILE --fit`` on the published end-to-end measurements of
 ``data/published/replay.jsonl`` and stored, with their provenance, in ``data/engines/fitted.json``;
 they are shared by every run of an engine, never per point. ``engine.fitted=false`` runs with every
-fitted constant at its prior (1, 0: the mechanism model alone, what the simulator did before issue
-26). See docs/VALIDATION.md.
+fitted constant at its prior (factors 1, CPU Adam at its placeholder rate): the mechanisms alone. With
+DeepSpeed-Chat's issue-12 generation engine (``benchmarks/engines_before/ds_hybrid_issue12.yaml``) that
+is the simulator as it was before issue 26 (``benchmarks/fig7_engines.py``). See docs/VALIDATION.md.
 """
 from __future__ import annotations
 
