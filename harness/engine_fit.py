@@ -72,9 +72,8 @@ def point_constants(cfg: Any) -> list[Constant]:
 
     run = OmegaConf.to_object(cfg)
     out = []
-    for kind in eng.KINDS:
-        name = getattr(run.engine, kind, None) or getattr(run.system, f"{kind}_engine")
-        engine = eng.load_engine(kind, str(name))
+    for kind, name in eng.chosen_engine_names(run.engine, run.system).items():
+        engine = eng.load_engine(kind, name)
         for const in eng.FITTED_PRIORS[kind]:
             if getattr(engine, const) is None and _matters(kind, engine, const):
                 out.append(Constant(eng.fit_key(kind, engine), const))

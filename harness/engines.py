@@ -33,7 +33,7 @@ is the simulator as it was before issue 26 (``benchmarks/fig7_engines.py``). See
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -202,18 +202,25 @@ def resolve(kind: str, engine: Any, use_fitted: bool = True,
     return replace(engine, **values)
 
 
-def select_engines(selection: Any, system_cfg: Any,
-                   table: Optional[dict[str, dict[str, float]]] = None) -> Engines:
-    """The run's engines: ``engine.*`` where set, else the system's defaults
+def chosen_engine_names(selection: Any, system_cfg: Any) -> dict[str, str]:
+    """``kind -> engine name or path``: ``engine.*`` where set, else the system's defaults
     (``system.generation_engine`` / ``system.training_engine``)."""
-    use_fitted = bool(getattr(selection, "fitted", True))
-    chosen = {}
+    names = {}
     for kind in KINDS:
         name = getattr(selection, kind, None) or getattr(system_cfg, f"{kind}_engine", None)
         if not name:
             raise ConfigError(f"system {getattr(system_cfg, 'name', '?')} names no default {kind} engine "
                               f"(system.{kind}_engine); set engine.{kind}=<{'|'.join(available(kind))}>")
-        chosen[kind] = resolve(kind, load_engine(kind, str(name)), use_fitted, table)
+        names[kind] = str(name)
+    return names
+
+
+def select_engines(selection: Any, system_cfg: Any,
+                   table: Optional[dict[str, dict[str, float]]] = None) -> Engines:
+    """The run's engines (:func:`chosen_engine_names`), fitted constants resolved."""
+    use_fitted = bool(getattr(selection, "fitted", True))
+    chosen = {kind: resolve(kind, load_engine(kind, name), use_fitted, table)
+              for kind, name in chosen_engine_names(selection, system_cfg).items()}
     return Engines(chosen["generation"], chosen["training"])
 
 
@@ -267,7 +274,6 @@ class EngineCosts:
     cm: Any
     engines: Engines
     gen_gather_s: float = 0.0  # all-gather of the actor's weights per generation step (0: none)
-    _cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unresolved = [f"{kind}.{key}" for kind, engine in (("generation", self.engines.generation),
@@ -276,39 +282,38 @@ class EngineCosts:
         if unresolved:
             raise PlanError(f"engines with unresolved fitted constants {unresolved}: build them with "
                             f"harness.engines.select_engines or resolve()")
+        # read once: the generation simulator calls the step methods ~1e5 times per iteration
+        from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH, GPT_FAST_LAUNCHES_PER_LAYER
+        self._graph_overhead_s = float(getattr(self.cm.compute, "graph_step_overhead_s", 0.0))
+        # the roofline has no host model (as before issue 26)
+        self._host_s_per_launch = EAGER_HOST_S_PER_LAUNCH if self.cm.calibration is not None else 0.0
+        self._default_launches = GPT_FAST_LAUNCHES_PER_LAYER
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cm, name)
 
-    def _step(self, graph_s: float, d: Any, kernels: str, launches: Optional[int]) -> float:
+    def _step(self, graph_s: float, model: Any, kernels: str, launches: Optional[int]) -> float:
         """A step from the cost model's CUDA-graph time of it (GPU time + the graph replay overhead)."""
-        g = self.engines.generation
-        overhead_s = float(getattr(self.cm.compute, "graph_step_overhead_s", 0.0))
-        gpu_s = max(0.0, graph_s - overhead_s) * g.gpu_time_scale
+        gpu_s = max(0.0, graph_s - self._graph_overhead_s) * self.engines.generation.gpu_time_scale
         if kernels == "graph":
-            return max(gpu_s + overhead_s, self.gen_gather_s)
-        host_s = 0.0
-        if self.cm.calibration is not None:  # the roofline has no host model (as before issue 26)
-            from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH, GPT_FAST_LAUNCHES_PER_LAYER
-            host_s = d.num_layers * (launches or GPT_FAST_LAUNCHES_PER_LAYER) * EAGER_HOST_S_PER_LAUNCH
+            return max(gpu_s + self._graph_overhead_s, self.gen_gather_s)
+        host_s = model.num_layers * (launches or self._default_launches) * self._host_s_per_launch
         return max(gpu_s, host_s, self.gen_gather_s)
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,
                       pp: int = 1, engine: str = "graph", launches_per_layer: Optional[int] = None) -> float:
         if batch_size <= 0:
             return 0.0
-        from harness.costmodel.llama import ModelDims
         gpu_s = self.cm.decode_step_s(model, batch_size, context_tokens_total, tp, pp, "graph")
-        return self._step(gpu_s, ModelDims.of(model), engine, launches_per_layer)
+        return self._step(gpu_s, model, engine, launches_per_layer)
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, engine: str = "graph",
                   launches_per_layer: Optional[int] = None) -> float:
         if num_tokens <= 0:
             return 0.0
-        from harness.costmodel.llama import ModelDims
         gpu_s = self.cm.prefill_s(model, num_tokens, tp, pp, seq_len, "graph")
-        return self._step(gpu_s, ModelDims.of(model), engine, launches_per_layer)
+        return self._step(gpu_s, model, engine, launches_per_layer)
 
     def forward_s(self, *args: Any, **kwargs: Any) -> float:
         return self.cm.forward_s(*args, **kwargs) * self.engines.training.compute_time_scale

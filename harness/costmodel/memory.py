@@ -78,14 +78,15 @@ def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYT
 
 
 def training_state_gb(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                      zero_stage: int = 0) -> float:
-    """Weights + gradients + Adam states on one device under ZeRO stage 0-3."""
+                      zero_stage: int = 0, optimizer_offload: bool = False) -> float:
+    """Weights + gradients + Adam states on one device under ZeRO stage 0-3; without the Adam states
+    when ``optimizer_offload`` keeps them in host memory (ZeRO-Offload)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
     params = max_stage_params(model, pp) / tp
     weights = WEIGHT_BYTES / (dp if zero_stage >= 3 else 1)
     grads = GRAD_BYTES / (dp if zero_stage >= 2 else 1)
-    optimizer = OPTIMIZER_BYTES / (dp if zero_stage >= 1 else 1)
+    optimizer = 0.0 if optimizer_offload else OPTIMIZER_BYTES / (dp if zero_stage >= 1 else 1)
     return params * (weights + grads + optimizer) / GB
 
 

@@ -280,8 +280,8 @@ class CostModel:
         return memory.weights_gb(ModelDims.of(model), tp, pp, dtype_bytes)
 
     def training_state_gb(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                          zero_stage: int = 0) -> float:
-        return memory.training_state_gb(ModelDims.of(model), dp, tp, pp, zero_stage)
+                          zero_stage: int = 0, optimizer_offload: bool = False) -> float:
+        return memory.training_state_gb(ModelDims.of(model), dp, tp, pp, zero_stage, optimizer_offload)
 
     def activation_gb(self, model: Any, micro_batch_size: float, seq_len: float, tp: int = 1,
                       num_layers: Optional[float] = None, recompute: Optional[str] = None,

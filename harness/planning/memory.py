@@ -43,18 +43,9 @@ def state_gb(cm: CostModel, model, s, what: str, optimizer_offload: bool = False
     """A model's ``train`` state (weights, gradients, optimizer; without the optimizer states when the
     training engine offloads them to host memory, ZeRO-Offload) or ``weights`` in strategy ``s``."""
     if what == "train":
-        if optimizer_offload:
-            return _no_optimizer_gb(cm, model, s)
-        return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage)
+        return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, optimizer_offload)
     weights = cm.weights_gb(model, s.tp, s.pp)
     return weights / s.dp if s.zero_stage == 3 else weights
-
-
-def _no_optimizer_gb(cm: CostModel, model, s) -> float:
-    """Weights and gradients only (what stays on the GPU under ZeRO-Offload)."""
-    weights = cm.weights_gb(model, s.tp, s.pp)
-    grads = weights  # bf16 gradients, the same bytes as the weights
-    return weights / (s.dp if s.zero_stage >= 3 else 1) + grads / (s.dp if s.zero_stage >= 2 else 1)
 
 
 def _state_gb(cm: CostModel, model, alloc: Allocation, what: str, optimizer_offload: bool = False) -> float:
