@@ -113,7 +113,7 @@ class ClusterConfig:
 class LengthDistConfig:
     """A token-length distribution: lognormal body, clipped to [min, max]."""
 
-    kind: str = "lognormal"  # lognormal | constant
+    kind: str = "lognormal"  # lognormal | constant (median) | uniform (integers in [min, max]; median = midpoint)
     median: float = MISSING
     sigma: float = 1.0  # lognormal shape; P99.9/median = exp(3.09*sigma)
     min: int = 1

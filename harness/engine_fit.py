@@ -5,10 +5,14 @@ What is fitted: only the constants :data:`harness.engines.FITTED_PRIORS` names, 
 (``kind/fit_key``), shared by every point that runs on that engine: never one per point. Which
 constants a point informs follows from the engines its overrides resolve to.
 
-How: least squares on ``log(predicted / measured)`` over the points, in the logs of the constants,
-by Gauss-Newton with finite-difference sensitivities (each point re-simulated with one constant
-doubled), a few iterations, with a weak pull (``PRIOR_WEIGHT``) of every constant towards its prior,
-so a constant no point informs stays at its prior instead of drifting. Leave-one-source-out: the same
+How: robust least squares on ``log(predicted / measured)`` over the points, in the logs of the
+constants, by Gauss-Newton with finite-difference sensitivities (each point re-simulated with one
+constant doubled), a few iterations, with a weak pull (``PRIOR_WEIGHT``) of every constant towards
+its prior, so a constant no point informs stays at its prior instead of drifting. The loss is
+soft-L1 (``rho(r) = 2 (sqrt(1 + (r/s)^2) - 1)`` with ``s = ROBUST_SCALE_LOG``, log 2), solved by
+iteratively reweighted least squares: a point within about 2x counts as its squared log error, one
+further off about as its absolute log error, so a point whose setup the replay cannot express (a
+published baseline with unknown configuration) cannot set an engine's constant on its own. Leave-one-source-out: the same
 fit without one source's points, whose predictions are then simulated with that fold's constants.
 
 Runtime: every iteration simulates each point once per constant it depends on, plus once; about a
@@ -32,6 +36,13 @@ from harness import engines as eng
 PRIOR_WEIGHT = 0.1  # residual weight of log(constant / prior): a tenth of one point's
 STEP_LOG = math.log(2.0)  # finite-difference step: each constant doubled
 MAX_ABS_LOG = math.log(20.0)  # constants stay within 1/20x..20x of their priors
+CONVERGED_STEP_LOG = 1e-3  # stop when no constant moves by more than 0.1%
+ROBUST_SCALE_LOG = math.log(2.0)  # soft-L1 scale: residuals beyond a factor of about 2 count linearly
+
+
+def robust_weight(residual_log: float) -> float:
+    """IRLS weight of one residual under the soft-L1 loss (the loss's derivative in r^2)."""
+    return 1.0 / math.sqrt(1.0 + (residual_log / ROBUST_SCALE_LOG) ** 2)
 
 
 @dataclass(frozen=True)
@@ -90,8 +101,8 @@ Predict = Callable[[int, dict[Constant, float]], float]
 def fit(num_points: int, deps: list[list[Constant]], measured: list[float], predict: Predict,
         include: Optional[list[int]] = None, iterations: int = 3,
         start: Optional[dict[Constant, float]] = None) -> dict[Constant, float]:
-    """Constants minimising the squared log error over the points ``include`` (default all);
-    ``predict(i, values)`` simulates point ``i`` under ``values``."""
+    """Constants minimising the soft-L1 loss of the log errors over the points ``include`` (default
+    all); ``predict(i, values)`` simulates point ``i`` under ``values``."""
     include = list(range(num_points)) if include is None else include
     unknowns = sorted({c for i in include for c in deps[i]}, key=lambda c: c.label)
     values = {c: (start or {}).get(c, c.prior) for c in unknowns}
@@ -107,8 +118,10 @@ def fit(num_points: int, deps: list[list[Constant]], measured: list[float], pred
                     bumped = dict(values)
                     bumped[c] = values[c] * math.exp(STEP_LOG)
                     row[j] = (math.log(predict(i, bumped)) - math.log(base)) / STEP_LOG
-            rows.append(row)
-            residuals.append(math.log(base / measured[i]))
+            residual = math.log(base / measured[i])
+            w = math.sqrt(robust_weight(residual))
+            rows.append(w * row)
+            residuals.append(w * residual)
         for j, c in enumerate(unknowns):  # weak pull towards the prior
             row = np.zeros(len(unknowns))
             row[j] = PRIOR_WEIGHT
@@ -119,6 +132,8 @@ def fit(num_points: int, deps: list[list[Constant]], measured: list[float], pred
         for j, c in enumerate(unknowns):
             log_rel = math.log(values[c] / c.prior) + float(step[j])
             values[c] = c.prior * math.exp(max(-MAX_ABS_LOG, min(MAX_ABS_LOG, log_rel)))
+        if float(np.max(np.abs(step))) < CONVERGED_STEP_LOG:
+            break
     return values
 
 

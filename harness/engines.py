@@ -83,6 +83,9 @@ class GenerationEngine:
     synced_under_zero3: bool = False  # generate(synced_gpus=True): rounds end on the longest rank
     pad_to_longest: bool = False  # later passes see the round's padded tensor
     pad_prompts_to_max: bool = False  # prompts padded to the workload's longest prompt
+    # false: no KV cache is reused, so every decode step runs the whole sequence so far (a prefill
+    # of the batch's context), not one token per sequence
+    kv_cache: bool = True
     # fitted (None: data/engines/fitted.json, else the prior)
     gpu_time_scale: Optional[float] = None  # GPU time of a step relative to our kernel profiles
     fit_key: Optional[str] = None  # engines sharing fitted constants (None: its own name)
@@ -266,7 +269,8 @@ class EngineCosts:
     :class:`~harness.costmodel.CostModel` (everything not overridden is delegated), with
 
     - prefill and decode steps: ``max(GPU time x gpu_time_scale, eager host time, ZeRO-3 gather)``,
-      the gather only when the engine generates from ZeRO-3 shards in place;
+      the gather only when the engine generates from ZeRO-3 shards in place; without a reused KV
+      cache (``kv_cache: false``) a decode step's GPU time is a prefill of the whole context;
     - forward and backward: ``x compute_time_scale``;
     - optimizer step with offload: the CPU Adam step over the node's share of the optimizer states
       plus the fp16 gradients down and parameters up over PCIe, instead of the GPU's."""
@@ -304,7 +308,11 @@ class EngineCosts:
                       pp: int = 1, engine: str = "graph", launches_per_layer: Optional[int] = None) -> float:
         if batch_size <= 0:
             return 0.0
-        gpu_s = self.cm.decode_step_s(model, batch_size, context_tokens_total, tp, pp, "graph")
+        if self.engines.generation.kv_cache:
+            gpu_s = self.cm.decode_step_s(model, batch_size, context_tokens_total, tp, pp, "graph")
+        else:  # the model runs over every sequence's whole context to produce its next token
+            tokens = context_tokens_total + batch_size
+            gpu_s = self.cm.prefill_s(model, tokens, tp, pp, tokens / batch_size, "graph")
         return self._step(gpu_s, model, engine, launches_per_layer)
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
@@ -120,6 +120,18 @@ def make_plan(system: System, ctx: PlanContext) -> tuple[Plan, float, Any]:
     return plan, plan_s, check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
 
 
+def iteration_rows(run: RunConfig, plan: Plan, backend: Any,
+                   iterations: Iterable[int]) -> Iterator[tuple[StepTrace, dict[str, float]]]:
+    """Run ``plan`` on ``backend`` (already set up) for each of ``iterations``, each on its batch of
+    the workload: the iteration's trace and its metrics row (:func:`harness.metrics.iteration_metrics`)."""
+    task_models = {t.name: t.model for t in plan.tasks}
+    peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
+    for it in iterations:
+        batch = make_batch(run.workload, run.seed, it)
+        trace = backend.run_iteration(plan, it, batch)
+        yield trace, mk.iteration_metrics(trace, batch.total_num_tokens, task_models, peak_flops)
+
+
 def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
     """Run one benchmark; ``overrides`` (the command line's) define the results variant."""
     if OmegaConf.is_missing(cfg, "system"):
@@ -142,8 +154,6 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
 
     backend = get_class(cfg.backend._target_)(run.backend, ctx)
     backend.check(plan)  # features the backend cannot execute: refused before anything is written
-    task_models = {t.name: t.model for t in plan.tasks}
-    peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
     with results.RunFolder(path) as folder:
         _write_static_files(folder, cfg, plan)
         run_name = f"{system.name}-{label}-seed{run.seed}" + (f"-{variant}" if variant else "")
@@ -157,10 +167,7 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
             if run.logger.progress_bar:
                 from tqdm import tqdm
                 iterations = tqdm(iterations, desc=f"{system.name} {label}", unit="it", leave=False)
-            for it in iterations:
-                batch = make_batch(run.workload, run.seed, it)
-                trace = backend.run_iteration(plan, it, batch)
-                row = mk.iteration_metrics(trace, batch.total_num_tokens, task_models, peak_flops)
+            for it, (trace, row) in enumerate(iteration_rows(run, plan, backend, iterations)):
                 row[mk.PLAN_TIME] = plan_s
                 logger.log(row, step=it)
                 rows.append(row)

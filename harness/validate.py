@@ -129,9 +129,8 @@ def simulate_summary(cfg) -> dict[str, float]:
     from hydra.utils import get_class
 
     from harness import metrics as mk
-    from harness.runner import build_context, make_plan
+    from harness.runner import build_context, iteration_rows, make_plan
     from harness.validation import check_batch_sizes
-    from harness.workload import make_batch
 
     check_batch_sizes(cfg)
     run = OmegaConf.to_object(cfg)
@@ -139,15 +138,9 @@ def simulate_summary(cfg) -> dict[str, float]:
     plan, _, _ = make_plan(get_class(run.system.impl)(run.system), ctx)
     backend = get_class(cfg.backend._target_)(run.backend, ctx)
     backend.check(plan)
-    task_models = {t.name: t.model for t in plan.tasks}
-    peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
-    rows = []
     backend.setup(plan)
     try:
-        for it in range(run.backend.num_iterations):
-            batch = make_batch(run.workload, run.seed, it)
-            rows.append(mk.iteration_metrics(backend.run_iteration(plan, it, batch), batch.total_num_tokens,
-                                             task_models, peak_flops))
+        rows = [row for _, row in iteration_rows(run, plan, backend, range(run.backend.num_iterations))]
     finally:
         backend.close()
     return mk.summarize(rows, run.backend.num_warmup_iterations)
@@ -180,7 +173,7 @@ def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
     return records
 
 
-def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iterations: int = 3):
+def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iterations: int = 4):
     """Fitted constants on every point and, when ``cross_validate``, leave-one-source-out records
     (each source's points predicted with constants fitted without them); see :mod:`harness.engine_fit`."""
     from harness import engine_fit as ef
@@ -202,8 +195,9 @@ def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iter
     if cross_validate:
         for source in sorted({p.source for p in points}):
             train = [i for i, p in enumerate(points) if p.source != source]
-            fold = ef.fit(len(points), deps, measured, predict, include=train, iterations=max(1, iterations - 1),
-                          start=values)
+            # from the priors, as the full fit: starting from the full fit's constants would carry
+            # the left-out source's information into its own prediction
+            fold = ef.fit(len(points), deps, measured, predict, include=train, iterations=iterations)
             for i, p in enumerate(points):
                 if p.source == source:
                     predicted = predict(i, fold)

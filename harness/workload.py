@@ -54,14 +54,36 @@ def sample_lengths(dist: LengthDistConfig, num: int, rng: np.random.Generator, c
         values = np.full(num, dist.median, dtype=float)
     elif dist.kind == "lognormal":
         values = rng.lognormal(mean=np.log(dist.median), sigma=dist.sigma, size=num)
+    elif dist.kind == "uniform":  # integers in [min, max], each equally likely
+        values = rng.integers(dist.min, dist.max, size=num, endpoint=True).astype(float)
     else:
-        raise ConfigError(f"unknown length distribution kind {dist.kind!r} (expected 'lognormal' or 'constant')")
+        raise ConfigError(f"unknown length distribution kind {dist.kind!r} "
+                          f"(expected one of {', '.join(LENGTH_KINDS)})")
     return np.clip(np.rint(values), dist.min, upper).astype(np.int64)
+
+
+LENGTH_KINDS = ("lognormal", "constant", "uniform")
+
+
+def validate_length_dist(key: str, dist: LengthDistConfig) -> None:
+    """Refuse a length distribution that cannot be drawn from, naming the key. ``uniform`` draws from
+    [min, max], so its median must be their midpoint (systems read the median as the typical length)."""
+    if dist.kind not in LENGTH_KINDS:
+        raise ConfigError(f"workload.{key}.kind={dist.kind!r}; expected one of {', '.join(LENGTH_KINDS)}")
+    if not 1 <= dist.min <= dist.max:
+        raise ConfigError(f"workload.{key}: min={dist.min} and max={dist.max} must satisfy 1 <= min <= max")
+    if dist.kind == "uniform" and abs(dist.median - (dist.min + dist.max) / 2) > 0.5:
+        raise ConfigError(f"workload.{key}.kind=uniform draws from [min, max] = [{dist.min}, {dist.max}]: set "
+                          f"workload.{key}.median={(dist.min + dist.max) / 2:g} (their midpoint), not {dist.median:g}")
 
 
 def validate_workload(w: WorkloadConfig) -> None:
     """Refuse batch sizes that cannot work before any work starts: every size must be >= 1, and
-    micro-batch <= mini-batch <= global batch, each dividing the next."""
+    micro-batch <= mini-batch <= global batch, each dividing the next; and length distributions
+    that cannot be drawn from."""
+    if w.path is None:
+        validate_length_dist("prompt_len", w.prompt_len)
+        validate_length_dist("output_len", w.output_len)
     for key in ("global_batch_size", "mini_batch_size", "micro_batch_size"):
         if getattr(w, key) < 1:
             raise ConfigError(f"workload.{key}={getattr(w, key)} must be a positive number of samples")

@@ -84,6 +84,11 @@ FIXED_256 = ["workload=hh_rlhf", "workload.max_gen_len=256", "workload.activatio
              "workload.output_len.kind=constant", "workload.output_len.median=256", "workload.output_len.max=256"]
 
 
+# Colossal-AI Coati's examples/train_prompts.py (April 2023): --experience_batch_size and
+# --train_batch_size both default to 8 per rank.
+COATI_BATCH_PER_GPU = 8
+
+
 def ds_chat_table(m: dict) -> dict:
     """P001-P014 (DS-Chat README Table 1) and P021-P029 (blog Figures 5 and 6)."""
     actor = m["actor"]
@@ -102,15 +107,21 @@ def ds_chat_table(m: dict) -> dict:
         base += ["engine.generation=hf_generate", "system.zero_stage=0", "system.gen_tp=1"]
         assume += "; HF-DDP: generate() on each GPU's full replica (no ZeRO), DeepSpeed-style training"
     elif system.startswith("Colossal-AI"):
-        base += ["engine.generation=hf_generate", "system.zero_stage=3", "system.gen_tp=1"]
-        assume += ("; Colossal-AI Coati: its Gemini (ZeRO-3-like) strategy assumed, generate() on the sharded "
-                   "module in place")
+        base += ["engine.generation=coati_generate", "system.zero_stage=3", "system.gen_tp=1"]
+        assume += ("; Colossal-AI Coati: its Gemini (ZeRO-3-like) strategy assumed, Coati's own sampling loop on "
+                   "the sharded module in place, without KV-cache reuse (conf/engine/generation/coati_generate.yaml), "
+                   f"{COATI_BATCH_PER_GPU} prompts per GPU per round and micro-batches of {COATI_BATCH_PER_GPU} "
+                   "(the defaults of --experience_batch_size and --train_batch_size in Coati's examples/"
+                   "train_prompts.py, April 2023)")
     try:
         batch, ov = largest_batch(base, n)
     except NoFit:  # DS-Chat's single-GPU recipes offload (--offload, --offload_reference_model)
         base += ["engine.training=deepspeed_offload", "system.offload_reference_model=true"]
         assume += "; nothing fits without offload: Adam and the reference model offloaded to the CPU"
         batch, ov = largest_batch(base, n)
+    if system.startswith("Colossal-AI"):
+        ov += [f"system.generation_batch_size={COATI_BATCH_PER_GPU * n}",
+               f"workload.micro_batch_size={COATI_BATCH_PER_GPU}"]
     if m["id"] <= "P014":
         value = EPOCH_SAMPLES / (float(m["value"]) * (24 if "day" in m["unit"] else 1) * 3600)
         derived = f"samples/s = {EPOCH_SAMPLES} samples per epoch / ({m['value']} {m['unit']})"
@@ -181,23 +192,26 @@ def openrlhf_bench(m: dict) -> list[dict]:
             {"id": m["id"] + ".train", "metric": "train_s", "value": train_s, "overrides": ov, "assumptions": a}]
 
 
-OPENRLHF_README = {  # id: (model, gen mbs, train mbs, answer length midpoint of the README's range)
-    "P056": ("llama2_7b", 16, 8, 200), "P057": ("llama2_13b", 8, 4, 300), "P058": ("codellama_34b", 2, 1, 550)}
+OPENRLHF_README = {  # id: (model, gen mbs, train mbs, the README's generation_length range)
+    "P056": ("llama2_7b", 16, 8, (100, 300)), "P057": ("llama2_13b", 8, 4, (200, 400)),
+    "P058": ("codellama_34b", 2, 1, (300, 800))}
 
 
 def openrlhf_readme(m: dict) -> dict:
     """P056-P058: OpenRLHF README (Jan 2024), 8 A100-80GB, actor 4 / critic 2 / RM 1 / ref 1, ZeRO-2 + Adam
     offload, HF generate."""
-    model, gen_mbs, train_mbs, answer = OPENRLHF_README[m["id"]]
+    model, gen_mbs, train_mbs, (low, high) = OPENRLHF_README[m["id"]]
     ov = ["+system=openrlhf", f"model={model}", "cluster=a100_8x", "cluster.num_nodes=1", "workload=hh_rlhf",
           "workload.global_batch_size=1024", "workload.mini_batch_size=128", "workload.max_gen_len=1024",
           f"workload.micro_batch_size={train_mbs}", "workload.activation_recompute=full",
-          "workload.output_len.kind=constant", f"workload.output_len.median={answer}",
+          "workload.output_len.kind=uniform", f"workload.output_len.min={low}", f"workload.output_len.max={high}",
+          f"workload.output_len.median={(low + high) / 2:g}",
           "system.split.actor=4", "system.split.gen=0", f"system.generation_batch_size={gen_mbs}",
           f"system.micro_batch_size={train_mbs}", "engine.training=deepspeed_offload", *FAST]
     value = float(m["value"]) * 8
     return {"metric": "samples_per_s", "value": round(value, 4), "overrides": ov,
-            "assumptions": (f"answers of {answer} tokens (the midpoint of the README's generation_length range); "
+            "assumptions": (f"answers drawn uniformly from the README's generation_length range {low}~{high} "
+                            "(each micro-rollout batch is then padded to its longest answer); "
                             "prompts: the harness's hh_rlhf distribution; rollout batch 1024, train batch 128; "
                             f"samples/s = {m['value']} samples/GPU/s x 8 GPUs")}
 

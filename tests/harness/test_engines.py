@@ -349,6 +349,27 @@ def test_eager_steps_are_floored_by_the_host_and_steps_by_the_gather(ctx, batch,
     assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == pytest.approx(3 * gpu, rel=1e-12)
 
 
+@pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)
+def test_without_a_kv_cache_a_decode_step_is_a_prefill_of_the_whole_context(ctx, batch, context, tp, pp):
+    cm, model = ctx.cost_model, ctx.models.actor
+    ec = EngineCosts(cm, _engines({"gpu_time_scale": 2.0, "kv_cache": False}, {}))
+    tokens = context + batch  # every sequence's context and the token being produced
+    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == pytest.approx(
+        2.0 * cm.prefill_s(model, tokens, tp, pp, tokens / batch, "graph"), rel=1e-12)
+    cached = EngineCosts(cm, _engines({"gpu_time_scale": 2.0}, {}))
+    assert ec.decode_step_s(model, batch, context, tp, pp) > cached.decode_step_s(model, batch, context, tp, pp)
+
+
+def test_coati_generation_without_kv_cache_is_slower_than_hf_generate():
+    """Same plan (DeepSpeed-Chat on ZeRO-3 shards, in place), same kernels and fitted factor
+    (coati_generate shares hf_generate's): only the KV cache differs, so generation must be slower."""
+    base = [*DSCHAT, "system.zero_stage=3", "system.gen_tp=1"]
+    hf = summary([*base, "engine.generation=hf_generate"])["timing_s/gen"]
+    coati = summary([*base, "engine.generation=coati_generate"])["timing_s/gen"]
+    assert coati > 1.5 * hf
+    assert eng.fit_key("generation", load_engine("generation", "coati_generate")) == "generation/hf_generate"
+
+
 @pytest.mark.parametrize("tp,num_layers,head", [(1, None, None), (2, 16, True), (8, 8, False)])
 def test_compute_time_scale_multiplies_forward_and_backward_exactly(ctx, tp, num_layers, head):
     cm, model = ctx.cost_model, ctx.models.actor

@@ -7,6 +7,7 @@ statistics match numpy on known ratios; the same file gives the same numbers twi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,21 @@ def test_fit_recovers_known_constants_on_synthetic_measurements():
     measured = [predict(0, truth), predict(1, truth)]
     fitted = ef.fit(2, deps, measured, predict, iterations=4)
     assert fitted[gen] == pytest.approx(2.0, rel=0.05) and fitted[train] == pytest.approx(0.5, rel=0.05)
+
+
+def test_robust_fit_is_not_set_by_one_point_far_off():
+    """Soft-L1 (engine_fit.ROBUST_SCALE_LOG): with four points agreeing on a constant and one 10x
+    off (an unexpressible setup), the fit stays near the four; plain least squares would move about
+    halfway to the outlier in logs (10^(1/5) = 1.58x)."""
+    from harness import engine_fit as ef
+
+    c = ef.Constant("generation/hf_generate", "gpu_time_scale")
+    deps = [[c]] * 5
+
+    def predict(i, values):  # time proportional to the constant
+        return 10.0 * values.get(c, c.prior)
+
+    measured = [20.0] * 4 + [200.0]  # four points say 2.0, one says 20
+    fitted = ef.fit(5, deps, measured, predict, iterations=8)[c]
+    assert 2.0 < fitted < 2.0 * 10 ** (1 / 5) * 0.9  # pulled less than 0.9 x the least-squares answer
+    assert ef.robust_weight(0.0) == 1.0 and ef.robust_weight(math.log(20)) < 0.25

@@ -1,0 +1,46 @@
+"""Synthetic length distributions (harness/workload.py): what each kind draws, and bad ones refused
+before any work with an error naming the key."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness.config import LengthDistConfig
+from harness.errors import ConfigError
+from harness.workload import sample_lengths, validate_length_dist
+
+
+def draw(dist: LengthDistConfig, num: int = 20000, cap=None) -> np.ndarray:
+    return sample_lengths(dist, num, np.random.default_rng(0), cap=cap)
+
+
+def test_uniform_draws_every_integer_of_its_range_about_equally():
+    lens = draw(LengthDistConfig(kind="uniform", median=200, min=100, max=300))
+    assert lens.min() == 100 and lens.max() == 300
+    counts = np.bincount(lens - 100, minlength=201)
+    assert (counts > 0).all() and counts.max() < 2.5 * counts.mean()
+    assert abs(lens.mean() - 200) < 2
+
+
+def test_uniform_respects_the_generation_cap():
+    lens = draw(LengthDistConfig(kind="uniform", median=200, min=100, max=300), cap=150)
+    assert lens.max() == 150 and lens.min() == 100
+
+
+def test_constant_and_lognormal_are_unchanged_by_the_new_kind():
+    assert (draw(LengthDistConfig(kind="constant", median=256, max=512), 10) == 256).all()
+    rng = np.random.default_rng(0)
+    expected = np.clip(np.rint(rng.lognormal(np.log(100), 0.5, 10)), 1, 1000).astype(np.int64)
+    assert (draw(LengthDistConfig(kind="lognormal", median=100, sigma=0.5, max=1000), 10) == expected).all()
+
+
+@pytest.mark.parametrize("dist,message", [
+    (LengthDistConfig(kind="uniform", median=150, min=100, max=300), "median=200"),
+    (LengthDistConfig(kind="triangular", median=10, max=20), "kind='triangular'"),
+    (LengthDistConfig(kind="constant", median=10, min=30, max=20), "1 <= min <= max"),
+    (LengthDistConfig(kind="constant", median=10, min=0, max=20), "1 <= min <= max"),
+])
+def test_bad_distributions_are_refused_naming_the_key(dist, message):
+    with pytest.raises(ConfigError, match="workload.output_len") as err:
+        validate_length_dist("output_len", dist)
+    assert message in str(err.value)
