@@ -92,7 +92,12 @@ def point_constants(cfg: Any) -> list[Constant]:
 
 
 def _matters(kind: str, engine: Any, const: str) -> bool:
-    return const != "cpu_adam_gbps" or bool(getattr(engine, "optimizer_offload", False))
+    """Whether ``const`` can change a prediction on ``engine`` (only then is it fitted on its points)."""
+    if const == "cpu_adam_gbps":
+        return bool(getattr(engine, "optimizer_offload", False))
+    if const == "host_time_scale":
+        return getattr(engine, "kernels", "graph") == "eager"
+    return True
 
 
 Predict = Callable[[int, dict[Constant, float]], float]

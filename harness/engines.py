@@ -21,8 +21,9 @@ the engines of the implementation it reimplements); ``engine.generation=<name or
 (``Plan.engines``) and the simulator applies them through :class:`EngineCosts`.
 
 Fitted constants. Every mechanism constant is cited in its YAML file. The few constants no
-measurement gives (marked ``fitted`` below: a GPU-time factor per generation engine, a compute
-factor per training engine, the CPU optimizer's streaming rate) are
+measurement gives (marked ``fitted`` below: a GPU-time factor per generation engine and, for
+eager ones, a host-time factor; a compute factor per training engine; the CPU optimizer's streaming
+rate) are
 fitted by ``python -m harness.validate FILE --fit`` on the published end-to-end measurements of
 ``data/published/replay.jsonl`` and stored, with their provenance, in ``data/engines/fitted.json``;
 they are shared by every run of an engine, never per point. ``engine.fitted=false`` runs with every
@@ -48,7 +49,7 @@ KINDS = ("generation", "training")
 
 # The fitted constants of each kind of engine and their priors (the value when unfitted).
 FITTED_PRIORS = {
-    "generation": {"gpu_time_scale": 1.0},
+    "generation": {"gpu_time_scale": 1.0, "host_time_scale": 1.0},
     "training": {"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0},
 }
 # The prior of the CPU optimizer's rate: a two-socket DGX A100 host (2 x AMD EPYC 7742, 8 channels of
@@ -88,6 +89,10 @@ class GenerationEngine:
     kv_cache: bool = True
     # fitted (None: data/engines/fitted.json, else the prior)
     gpu_time_scale: Optional[float] = None  # GPU time of a step relative to our kernel profiles
+    # eager engines: host time per kernel launch relative to gpt-fast's eager loop (the calibrated
+    # EAGER_HOST_S_PER_LAUNCH); a framework's Python per layer (module hooks, generate()'s logits
+    # processing) costs more than gpt-fast's. No effect on CUDA-graph engines.
+    host_time_scale: Optional[float] = None
     fit_key: Optional[str] = None  # engines sharing fitted constants (None: its own name)
     source: str = ""  # where the mechanism facts come from
 
@@ -268,7 +273,8 @@ class EngineCosts:
     """The cost model as a plan's engines see it: same interface as
     :class:`~harness.costmodel.CostModel` (everything not overridden is delegated), with
 
-    - prefill and decode steps: ``max(GPU time x gpu_time_scale, eager host time, ZeRO-3 gather)``,
+    - prefill and decode steps: ``max(GPU time x gpu_time_scale, eager host time x host_time_scale,
+      ZeRO-3 gather)``,
       the gather only when the engine generates from ZeRO-3 shards in place; without a reused KV
       cache (``kv_cache: false``) a decode step's GPU time is a prefill of the whole context;
     - forward and backward: ``x compute_time_scale``;
@@ -301,7 +307,8 @@ class EngineCosts:
         gpu_s = max(0.0, graph_s - self._graph_overhead_s) * self.engines.generation.gpu_time_scale
         if kernels == "graph":
             return max(gpu_s + self._graph_overhead_s, self.gen_gather_s)
-        host_s = model.num_layers * (launches or self._default_launches) * self._host_s_per_launch
+        host_s = (model.num_layers * (launches or self._default_launches) * self._host_s_per_launch
+                  * self.engines.generation.host_time_scale)
         return max(gpu_s, host_s, self.gen_gather_s)
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,

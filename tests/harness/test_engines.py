@@ -309,7 +309,7 @@ def ctx():
 
 def _engines(gen: dict, train: dict) -> Engines:
     """Resolved engines (every fitted constant set: the priors unless given)."""
-    return Engines(GenerationEngine(name="g", **{"gpu_time_scale": 1.0, **gen}),
+    return Engines(GenerationEngine(name="g", **{"gpu_time_scale": 1.0, "host_time_scale": 1.0, **gen}),
                    TrainingEngine(name="t", **{"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0, **train}))
 
 
@@ -336,9 +336,9 @@ def test_eager_steps_are_floored_by_the_host_and_steps_by_the_gather(ctx, batch,
     cm, model = ctx.cost_model, ctx.models.actor
     gpu = cm.decode_step_s(model, batch, context, tp, pp, "graph")
     launches = 6
-    ec = EngineCosts(cm, _engines({"gpu_time_scale": 1.5, "kernels": "eager", "launches_per_layer": launches,
-                                   "batching": "static"}, {}))
-    host = model.num_layers * launches * EAGER_HOST_S_PER_LAUNCH
+    ec = EngineCosts(cm, _engines({"gpu_time_scale": 1.5, "host_time_scale": 2.0, "kernels": "eager",
+                                   "launches_per_layer": launches, "batching": "static"}, {}))
+    host = 2.0 * model.num_layers * launches * EAGER_HOST_S_PER_LAUNCH
     assert ec.decode_step_s(model, batch, context, tp, pp, "eager", launches) == pytest.approx(
         max(1.5 * gpu, host), rel=1e-12)
     gather = 10 * max(gpu, host)  # a ZeRO-3 gather longer than the step bounds it
