@@ -42,7 +42,9 @@ class Colocated(System):
             candidates = [parse_layout(cfg.layout, cfg.zero_stage, "layout")]
             check_layout_fits(candidates[0], n, ctx.cluster.gpus_per_node, num_layers, "colocated (system.layout)")
         else:
-            candidates = list(candidate_strategies(n, ctx.cluster.gpus_per_node, num_layers, cfg.zero_stage))
+            models = [ctx.model(role) for role in ("actor", "critic", "ref", "reward")]
+            candidates = list(candidate_strategies(n, ctx.cluster.gpus_per_node, num_layers, cfg.zero_stage,
+                                                   models=models))
         policy = GenerationPolicy("continuous", cfg.max_gen_batch_size)
         plans: dict[ParallelStrategy, Plan] = {}
 

@@ -7,7 +7,8 @@ What the original does, and what we reproduce as plan data:
   data parallelism over all GPUs (``dp = N, zero_stage = 3``); ref and reward run ZeRO-3 inference
   over all GPUs. Reproduced.
 - **Hybrid engine generation**: before generation the actor's ZeRO-3 shards are gathered into a
-  tensor-parallel inference layout (``inference_tp_size``, here ``gen_tp``, default one node) and
+  tensor-parallel inference layout (``inference_tp_size``, here ``gen_tp``, default one node, or the
+  largest tp inside a node that divides the actor's attention heads: 4 for LLaMA-33B's 52) and
   every TP group generates with a *static* batch: each round decodes until the longest sample of
   the round ends. Reproduced as a ``realloc_actor_gen`` weight movement plus ``static`` batching
   with ``generation_batch_size`` prompts per round across the cluster.
@@ -59,6 +60,7 @@ from harness.config import SystemConfig, WorkloadConfig
 from harness.errors import ConfigError, PlanError
 from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
 from harness.planning.assembler import assemble_ppo_plan
+from harness.planning.strategies import largest_tp
 from harness.planning.workflow import check_layout_fits, full_mesh
 from harness.system import PlanContext, System, register_system_config
 
@@ -72,7 +74,7 @@ class DeepSpeedChatConfig(SystemConfig):
     mini_batch_size: Optional[int] = None
     # Prompts generated per round across the cluster; None = the mini-batch.
     generation_batch_size: Optional[int] = None
-    gen_tp: int = 0  # hybrid-engine inference_tp_size; 0 = GPUs per node
+    gen_tp: int = 0  # hybrid-engine inference_tp_size; 0 = the largest tp in a node that shards the actor's heads
     zero_stage: int = 3
     # --actor_zero_stage / --critic_zero_stage (None: zero_stage). The reference model follows the
     # actor's stage and the reward model the critic's, as DeepSpeed-Chat initialises them (rlhf_engine.py).
@@ -144,7 +146,9 @@ class DeepSpeedChat(System):
     def plan(self, ctx: PlanContext) -> Plan:
         cfg, n = self.cfg, ctx.num_devices
         per_node = ctx.cluster.gpus_per_node
-        gen_tp = cfg.gen_tp or per_node
+        # 0: the largest tp inside a node that shards the actor's heads (a whole node for LLaMA 7B-65B
+        # except 33B's 52 heads: 4)
+        gen_tp = cfg.gen_tp or largest_tp(per_node, [ctx.models.actor], n)
         mesh = full_mesh(n)
         gbs = ctx.workload.global_batch_size
         mini_batch_size, generation_batch_size = self.batch_sizes(ctx)

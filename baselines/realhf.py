@@ -27,7 +27,8 @@ What we reimplement:
   found is kept, and the start is returned if nothing beats it under the full simulator.
 - **Offloading**: ref and reward weights may live in host memory and be copied in before each use
   (``system.offload_ref_reward``: auto = only when keeping them resident does not fit).
-- ``realhf_heuristic``: every call on all GPUs with tp = GPUs per node and pp = number of nodes
+- ``realhf_heuristic``: every call on all GPUs with tp = GPUs per node (or the largest tp in a node
+  that divides the model's heads) and pp = number of nodes
   (the baseline ReaLHF compares its search against); when a model has fewer layers than nodes, pp
   is the largest divisor of the node count within the layers and dp takes the rest.
 
@@ -50,7 +51,7 @@ from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import generation_s, inference_s, representative_batch, simulate_plan, training_s
 from harness.planning.memory import check_plan_memory
 from harness.planning.scheduler import schedule_durations
-from harness.planning.strategies import divisors, mesh_options, strategy_options
+from harness.planning.strategies import divisors, largest_tp, mesh_options, strategy_options
 from harness.planning.taskmodels.passes import weight_movement_s
 from harness.planning.workflow import PPO_TASKS, single_pipe_stage
 from harness.system import PlanContext, System, register_system_config
@@ -97,7 +98,9 @@ class RealHF(System):
             layers = ctx.model(PPO_TASKS[call][1]).num_layers
             pp = max(d for d in divisors(nodes) if d <= layers)
             train = PPO_TASKS[call][0] == "train"
-            choice[call] = Allocation(mesh, ParallelStrategy(nodes // pp, per_node, pp, self.cfg.zero_stage if train else 0))
+            tp = largest_tp(per_node, [ctx.model(PPO_TASKS[call][1])])  # a node's GPUs where the heads allow
+            dp = (per_node // tp) * (nodes // pp)
+            choice[call] = Allocation(mesh, ParallelStrategy(dp, tp, pp, self.cfg.zero_stage if train else 0))
         return choice
 
     # ---- evaluation -------------------------------------------------------------------------
@@ -182,7 +185,8 @@ class RealHF(System):
             if key not in cache:
                 kind, role = PPO_TASKS[call][0], PPO_TASKS[call][1]
                 cache[key] = strategy_options(len(mesh), per_node, ctx.model(role).num_layers, kind == "train",
-                                              w.mini_batch_size, w.micro_batch_size, self.cfg.zero_stage)
+                                              w.mini_batch_size, w.micro_batch_size, self.cfg.zero_stage,
+                                              models=[ctx.model(role)])
             return cache[key]
         return meshes, strategies
 
@@ -197,8 +201,11 @@ class RealHF(System):
         if budget is None and budget_s is None:
             raise PlanError("realhf: give system.max_steps or system.search_time_s (a search budget)")
         steps = accepted = 0
+        every = max(1, (budget or 0) // 10)
         while (steps < budget) if budget is not None else (time.perf_counter() < deadline):
             steps += 1
+            if budget is not None and steps % every == 0:
+                ctx.report(f"realhf: annealing step {steps}/{budget}, best estimate {best[0]:.4g} s")
             progress = steps / budget if budget else 1 - (deadline - time.perf_counter()) / max(budget_s, 1e-9)
             temperature = max(t0 * (1.0 - progress), 1e-12)
             call = rng.choice(CALLS)

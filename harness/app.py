@@ -8,7 +8,8 @@ type, in a sweep for its jobs), then hands control to Hydra. Errors caused by in
 exit code 2, before any result is written; a bad command line ends a sweep the same way before any
 job starts. In a sweep (``-m``) a failing job is recorded in ``results/<experiment>/failures.jsonl``
 and the sweep goes on; at its end the sweep prints a table of its failed jobs
-(:class:`harness.sweep.SweepProgress`) and exits 1 if any job failed.
+(:class:`harness.sweep.SweepProgress`) and exits 1 if any job failed. Ctrl-C ends the command with
+one line and exit code 130; the interrupted run's staged folder is removed (finished runs stay).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def main(cfg: DictConfig) -> float | None:
         path = results.record_failure(cfg.results_dir, cfg.experiment_name, job, e)
         print(f"[harness] job crashed ({type(e).__name__}); recorded in {path}", file=sys.stderr)
         return None
+    results.clear_failure(cfg.results_dir, cfg.experiment_name, job)  # it has a result now: not a failure
     print(format_summary(outcome))
     return outcome.summary.get("perf/samples_per_s")
 
@@ -71,13 +73,22 @@ def run() -> None:
 
     register_configs()
     register_backend_configs()
-    discover_systems()
+    systems = discover_systems()
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):  # ours, not Hydra's generic page
+        from harness.cli_help import help_text
+
+        print(help_text(systems))
+        sys.exit(0)
     try:
         check_command_line(sys.argv[1:])
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # a run's staged folder is discarded on the way out (results.RunFolder)
+        print("interrupted: nothing of the unfinished run was kept", file=sys.stderr)
+        sys.exit(130)
     failures = sweep.last_sweep_failures()
     if failures:  # the table was printed at the end of the sweep
         sys.exit(1)

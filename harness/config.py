@@ -187,6 +187,9 @@ class RunConfig:
     seed: int = 0
     results_dir: str = "results"
     overwrite: bool = False  # re-run even if a finished result exists
+    # Lift the size limits of harness/consistency.py (samples per iteration, devices): runs that large
+    # plan and simulate for hours.
+    allow_large: bool = False
     # Upper bound on any system's own search time (seconds); None = each system's default.
     planning_budget_s: Optional[float] = None
     # Experiments that are not benchmark runs (schedule tables) name a function to call instead

@@ -38,6 +38,9 @@ def resolve_mode(cfg: LoggerConfig) -> str:
         return "disabled"
     if cfg.mode == "auto":
         return "online" if wandb_logged_in() else "offline"
+    if cfg.mode == "online" and not wandb_logged_in():  # else wandb.init fails after planning
+        raise ConfigError("logger.mode=online but no W&B credentials are set (WANDB_API_KEY or `wandb login`); "
+                          "log in, or use logger.mode=offline or logger.mode=auto")
     return cfg.mode
 
 

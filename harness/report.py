@@ -36,8 +36,10 @@ differ in one) to ``PATH.png`` and ``PATH.pdf`` (a ``.png``/``.pdf`` suffix on P
 ``--metrics KEY ...`` adds columns (any column of :func:`harness.results.load_results`: metric keys or
 ``info/...``; shell-style wildcards allowed, e.g. ``'perf/mfu/*'``).
 
-``failures.jsonl`` is append-only: a job that failed and later succeeded on a resumed sweep is
-listed as a failure and appears in the table as well.
+``failures.jsonl`` holds each failed job once, in its latest state: a job that fails again replaces
+its line, and one that later succeeds removes it (:func:`harness.results.record_failure`,
+:func:`harness.results.clear_failure`); a file written before that rule may still list a job twice,
+and the report then shows its latest record only.
 
 ``main(argv) -> int`` is the entry point (tests call it directly).
 """
@@ -116,10 +118,12 @@ def find_experiments(paths: list[str | Path]) -> list[Experiment]:
 
 
 def read_failures(path: Path, experiment: str) -> list[dict[str, Any]]:
-    """The lines of ``failures.jsonl`` in file order (an unreadable line becomes a failure saying so)."""
+    """The lines of ``failures.jsonl`` in file order, each job (system, seed, overrides) once at its
+    latest record (an unreadable line becomes a failure saying so)."""
     if not path.is_file():
         return []
-    out = []
+    out: list[dict[str, Any]] = []
+    where: dict[tuple, int] = {}
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -128,8 +132,14 @@ def read_failures(path: Path, experiment: str) -> list[dict[str, Any]]:
             if not isinstance(record, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:
-            record = {"error_type": "unreadable line", "error": f"{path}:{n}: {e}"}
-        out.append({"experiment": experiment, **record})
+            out.append({"experiment": experiment, "error_type": "unreadable line", "error": f"{path}:{n}: {e}"})
+            continue
+        key = (record.get("system"), record.get("seed"), tuple(record.get("overrides") or ()))
+        if key in where:  # an older record of the same job: the later one replaces it
+            out[where[key]] = {"experiment": experiment, **record}
+        else:
+            where[key] = len(out)
+            out.append({"experiment": experiment, **record})
     return out
 
 
@@ -255,6 +265,48 @@ def build_table(df, baseline: str, extra: list[str] | None = None) -> tuple[list
     return keys, rows
 
 
+COMPACT_ID_COLUMNS = ("system", "model", "variant")
+BUBBLE_COLUMN = "bubble"  # compact table: the mean of the run's pipeline/bubble_frac/* columns
+
+
+def readable_variant(variant: str) -> str:
+    """A variant as a person reads it: percent-escapes decoded, ``key=value`` pairs separated by spaces."""
+    from urllib.parse import unquote
+
+    return " ".join(unquote(p) for p in str(variant or "").split(results.VARIANT_SEPARATOR) if p)
+
+
+def common_variant(df) -> str:
+    """The ``key=value`` parts every run's variant shares (said once above the compact table)."""
+    parts = [set(p for p in str(v or "").split(results.VARIANT_SEPARATOR) if p) for v in df["variant"]]
+    common = set.intersection(*parts) if parts else set()
+    return results.VARIANT_SEPARATOR.join(sorted(common))
+
+
+def build_compact_table(df, baseline: str, extra: list[str] | None = None) -> tuple[list[str], list[list[Any]]]:
+    """The default table: system, model, readable variant (the parts that differ between the runs),
+    samples/s, speedup, step time, bubble (and any ``--metrics``). The experiment and seed columns
+    appear only where the runs differ in them."""
+    df = sort_runs(df)
+    shared = set(common_variant(df).split(results.VARIANT_SEPARATOR)) if not df.empty else set()
+    ratio = speedups(df, baseline)
+    ids = [c for c in ("experiment",) if not df.empty and df[c].nunique() > 1] + list(COMPACT_ID_COLUMNS)
+    ids += ["seed"] if not df.empty and df["seed"].nunique() > 1 else []
+    bubbles = sorted(c for c in df.columns if str(c).startswith(BUBBLE_PREFIX))
+    extra_cols = [c for c in metric_columns(df, extra)[len(metric_columns(df)):]] if extra else []
+    keys = ids + [mk.SAMPLES_PER_S, f"speedup_vs_{baseline}", mk.STEP_TIME, BUBBLE_COLUMN] + extra_cols
+    rows = []
+    for i, (_, row) in enumerate(df.iterrows()):
+        values = [row.get(b) for b in bubbles if _number(row.get(b))]
+        bubble = sum(values) / len(values) if values else None
+        own = results.VARIANT_SEPARATOR.join(p for p in str(row["variant"] or "").split(results.VARIANT_SEPARATOR)
+                                             if p and p not in shared)
+        cells = [readable_variant(own) if k == "variant" else row.get(k) for k in ids]
+        rows.append(cells + [row.get(mk.SAMPLES_PER_S), ratio[i], row.get(mk.STEP_TIME), bubble]
+                    + [row.get(c) for c in extra_cols])
+    return keys, rows
+
+
 def header(key: str, baseline: str) -> str:
     if key == f"speedup_vs_{baseline}":
         return f"speedup vs {style.SYSTEM_LABELS.get(baseline, baseline)}"
@@ -320,9 +372,12 @@ def failure_rows(experiments: list[Experiment]) -> list[list[str]]:
 
 
 def render(experiments: list[Experiment], df, baseline: str, fmt_name: str,
-           extra: list[str] | None = None) -> tuple[str, str]:
-    """(report, notes for stderr)."""
-    keys, rows = build_table(df, baseline, extra)
+           extra: list[str] | None = None, full: bool = False) -> tuple[str, str]:
+    """(report, notes for stderr). Markdown is the compact table unless ``full``; CSV is always full."""
+    if fmt_name == "csv" or full:
+        keys, rows = build_table(df, baseline, extra)
+    else:
+        keys, rows = build_compact_table(df, baseline, extra)
     failures = failure_rows(experiments)
     empty = [e.name for e in experiments if df.empty or e.name not in set(df["experiment"])]
     notes = []
@@ -339,7 +394,12 @@ def render(experiments: list[Experiment], df, baseline: str, fmt_name: str,
             notes += ["  " + " | ".join(r) for r in failures]
         return buf.getvalue(), "\n".join(notes)
     numeric = [k not in ("experiment", "system", "variant", "model") for k in keys]
+    if not full:  # readable labels in the compact table
+        rows = [[style.SYSTEM_LABELS.get(v, v) if k == "system" else v for k, v in zip(keys, r)] for r in rows]
     parts = []
+    shared = readable_variant(common_variant(df)) if not full and not df.empty else ""
+    if rows and shared:
+        parts.append(f"every run: {shared}")
     if rows:
         parts.append(markdown_table([header(k, baseline) for k in keys], [[fmt(v) for v in r] for r in rows],
                                     numeric))
@@ -389,9 +449,23 @@ def plot(df, path: str | Path) -> list[Path]:
     sns.barplot(df, x="group", y=mk.SAMPLES_PER_S, hue="System", order=groups, hue_order=hues,
                 palette=palette if set(hues) <= set(palette) else "colorblind",
                 errorbar="sd" if df.groupby(["group", "System"]).size().max() > 1 else None, ax=ax)
-    ax.set(xlabel="model", ylabel="throughput (samples/s)", title=", ".join(dict.fromkeys(df["experiment"])))
+    ax.set(xlabel="model", ylabel="throughput (samples/s)", title=plot_title(df))
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="system")
     return _save(fig, Path(path))
+
+
+def plot_title(df) -> str:
+    """The experiment(s), then the model pair(s), cluster and workload the bars share (from the runs'
+    resolved configs where recorded: ``info``/``run`` fields of summary.json)."""
+    parts = [", ".join(dict.fromkeys(df["experiment"]))]
+    models = list(dict.fromkeys(df["model"]))
+    parts.append("model " + ", ".join(models) if len(models) <= 3 else f"{len(models)} model pairs")
+    for column, what in (("run/cluster", "cluster"), ("run/workload", "workload")):
+        if column in df.columns:
+            values = [v for v in dict.fromkeys(df[column]) if isinstance(v, str) and v]
+            if values:
+                parts.append(f"{what} {', '.join(values)}")
+    return " | ".join(parts)
 
 
 def _variant_dict(variant: str) -> dict[str, str]:
@@ -440,6 +514,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--format", choices=("markdown", "csv"), default="markdown")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE instead of stdout")
     parser.add_argument("--plot", metavar="PATH", help="also draw samples/s per system as PATH.png and PATH.pdf")
+    parser.add_argument("--full", action="store_true",
+                        help="every column (ids, all stage times, every bubble, busy fraction), as --format csv has")
     parser.add_argument("--metrics", nargs="+", metavar="KEY", default=[],
                         help="extra columns: metric keys or info/... (wildcards allowed, e.g. 'perf/mfu/*')")
     return parser.parse_args(argv)
@@ -450,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         experiments = find_experiments(args.paths)
         df = load_runs(experiments)
-        text, notes = render(experiments, df, args.baseline, args.format, args.metrics)
+        text, notes = render(experiments, df, args.baseline, args.format, args.metrics, args.full)
         plotted = plot(df, args.plot) if args.plot else []
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,9 +3,12 @@
 ``results/<experiment>/<system>[,<variant>]/<model>/seed<k>/`` holds the resolved config (``config.yaml``),
 ``plan.json``, ``schedules/*.csv``, ``trace.json`` (Chrome trace), ``metrics.jsonl`` (one line per
 iteration) and ``summary.json``. A run is written into a hidden sibling folder and renamed into
-place only when complete, so a crash or a refused plan never leaves a half-written run; a folder
-with ``summary.json`` is a finished run and is skipped when a sweep is resumed. Failed sweep jobs
-append one JSON line to ``results/<experiment>/failures.jsonl``.
+place only when complete, so a crash or a refused plan never leaves a half-written run (a killed
+run's staging folder is removed by the next run in that experiment, :func:`remove_stale_partials`);
+a folder with ``summary.json`` is a finished run and is skipped when a sweep is resumed. Two
+identical runs at once: the second waits for the first (:func:`run_lock`) and then skips its
+result. A failed sweep job is one JSON line of ``results/<experiment>/failures.jsonl``, replaced if
+it fails again and removed when it later succeeds.
 
 The *variant* names every command-line override that changes what runs, other than the system,
 model and seed (e.g. ``system.migration_frac=0.1,workload.max_gen_len=2048``), so a sweep over a
@@ -16,12 +19,18 @@ Figure code reads results only through :func:`load_results`.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
+import socket
+import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -30,6 +39,7 @@ TRACE_FILE = "trace.json"
 CONFIG_FILE = "config.yaml"
 SAMPLES_FILE = "samples.csv"  # last iteration: one row per sample (lengths, finish time)
 FAILURES_FILE = "failures.jsonl"
+LOCK_DIR = Path(tempfile.gettempdir()) / "rlhf-harness-locks"  # run and failures-file locks (this machine)
 
 
 # Overrides that do not change what runs (or are already in the path) stay out of the variant.
@@ -79,14 +89,69 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-class RunFolder:
-    """Stage a run in ``.<seedK>.partial-<pid>`` and publish it atomically with :meth:`commit`."""
+PARTIAL_MARK = ".partial-"  # staging folders: .<seedK>.partial-<host>-<pid>
 
-    def __init__(self, final: Path):
+
+def _partial_suffix() -> str:
+    return f"{PARTIAL_MARK}{socket.gethostname()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_partials(root: Path) -> list[Path]:
+    """Remove the staging folders under ``root`` left by processes of this host that are gone (a
+    killed run); folders of live processes and of other hosts are kept. Returns what was removed."""
+    removed = []
+    host = socket.gethostname()
+    for folder in sorted(Path(root).rglob(f".*{PARTIAL_MARK}*")) if Path(root).is_dir() else []:
+        tail = folder.name.rpartition(PARTIAL_MARK)[2]
+        owner, _, pid = tail.rpartition("-")
+        if not folder.is_dir() or not pid.isdigit() or owner not in ("", host):
+            continue  # a folder of another machine sharing the tree: its process is not ours to judge
+        if not _pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+@contextmanager
+def run_lock(final: Path) -> Iterator[None]:
+    """Hold the lock of the run folder ``final`` (one per run path, on this machine): a second
+    identical run waits here, saying so in one line, and then finds the first one's result. The lock
+    file lives in the temporary directory, so a run refused later writes nothing under results_dir."""
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(str(Path(final).absolute()).encode()).hexdigest()[:24]
+    with open(LOCK_DIR / f"{digest}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[harness] waiting: another run is writing {final}", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class RunFolder:
+    """Stage a run in ``.<seedK>.partial-<host>-<pid>`` and publish it atomically with :meth:`commit`;
+    staging folders of dead processes of this host in the same experiment are removed on the way in."""
+
+    def __init__(self, final: Path, tree: Path | None = None):
         self.final = final
-        self.staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+        self.tree = tree  # where stale staging folders are looked for (None: the run's own parent)
+        self.staging = final.parent / f".{final.name}{_partial_suffix()}"
 
     def __enter__(self) -> "RunFolder":
+        remove_stale_partials(self.tree if self.tree is not None else self.final.parent)
         if self.staging.exists():
             shutil.rmtree(self.staging)
         self.staging.mkdir(parents=True)
@@ -122,13 +187,54 @@ def _remove_empty_parents(path: Path, stop_at: int) -> None:
         path = path.parent
 
 
+def _job_key(job: dict[str, Any]) -> tuple:
+    return job.get("system"), job.get("seed"), tuple(job.get("overrides") or ())
+
+
+def _rewrite_failures(path: Path, keep: Callable[[dict[str, Any]], bool], add: dict[str, Any] | None) -> None:
+    """``failures.jsonl`` without the lines ``keep`` rejects, plus ``add``; atomic, one writer at a time.
+    A line that is not JSON is kept as it is."""
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(str(path.absolute()).encode()).hexdigest()[:24]
+    with open(LOCK_DIR / f"{digest}.failures.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lines = path.read_text().splitlines() if path.is_file() else []
+        out = []
+        for text in lines:
+            try:
+                entry = json.loads(text)
+            except json.JSONDecodeError:
+                out.append(text)
+                continue
+            if not isinstance(entry, dict) or keep(entry):
+                out.append(text)
+        if add is not None:
+            out.append(json.dumps(add))
+        if not out and not path.exists():
+            return
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in out))
+        os.replace(tmp, path)
+
+
 def record_failure(root: str | Path, experiment: str, run: dict[str, Any], error: BaseException) -> Path:
+    """Record a failed job in ``<root>/<experiment>/failures.jsonl``, replacing an earlier record of
+    the same job (system, seed, overrides): each job appears once, in its latest state."""
     path = Path(root) / experiment / FAILURES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     line = {**run, "error_type": type(error).__name__, "error": str(error), "time": time.time()}
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    key = _job_key(run)
+    _rewrite_failures(path, lambda entry: _job_key(entry) != key, line)
     return path
+
+
+def clear_failure(root: str | Path, experiment: str, run: dict[str, Any]) -> None:
+    """Drop the failure record of a job that has now succeeded (nothing to do without one)."""
+    path = Path(root) / experiment / FAILURES_FILE
+    if not path.is_file():
+        return
+    key = _job_key(run)
+    _rewrite_failures(path, lambda entry: _job_key(entry) != key, None)
 
 
 def load_run_table(run_path: str | Path, name: str):
@@ -171,7 +277,7 @@ def _variant_columns(variant: str) -> dict[str, Any]:
 
 def load_results(root: str | Path = "results", experiment: str | None = None):
     """One row per finished run: experiment, system, variant, model, seed, path, one column per
-    variant override, then every summary metric and ``info/`` fact."""
+    variant override, then every summary metric, ``info/`` fact and ``run/cluster``, ``run/workload``."""
     import pandas as pd
 
     root = Path(root)
@@ -187,5 +293,6 @@ def load_results(root: str | Path = "results", experiment: str | None = None):
             "experiment": run.parents[2].name, "system": system, "variant": variant, "model": run.parent.name,
             "seed": int(run.name.removeprefix("seed")), "path": str(run), **_variant_columns(variant),
             **summary.get("metrics", {}), **{f"info/{k}": v for k, v in summary.get("info", {}).items()},
+            **{f"run/{k}": summary["run"][k] for k in ("cluster", "workload") if k in summary.get("run", {})},
         })
     return pd.DataFrame(rows)

@@ -7,6 +7,7 @@ measures the StepTraces.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from harness import metrics as mk
 from harness import provenance
 from harness import results
 from harness.config import RunConfig
+from harness.consistency import check_results_dir_writable, check_run, check_tensor_parallel
 from harness.costmodel import CostModel, ProfileTable
 from harness.engines import select_engines
 from harness.errors import ConfigError
@@ -27,6 +29,7 @@ from harness.loggers import WandbLogger, resolve_mode
 from harness.discovery import discover_systems
 from harness.planning.memory import check_plan_memory
 from harness.plan import Plan
+from harness.progress import planning_progress
 from harness.schedule import to_csv
 from harness.system import PlanContext, System
 from harness.trace import PARAM_DIGEST, StepTrace, trace_devices, write_chrome_trace
@@ -53,15 +56,13 @@ def model_label(models) -> str:
 
 
 def build_context(run: RunConfig) -> PlanContext:
+    """The planning context of ``run``, after every consistency check (:mod:`harness.consistency`)."""
     validate_workload(run.workload)
-    run.workload = resolve_workload(run.workload, run.model.actor.vocab_size)  # a JSON-lines file: read and checked now
+    check_run(run)
+    max_context = min(getattr(run.model, role).max_seq_len for role in ("actor", "critic", "ref", "reward"))
+    # a JSON-lines file: read and checked now
+    run.workload = resolve_workload(run.workload, run.model.actor.vocab_size, max_context)
     cluster = run.cluster
-    if cluster.num_nodes < 1 or cluster.gpus_per_node < 1:
-        raise ConfigError(f"cluster.num_nodes={cluster.num_nodes} and cluster.gpus_per_node="
-                          f"{cluster.gpus_per_node} must both be >= 1")
-    if run.backend.num_iterations < 1 or run.backend.num_warmup_iterations < 0:
-        raise ConfigError(f"backend.num_iterations={run.backend.num_iterations} must be >= 1 and "
-                          f"backend.num_warmup_iterations={run.backend.num_warmup_iterations} >= 0")
     profile = None
     if run.backend.profile_table:
         if not Path(run.backend.profile_table).is_file():
@@ -113,10 +114,12 @@ def _write_static_files(folder: results.RunFolder, cfg: DictConfig, plan: Plan) 
 def make_plan(system: System, ctx: PlanContext) -> tuple[Plan, float, Any]:
     """The system's plan for ``ctx``, the seconds planning took, and its memory check: a plan that
     breaks the IR or does not fit in device memory raises here, before any backend work."""
+    system.check_config()
     start = time.perf_counter()
     plan = system.plan(ctx)
     plan_s = time.perf_counter() - start
     plan.validate(ctx.num_devices)
+    check_tensor_parallel(plan, ctx.models)
     return plan, plan_s, check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
 
 
@@ -145,16 +148,26 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
 
     variant = results.variant_label(overrides or [])
     path = results.run_path(run.results_dir, run.experiment_name, system.name, label, run.seed, variant)
-    if results.is_finished(path) and not run.overwrite:
-        stored = json.loads((path / results.SUMMARY_FILE).read_text())
-        print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
-        return RunOutcome(path, stored["metrics"], skipped=True, info=stored.get("info"))
+    check_results_dir_writable(run.results_dir)  # before planning, not when the first file is written
+    with results.run_lock(path):  # an identical run in progress: wait for it, then find its result
+        if results.is_finished(path) and not run.overwrite:
+            stored = json.loads((path / results.SUMMARY_FILE).read_text())
+            print(f"[harness] skip {path}: already finished (overwrite=true to re-run)")
+            return RunOutcome(path, stored["metrics"], skipped=True, info=stored.get("info"))
+        return _plan_and_run(cfg, run, ctx, system, label, variant, path)
 
-    plan, plan_s, memory = make_plan(system, ctx)
+
+def _plan_and_run(cfg: DictConfig, run: RunConfig, ctx: PlanContext, system: System, label: str, variant: str,
+                  path: Path) -> RunOutcome:
+    """Plan, execute and write the run at ``path`` (its lock held by :func:`execute`)."""
+    progress = planning_progress(run.logger.progress_bar)
+    if progress is not None:
+        progress(f"planning {system.name} on {label}, {ctx.num_devices} devices")
+    plan, plan_s, memory = make_plan(system, dataclasses.replace(ctx, progress=progress))
 
     backend = get_class(cfg.backend._target_)(run.backend, ctx)
     backend.check(plan)  # features the backend cannot execute: refused before anything is written
-    with results.RunFolder(path) as folder:
+    with results.RunFolder(path, tree=Path(run.results_dir) / run.experiment_name) as folder:
         _write_static_files(folder, cfg, plan)
         run_name = f"{system.name}-{label}-seed{run.seed}" + (f"-{variant}" if variant else "")
         prov = provenance.collect(run, backend)
@@ -199,7 +212,7 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
             **({"final_weights": weights} if weights else {}),
             "run": {"experiment": run.experiment_name, "system": system.name, "variant": variant, "model": label,
                     "seed": run.seed,
-                    "backend": run.backend.name, "cluster": run.cluster.name,
+                    "backend": run.backend.name, "cluster": run.cluster.name, "workload": run.workload.name,
                     "num_devices": ctx.num_devices, "wandb_mode": logger.mode}})
         final = folder.commit()
     return RunOutcome(final, summary, skipped=False, info=info)

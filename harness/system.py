@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 
@@ -33,6 +33,14 @@ class PlanContext:
     # engine.* overrides them; None (contexts built by hand in tests) = the plan carries no engines and
     # the simulator times ops on the cost model as is.
     engines: Engines | None = None
+    # Where planning reports its phases (harness.progress; None: nowhere). Reports are for people
+    # only: nothing a system decides may depend on them.
+    progress: Callable[[str], None] | None = None
+
+    def report(self, message: str) -> None:
+        """Say what planning is doing now (a phase, the best estimate so far), if anyone listens."""
+        if self.progress is not None:
+            self.progress(message)
 
     def wall_clock_budget_s(self, own_s: float | None) -> float | None:
         """A search's wall-clock budget, or None when it is budgeted in steps (the default): the
@@ -55,6 +63,12 @@ class System(abc.ABC):
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    def check_config(self) -> None:
+        """Refuse this system's options that are out of range or have no effect in the configuration
+        chosen (a :class:`~harness.errors.ConfigError` naming the key), before any planning. The
+        harness checks every system's counts and amounts by their names first
+        (:func:`harness.consistency.check_option_ranges`); this is for the rest. Default: nothing."""
 
     @abc.abstractmethod
     def plan(self, ctx: PlanContext) -> Plan:

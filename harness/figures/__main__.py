@@ -11,10 +11,11 @@ systems into ``DIR/fig7_throughput``.
 
 ``-o/--override KEY=VALUE`` (repeatable), or everything after ``--``, are Hydra overrides forwarded
 to every experiment that ``--run`` launches; ``-o EXPERIMENT:KEY=VALUE`` forwards one to that
-experiment only. Overrides of a swept key replace the experiment's sweep (``model=tiny`` runs only
-``tiny`` instead of the four pairs; ``system.migration_frac=0,0.2`` sweeps two points). Runs made
-with overrides have their own folders (the overrides are in the variant), so draw a tiny sweep from
-its own ``--results`` folder. A tiny version of every paper figure, in about a minute on 2 cores::
+experiment only, in place of a general one for the same key. Overrides of a swept key replace the
+experiment's sweep (``model=tiny`` runs only ``tiny`` instead of the four pairs;
+``system.migration_frac=0,0.2`` sweeps two points). Runs made with overrides have their own folders
+(the overrides are in the variant), so draw a tiny sweep from its own ``--results`` folder. A tiny
+version of every paper figure, in about a minute on 2 cores::
 
     python -m harness.figures all --run --results /tmp/tiny -o logger=none \\
         -o model=tiny -o workload=tiny -o workload.global_batch_size=16 -o workload.max_gen_len=16 \\
@@ -78,6 +79,16 @@ def split_overrides(items: list[str], experiments: set[str]) -> dict[str | None,
     return out
 
 
+def merge_overrides(general: list[str], specific: list[str]) -> list[str]:
+    """``general`` then ``specific``, a general override dropped where ``specific`` sets the same key
+    (the harness refuses a key given twice)."""
+    def key(item: str) -> str:
+        return item.partition("=")[0].lstrip("+~")
+
+    own = {key(item) for item in specific}
+    return [item for item in general if key(item) not in own] + list(specific)
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         experiment = experiment_of(name)
         if args.run:
-            code = run_experiment(experiment, args.results, scoped[None] + scoped.get(experiment, []))
+            code = run_experiment(experiment, args.results, merge_overrides(scoped[None], scoped.get(experiment, [])))
             if code == 2:  # the harness refused the command line: nothing ran, its error line is above
                 print(f"error: {name}: python -m harness +experiment={experiment} refused its command line "
                       f"(exit 2, see above)", file=sys.stderr)

@@ -82,16 +82,28 @@ class LayoutSearch:
         """States chosen to stay resident on the pool's devices, GB per device."""
         return self.ledger.resident
 
-    def candidates(self, role: str, zero: int = 0, task: str = "") -> list[ParallelStrategy]:
+    def candidates(self, role: str, zero: int = 0, task: str = "",
+                   shared_with: tuple[str, ...] = ()) -> list[ParallelStrategy]:
+        """Layouts of ``role``'s model over the pool (the pinned one if ``task`` is pinned); a layout
+        shared with other roles' models (``shared_with``) must shard their heads too."""
         if task in self.pinned:  # pinned by the user: checked, not searched
             pinned = parse_layout(self.pinned[task], zero, task)
             check_layout_fits(pinned, self.n, self.ctx.cluster.gpus_per_node, self.ctx.model(role).num_layers,
                               f"{self.name} {task} (system.layouts.{task})")
             return [pinned]
-        return list(candidate_strategies(self.n, self.ctx.cluster.gpus_per_node, self.ctx.model(role).num_layers, zero))
+        models = [self.ctx.model(r) for r in (role, *shared_with)]
+        return list(candidate_strategies(self.n, self.ctx.cluster.gpus_per_node, models[0].num_layers, zero,
+                                         models=models))
+
+    def shared_candidates(self) -> list[ParallelStrategy]:
+        """Layouts of the one inference layout ref, reward and the critic's values share."""
+        return self.candidates("actor", 0, self.shared_pin(), shared_with=("ref", "reward", "critic"))
 
     def _search(self, candidates, score, what: str) -> SearchResult:
-        return search(candidates, score, what, system=self.name)
+        self.ctx.report(f"{self.name}: {what}, {len(candidates)} layouts")
+        result = search(candidates, score, what, system=self.name)
+        self.ctx.report(f"{self.name}: {what}: {result.strategy}, estimate {result.time_s:.3g} s")
+        return result
 
     def _what(self, task_name: str) -> str:
         return task_name
@@ -138,7 +150,7 @@ class LayoutSearch:
         if step == "gen":
             return [self.generation_need(s) for s in self.candidates("actor", 0, "gen")]
         if step == "shared":
-            return [self.shared_inference_need(s) for s in self.candidates("actor", 0, self.shared_pin())]
+            return [self.shared_inference_need(s) for s in self.shared_candidates()]
         raise ValueError(f"unknown planning step {step!r}")
 
     def expect(self, steps: Iterable[str]) -> None:
@@ -184,6 +196,7 @@ class LayoutSearch:
         such a pair wins (:meth:`training_tiers`), first with the later steps' weights resident,
         then allowing them to be offloaded (:attr:`fallback_options`)."""
         w = self.w
+        self.ctx.report(f"{self.name}: actor and critic training layouts")
         tiers = {task: self.training_tiers(task, role) for task, role in TRAINING}
         levels = max(len(t) for t in tiers.values())
         stages, times = {}, {}
@@ -300,7 +313,7 @@ class LayoutSearch:
                 self.ledger.require(self.shared_inference_need(s), "shared")
                 return sum(inference_s(self.ctx, Task(t, "inference", PPO_TASKS[t][1], Allocation(self.mesh, s)),
                                        self.batch) for t in INFERENCE)
-            result = self._search(self.candidates("actor", 0, self.shared_pin()), score_all,
+            result = self._search(self.shared_candidates(), score_all,
                                   "inference (shared layout)")
             self.chosen.update({t: result for t in INFERENCE})
             self.ledger.commit("shared", self.shared_inference_need(result.strategy))

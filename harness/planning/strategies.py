@@ -1,8 +1,8 @@
 """Strategy enumeration and the generic best-of search that planners share.
 
 - :func:`candidate_strategies`: every (dp, tp, pp) over a mesh of N devices with tp dividing the
-  GPUs of a node (tensor parallelism stays on NVLink, Megatron-LM practice) and pp within the
-  model's layers;
+  GPUs of a node (tensor parallelism stays on NVLink, Megatron-LM practice) and the models' heads
+  (:func:`tp_splits_heads`), and pp within the model's layers;
 - :func:`mesh_options` / :func:`strategy_options`: ReaLHF's per-call search space (aligned slices
   of a node or ranges of whole nodes; strategies filling them, training ones splitting the
   mini-batch into micro-batches per replica);
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from harness.errors import PlanError
 from harness.plan import ParallelStrategy
@@ -36,10 +36,26 @@ def parse_layout(text: str, zero_stage: int, what: str) -> ParallelStrategy:
     return ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage)
 
 
+def tp_splits_heads(tp: int, models: Sequence[Any] = ()) -> bool:
+    """Tensor parallelism of degree ``tp`` can shard every model in ``models``: it splits the query
+    heads evenly, and the KV heads evenly or replicates them (``tp`` a multiple of the KV heads, as
+    Megatron-LM and vLLM do under grouped-query attention)."""
+    return all(m.num_heads % tp == 0 and (m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0)
+               for m in models)
+
+
+def largest_tp(gpus_per_node: int, models: Sequence[Any] = (), num_devices: int | None = None) -> int:
+    """The largest tensor-parallel degree that divides a node's GPUs (and ``num_devices``) and shards
+    every model in ``models`` (1 always does): the default of systems that fill a node with tp."""
+    return max(tp for tp in divisors(gpus_per_node)
+               if tp_splits_heads(tp, models) and (num_devices is None or num_devices % tp == 0))
+
+
 def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, zero_stage: int = 0,
-                         max_pp: int = 32) -> Iterable[ParallelStrategy]:
+                         max_pp: int = 32, models: Sequence[Any] = ()) -> Iterable[ParallelStrategy]:
+    """Layouts of ``num_devices``; with ``models``, only tensor-parallel degrees that shard their heads."""
     for tp in divisors(gpus_per_node):
-        if num_devices % tp:
+        if num_devices % tp or not tp_splits_heads(tp, models):
             continue
         for pp in divisors(num_devices // tp):
             if pp > min(num_layers, max_pp):
@@ -62,10 +78,10 @@ def mesh_options(num_nodes: int, gpus_per_node: int) -> list[tuple[int, ...]]:
 
 
 def strategy_options(mesh_size: int, gpus_per_node: int, num_layers: int, train: bool, mini_batch: int,
-                     micro_batch: int, zero_stage: int) -> list[ParallelStrategy]:
+                     micro_batch: int, zero_stage: int, models: Sequence[Any] = ()) -> list[ParallelStrategy]:
     out = []
     for tp in divisors(min(mesh_size, gpus_per_node)):
-        if gpus_per_node % tp or mesh_size % tp:
+        if gpus_per_node % tp or mesh_size % tp or not tp_splits_heads(tp, models):
             continue
         for pp in divisors(mesh_size // tp):
             dp = mesh_size // (tp * pp)

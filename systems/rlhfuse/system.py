@@ -36,13 +36,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.errors import PlanError
+from harness.errors import ConfigError, PlanError
 from harness.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
                           WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan, needs_movement
 from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checked
 from harness.planning.memory import MemoryNeed, MemoryShortfall, NoLayoutFits
-from harness.planning.strategies import divisors, smallest_requirement
+from harness.planning.strategies import divisors, smallest_requirement, tp_splits_heads
 from harness.planning.taskmodels.passes import grad_sync_s
 from harness.planning.workflow import full_mesh
 from harness.schedule import PipeCosts, ScheduleError, simulate
@@ -93,13 +93,20 @@ def _pp_choices(base_pp: int, num_layers: int) -> list[int]:
 class RLHFuse(System):
     cfg: RLHFuseConfig
 
+    def check_config(self) -> None:
+        cfg = self.cfg
+        if cfg.migration_transfer not in ("kv", "tokens"):
+            raise ConfigError(f"system.migration_transfer={cfg.migration_transfer!r}; use kv or tokens")
+        if cfg.migration_frac is not None and not 0.0 <= cfg.migration_frac < 1.0:
+            raise ConfigError(f"system.migration_frac={cfg.migration_frac} must be in [0, 1)")
+        if not cfg.fuse_makespan_slack_frac >= 0.0:
+            raise ConfigError(f"system.fuse_makespan_slack_frac={cfg.fuse_makespan_slack_frac} must be >= 0")
+        if cfg.migration_frac is not None and not cfg.inter_stage:
+            raise ConfigError(f"system.migration_frac={cfg.migration_frac} has no effect with system.inter_stage=false "
+                              f"(long-tail migration is part of inter-stage fusion); drop it or enable inter_stage")
+
     def plan(self, ctx: PlanContext) -> Plan:
-        if self.cfg.migration_transfer not in ("kv", "tokens"):
-            raise PlanError(f"system.migration_transfer={self.cfg.migration_transfer!r}; use kv or tokens")
-        if self.cfg.migration_frac is not None and not 0.0 <= self.cfg.migration_frac < 1.0:
-            raise PlanError(f"system.migration_frac={self.cfg.migration_frac} must be in [0, 1)")
-        if not self.cfg.fuse_makespan_slack_frac >= 0.0:
-            raise PlanError(f"system.fuse_makespan_slack_frac={self.cfg.fuse_makespan_slack_frac} must be >= 0")
+        self.check_config()
         try:
             return checked(self._plan(ctx, self.cfg.inter_stage), ctx)
         except NoLayoutFits as e:
@@ -139,7 +146,7 @@ class RLHFuse(System):
         the layouts whose ref and reward weights fit beside the training states and every working
         set on the devices (the fused stage's activation peak, generation's weights and KV cache)."""
         roles = (("ref", "ref"), ("reward", "reward"), ("values", "critic"))
-        all_candidates = layouts.candidates("actor", 0, layouts.shared_pin())
+        all_candidates = layouts.shared_candidates()
 
         def fitting() -> tuple[list[ParallelStrategy], list]:
             fits, shortfalls = [], []
@@ -199,6 +206,7 @@ class RLHFuse(System):
 
         best: FusedCandidate | None = None
         tried = 0
+        ctx.report("rlhfuse: fused actor+critic layouts")
         for cand in self._fused_candidates(ctx, layouts):
             tried += 1
             serial = serial_schedule(cand.pipes)
@@ -228,6 +236,9 @@ class RLHFuse(System):
                                        f"separate 1F1B stages")
             return layouts.training_stages()
         time_limit_s = ctx.wall_clock_budget_s(self.cfg.fuse_time_limit_s)
+        ctx.report(f"rlhfuse: fused schedule of {best.actor} + {best.critic} (of {tried} layouts), quick estimate "
+                   f"{best.estimate_s:.4g} s; annealing {self.cfg.fuse_max_steps} steps" if time_limit_s is None else
+                   f"rlhfuse: fused schedule of {best.actor} + {best.critic}, annealing for {time_limit_s:g} s")
         result = search_fused_schedule(best.pipes, best.costs, mem_cap=self._mem_cap(ctx, layouts, best),
                                        seed=self.cfg.fuse_seed, time_limit_s=time_limit_s,
                                        max_steps=self.cfg.fuse_max_steps if time_limit_s is None else None,
@@ -313,7 +324,8 @@ class RLHFuse(System):
             for pp_a in pp_a_choices:
                 for pp_c in pp_c_choices:
                     num_ranks = math.lcm(pp_a, pp_c)
-                    if n % (num_ranks * tp) or tp not in divisors(ctx.cluster.gpus_per_node):
+                    if (n % (num_ranks * tp) or tp not in divisors(ctx.cluster.gpus_per_node)
+                            or not tp_splits_heads(tp, [actor, critic])):
                         continue
                     groups = n // (num_ranks * tp)
                     dp_a, dp_c = groups * num_ranks // pp_a, groups * num_ranks // pp_c

@@ -144,7 +144,7 @@ def test_pinned_split_and_one_node_halves():
     assert plan.task("gen").allocation.mesh == tuple(range(8, 16)) and "split/curve_s" not in plan.notes
     with pytest.raises(PlanError, match="gen_nodes=2"):
         plan_for(["+system=disaggregated", "system.gen_nodes=2"] + SMALL)
-    plan, ctx, _ = plan_for(["+system=disaggregated", "model=tiny", "cluster.num_nodes=1"])
+    plan, ctx, _ = plan_for(["+system=disaggregated", "model=tiny", "workload=tiny", "cluster.num_nodes=1"])
     gen, train = pools(plan)
     assert gen == {4, 5, 6, 7} and train == {0, 1, 2, 3}
     plan.validate(ctx.num_devices)

@@ -69,7 +69,7 @@ def test_groups_on_odd_and_single_node_clusters():
     assert (len(ref), len(reward)) == (8, 16)  # the extra node goes to the larger (33B reward) model
     ref, reward = ref_reward_groups(context(["+system=interleaved", "model=33b_13b", "cluster.num_nodes=3"]))
     assert (len(ref), len(reward)) == (16, 8)
-    plan, ctx, _ = plan_for(["+system=interleaved", "model=tiny", "cluster.num_nodes=1"])
+    plan, ctx, _ = plan_for(["+system=interleaved", "model=tiny", "workload=tiny", "cluster.num_nodes=1"])
     assert plan.task("ref").allocation.mesh == (0, 1, 2, 3)
     assert plan.task("reward").allocation.mesh == (4, 5, 6, 7)
     plan.validate(ctx.num_devices)

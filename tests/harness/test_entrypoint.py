@@ -219,3 +219,20 @@ def test_sweep_records_a_failing_job_and_finishes_the_others(tmp_path, run_harne
         assert (ok / name).is_file(), ok / name
     assert json.loads((ok / "summary.json").read_text())["metrics"]["perf/samples_per_s"] > 0
     assert hidden_entries(results_dir) == []
+
+
+def test_help_is_the_harness_own_page(run_harness, tmp_path):
+    """``--help`` (issue 28, item 5): a usage line, every system with one line, the main groups, three
+    examples; no internal schema group, exit 0."""
+    from harness.discovery import discover_systems
+
+    proc = run_harness(["--help"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("usage: python -m harness +system=<system>")
+    for system in discover_systems():
+        assert any(line.startswith(f"  {system} ") and len(line.split()) > 2 for line in lines), system
+    for group in ("model", "cluster", "workload", "backend", "logger", "experiment", "engine"):
+        assert any(line.startswith(f"  {group} ") for line in lines), group
+    assert "schema" not in proc.stdout
+    assert sum(line.startswith("  python -m harness") for line in lines) == 3

@@ -24,7 +24,7 @@ from harness.discovery import discover_systems
 from harness.errors import ConfigError, OverrideError, PlanError
 from harness.validation import check_command_line
 
-FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1"]
+FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]
 TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
 # Placements whose default needs more devices than 4: OpenRLHF's ref:reward:actor:critic:vLLM =
 # 1:1:2:2:2 is 8 units of whole GPUs; on 4, one GPU per model and no vLLM pool (its "ray" mode).

@@ -98,7 +98,7 @@ def test_csv_has_summary_values_and_speedups(tree, capsys, tmp_path):
 
 
 def test_markdown_table_and_failures(tree, capsys):
-    code, out, err = run_main(capsys, tree / EXPERIMENT)
+    code, out, err = run_main(capsys, tree / EXPERIMENT, "--full")
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("| experiment | system") and "samples/s" in lines[0] and "tokens/s/GPU" in lines[0]
@@ -114,8 +114,23 @@ def test_markdown_table_and_failures(tree, capsys):
     assert "fused schedule search ran out of budget" in failure and "second line" not in out
 
 
+def test_compact_default_table(tree, capsys):
+    """Without --full: system (its label), model, readable variant, samples/s, speedup, step, bubble."""
+    code, out, err = run_main(capsys, tree / EXPERIMENT)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "every run: cluster.gpus_per_node=2 cluster.num_nodes=1 cluster=h100_8x workload=tiny"
+    head = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert head[:3] == ["system", "model", "variant"] or head[:4] == ["system", "model", "variant", "seed"]
+    assert head[-4:] == ["samples/s", "speedup vs DeepSpeed-Chat", "step (s)", "bubble"]
+    assert "| DeepSpeed-Chat" in out and "| deepspeed_chat" not in out.split("failed jobs")[0]
+    assert "%" not in out.split("failed jobs")[0]  # variants decoded
+    assert max(len(line) for line in out.split("failed jobs")[0].splitlines()) < 200
+    assert report.readable_variant("a=x%2Fy,b=1") == "a=x/y b=1"
+
+
 def test_results_root_and_only_failures(tree, capsys):
-    code, out, err = run_main(capsys, tree)
+    code, out, err = run_main(capsys, tree, "--full")
     assert code == 0, err
     assert out.count("| demo ") >= 4 + 1  # four runs and the failure
     assert "no finished runs in only_failures" in out

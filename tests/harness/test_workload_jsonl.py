@@ -26,7 +26,7 @@ from harness.workload import (REPO_ROOT, load_workload_file, make_batch, resolve
 SAMPLE = REPO_ROOT / "data" / "workloads" / "sample.jsonl"
 SIM = ["workload=jsonl", "model=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "logger=none",
        "logger.progress_bar=false", "+system=rlhfuse_base", "workload.global_batch_size=16",
-       "workload.mini_batch_size=8", "workload.max_gen_len=256", "backend.num_iterations=2"]
+       "workload.mini_batch_size=8", "workload.max_gen_len=128", "backend.num_iterations=2"]
 
 
 def file_workload(path, global_batch_size: int = 64, max_gen_len: int = 1024) -> WorkloadConfig:

@@ -28,7 +28,7 @@ SIM_TINY = ["logger=none", "model=tiny", "workload=tiny", "workload.global_batch
             "cluster=h100_8x", "cluster.num_nodes=1", "backend.num_iterations=2", "backend.num_warmup_iterations=1"]
 SCHEDULE_TINY = ["experiment_params.search_action_steps=1e4"]
 TINY = {
-    "fig2_lengths": SIM_TINY + ["workload.max_gen_len=8,16"],
+    "fig2_lengths": [o for o in SIM_TINY if not o.startswith("workload.max_gen_len=")] + ["workload.max_gen_len=8,16"],
     "fig7_throughput": SIM_TINY,
     "fig8_breakdown": SIM_TINY,
     "fig9_migration": SIM_TINY + ["system.migration_frac=0,0.2"],

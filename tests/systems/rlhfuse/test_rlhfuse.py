@@ -80,10 +80,10 @@ def test_inference_needs_each_sample_finished():
 
 
 def test_makespan_slack_reaches_the_search_and_is_checked():
-    from harness.errors import PlanError
+    from harness.errors import ConfigError
     from harness.testing import plan_for
 
-    with pytest.raises(PlanError, match=r"system\.fuse_makespan_slack_frac=-0\.1 must be >= 0"):
+    with pytest.raises(ConfigError, match=r"system\.fuse_makespan_slack_frac=-0\.1: must be a finite number >= 0"):
         plan_for(["+system=rlhfuse", *SMALL, "system.fuse_makespan_slack_frac=-0.1"])
     plan, _, _ = plan_for(["+system=rlhfuse", *SMALL, "system.inter_stage=false",
                            "system.fuse_makespan_slack_frac=0.05"])

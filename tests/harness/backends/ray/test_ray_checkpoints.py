@@ -252,7 +252,7 @@ def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
 @pytest.mark.ray
 def test_training_starts_from_the_config_checkpoints(ckpts, run_harness, tmp_path):
     pytest.importorskip("ray")
-    proc = run_harness(BASE + ["backend.num_iterations=1", "backend.options.dump_weights_dir=w",
+    proc = run_harness(BASE + ["backend.num_iterations=1", "backend.num_warmup_iterations=0", "backend.options.dump_weights_dir=w",
                                f"model.actor.checkpoint={ckpts / 'policy'}",
                                f"model.reward.checkpoint={ckpts / 'reward'}"], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -300,7 +300,7 @@ def test_smollm2_ppo_iteration(run_harness, tmp_path):
 # the README's SmolLM2 command (checked to match below), with CI's logger settings
 SMOLLM2_COMMAND = ["+system=deepspeed_chat", "model=smollm2_135m", "workload=tiny", "backend=ray", "cluster=h100_8x",
                    "cluster.num_nodes=1", "cluster.gpus_per_node=1", "system.mini_batch_size=4",
-                   "system.generation_batch_size=8", "backend.num_iterations=1", "backend.options.digest=false",
+                   "system.generation_batch_size=8", "backend.num_iterations=1", "backend.num_warmup_iterations=0", "backend.options.digest=false",
                    "logger=none",
                    "logger.progress_bar=false"]
 

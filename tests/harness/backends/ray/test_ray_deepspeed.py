@@ -48,7 +48,7 @@ pytestmark = pytest.mark.ray
 
 COMMON = ["+system=deepspeed_chat", "model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x",
           "cluster.num_nodes=1", "cluster.gpus_per_node=2", "logger=none", "logger.progress_bar=false",
-          "backend.num_iterations=1", "system.generation_batch_size=8", "backend.options.dump_weights_dir=w"]
+          "backend.num_iterations=1", "backend.num_warmup_iterations=0", "system.generation_batch_size=8", "backend.options.dump_weights_dir=w"]
 RUNS = {
     "deepspeed": ["system.mini_batch_size=4", "backend.options.zero3_impl=deepspeed"],
     "native": ["system.mini_batch_size=4", "backend.options.zero3_impl=native"],

@@ -29,7 +29,7 @@ def _args(num_stages: int, fused: bool, matching: str = "in_order") -> list[str]
     layout = f"dp1tp1pp{num_stages}"
     return ["+system=rlhfuse", "model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1",
             f"cluster.gpus_per_node={num_stages}", "logger=none", "logger.progress_bar=false",
-            "backend.num_iterations=1", "backend.options.dump_weights_dir=w", f"backend.options.p2p_matching={matching}",
+            "backend.num_iterations=1", "backend.num_warmup_iterations=0", "backend.options.dump_weights_dir=w", f"backend.options.p2p_matching={matching}",
             f"model.actor.num_layers={num_stages}", f"model.critic.num_layers={num_stages}",
             "workload.micro_batch_size=1", "workload.mini_batch_size=8", "system.inter_stage=false",
             f"system.layouts.update_actor={layout}", f"system.layouts.update_critic={layout}",
