@@ -134,7 +134,7 @@ def read_failures(path: Path, experiment: str) -> list[dict[str, Any]]:
         except ValueError as e:
             out.append({"experiment": experiment, "error_type": "unreadable line", "error": f"{path}:{n}: {e}"})
             continue
-        key = (record.get("system"), record.get("seed"), tuple(record.get("overrides") or ()))
+        key = results.job_key(record)
         if key in where:  # an older record of the same job: the later one replaces it
             out[where[key]] = {"experiment": experiment, **record}
         else:
@@ -293,7 +293,8 @@ def build_compact_table(df, baseline: str, extra: list[str] | None = None) -> tu
     ids = [c for c in ("experiment",) if not df.empty and df[c].nunique() > 1] + list(COMPACT_ID_COLUMNS)
     ids += ["seed"] if not df.empty and df["seed"].nunique() > 1 else []
     bubbles = sorted(c for c in df.columns if str(c).startswith(BUBBLE_PREFIX))
-    extra_cols = [c for c in metric_columns(df, extra)[len(metric_columns(df)):]] if extra else []
+    standard = set(metric_columns(df))
+    extra_cols = [c for c in metric_columns(df, extra) if c not in standard] if extra else []
     keys = ids + [mk.SAMPLES_PER_S, f"speedup_vs_{baseline}", mk.STEP_TIME, BUBBLE_COLUMN] + extra_cols
     rows = []
     for i, (_, row) in enumerate(df.iterrows()):

@@ -122,14 +122,19 @@ def remove_stale_partials(root: Path) -> list[Path]:
     return removed
 
 
+def _lock_file(path: Path, kind: str) -> Path:
+    """This machine's lock file for ``path`` (in LOCK_DIR, named by a hash of its absolute path)."""
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(str(Path(path).absolute()).encode()).hexdigest()[:24]
+    return LOCK_DIR / f"{digest}.{kind}.lock"
+
+
 @contextmanager
 def run_lock(final: Path) -> Iterator[None]:
     """Hold the lock of the run folder ``final`` (one per run path, on this machine): a second
     identical run waits here, saying so in one line, and then finds the first one's result. The lock
     file lives in the temporary directory, so a run refused later writes nothing under results_dir."""
-    LOCK_DIR.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(str(Path(final).absolute()).encode()).hexdigest()[:24]
-    with open(LOCK_DIR / f"{digest}.lock", "a+") as f:
+    with open(_lock_file(final, "run"), "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -187,16 +192,15 @@ def _remove_empty_parents(path: Path, stop_at: int) -> None:
         path = path.parent
 
 
-def _job_key(job: dict[str, Any]) -> tuple:
+def job_key(job: dict[str, Any]) -> tuple:
+    """What identifies a job in failures.jsonl: its system, seed and command-line overrides."""
     return job.get("system"), job.get("seed"), tuple(job.get("overrides") or ())
 
 
 def _rewrite_failures(path: Path, keep: Callable[[dict[str, Any]], bool], add: dict[str, Any] | None) -> None:
     """``failures.jsonl`` without the lines ``keep`` rejects, plus ``add``; atomic, one writer at a time.
     A line that is not JSON is kept as it is."""
-    LOCK_DIR.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(str(path.absolute()).encode()).hexdigest()[:24]
-    with open(LOCK_DIR / f"{digest}.failures.lock", "a+") as lock:
+    with open(_lock_file(path, "failures"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         lines = path.read_text().splitlines() if path.is_file() else []
         out = []
@@ -223,8 +227,8 @@ def record_failure(root: str | Path, experiment: str, run: dict[str, Any], error
     path = Path(root) / experiment / FAILURES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     line = {**run, "error_type": type(error).__name__, "error": str(error), "time": time.time()}
-    key = _job_key(run)
-    _rewrite_failures(path, lambda entry: _job_key(entry) != key, line)
+    key = job_key(run)
+    _rewrite_failures(path, lambda entry: job_key(entry) != key, line)
     return path
 
 
@@ -233,8 +237,8 @@ def clear_failure(root: str | Path, experiment: str, run: dict[str, Any]) -> Non
     path = Path(root) / experiment / FAILURES_FILE
     if not path.is_file():
         return
-    key = _job_key(run)
-    _rewrite_failures(path, lambda entry: _job_key(entry) != key, None)
+    key = job_key(run)
+    _rewrite_failures(path, lambda entry: job_key(entry) != key, None)
 
 
 def load_run_table(run_path: str | Path, name: str):
