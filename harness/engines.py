@@ -298,6 +298,8 @@ class EngineCosts:
         # the roofline has no host model (as before issue 26)
         self._host_s_per_launch = EAGER_HOST_S_PER_LAUNCH if self.cm.calibration is not None else 0.0
         self._default_launches = GPT_FAST_LAUNCHES_PER_LAYER
+        self._spans: dict[tuple, tuple[float, ...]] = {}  # decode_span_s answers
+        self._span_models: dict[int, Any] = {}  # keeps the memo's keyed models alive
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cm, name)
@@ -321,6 +323,19 @@ class EngineCosts:
             tokens = context_tokens_total + batch_size
             gpu_s = self.cm.prefill_s(model, tokens, tp, pp, tokens / batch_size, "graph")
         return self._step(gpu_s, model, engine, launches_per_layer)
+
+    def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
+                      tp: int = 1, pp: int = 1, engine: str = "graph",
+                      launches_per_layer: Optional[int] = None) -> tuple[float, ...]:
+        """:meth:`CostModel.decode_span_s` under these engines (memoised per instance)."""
+        key = (id(model), batch_size, context_tokens_total, num_steps, tp, pp, engine, launches_per_layer)
+        hit = self._spans.get(key)
+        if hit is None:
+            hit = self._spans[key] = tuple(
+                self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, engine,
+                                   launches_per_layer) for j in range(num_steps))
+            self._span_models[id(model)] = model
+        return hit
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, engine: str = "graph",

@@ -133,7 +133,10 @@ class Allocation:
         return self.mesh[(dp_rank * s.pp + pp_rank) * s.tp + tp_rank]
 
     def stage_devices(self, dp_rank: int, pp_rank: int) -> tuple[int, ...]:
-        return tuple(self.device(dp_rank, pp_rank, t) for t in range(self.strategy.tp))
+        """The tp devices of one stage of one replica (a slice of the mesh: ``device`` for every tp rank)."""
+        s = self.strategy
+        start = (dp_rank * s.pp + pp_rank) * s.tp
+        return self.mesh[start:start + s.tp]
 
     def replica_devices(self, dp_rank: int) -> tuple[int, ...]:
         s = self.strategy

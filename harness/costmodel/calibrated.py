@@ -205,6 +205,8 @@ class CalibratedCompute:
         # measured elementwise streaming rate: the 'add' law's seconds per byte at tp 1
         self.stream_s_per_byte = calibration.law("add", 1).c_byte
         self._linear = lru_cache(maxsize=65536)(self._linear_layer_s)
+        self._head = lru_cache(maxsize=65536)(self._head_s)
+        self._allreduces = lru_cache(maxsize=65536)(self._allreduces_uncached_s)
         if graph_step_overhead_s is None:
             graph_step_overhead_s = derived_graph_step_overhead_s()
         self.graph_step_overhead_s = graph_step_overhead_s
@@ -245,6 +247,9 @@ class CalibratedCompute:
         """Final norm + LM head (vocab-parallel GEMM) or scalar value head of ``num_tokens``."""
         if num_tokens <= 0:
             return 0.0
+        return self._head(d, tp, num_tokens)
+
+    def _head_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
         h = d.hidden_size
         norm = self.cal.law("norm", tp).seconds(0.0, BF16_BYTES * 2.0 * num_tokens * h,
                                                 BF16_BYTES * 2.0 * h)
@@ -256,6 +261,9 @@ class CalibratedCompute:
         return norm + gemm
 
     def _allreduces_s(self, layers: float, num_tokens: float, d: ModelDims, tp: int) -> float:
+        return self._allreduces(layers, num_tokens, d, tp)
+
+    def _allreduces_uncached_s(self, layers: float, num_tokens: float, d: ModelDims, tp: int) -> float:
         return 2 * layers * self._allreduce_s(num_tokens * d.hidden_size * BF16_BYTES, tp)
 
     # -- training ops ---------------------------------------------------------------------
@@ -347,6 +355,31 @@ class CalibratedCompute:
             return 0.0
         gpu_s = self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp)
         return self._with_engine(ModelDims.of(model), gpu_s, engine, launches_per_layer)
+
+    def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: float, num_steps: int,
+                      tp: int = 1, pp: int = 1, engine: str = "graph",
+                      launches_per_layer: Optional[int] = None) -> list[float]:
+        """:meth:`decode_step_s` of ``num_steps`` consecutive steps (contexts ``c, c + b, ...``),
+        bit for bit: the pieces of a step that do not depend on the context (linear ops, head,
+        all-reduces, pipeline hops) are computed once, only the attention core per step."""
+        if batch_size <= 0:
+            return [0.0] * num_steps
+        d = ModelDims.of(model)
+        num_mbs = min(pp, batch_size)
+        mb = batch_size / num_mbs
+        linear = self.linear_layer_s(d, tp, mb)
+        head = self.head_s(d, tp, batch_size / num_mbs)
+        comm = self._allreduces_s(d.num_layers, mb, d, tp)
+        hop = (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp) if pp > 1 else None
+        out = []
+        for j in range(num_steps):
+            total = context_tokens_total + j * batch_size
+            time_s = d.num_layers * (linear + self.attention_s(d, tp, mb, total / batch_size, total / num_mbs)) + head
+            time_s += comm
+            if hop is not None:
+                time_s += hop
+            out.append(self._with_engine(d, time_s, engine, launches_per_layer))
+        return out
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, engine: str = "graph",

@@ -63,7 +63,7 @@ def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_si
                 global_batch_size=batch.num_samples)
     seq = batch.prompt_lens + batch.output_lens
     return simulate_training(ctx.cost_model, plan, stage, ctx.models, seq,
-                             ctx.workload.activation_recompute, 0.0).end_s
+                             ctx.workload.activation_recompute, 0.0, record_spans=False).end_s
 
 
 def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task], moves: dict) -> float:
@@ -73,7 +73,7 @@ def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task
     free.update(gen_result.device_free_s())
     models = {t.model: ctx.model(t.model) for t in inference}
     streamed = simulate_streaming_inference(ctx.cost_model, inference, models, gen_result.samples, free,
-                                            ctx.workload.micro_batch_size, moves)
+                                            ctx.workload.micro_batch_size, moves, record_spans=False)
     return max(streamed.end_s.values())
 
 

@@ -19,6 +19,7 @@ build a sensible order (that is ``validate``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import lru_cache
 
 from harness.schedule.ir import Action, PipeSpec, Schedule
 
@@ -30,17 +31,23 @@ def _empty_order(pipe: PipeSpec) -> Order:
 
 
 def one_f_one_b_stage(pipe: PipeSpec, stage: int) -> list[Action]:
-    """Action list of one stage under PipeDream-flush 1F1B (warm-up, steady 1F1B, cool-down)."""
-    num_mbs = pipe.num_mbs
-    warmup = min(pipe.num_stages - stage - 1, num_mbs)
-    fwd = [Action(pipe.name, stage, "F", mb) for mb in range(num_mbs)]
-    bwd = [Action(pipe.name, stage, "B", mb) for mb in range(num_mbs)]
+    """Action list of one stage under PipeDream-flush 1F1B (warm-up, steady 1F1B, cool-down).
+    A fresh list (callers may edit it) of cached, immutable actions: planners build the same
+    stages thousands of times while scoring layouts."""
+    return list(_one_f_one_b_stage(pipe.name, pipe.num_stages, pipe.num_mbs, stage))
+
+
+@lru_cache(maxsize=4096)
+def _one_f_one_b_stage(name: str, num_stages: int, num_mbs: int, stage: int) -> tuple[Action, ...]:
+    warmup = min(num_stages - stage - 1, num_mbs)
+    fwd = [Action(name, stage, "F", mb) for mb in range(num_mbs)]
+    bwd = [Action(name, stage, "B", mb) for mb in range(num_mbs)]
     actions = fwd[:warmup]
     for i in range(num_mbs - warmup):
         actions.append(fwd[warmup + i])
         actions.append(bwd[i])
     actions.extend(bwd[num_mbs - warmup:])
-    return actions
+    return tuple(actions)
 
 
 def one_f_one_b(pipe: PipeSpec) -> Order:

@@ -57,56 +57,80 @@ class _EncodeError(Exception):
     """Internal: an action the encoder cannot place (unknown pipe, out of range, W, misplaced)."""
 
 
-class SimModel:
-    """Flat-array form of (pipes, costs). Action ids: pipe ``p`` owns ``2 * S * M`` consecutive ids,
-    forwards first (``f_base + stage * M + mb``), then backwards (``b_base + stage * M + mb``)."""
+class _Structure:
+    """The cost-free part of a :class:`SimModel`: action numbering, placement and dependencies of
+    a tuple of pipes. Cached per pipes (:func:`_structure`), so that re-costing the same schedule
+    (a planner scoring one layout under many sequence lengths) only rebuilds the cost arrays."""
 
-    def __init__(self, pipes: Sequence[PipeSpec], costs: Sequence[PipeCosts]):
-        self.pipes = {p.name: p for p in pipes}
+    def __init__(self, pipes: Sequence[PipeSpec]):
         self.pipe_slots: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {}
         self.actions: list[Action] = []
         self.dep_a: list[int] = []  # F: previous stage's F; B: own F
         self.dep_b: list[int] = []  # B: next stage's B; F: -1
-        self.lat_a: list[float] = []
-        self.lat_b: list[float] = []
+        self.home: list[int] = []
+        for pipe in pipes:
+            S, M, ranks = pipe.num_stages, pipe.num_mbs, pipe.stage_to_rank
+            f_base = len(self.actions)
+            b_base = f_base + S * M
+            self.pipe_slots[pipe.name] = (f_base, b_base, S, M, ranks)
+            for kind, base in (("F", f_base), ("B", b_base)):
+                for s in range(S):
+                    for mb in range(M):
+                        self.actions.append(Action(pipe.name, s, kind, mb))
+                        self.home.append(ranks[s])
+                        if kind == "F":
+                            self.dep_a.append(f_base + (s - 1) * M + mb if s > 0 else -1)
+                            self.dep_b.append(-1)
+                        else:
+                            self.dep_a.append(f_base + s * M + mb)
+                            self.dep_b.append(b_base + (s + 1) * M + mb if s < S - 1 else -1)
+        # per action: does each dependency cross ranks (and so pay the pipe's p2p latency)?
+        self.cross_a = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_a, self.home)]
+        self.cross_b = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_b, self.home)]
+
+
+@lru_cache(maxsize=64)
+def _structure(pipes: tuple[PipeSpec, ...]) -> _Structure:
+    return _Structure(pipes)
+
+
+class SimModel:
+    """Flat-array form of (pipes, costs). Action ids: pipe ``p`` owns ``2 * S * M`` consecutive ids,
+    forwards first (``f_base + stage * M + mb``), then backwards (``b_base + stage * M + mb``).
+    The structure lists (``actions``, ``home``, ``dep_a``, ``dep_b``, ``pipe_slots``) are shared
+    between models of the same pipes: callers must not modify them."""
+
+    def __init__(self, pipes: Sequence[PipeSpec], costs: Sequence[PipeCosts]):
+        pipes = tuple(pipes)
+        self.pipes = {p.name: p for p in pipes}
+        st = _structure(pipes)
+        self.pipe_slots, self.actions, self.home = st.pipe_slots, st.actions, st.home
+        self.dep_a, self.dep_b = st.dep_a, st.dep_b
         self.dur: list[float] = []
         self.mem_delta: list[float] = []
-        self.home: list[int] = []
+        self.lat_a: list[float] = []
+        self.lat_b: list[float] = []
         for pipe, cost in zip(pipes, costs):
-            self._add_pipe(pipe, cost)
-        self.num_actions = len(self.actions)
-
-    def _add_pipe(self, pipe: PipeSpec, cost: PipeCosts) -> None:
-        S, M, ranks = pipe.num_stages, pipe.num_mbs, pipe.stage_to_rank
-        if min(len(cost.fwd), len(cost.bwd), len(cost.activation)) < S:
-            raise ValueError(f"pipe {pipe.name}: costs cover fewer than its {S} stages")
-        if min(*cost.fwd[:S], *cost.bwd[:S], cost.p2p) < 0:
-            raise ValueError(f"pipe {pipe.name}: times must be >= 0")
-        f_base = len(self.actions)
-        b_base = f_base + S * M
-        self.pipe_slots[pipe.name] = (f_base, b_base, S, M, ranks)
-        for kind, base in (("F", f_base), ("B", b_base)):
+            S, M = pipe.num_stages, pipe.num_mbs
+            if min(len(cost.fwd), len(cost.bwd), len(cost.activation)) < S:
+                raise ValueError(f"pipe {pipe.name}: costs cover fewer than its {S} stages")
+            if min(*cost.fwd[:S], *cost.bwd[:S], cost.p2p) < 0:
+                raise ValueError(f"pipe {pipe.name}: times must be >= 0")
+            fwd = [float(cost.fwd[s]) for s in range(S)]
+            bwd = [float(cost.bwd[s]) for s in range(S)]
+            act = [float(cost.activation[s]) for s in range(S)]
             for s in range(S):
-                for mb in range(M):
-                    self.actions.append(Action(pipe.name, s, kind, mb))
-                    self.home.append(ranks[s])
-                    if kind == "F":
-                        self._add_deps(f_base + (s - 1) * M + mb if s > 0 else -1, -1)
-                        self.dur.append(float(cost.fwd[s]))
-                        self.mem_delta.append(float(cost.activation[s]))
-                    else:
-                        nxt = b_base + (s + 1) * M + mb if s < S - 1 else -1
-                        self._add_deps(f_base + s * M + mb, nxt)
-                        self.dur.append(float(cost.bwd[s]))
-                        self.mem_delta.append(-float(cost.activation[s]))
-        for i in range(f_base, len(self.actions)):
-            a, b, here = self.dep_a[i], self.dep_b[i], self.home[i]
-            self.lat_a.append(cost.p2p if a >= 0 and self.home[a] != here else 0.0)
-            self.lat_b.append(cost.p2p if b >= 0 and self.home[b] != here else 0.0)
-
-    def _add_deps(self, a: int, b: int) -> None:
-        self.dep_a.append(a)
-        self.dep_b.append(b)
+                self.dur.extend([fwd[s]] * M)
+                self.mem_delta.extend([act[s]] * M)
+            for s in range(S):
+                self.dur.extend([bwd[s]] * M)
+                self.mem_delta.extend([-act[s]] * M)
+            f_base = st.pipe_slots[pipe.name][0]
+            p2p = cost.p2p
+            for i in range(f_base, f_base + 2 * S * M):
+                self.lat_a.append(p2p if st.cross_a[i] else 0.0)
+                self.lat_b.append(p2p if st.cross_b[i] else 0.0)
+        self.num_actions = len(self.actions)
 
     def encode(self, actions: Sequence[Action], rank: int) -> list[int]:
         """Action ids of one rank's list, send/recv actions dropped. Raises _EncodeError."""

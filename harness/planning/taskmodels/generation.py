@@ -21,7 +21,8 @@ unmigrated run and the instances are then replayed up to it, which is exact.
 
 Each decode step costs ``CostModel.decode_step_s(batch, context tokens, tp, pp, engine)`` (the
 policy's engine: ``graph`` or ``eager`` host overheads under the calibrated cost model). Steps
-between two batch changes form one span.
+between two batch changes form one span, timed by one ``decode_span_s`` call (memoised: replays
+and candidate layouts ask for the same spans).
 
 Static rounds may be **synced** across instances (``GenerationPolicy.synced_instances``:
 ``generate(synced_gpus=True)`` under ZeRO-3 keeps every rank stepping until all ranks' rounds
@@ -31,6 +32,7 @@ each sample has in later passes when the policy pads to the longest of its round
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -68,7 +70,13 @@ class InstanceResult:
 
 
 class ContinuousInstance:
-    """One generation instance with continuous batching; can stop at a time and take or give samples."""
+    """One generation instance with continuous batching; can stop at a time and take or give samples.
+
+    Bookkeeping is per span, not per running sample (issue 28: at 256 samples a batch the per-sample
+    sums were most of the planner's time): the instance counts its decode steps, each running
+    sample is due at step ``admitted step + tokens left`` (a heap gives the next span's length), and
+    the running context and target totals are kept incrementally. A sample's ``generated`` is
+    brought up to date only when it leaves (finishes or migrates)."""
 
     def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
                  max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
@@ -79,7 +87,12 @@ class ContinuousInstance:
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
         self.waiting: list[_Sample] = []
-        self.running: list[_Sample] = []
+        self.running: dict[int, _Sample] = {}  # by admission number: iterates in admission order
+        self._due: list[tuple[int, int]] = []  # heap of (step the sample finishes at, admission number)
+        self._admitted = 0
+        self.steps = 0  # decode steps run so far
+        self._context_total = 0  # sum of the running samples' contexts
+        self._target_total = 0  # sum of their prompt + output lengths (the KV they will hold)
         self.reserved = 0
         self.finishes = finishes
         self.result = InstanceResult(devices, start_s)
@@ -108,36 +121,47 @@ class ContinuousInstance:
             self.now += dt
         for s in admitted:
             s.has_kv = True
-        self.running.extend(admitted)
+            self.running[self._admitted] = s
+            heapq.heappush(self._due, (self.steps + s.left, self._admitted))
+            self._admitted += 1
+            self._context_total += s.context
+            self._target_total += s.prompt_len + s.output_len
 
     def run(self, until_s: float = math.inf) -> None:
         """Generate until every sample finished, or until the first step that ends at/after ``until_s``."""
         while (self.waiting or self.running) and self.now < until_s:
             self._admit()
             batch = len(self.running)
-            ctx = sum(s.context for s in self.running)
-            self.result.peak_kv_tokens = max(self.result.peak_kv_tokens, ctx + sum(s.left for s in self.running))
-            num_steps, start = min(s.left for s in self.running), self.now
+            self.result.peak_kv_tokens = max(self.result.peak_kv_tokens, self._target_total)
+            num_steps, start = self._due[0][0] - self.steps, self.now
             done_steps = 0
-            while done_steps < num_steps and self.now < until_s:
-                self.now += self.cm.decode_step_s(self.model, batch, ctx + done_steps * batch, self.tp, self.pp,
-                                                  self.engine, self.launches)
+            for dt in self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp,
+                                            self.engine, self.launches):
+                if self.now >= until_s:
+                    break
+                self.now += dt
                 done_steps += 1
             self._span(start, self.now, "decode")
-            still = []
-            for s in self.running:
-                s.generated += done_steps
-                if s.left == 0:
-                    self.finishes.append(SampleRecord(s.sample_id, s.prompt_len, s.output_len, self.now))
-                    self.reserved -= s.prompt_len + self.max_gen_len
-                else:
-                    still.append(s)
-            self.running = still
+            self.steps += done_steps
+            self._context_total += done_steps * batch
+            while self._due and self._due[0][0] <= self.steps:  # in admission order among equals
+                _, number = heapq.heappop(self._due)
+                s = self.running.pop(number)
+                s.generated = s.output_len
+                self.finishes.append(SampleRecord(s.sample_id, s.prompt_len, s.output_len, self.now))
+                self.reserved -= s.prompt_len + self.max_gen_len
+                self._context_total -= s.context
+                self._target_total -= s.prompt_len + s.output_len
         self.result.end_s = self.now
 
     def take_unfinished(self) -> list[_Sample]:
-        out = self.running + self.waiting
-        self.running, self.waiting, self.reserved = [], [], 0
+        due = {number: step for step, number in self._due}
+        out = list(self.running.values())
+        for number, s in self.running.items():
+            s.generated = s.output_len - (due[number] - self.steps)
+        out += self.waiting
+        self.running, self.waiting, self._due, self.reserved = {}, [], [], 0
+        self._context_total = self._target_total = 0
         return out
 
 
@@ -188,8 +212,7 @@ def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts:
             res.spans.append(Span(res.devices, task.name, "prefill", now, now + dt))
             now += dt
             num_steps = int(outputs[span_of].max())
-            step_times = [cm.decode_step_s(model, batch, (padded_prompt + j) * batch, tp, pp, policy.engine,
-                                           launches) for j in range(num_steps)]
+            step_times = cm.decode_span_s(model, batch, padded_prompt * batch, num_steps, tp, pp, policy.engine, launches)
             elapsed = np.cumsum(step_times)
             for i in ids:  # a row's last token comes out at the end of its own step
                 finishes.append(SampleRecord(int(i), int(prompts[i]), int(outputs[i]),

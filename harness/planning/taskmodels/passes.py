@@ -167,18 +167,27 @@ def grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
 
 
 def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq_lens: np.ndarray,
-                      recompute: str, start_s: float) -> PassResult:
+                      recompute: str, start_s: float, record_spans: bool = True) -> PassResult:
+    """Every mini-batch of ``stage``: its pipeline schedule timed under the mini-batch's mean
+    sequence length, then each task's gradient sync and optimizer step. ``record_spans=False``
+    (planners' estimates) returns the same end time without spans or pipeline runs."""
     tasks = [plan.task(n) for n in stage.tasks]
     spans: list[Span] = []
     runs: list[PipelineRun] = []
     now = start_s
     label = "+".join(stage.tasks)
-    stage_devices = pipe_stage_devices(plan, stage)
+    stage_devices = pipe_stage_devices(plan, stage) if record_spans else {}
     for mb_index in range(stage.num_minibatches):
         lo = mb_index * plan.mini_batch_size
         seq = float(seq_lens[lo:lo + plan.mini_batch_size].mean())
         costs, compute_only = _pipe_costs(cm, plan, stage, models, seq, recompute)
-        result = simulate(stage.schedule, costs, record_times=True)
+        result = simulate(stage.schedule, costs, record_times=record_spans)
+        if not record_spans:
+            now += result.makespan
+            for task in tasks:
+                comm, optim = grad_sync_s(cm, task, getattr(models, task.model))
+                now += comm + optim
+            continue
         pipeline_busy = sum(result.busy.values())
         per_pipe = {}
         for name, pipe in stage.schedule.pipes.items():

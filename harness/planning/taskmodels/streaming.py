@@ -63,7 +63,9 @@ def _stage_times(cm: CostModel, tasks: list[Task], models: dict, tokens: float, 
 
 def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[str, object],
                                  samples: list[SampleRecord], device_free_s: dict[int, float],
-                                 micro_batch_size: int, moves: dict[str, WeightMovement]) -> StreamingResult:
+                                 micro_batch_size: int, moves: dict[str, WeightMovement],
+                                 record_spans: bool = True) -> StreamingResult:
+    """``record_spans=False`` (planners' estimates) gives the same end times without the spans."""
     alloc = tasks[0].allocation
     s = alloc.strategy
     order = sorted(samples, key=lambda r: (r.finish_s, r.sample_id))
@@ -99,11 +101,12 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
         stage = [sum(per_task[t.name][p] for t in tasks) for p in range(s.pp)]
         clock = t0
         for p in range(s.pp):
-            offset = clock
-            for t in tasks:
-                dt = per_task[t.name][p]
-                spans.append(Span(alloc.stage_devices(k, p), t.name, "forward", offset, offset + dt))
-                offset += dt
+            if record_spans:
+                offset = clock
+                for t in tasks:
+                    dt = per_task[t.name][p]
+                    spans.append(Span(alloc.stage_devices(k, p), t.name, "forward", offset, offset + dt))
+                    offset += dt
             clock += stage[p]
         done = max(clock, last_done[k] + max(stage))  # behind the previous micro-batch in the pipeline
         last_done[k] = done

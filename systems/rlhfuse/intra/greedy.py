@@ -38,16 +38,15 @@ simulated makespan of the order it returns.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping
 from math import ceil, inf
 
+import numpy as np
+
 from harness.schedule import PipeCosts, PipeSpec, Schedule, ScheduleError, sim_model
+from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.incremental import chain_tails
 from systems.rlhfuse.intra.pipes import model_index
-
-_EPS = 1e-9
-
 
 def model_priority(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]) -> dict[str, int]:
     """Pipe name -> priority class (0 = scheduled first): models sorted by mean per-stage
@@ -63,102 +62,63 @@ def model_priority(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]
     return {name: ranking.index(index[name]) for name in pipes}
 
 
-class _MemoryGuard:
-    """Per-rank in-flight activation memory and the cap + safety test (module docstring).
-
-    For each model ``x`` it keeps, per rank, ``held - held by x + need of x`` (what the rank
-    would hold with one more activation of ``x`` in place of all of ``x``'s) and its maximum over
-    the ranks, so that the safety test is O(models) per query instead of O(models x ranks)."""
-
-    def __init__(self, cap: float | None, num_ranks: int, models: list[int], need: list[list[float]]):
-        self.cap = cap
-        self.held = [0.0] * num_ranks
-        self.held_by = {m: [0.0] * num_ranks for m in models}
-        self.need = need  # need[m][r]: largest activation of model m on rank r (0 if none)
-        self.models = models
-        self.room = {x: [self.held[r] - self.held_by[x][r] + need[x][r] for r in range(num_ranks)]
-                     for x in models}
-        self.room_max = {x: max(self.room[x], default=0.0) for x in models}
-
-    def allows(self, rank: int, model: int, act: float) -> bool:
-        if self.cap is None or act <= 0:
-            return True
-        cap = self.cap + _EPS
-        if self.held[rank] + act > cap:
-            return False
-        for x in self.models:
-            # max over ranks of room, with this activation added on ``rank`` if it is not x's
-            at_rank = self.room[x][rank] + (act if model != x else 0.0)
-            if self.room_max[x] <= cap and at_rank <= cap:
-                return True
-        return False
-
-    @classmethod
-    def for_model(cls, cap: float | None, num_ranks: int, act_model: list[int], home: list[int],
-                  delta: list[float]) -> "_MemoryGuard":
-        models = sorted(set(act_model))
-        need = [[0.0] * num_ranks for _ in range(max(models) + 1)]
-        for v, m in enumerate(act_model):
-            need[m][home[v]] = max(need[m][home[v]], delta[v])
-        return cls(cap, num_ranks, models, need)
-
-    def add(self, rank: int, model: int, delta: float) -> None:
-        self.held[rank] += delta
-        self.held_by[model][rank] += delta
-        if self.cap is None:
-            return
-        for x in self.models:
-            room = self.room[x]
-            room[rank] = self.held[rank] - self.held_by[x][rank] + self.need[x][rank]
-            self.room_max[x] = max(room)
-
-
 POLICIES = ("larger", "alternate", "alternate_model", "critical_path", "fifo")
 
 
-def _priority(policy: str, static: list[tuple], tail: list[float], act_model: list[int],
-              last_model: list[int]):
-    """The key function of a policy: ``key(action, rank)``, smaller runs first."""
-    if policy == "larger":
-        return lambda v, r: static[v]
-    if policy == "critical_path":
-        return lambda v, r: (-tail[v], *static[v])
-    if policy == "fifo":
-        return lambda v, r: (static[v][2], -tail[v], *static[v])
-    if policy == "alternate":
-        return lambda v, r: (static[v][1], act_model[v] == last_model[r], *static[v])
-    return lambda v, r: (act_model[v] == last_model[r], static[v][1], *static[v])
+# how each policy's key reads (kernel.greedy_pass): per action ``key_a``/``key_b``, and where the
+# dynamic "same model as the rank's previous action" flag goes
+_KEY_MODES = {"larger": kernel.KEY_STATIC, "critical_path": kernel.KEY_STATIC, "fifo": kernel.KEY_STATIC,
+              "alternate": kernel.KEY_FLAG_SECOND, "alternate_model": kernel.KEY_FLAG_FIRST}
+
+
+def _keys(policy: str, static: list[tuple], tail: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A policy's priority as arrays (``key_a``, ``key_b``, ``srank``): ``srank`` ranks the static
+    tuples ``(model priority, B before F, micro-batch, pipe, stage)``, which are distinct, so every
+    key is a total order and the pass never depends on the order it scans ready actions in."""
+    n = len(static)
+    srank = np.empty(n, dtype=np.int64)
+    srank[sorted(range(n), key=static.__getitem__)] = np.arange(n)
+    neg_tail = -np.asarray(tail, dtype=np.float64)
+    zero = np.zeros(n)
+    bf = np.array([st[1] for st in static], dtype=np.float64)
+    mb = np.array([st[2] for st in static], dtype=np.float64)
+    key_a, key_b = {"larger": (zero, zero), "critical_path": (neg_tail, zero), "fifo": (mb, neg_tail),
+                    "alternate": (bf, zero), "alternate_model": (bf, zero)}[policy]
+    return key_a, key_b, srank
 
 
 def _stage_limits(pipes: Mapping[str, PipeSpec], acts: list, window: float | None):
     """Per action: an id of its (pipe, stage), and the in-flight limit of each such id."""
     slot = {(a.pipe, a.stage): i for i, a in enumerate(acts) if a.kind == "F" and a.mb == 0}
-    stage_slot = [slot[(a.pipe, a.stage)] for a in acts]
-    limit = [len(acts)] * len(acts)
+    stage_slot = np.array([slot[(a.pipe, a.stage)] for a in acts], dtype=np.int64)
+    limit = np.full(len(acts), len(acts), dtype=np.int64)
     if window is not None:
         for v, a in enumerate(acts):
             limit[stage_slot[v]] = max(1, ceil(window * (pipes[a.pipe].num_stages - a.stage)))
     return stage_slot, limit
 
 
-def _dependents(model) -> tuple[list[list[tuple[int, float]]], list[int]]:
-    """Per action: (dependent action, latency) pairs, and how many dependencies it has."""
-    succs: list[list[tuple[int, float]]] = [[] for _ in range(model.num_actions)]
-    missing = [0] * model.num_actions
-    for v in range(model.num_actions):
-        for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])):
-            if d >= 0:
-                succs[d].append((v, lat))
-                missing[v] += 1
-    return succs, missing
+def _dependents(model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The dependency graph reversed, in CSR form (``ptr``, dependent action, latency), and how
+    many dependencies each action has."""
+    edges = sorted((d, v, lat) for v in range(model.num_actions)
+                   for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])) if d >= 0)
+    ptr = np.zeros(model.num_actions + 1, dtype=np.int64)
+    missing = np.zeros(model.num_actions, dtype=np.int64)
+    for d, v, _ in edges:
+        ptr[d + 1] += 1
+        missing[v] += 1
+    return (np.cumsum(ptr), np.array([v for _, v, _ in edges], dtype=np.int64),
+            np.array([lat for _, _, lat in edges], dtype=np.float64), missing)
 
 
 def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
                     mem_cap: float | None = None, policy: str = "larger",
                     window: float | None = None) -> Schedule:
-    """Event-driven greedy list schedule (module docstring). Raises ScheduleError if the pass gets
-    stuck, which the memory-safety rule rules out for fused layouts whose cap admits one
-    activation of each model per rank."""
+    """Event-driven greedy list schedule (module docstring; the pass is
+    :func:`~systems.rlhfuse.intra.kernel.greedy_pass`, compiled where numba is). Raises
+    ScheduleError if the pass gets stuck, which the memory-safety rule rules out for fused
+    layouts whose cap admits one activation of each model per rank."""
     if policy not in POLICIES:
         raise ValueError(f"unknown greedy policy {policy!r}; known: {', '.join(POLICIES)}")
     if window is not None and window <= 0:
@@ -168,76 +128,34 @@ def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
     model = sim_model(schedule, costs)
     ranks = schedule.ranks
     rank_pos = {r: i for i, r in enumerate(ranks)}
-    n, R = model.num_actions, len(ranks)
-    acts, dur, delta = model.actions, model.dur, model.mem_delta
-    home = [rank_pos[r] for r in model.home]
+    acts = model.actions
+    home = np.array([rank_pos[r] for r in model.home], dtype=np.int64)
     mindex = model_index(pipes)
-    act_model = [mindex[a.pipe] for a in acts]
-    guard = _MemoryGuard.for_model(mem_cap, R, act_model, home, delta)
+    act_model = np.array([mindex[a.pipe] for a in acts], dtype=np.int64)
+    delta = np.asarray(model.mem_delta, dtype=np.float64)
+    need = np.zeros((int(act_model.max()) + 1, len(ranks)))
+    np.maximum.at(need, (act_model, home), delta)  # largest activation of each model on each rank
+    present = np.zeros(need.shape[0], dtype=np.bool_)
+    present[act_model] = True
     prio = model_priority(pipes, costs)
     static = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
-    last_model = [-1] * R
-    key = _priority(policy, static, chain_tails(model), act_model, last_model)
+    key_a, key_b, srank = _keys(policy, static, chain_tails(model))
     stage_slot, limit = _stage_limits(pipes, acts, window)
-    in_flight = [0] * n  # indexed by stage slot
-    succs, missing = _dependents(model)
-    ready_at = [0.0] * n
-    available: list[list[int]] = [[] for _ in ranks]  # deps done (input may still be in transit)
-    for v in range(n):
-        if missing[v] == 0:
-            available[home[v]].append(v)
-
-    def pick(r: int, t: float) -> int | None:
-        best, best_key = None, None
-        for v in available[r]:
-            if ready_at[v] > t + _EPS:
-                continue
-            k = key(v, r)
-            if best is not None and k >= best_key:
-                continue
-            if acts[v].kind == "F" and (in_flight[stage_slot[v]] >= limit[stage_slot[v]] or
-                                        not guard.allows(r, act_model[v], delta[v])):
-                continue
-            best, best_key = v, k
-        return best
-
+    succ_ptr, succ_idx, succ_lat, missing = _dependents(model)
+    is_fwd = np.array([a.kind == "F" for a in acts], dtype=np.bool_)
+    placed = np.empty(len(acts), dtype=np.int64)
+    fn = kernel.greedy_pass if kernel.AVAILABLE else kernel.interpreted(kernel.greedy_pass)
+    num_placed, t = fn(len(ranks), home, np.asarray(model.dur, dtype=np.float64), delta, is_fwd, act_model,
+                       key_a, key_b, srank, _KEY_MODES[policy], stage_slot, limit, succ_ptr, succ_idx, succ_lat,
+                       missing, inf if mem_cap is None else float(mem_cap), mem_cap is not None, need, present,
+                       placed)
     order: list[list[int]] = [[] for _ in ranks]
-    idle = [True] * R
-    running: list[tuple[float, int]] = []  # (end time, action)
-    t, done = 0.0, 0
-    while done < n:
-        for r in range(R):
-            v = pick(r, t) if idle[r] and available[r] else None
-            if v is None:
-                continue
-            available[r].remove(v)
-            order[r].append(v)
-            last_model[r] = act_model[v]
-            if acts[v].kind == "F":
-                in_flight[stage_slot[v]] += 1
-                guard.add(r, act_model[v], delta[v])
-            idle[r] = False
-            heapq.heappush(running, (t + dur[v], v))
-        # next event: an action ends, or an available action's input arrives on an idle rank
-        nxt = min((ready_at[v] for r in range(R) if idle[r] for v in available[r]
-                   if ready_at[v] > t + _EPS), default=inf)
-        if running and running[0][0] <= nxt:
-            nxt = running[0][0]
-        if nxt == inf:
-            stuck = {ranks[r]: len(order[r]) for r in range(R) if available[r]}
-            raise ScheduleError(f"greedy scheduler is stuck at t={t:g} (memory cap {mem_cap}); "
-                                f"ranks with waiting work at steps {stuck}")
-        t = nxt
-        while running and running[0][0] <= t + _EPS:
-            end, v = heapq.heappop(running)
-            idle[home[v]] = True
-            done += 1
-            if acts[v].kind == "B":
-                in_flight[stage_slot[v]] -= 1
-                guard.add(home[v], act_model[v], delta[v])
-            for w, lat in succs[v]:
-                ready_at[w] = max(ready_at[w], end + lat)
-                missing[w] -= 1
-                if missing[w] == 0:
-                    available[home[w]].append(w)
-    return Schedule(pipes, {ranks[r]: [acts[v] for v in order[r]] for r in range(R)})
+    for v in placed[:num_placed].tolist():
+        order[home[v]].append(v)
+    if num_placed < len(acts):
+        unplaced = np.ones(len(acts), dtype=np.bool_)
+        unplaced[placed[:num_placed]] = False
+        stuck = {ranks[r]: len(order[r]) for r in sorted(set(home[unplaced].tolist()))}
+        raise ScheduleError(f"greedy scheduler is stuck at t={t:g} (memory cap {mem_cap}); "
+                            f"ranks with work left, at steps {stuck}")
+    return Schedule(pipes, {ranks[r]: [acts[v] for v in order[r]] for r in range(len(ranks))})

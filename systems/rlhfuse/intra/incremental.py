@@ -183,7 +183,20 @@ class OrderState:
         end, start, _, _, pos = self.model.run(self.seqs, want_start=True)
         if any(p < len(s) for p, s in zip(pos, self.seqs)):
             raise ScheduleError("order deadlocks")
-        self.start, self.end = start, end
+        self._start_list, self._end_list = start, end
+
+    @property
+    def start(self) -> list[float]:
+        """Start time of every action (a list: the Python moves index it one action at a time)."""
+        if self._start_list is None:
+            self._start_list = self._a_start.tolist()
+        return self._start_list
+
+    @property
+    def end(self) -> list[float]:
+        if self._end_list is None:
+            self._end_list = self._a_end.tolist()
+        return self._end_list
 
     def makespan(self) -> float:
         end = self.end
@@ -338,7 +351,7 @@ class OrderState:
             raise RuntimeError("cannot commit a trial move that was cut short")
         self._a_start, self._a_ss = self._a_ss, self._a_start
         self._a_end, self._a_se = self._a_se, self._a_end
-        self.start, self.end = self._a_start.tolist(), self._a_end.tolist()
+        self._start_list = self._end_list = None  # lists made again from the arrays when read
         seq, pos, dur = self.seqs[r], self.pos, self.dur
         self.prefix[r][lo:lo + len(new_vals)] = new_vals
         self.peak[r] = rank_peak

@@ -212,3 +212,158 @@ def critical_swaps(seed, seq2d, lens, rank_of, pos, start, end, dep_a, dep_b, la
             block_last = -1
         x = nxt
     return count
+
+
+# Policy codes of :func:`greedy_pass` (how the dynamic "same model as the rank's last action"
+# flag enters the key; ``systems.rlhfuse.intra.greedy`` maps policy names to them).
+KEY_STATIC, KEY_FLAG_SECOND, KEY_FLAG_FIRST = 0, 1, 2
+GREEDY_EPS = 1e-9
+
+
+@njit(cache=True)
+def _greedy_allows(cap, has_cap, rank, model, act, held, room, room_max, present):
+    """The memory guard's test (cap and banker's safety rule; ``greedy`` module docstring)."""
+    if not has_cap or act <= 0:
+        return True
+    limit = cap + GREEDY_EPS
+    if held[rank] + act > limit:
+        return False
+    for x in range(room.shape[0]):
+        if not present[x]:  # not a model of these pipes
+            continue
+        at_rank = room[x, rank] + (act if model != x else 0.0)
+        if room_max[x] <= limit and at_rank <= limit:
+            return True
+    return False
+
+
+@njit(cache=True)
+def _greedy_add(has_cap, rank, model, delta, held, held_by, need, room, room_max, present):
+    held[rank] += delta
+    held_by[model, rank] += delta
+    if not has_cap:
+        return
+    for x in range(room.shape[0]):
+        if not present[x]:
+            continue
+        room[x, rank] = held[rank] - held_by[x, rank] + need[x, rank]
+        best = room[x, 0]
+        for q in range(1, room.shape[1]):
+            if room[x, q] > best:
+                best = room[x, q]
+        room_max[x] = best
+
+
+@njit(cache=True)
+def greedy_pass(num_ranks, home, dur, delta, is_fwd, act_model, key_a, key_b, srank, key_mode, stage_slot,
+                limit, succ_ptr, succ_idx, succ_lat, missing, cap, has_cap, need, models_present, placed):
+    """The event-driven greedy list schedule of ``systems.rlhfuse.intra.greedy`` (read that
+    docstring for the rules) over arrays. Priority of action ``v`` on rank ``r``, smallest first:
+    ``(k0, k1, srank[v])`` with ``k0, k1 = key_a[v], key_b[v]`` (``KEY_STATIC``), ``key_a[v], same``
+    (``KEY_FLAG_SECOND``) or ``same, key_a[v]`` (``KEY_FLAG_FIRST``), ``same`` = 1 when ``v``'s
+    model ran the rank's previous action. Writes the actions in the order they start into
+    ``placed`` and returns how many (fewer than all: stuck; the time is returned beside)."""
+    n = home.shape[0]
+    num_models = need.shape[0]
+    held = np.zeros(num_ranks)
+    held_by = np.zeros((num_models, num_ranks))
+    room = np.zeros((num_models, num_ranks))
+    room_max = np.zeros(num_models)
+    for x in range(num_models):
+        if models_present[x]:
+            for q in range(num_ranks):
+                room[x, q] = need[x, q]
+            best = room[x, 0]
+            for q in range(1, num_ranks):
+                if room[x, q] > best:
+                    best = room[x, q]
+            room_max[x] = best
+    avail = np.empty((num_ranks, n), dtype=np.int64)  # per rank: actions whose inputs have ended
+    num_avail = np.zeros(num_ranks, dtype=np.int64)
+    for v in range(n):
+        if missing[v] == 0:
+            avail[home[v], num_avail[home[v]]] = v
+            num_avail[home[v]] += 1
+    ready_at = np.zeros(n)
+    in_flight = np.zeros(n, dtype=np.int64)
+    last_model = np.full(num_ranks, -1, dtype=np.int64)
+    run_end = np.full(num_ranks, np.inf)  # the one action a busy rank runs, and when it ends
+    run_v = np.full(num_ranks, -1, dtype=np.int64)
+    missing = missing.copy()
+    t = 0.0
+    done = 0
+    num_placed = 0
+    while done < n:
+        for r in range(num_ranks):
+            if run_v[r] >= 0 or num_avail[r] == 0:
+                continue
+            best, best_i = -1, -1
+            b0, b1, b2 = 0.0, 0.0, 0
+            for i in range(num_avail[r]):
+                v = avail[r, i]
+                if ready_at[v] > t + GREEDY_EPS:
+                    continue
+                same = 1.0 if act_model[v] == last_model[r] else 0.0
+                if key_mode == KEY_STATIC:
+                    k0, k1 = key_a[v], key_b[v]
+                elif key_mode == KEY_FLAG_SECOND:
+                    k0, k1 = key_a[v], same
+                else:
+                    k0, k1 = same, key_a[v]
+                k2 = srank[v]
+                if best >= 0 and not (k0 < b0 or (k0 == b0 and (k1 < b1 or (k1 == b1 and k2 < b2)))):
+                    continue
+                if is_fwd[v] and (in_flight[stage_slot[v]] >= limit[stage_slot[v]] or
+                                  not _greedy_allows(cap, has_cap, r, act_model[v], delta[v], held, room, room_max,
+                                                 models_present)):
+                    continue
+                best, best_i, b0, b1, b2 = v, i, k0, k1, k2
+            if best < 0:
+                continue
+            num_avail[r] -= 1
+            avail[r, best_i] = avail[r, num_avail[r]]
+            placed[num_placed] = best
+            num_placed += 1
+            last_model[r] = act_model[best]
+            if is_fwd[best]:
+                in_flight[stage_slot[best]] += 1
+                _greedy_add(has_cap, r, act_model[best], delta[best], held, held_by, need, room, room_max,
+                            models_present)
+            run_v[r] = best
+            run_end[r] = t + dur[best]
+        # next event: an action ends, or an available action's input arrives on an idle rank
+        nxt = np.inf
+        for r in range(num_ranks):
+            if run_v[r] >= 0:
+                continue
+            for i in range(num_avail[r]):
+                a = ready_at[avail[r, i]]
+                if a > t + GREEDY_EPS and a < nxt:
+                    nxt = a
+        first_end = np.inf
+        for r in range(num_ranks):
+            if run_end[r] < first_end:
+                first_end = run_end[r]
+        if first_end <= nxt:
+            nxt = first_end
+        if nxt == np.inf:
+            return num_placed, t
+        t = nxt
+        for r in range(num_ranks):
+            if run_v[r] < 0 or run_end[r] > t + GREEDY_EPS:
+                continue
+            v, end = run_v[r], run_end[r]
+            run_v[r], run_end[r] = -1, np.inf
+            done += 1
+            if not is_fwd[v]:
+                in_flight[stage_slot[v]] -= 1
+                _greedy_add(has_cap, r, act_model[v], delta[v], held, held_by, need, room, room_max, models_present)
+            for j in range(succ_ptr[v], succ_ptr[v + 1]):
+                w = succ_idx[j]
+                if end + succ_lat[j] > ready_at[w]:
+                    ready_at[w] = end + succ_lat[j]
+                missing[w] -= 1
+                if missing[w] == 0:
+                    avail[home[w], num_avail[home[w]]] = w
+                    num_avail[home[w]] += 1
+    return num_placed, t

@@ -91,3 +91,39 @@ def test_decode_step_is_cheap_to_call(cost_model):
     for i in range(20_000):
         cost_model.decode_step_s(node, 64, 64 * 500 + i, 8, 2)
     assert time.perf_counter() - start < 2.0  # ~5 us a call; 1e5 calls well under a second
+
+
+@pytest.mark.parametrize("kind", ["roofline", "calibrated"])
+@pytest.mark.parametrize("batch,tp,pp,engine,launches", [(1, 1, 1, "graph", None), (64, 8, 2, "graph", None),
+                                                         (7, 2, 4, "eager", None), (300, 4, 1, "eager", 12)])
+def test_decode_span_is_its_steps_bit_for_bit(testbed, kind, batch, tp, pp, engine, launches):
+    """A span (the calibrated model's one-pass timing, or the roofline's per-step loop) is exactly
+    the per-step times, step j at context c + j * batch, whatever the memo already holds."""
+    testbed.cost_model = kind
+    testbed.calibration = "h100"
+    cm = CostModel(testbed, workload())
+    model = LLAMA["13b"]
+    span = cm.decode_span_s(model, batch, batch * 333, 57, tp, pp, engine, launches)
+    fresh = CostModel(testbed, workload())  # an empty memo: every step computed on its own
+    steps = tuple(fresh.decode_step_s(model, batch, batch * 333 + j * batch, tp, pp, engine, launches)
+                  for j in range(57))
+    assert span == steps
+    assert cm.decode_span_s(model, batch, batch * 333, 57, tp, pp, engine, launches) is span  # memoised
+    assert cm.decode_span_s(model, 0, 0, 3, tp, pp, engine) == (0.0, 0.0, 0.0)
+
+
+def test_memoised_op_times_equal_fresh_ones(testbed):
+    """The memo is keyed on every argument: interleaved asks with different arguments each get
+    the uncached answer of a fresh cost model."""
+    testbed.calibration = "h100"
+    testbed.cost_model = "calibrated"
+    cm = CostModel(testbed, workload())
+    model = LLAMA["13b"]
+    asks = [("forward_s", (model, 4096, 1024, 8), {"num_layers": 10, "include_head": True}),
+            ("forward_s", (model, 4096, 1024, 8), {"num_layers": 10, "include_head": False}),
+            ("backward_s", (model, 4096, 1024, 8), {}), ("backward_s", (model, 4096, 1024, 4), {}),
+            ("prefill_s", (model, 8192, 8, 1), {"seq_len": 1024}), ("prefill_s", (model, 8192, 8, 1), {}),
+            ("decode_step_s", (model, 32, 32 * 700, 8, 2), {})]
+    for _ in range(2):
+        for name, args, kwargs in asks:
+            assert getattr(cm, name)(*args, **kwargs) == getattr(CostModel(testbed, workload()), name)(*args, **kwargs)

@@ -4,6 +4,7 @@ import pytest
 
 from harness.schedule import ScheduleError, simulate, validate
 from systems.rlhfuse.intra import fused_costs, fused_pipes, greedy_schedule, model_priority, serial_schedule
+from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.greedy import POLICIES
 
 GRID = [((n1, n2), m) for n1, n2 in [(2, 2), (4, 2), (4, 4), (8, 4)] for m in (1, 2, 4, 8)]
@@ -85,3 +86,27 @@ def test_unknown_policy_and_bad_window():
 
 def test_scheduleerror_is_exported():
     assert issubclass(ScheduleError, ValueError)
+
+
+@pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: nothing compiled to compare")
+@pytest.mark.parametrize("stages,m,p2p", [((4, 2), 6, 0.0), ((8, 4), 8, 0.05), ((4, 4), 5, 0.1)])
+def test_compiled_and_interpreted_greedy_passes_agree(monkeypatch, stages, m, p2p):
+    """The greedy pass compiled against the same function interpreted: the same schedule for
+    every policy, window and cap, or the same refusal."""
+    pipes = fused_pipes(*stages, m, m)
+    costs = fused_costs(pipes, [1.0 + 0.1 * s for s in range(stages[0])], 0.7, mem1=1.0, mem2=0.6, p2p=p2p)
+    serial_peak = simulate(serial_schedule(pipes), costs, record_times=False).max_peak_memory
+
+    def run(policy, window, cap):
+        try:
+            return greedy_schedule(pipes, costs, cap, policy=policy, window=window).order
+        except ScheduleError:
+            return "stuck"
+
+    for policy in POLICIES:
+        for window in (None, 1.0, 2.0):
+            for cap in (None, serial_peak, 1.5 * serial_peak):
+                monkeypatch.setattr(kernel, "AVAILABLE", True)
+                compiled = run(policy, window, cap)
+                monkeypatch.setattr(kernel, "AVAILABLE", False)
+                assert run(policy, window, cap) == compiled, (policy, window, cap)

@@ -1,0 +1,49 @@
+"""The planners' span-free task estimates end exactly where the full task models do (issue 28:
+estimates skip the spans, nothing else)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hydra.utils import get_class
+
+from harness.planning.taskmodels.generation import simulate_generation
+from harness.planning.taskmodels.passes import simulate_training
+from harness.planning.taskmodels.streaming import simulate_streaming_inference
+from harness.runner import build_context
+from harness.testing import run_config
+from harness.workload import make_batch
+
+
+@pytest.fixture(scope="module")
+def planned():
+    run = run_config(["+system=rlhfuse", "model=tiny", "workload=tiny", "cluster=h100_8x", "logger=none"])
+    ctx = build_context(run)
+    return ctx, get_class(run.system.impl)(run.system).plan(ctx)
+
+
+def test_training_without_spans_ends_where_the_full_model_does(planned):
+    ctx, plan = planned
+    batch = make_batch(ctx.workload, ctx.seed, 0)
+    seq = batch.prompt_lens + batch.output_lens
+    assert plan.training
+    for stage in plan.training:
+        full = simulate_training(ctx.cost_model, plan, stage, ctx.models, seq, ctx.workload.activation_recompute, 1.5)
+        quick = simulate_training(ctx.cost_model, plan, stage, ctx.models, seq, ctx.workload.activation_recompute,
+                                  1.5, record_spans=False)
+        assert quick.end_s == full.end_s and full.spans and not quick.spans
+
+
+def test_streaming_inference_without_spans_ends_where_the_full_model_does(planned):
+    ctx, plan = planned
+    streamed = [t for t in plan.tasks if t.stream_from is not None]
+    assert streamed, "the RLHFuse plan streams inference"
+    batch = make_batch(ctx.workload, ctx.seed, 0)
+    gen = plan.task("gen")
+    res = simulate_generation(ctx.cost_model, gen, plan.generation, ctx.model("actor"), batch.prompt_lens,
+                              batch.output_lens, 0.0, 1.0, ctx.workload.max_gen_len)
+    free = {d: 0.25 * (d % 3) for d in streamed[0].allocation.mesh}
+    models = {t.model: ctx.model(t.model) for t in streamed}
+    args = (ctx.cost_model, streamed, models, res.samples, free, ctx.workload.micro_batch_size, {})
+    full, quick = simulate_streaming_inference(*args), simulate_streaming_inference(*args, record_spans=False)
+    assert quick.end_s == full.end_s and full.spans and not quick.spans
+    assert np.isfinite(max(full.end_s.values()))
