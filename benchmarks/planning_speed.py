@@ -46,11 +46,11 @@ planner = get_class(run.system.impl)(run.system)
 start_cpu, start_wall = time.process_time(), time.perf_counter()
 try:
     plan = planner.plan(ctx)
+    cpu_s, wall_s = time.process_time() - start_cpu, time.perf_counter() - start_wall
+    trace = simulate_plan(ctx, plan)
 except PlanError as e:  # the system's defaults do not fit this setting: say so
     print(json.dumps({"refused": str(e)[:100]}))
     sys.exit(0)
-cpu_s, wall_s = time.process_time() - start_cpu, time.perf_counter() - start_wall
-trace = simulate_plan(ctx, plan)
 print(json.dumps({"plan_cpu_s": cpu_s, "plan_wall_s": wall_s,
                   "samples_per_s": ctx.workload.global_batch_size / trace.makespan_s}))
 """

@@ -331,9 +331,13 @@ class EngineCosts:
         key = (id(model), batch_size, context_tokens_total, num_steps, tp, pp, engine, launches_per_layer)
         hit = self._spans.get(key)
         if hit is None:
-            hit = self._spans[key] = tuple(
-                self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, engine,
-                                   launches_per_layer) for j in range(num_steps))
+            if self.engines.generation.kv_cache and batch_size > 0:  # the cost model's span, step by step
+                hit = tuple(self._step(g, model, engine, launches_per_layer) for g in self.cm.decode_span_s(
+                    model, batch_size, context_tokens_total, num_steps, tp, pp, "graph"))
+            else:
+                hit = tuple(self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp,
+                                               engine, launches_per_layer) for j in range(num_steps))
+            self._spans[key] = hit
             self._span_models[id(model)] = model
         return hit
 

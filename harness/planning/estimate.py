@@ -14,7 +14,7 @@ from harness.plan import GenerationPolicy, Plan, Task, TrainingStage
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import simulate_iteration
 from harness.planning.taskmodels.generation import simulate_generation
-from harness.planning.taskmodels.passes import simulate_inference, simulate_training
+from harness.planning.taskmodels.passes import simulate_inference, simulate_training, training_work_bound_s
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
 from harness.trace import StepTrace
@@ -55,7 +55,7 @@ def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: 
 def inference_s(ctx: PlanContext, task: Task, batch: Batch) -> float:
     seq = batch.prompt_lens + batch.output_lens
     return simulate_inference(ctx.cost_model, task, ctx.model(task.model), seq,
-                              ctx.workload.micro_batch_size, 0.0).end_s
+                              ctx.workload.micro_batch_size, 0.0, record_spans=False).end_s
 
 
 def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> float:
@@ -64,6 +64,14 @@ def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_si
     seq = batch.prompt_lens + batch.output_lens
     return simulate_training(ctx.cost_model, plan, stage, ctx.models, seq,
                              ctx.workload.activation_recompute, 0.0, record_spans=False).end_s
+
+
+def training_bound_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> float:
+    """A lower bound of :func:`training_s` (``passes.training_work_bound_s``): cheap, no schedule timed."""
+    plan = Plan(system="estimate", tasks=[task], training=[stage], mini_batch_size=mini_batch_size,
+                global_batch_size=batch.num_samples)
+    seq = batch.prompt_lens + batch.output_lens
+    return training_work_bound_s(ctx.cost_model, plan, stage, ctx.models, seq, ctx.workload.activation_recompute)
 
 
 def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task], moves: dict) -> float:

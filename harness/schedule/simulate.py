@@ -63,20 +63,20 @@ class _Structure:
     (a planner scoring one layout under many sequence lengths) only rebuilds the cost arrays."""
 
     def __init__(self, pipes: Sequence[PipeSpec]):
+        self.pipes = tuple(pipes)
         self.pipe_slots: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {}
-        self.actions: list[Action] = []
+        self._actions: list[Action] | None = None
         self.dep_a: list[int] = []  # F: previous stage's F; B: own F
         self.dep_b: list[int] = []  # B: next stage's B; F: -1
         self.home: list[int] = []
         for pipe in pipes:
             S, M, ranks = pipe.num_stages, pipe.num_mbs, pipe.stage_to_rank
-            f_base = len(self.actions)
+            f_base = len(self.home)
             b_base = f_base + S * M
             self.pipe_slots[pipe.name] = (f_base, b_base, S, M, ranks)
             for kind, base in (("F", f_base), ("B", b_base)):
                 for s in range(S):
                     for mb in range(M):
-                        self.actions.append(Action(pipe.name, s, kind, mb))
                         self.home.append(ranks[s])
                         if kind == "F":
                             self.dep_a.append(f_base + (s - 1) * M + mb if s > 0 else -1)
@@ -87,6 +87,14 @@ class _Structure:
         # per action: does each dependency cross ranks (and so pay the pipe's p2p latency)?
         self.cross_a = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_a, self.home)]
         self.cross_b = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_b, self.home)]
+
+    @property
+    def actions(self) -> list[Action]:
+        """The action of every id; made on first use (timing alone never needs them)."""
+        if self._actions is None:
+            self._actions = [Action(pipe.name, s, kind, mb) for pipe in self.pipes for kind in ("F", "B")
+                             for s in range(pipe.num_stages) for mb in range(pipe.num_mbs)]
+        return self._actions
 
 
 @lru_cache(maxsize=64)
@@ -103,8 +111,8 @@ class SimModel:
     def __init__(self, pipes: Sequence[PipeSpec], costs: Sequence[PipeCosts]):
         pipes = tuple(pipes)
         self.pipes = {p.name: p for p in pipes}
-        st = _structure(pipes)
-        self.pipe_slots, self.actions, self.home = st.pipe_slots, st.actions, st.home
+        st = self._structure = _structure(pipes)
+        self.pipe_slots, self.home = st.pipe_slots, st.home
         self.dep_a, self.dep_b = st.dep_a, st.dep_b
         self.dur: list[float] = []
         self.mem_delta: list[float] = []
@@ -130,7 +138,11 @@ class SimModel:
             for i in range(f_base, f_base + 2 * S * M):
                 self.lat_a.append(p2p if st.cross_a[i] else 0.0)
                 self.lat_b.append(p2p if st.cross_b[i] else 0.0)
-        self.num_actions = len(self.actions)
+        self.num_actions = len(self.home)
+
+    @property
+    def actions(self) -> list[Action]:
+        return self._structure.actions
 
     def encode(self, actions: Sequence[Action], rank: int) -> list[int]:
         """Action ids of one rank's list, send/recv actions dropped. Raises _EncodeError."""

@@ -454,3 +454,17 @@ def test_plan_without_engines_round_trips():
     assert Plan.from_dict(d).engines is None
     del d["engines"]  # a plan.json written before issue 26
     assert Plan.from_dict(d).engines is None
+
+
+@pytest.mark.parametrize("generation", ["ds_hybrid", "vllm", "coati_generate", "ds_chat_generate"])
+def test_a_decode_span_under_an_engine_is_its_steps_bit_for_bit(generation):
+    """``EngineCosts.decode_span_s`` (the cost model's one-pass span, then the engine's step rule;
+    or step by step without a KV cache) equals the engine's per-step times."""
+    ctx, plan, _ = planned([*DSCHAT, *PRIORS, f"engine.generation={generation}"])
+    costs = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
+    model = ctx.models.actor
+    for batch, tp, pp, kernels in ((8, 1, 1, "graph"), (8, 2, 2, "eager"), (33, 4, 1, "eager")):
+        span = costs.decode_span_s(model, batch, batch * 100, 40, tp, pp, kernels, 9)
+        fresh = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
+        assert span == tuple(fresh.decode_step_s(model, batch, batch * 100 + j * batch, tp, pp, kernels, 9)
+                             for j in range(40))

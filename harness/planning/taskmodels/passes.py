@@ -54,16 +54,18 @@ def _stage_flops(model, num_tokens: float, context_len: float, pp: int, stage: i
 
 
 def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, micro_batch_size: int,
-                       start_s: float, offloaded: bool = False) -> PassResult:
+                       start_s: float, offloaded: bool = False, record_spans: bool = True) -> PassResult:
     """Forward passes pipelined over pp stages: stage p of micro-batch m starts once stage p-1
-    finished it and stage p finished micro-batch m-1, so the pass takes sum(stage) + (M-1) max(stage)."""
+    finished it and stage p finished micro-batch m-1, so the pass takes sum(stage) + (M-1) max(stage).
+    ``record_spans=False`` (planners' estimates) gives the same end time without the spans."""
     s = task.allocation.strategy
     layers = model.num_layers / s.pp
     gather = _zero3_gather_s(cm, model, task, layers)
     spans: list[Span] = []
     if offloaded:  # weights live in host memory between uses: copy them in over PCIe first
         load_s = cm.host_transfer_s(cm.weights_gb(model, s.tp, s.pp) * 1e9)
-        spans.append(Span(task.allocation.mesh, task.name, "load", start_s, start_s + load_s))
+        if record_spans:
+            spans.append(Span(task.allocation.mesh, task.name, "load", start_s, start_s + load_s))
         start_s += load_s
     end = start_s
     for k in range(s.dp):
@@ -77,7 +79,7 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
                    for p in range(s.pp)]
         stage_s = [max(c, gather) for c in compute]
         first = start_s
-        for p in range(s.pp):
+        for p in range(s.pp if record_spans else 0):
             devices = task.allocation.stage_devices(k, p)
             flops = _stage_flops(model, float(mine.sum()), seq / 2, s.pp, p) / s.tp
             # compute shown as one block of its true length; overlapped gathers as a comm span
@@ -221,6 +223,39 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
             spans.append(Span(mesh, task.name, "optimizer", now + comm, now + comm + optim))
             now += comm + optim
     return PassResult(spans, now, runs)
+
+
+def training_work_bound_s(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq_lens: np.ndarray,
+                          recompute: str) -> float:
+    """A lower bound of :func:`simulate_training`'s duration without timing any schedule. Per
+    mini-batch, a pipeline lasts at least (a) the forwards and backwards of the busiest rank run
+    back to back (a rank runs one action at a time), and (b) for every stage ``s``: the forwards of
+    stages before ``s`` (its first input), all of its own ``M`` forwards and backwards, and the
+    backwards of the stages before it (its last gradient's way back): exactly 1F1B's
+    ``(M + S - 1)(f + b)`` on uniform stages. Then the exact gradient syncs and optimizer steps.
+    Planners use it to skip candidates that cannot beat the best found."""
+    tasks = [plan.task(n) for n in stage.tasks]
+    total = 0.0
+    for mb_index in range(stage.num_minibatches):
+        lo = mb_index * plan.mini_batch_size
+        seq = float(seq_lens[lo:lo + plan.mini_batch_size].mean())
+        costs, _ = _pipe_costs(cm, plan, stage, models, seq, recompute)
+        work: dict[int, float] = {}
+        chain = 0.0
+        for name, pipe in stage.schedule.pipes.items():
+            c = costs[name]
+            before = 0.0  # forwards + backwards of the stages before this one
+            for st in range(pipe.num_stages):
+                own = pipe.num_mbs * (c.fwd[st] + c.bwd[st])
+                rank = pipe.stage_to_rank[st]
+                work[rank] = work.get(rank, 0.0) + own
+                chain = max(chain, before + own)
+                before += c.fwd[st] + c.bwd[st]
+        total += max(chain, *work.values())
+        for task in tasks:
+            comm, optim = grad_sync_s(cm, task, getattr(models, task.model))
+            total += comm + optim
+    return total
 
 
 def weight_movement_s(cm: CostModel, move: WeightMovement, model) -> tuple[float, list]:

@@ -38,12 +38,13 @@ simulated makespan of the order it returns.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
-from math import ceil, inf
+from math import inf
 
 import numpy as np
 
-from harness.schedule import PipeCosts, PipeSpec, Schedule, ScheduleError, sim_model
+from harness.schedule import PipeCosts, PipeSpec, Schedule, ScheduleError, SimModel, sim_model
 from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.incremental import chain_tails
 from systems.rlhfuse.intra.pipes import model_index
@@ -71,45 +72,69 @@ _KEY_MODES = {"larger": kernel.KEY_STATIC, "critical_path": kernel.KEY_STATIC, "
               "alternate": kernel.KEY_FLAG_SECOND, "alternate_model": kernel.KEY_FLAG_FIRST}
 
 
-def _keys(policy: str, static: list[tuple], tail: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A policy's priority as arrays (``key_a``, ``key_b``, ``srank``): ``srank`` ranks the static
-    tuples ``(model priority, B before F, micro-batch, pipe, stage)``, which are distinct, so every
-    key is a total order and the pass never depends on the order it scans ready actions in."""
-    n = len(static)
-    srank = np.empty(n, dtype=np.int64)
-    srank[sorted(range(n), key=static.__getitem__)] = np.arange(n)
-    neg_tail = -np.asarray(tail, dtype=np.float64)
-    zero = np.zeros(n)
-    bf = np.array([st[1] for st in static], dtype=np.float64)
-    mb = np.array([st[2] for st in static], dtype=np.float64)
-    key_a, key_b = {"larger": (zero, zero), "critical_path": (neg_tail, zero), "fifo": (mb, neg_tail),
-                    "alternate": (bf, zero), "alternate_model": (bf, zero)}[policy]
-    return key_a, key_b, srank
+class _PassInputs:
+    """Everything :func:`~systems.rlhfuse.intra.kernel.greedy_pass` reads that depends only on
+    (pipes, costs), as arrays; built once per :class:`SimModel` (the search runs ~90 passes over
+    one model: policies x windows x caps)."""
+
+    def __init__(self, model: SimModel, pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
+                 ranks: list[int]):
+        acts, n = model.actions, model.num_actions
+        rank_pos = {r: i for i, r in enumerate(ranks)}
+        self.home = np.array([rank_pos[r] for r in model.home], dtype=np.int64)
+        mindex = model_index(pipes)
+        self.act_model = np.array([mindex[a.pipe] for a in acts], dtype=np.int64)
+        self.delta = np.asarray(model.mem_delta, dtype=np.float64)
+        self.dur = np.asarray(model.dur, dtype=np.float64)
+        self.need = np.zeros((int(self.act_model.max()) + 1, len(ranks)))
+        np.maximum.at(self.need, (self.act_model, self.home), self.delta)  # largest activation per model, rank
+        self.present = np.zeros(self.need.shape[0], dtype=np.bool_)
+        self.present[self.act_model] = True
+        self.is_fwd = np.array([a.kind == "F" for a in acts], dtype=np.bool_)
+        # priority keys: ``srank`` ranks the static tuples (model priority, B before F, micro-batch,
+        # pipe, stage), which are distinct, so every policy's key is a total order and the pass
+        # never depends on the order it scans ready actions in
+        prio = model_priority(pipes, costs)
+        static = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
+        self.srank = np.empty(n, dtype=np.int64)
+        self.srank[sorted(range(n), key=static.__getitem__)] = np.arange(n)
+        self.neg_tail = -np.asarray(chain_tails(model), dtype=np.float64)
+        self.zero = np.zeros(n)
+        self.bf = np.array([st[1] for st in static], dtype=np.float64)
+        self.mb = np.array([st[2] for st in static], dtype=np.float64)
+        # per action: an id of its (pipe, stage) (the action of its micro-batch 0 forward), and
+        # the number of stages after it (the window's in-flight limit is ceil(window * that))
+        slot = {(a.pipe, a.stage): i for i, a in enumerate(acts) if a.kind == "F" and a.mb == 0}
+        self.stage_slot = np.array([slot[(a.pipe, a.stage)] for a in acts], dtype=np.int64)
+        self.stages_left = np.array([pipes[a.pipe].num_stages - a.stage for a in acts], dtype=np.float64)
+        # the dependency graph reversed, in CSR form, and how many dependencies each action has
+        edges = sorted((d, v, lat) for v in range(n)
+                       for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])) if d >= 0)
+        ptr = np.zeros(n + 1, dtype=np.int64)
+        self.missing = np.zeros(n, dtype=np.int64)
+        for d, v, _ in edges:
+            ptr[d + 1] += 1
+            self.missing[v] += 1
+        self.succ_ptr = np.cumsum(ptr)
+        self.succ_idx = np.array([v for _, v, _ in edges], dtype=np.int64)
+        self.succ_lat = np.array([lat for _, _, lat in edges], dtype=np.float64)
+
+    def keys(self, policy: str) -> tuple[np.ndarray, np.ndarray]:
+        """``key_a``, ``key_b`` of a policy (see ``_KEY_MODES`` for where the dynamic flag goes)."""
+        return {"larger": (self.zero, self.zero), "critical_path": (self.neg_tail, self.zero),
+                "fifo": (self.mb, self.neg_tail), "alternate": (self.bf, self.zero),
+                "alternate_model": (self.bf, self.zero)}[policy]
+
+    def limits(self, window: float | None) -> np.ndarray:
+        """In-flight limit per (pipe, stage) id: ``ceil(window * stages left)``, at least 1."""
+        n = len(self.stage_slot)
+        limit = np.full(n, n, dtype=np.int64)
+        if window is not None:
+            limit[self.stage_slot] = np.maximum(1, np.ceil(window * self.stages_left)).astype(np.int64)
+        return limit
 
 
-def _stage_limits(pipes: Mapping[str, PipeSpec], acts: list, window: float | None):
-    """Per action: an id of its (pipe, stage), and the in-flight limit of each such id."""
-    slot = {(a.pipe, a.stage): i for i, a in enumerate(acts) if a.kind == "F" and a.mb == 0}
-    stage_slot = np.array([slot[(a.pipe, a.stage)] for a in acts], dtype=np.int64)
-    limit = np.full(len(acts), len(acts), dtype=np.int64)
-    if window is not None:
-        for v, a in enumerate(acts):
-            limit[stage_slot[v]] = max(1, ceil(window * (pipes[a.pipe].num_stages - a.stage)))
-    return stage_slot, limit
-
-
-def _dependents(model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The dependency graph reversed, in CSR form (``ptr``, dependent action, latency), and how
-    many dependencies each action has."""
-    edges = sorted((d, v, lat) for v in range(model.num_actions)
-                   for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])) if d >= 0)
-    ptr = np.zeros(model.num_actions + 1, dtype=np.int64)
-    missing = np.zeros(model.num_actions, dtype=np.int64)
-    for d, v, _ in edges:
-        ptr[d + 1] += 1
-        missing[v] += 1
-    return (np.cumsum(ptr), np.array([v for _, v, _ in edges], dtype=np.int64),
-            np.array([lat for _, _, lat in edges], dtype=np.float64), missing)
+_INPUTS: "weakref.WeakKeyDictionary[SimModel, _PassInputs]" = weakref.WeakKeyDictionary()
 
 
 def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
@@ -127,28 +152,18 @@ def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
     schedule = Schedule(pipes, {})
     model = sim_model(schedule, costs)
     ranks = schedule.ranks
-    rank_pos = {r: i for i, r in enumerate(ranks)}
     acts = model.actions
-    home = np.array([rank_pos[r] for r in model.home], dtype=np.int64)
-    mindex = model_index(pipes)
-    act_model = np.array([mindex[a.pipe] for a in acts], dtype=np.int64)
-    delta = np.asarray(model.mem_delta, dtype=np.float64)
-    need = np.zeros((int(act_model.max()) + 1, len(ranks)))
-    np.maximum.at(need, (act_model, home), delta)  # largest activation of each model on each rank
-    present = np.zeros(need.shape[0], dtype=np.bool_)
-    present[act_model] = True
-    prio = model_priority(pipes, costs)
-    static = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
-    key_a, key_b, srank = _keys(policy, static, chain_tails(model))
-    stage_slot, limit = _stage_limits(pipes, acts, window)
-    succ_ptr, succ_idx, succ_lat, missing = _dependents(model)
-    is_fwd = np.array([a.kind == "F" for a in acts], dtype=np.bool_)
+    x = _INPUTS.get(model)
+    if x is None:
+        x = _INPUTS[model] = _PassInputs(model, pipes, costs, ranks)
+    home = x.home
+    key_a, key_b = x.keys(policy)
     placed = np.empty(len(acts), dtype=np.int64)
     fn = kernel.greedy_pass if kernel.AVAILABLE else kernel.interpreted(kernel.greedy_pass)
-    num_placed, t = fn(len(ranks), home, np.asarray(model.dur, dtype=np.float64), delta, is_fwd, act_model,
-                       key_a, key_b, srank, _KEY_MODES[policy], stage_slot, limit, succ_ptr, succ_idx, succ_lat,
-                       missing, inf if mem_cap is None else float(mem_cap), mem_cap is not None, need, present,
-                       placed)
+    num_placed, t = fn(len(ranks), home, x.dur, x.delta, x.is_fwd, x.act_model, key_a, key_b, x.srank,
+                       _KEY_MODES[policy], x.stage_slot, x.limits(window), x.succ_ptr, x.succ_idx, x.succ_lat,
+                       x.missing, inf if mem_cap is None else float(mem_cap), mem_cap is not None, x.need,
+                       x.present, placed)
     order: list[list[int]] = [[] for _ in ranks]
     for v in placed[:num_placed].tolist():
         order[home[v]].append(v)

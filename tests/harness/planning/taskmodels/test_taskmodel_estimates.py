@@ -7,7 +7,7 @@ import pytest
 from hydra.utils import get_class
 
 from harness.planning.taskmodels.generation import simulate_generation
-from harness.planning.taskmodels.passes import simulate_training
+from harness.planning.taskmodels.passes import simulate_inference, simulate_training
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.runner import build_context
 from harness.testing import run_config
@@ -47,3 +47,14 @@ def test_streaming_inference_without_spans_ends_where_the_full_model_does(planne
     full, quick = simulate_streaming_inference(*args), simulate_streaming_inference(*args, record_spans=False)
     assert quick.end_s == full.end_s and full.spans and not quick.spans
     assert np.isfinite(max(full.end_s.values()))
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_inference_without_spans_ends_where_the_full_model_does(planned, offloaded):
+    ctx, plan = planned
+    batch = make_batch(ctx.workload, ctx.seed, 0)
+    seq = batch.prompt_lens + batch.output_lens
+    for task in (t for t in plan.tasks if t.kind == "inference"):
+        args = (ctx.cost_model, task, ctx.model(task.model), seq, ctx.workload.micro_batch_size, 2.0, offloaded)
+        full, quick = simulate_inference(*args), simulate_inference(*args, record_spans=False)
+        assert quick.end_s == full.end_s and full.spans and not quick.spans
