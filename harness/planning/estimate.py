@@ -30,8 +30,11 @@ def representative_batch(ctx: PlanContext, global_batch_size: int | None = None)
     return batch
 
 
-def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: Batch, kv_capacity_gb: float) -> float:
-    """Estimated generation time: simulate only the instances that hold the longest samples."""
+def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: Batch, kv_capacity_gb: float,
+                 stop_above: float = np.inf) -> float:
+    """Estimated generation time: simulate only the instances that hold the longest samples.
+    Returns as soon as one instance ends after ``stop_above`` (a search's best so far: the
+    candidate has lost), with a time above it."""
     dp = task.allocation.strategy.dp
     ids = np.arange(batch.num_samples)
     instance_of = ids % dp
@@ -49,6 +52,8 @@ def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: 
         res = simulate_generation(ctx.cost_model, sub, policy, ctx.model(task.model), batch.prompt_lens[mine],
                                   batch.output_lens[mine], 0.0, kv_capacity_gb, ctx.workload.max_gen_len)
         worst = max(worst, res.end_s)
+        if worst > stop_above:
+            break
     return worst
 
 

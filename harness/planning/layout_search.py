@@ -38,6 +38,8 @@ carry per task.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Iterable, Optional
 
 from harness.errors import PlanError
@@ -367,10 +369,14 @@ class LayoutSearch:
         return self.capacity - sum(self.ledger.resident.values()) - actor_weights
 
     def search_generation(self, policy: GenerationPolicy) -> None:
+        best_s = [math.inf]  # the search keeps the first strictly fastest: a slower candidate may stop early
+
         def score(s: ParallelStrategy) -> float:
             self.ledger.require(self.generation_need(s), "gen")
-            return generation_s(self.ctx, Task("gen", "generate", "actor", Allocation(self.mesh, s)), policy,
-                                self.batch, self.kv_capacity_gb(s))
+            t = generation_s(self.ctx, Task("gen", "generate", "actor", Allocation(self.mesh, s)), policy,
+                             self.batch, self.kv_capacity_gb(s), stop_above=best_s[0])
+            best_s[0] = min(best_s[0], t)
+            return t
         self.chosen["gen"] = self._search(self.candidates("actor", 0, "gen"), score, self._what("gen"))
         self.ledger.commit("gen", self.generation_need(self.chosen["gen"].strategy))
 

@@ -58,3 +58,28 @@ def test_inference_without_spans_ends_where_the_full_model_does(planned, offload
         args = (ctx.cost_model, task, ctx.model(task.model), seq, ctx.workload.micro_batch_size, 2.0, offloaded)
         full, quick = simulate_inference(*args), simulate_inference(*args, record_spans=False)
         assert quick.end_s == full.end_s and full.spans and not quick.spans
+
+
+def test_generation_estimate_stops_only_above_the_given_time(planned):
+    ctx, plan = planned
+    from harness.planning.estimate import generation_s, representative_batch
+    gen, batch = plan.task("gen"), representative_batch(ctx)
+    full = generation_s(ctx, gen, plan.generation, batch, 1.0)
+    assert generation_s(ctx, gen, plan.generation, batch, 1.0, stop_above=full) == full
+    early = generation_s(ctx, gen, plan.generation, batch, 1.0, stop_above=0.5 * full)
+    assert 0.5 * full < early <= full
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(2, 4, 1), (1, 4, 2), (2, 2, 2), (1, 2, 4), (1, 1, 8)])
+def test_training_bound_never_exceeds_the_simulated_time(planned, dp, tp, pp):
+    from harness.plan import Allocation, ParallelStrategy, Task
+    from harness.planning.estimate import representative_batch, training_bound_s, training_s
+    from harness.planning.workflow import single_pipe_stage
+    ctx, _ = planned
+    w, batch = ctx.workload, representative_batch(ctx)
+    for role in ("actor", "critic"):
+        s = ParallelStrategy(dp, tp, pp, 1)
+        task = Task(f"update_{role}", "train", role, Allocation(tuple(range(8)), s))
+        stage = single_pipe_stage(task.name, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
+        bound = training_bound_s(ctx, task, stage, w.mini_batch_size, batch)
+        assert 0 < bound <= training_s(ctx, task, stage, w.mini_batch_size, batch) * (1 + 1e-12)
