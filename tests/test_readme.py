@@ -104,6 +104,8 @@ SPECS: dict[str, Spec] = {
         tiny("--iterations 2", ("rlhfuse:system.intra_stage=false rlhfuse",
                                 f"rlhfuse:system.intra_stage=false rlhfuse:{FUSE_SHORT}")),
     "python benchmarks/sim_speed.py": tiny("--iterations 2 --systems deepspeed_chat"),
+    "python benchmarks/planning_speed.py --baseline <commit>":
+        tiny("--systems rlhfuse_base --models 13b", ("<commit>", "HEAD")),
     "python benchmarks/sim_vs_real.py": tiny("--systems rlhfuse_base --iterations 2"),
     "python benchmarks/cost_models.py": tiny("--pairs 13b_33b --systems deepspeed_chat rlhfuse_base"),
     "python benchmarks/fig7_engines.py": tiny("--systems deepspeed_chat rlhfuse_base"),
