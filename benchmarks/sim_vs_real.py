@@ -11,7 +11,10 @@ For every system: plan once, then run the *same plan* on the same batches with t
 2. the overlap structure: which pairs of tasks run at the same time in each trace (and whether the
    two agree), the samples migrated and the tail instances;
 3. per system, real wall-clock seconds per iteration (after one warm-up) and the simulator's
-   prediction, and the RLHFuse-Base / RLHFuse ratio of both.
+   prediction, the driver's calls to its workers per iteration, and the RLHFuse-Base / RLHFuse
+   ratio of both. A plan that streams generation into inference also runs with every
+   ``--stream-rounds`` setting (``backend.options.stream_rounds``: one driver round trip per
+   engine step, or per finish event), side by side.
 
 Absolute times cannot agree (tiny models on 2 shared CPU cores against an H100-class cost model);
 the structure should. Not a test: a benchmark; docs/SIM_VS_REAL.md shows a run and how to read it.
@@ -47,11 +50,13 @@ def overlaps(win: dict[str, tuple[float, float]], min_frac: float = 0.02) -> set
             if min(win[a][1], win[b][1]) - max(win[a][0], win[b][0]) > min_frac * step}
 
 
-def run_both(system: str, devices: int, iterations: int) -> tuple[Plan, list[StepTrace], list[StepTrace], list[float]]:
+def run_both(system: str, devices: int, iterations: int, stream_rounds: str = "to_next_finish"
+             ) -> tuple[Plan, list[StepTrace], list[StepTrace], list[float]]:
     from harness.backends.ray import RayBackend
 
     overrides = [f"+system={system}", *LONG_TAIL, f"cluster.gpus_per_node={devices}", "backend=ray",
-                 "backend.options.digest=false", *PER_SYSTEM.get(system, [])]
+                 "backend.options.digest=false", f"backend.options.stream_rounds={stream_rounds}",
+                 *PER_SYSTEM.get(system, [])]
     plan, ctx, run = plan_for(overrides)
     memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
     batches = [make_batch(ctx.workload, ctx.seed, it) for it in range(iterations)]
@@ -97,23 +102,32 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=["rlhfuse_base", "rlhfuse"])
     parser.add_argument("--devices", type=int, default=4, help="CPU worker processes (= GPUs of the one node)")
     parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--stream-rounds", nargs="+", default=["one_step", "to_next_finish"],
+                        help="backend.options.stream_rounds settings to run a streaming plan with")
     args = parser.parse_args()
     rows = {}
     for system in args.systems:
-        plan, sim, real, wall = run_both(system, args.devices, args.iterations)
-        report(system, plan, sim[-1], real[-1])
-        if plan.generation.migration is not None:
-            counts = [[int(t.counters.get("gen/migrated_samples", 0)) for t in traces] for traces in (sim, real)]
-            print(f"  samples migrated per iteration: sim {counts[0]}, real {counts[1]}")
-        measured = slice(1, None) if len(wall) > 1 else slice(None)
-        rows[system] = (float(np.mean(wall[measured])), float(np.mean([t.makespan_s for t in sim[measured]])),
-                        float(np.mean([t.makespan_s for t in real[measured]])))
+        for rounds in args.stream_rounds:
+            plan, sim, real, wall = run_both(system, args.devices, args.iterations, rounds)
+            streams = any(t.stream_from is not None for t in plan.tasks)
+            label = f"{system}:{rounds}" if streams else system
+            report(label, plan, sim[-1], real[-1])
+            if plan.generation.migration is not None:
+                counts = [[int(t.counters.get("gen/migrated_samples", 0)) for t in traces] for traces in (sim, real)]
+                print(f"  samples migrated per iteration: sim {counts[0]}, real {counts[1]}")
+            measured = slice(1, None) if len(wall) > 1 else slice(None)
+            rows[label] = (float(np.mean(wall[measured])), float(np.mean([t.makespan_s for t in sim[measured]])),
+                           float(np.mean([t.makespan_s for t in real[measured]])),
+                           float(np.mean([t.counters.get("perf/driver_calls", np.nan) for t in real[measured]])))
+            if not streams:
+                break  # nothing streams: the setting changes nothing
     print(f"\n== per iteration (mean after 1 warm-up of {args.iterations}; {args.devices} CPU workers)")
-    print(f"  {'system':<16}{'real wall s':>12}{'real trace s':>14}{'sim s':>10}")
-    for system, (wall, sim_s, real_s) in rows.items():
-        print(f"  {system:<16}{wall:>12.3f}{real_s:>14.3f}{sim_s:>10.3g}")
-    if len(rows) >= 2:
-        (a, ra), (b, rb) = list(rows.items())[:2]
+    print(f"  {'system':<30}{'real wall s':>12}{'real trace s':>14}{'sim s':>10}{'driver calls':>14}")
+    for label, (wall, sim_s, real_s, calls) in rows.items():
+        print(f"  {label:<30}{wall:>12.3f}{real_s:>14.3f}{sim_s:>10.3g}{calls:>14.0f}")
+    labels = list(rows)
+    for b in labels[1:]:
+        a, ra, rb = labels[0], rows[labels[0]], rows[b]
         print(f"  {a} / {b}: real wall {ra[0] / rb[0]:.2f}x, real trace {ra[2] / rb[2]:.2f}x, sim {ra[1] / rb[1]:.2f}x")
 
 

@@ -14,6 +14,8 @@ Per iteration (``iteration_metrics``):
   response) / step time / number of devices (verl's tokens/s/GPU). ``perf/total_num_tokens``.
 - ``perf/mfu/actor``, ``perf/mfu/critic``: training FLOPs / (train-task wall time x its devices x
   peak FLOP/s). ``perf/max_memory_gb``: largest per-device memory peak the backend reported.
+- ``perf/driver_calls`` (``backend=ray``): calls the driver made to its workers in the iteration
+  (one call reaches every device of a task; streamed generation makes one per round).
 - ``gen/tail_s``: time from when 90% of samples have finished to when the last one finishes.
   ``gen/migrated_samples``, ``gen/tail_instances``, ``gen/migration_threshold_frac`` (R_t as a
   fraction of the batch): reported by backends that execute a migration policy (counters).
@@ -46,6 +48,7 @@ SAMPLES_PER_S = "perf/samples_per_s"
 THROUGHPUT = "perf/throughput"
 TOTAL_NUM_TOKENS = "perf/total_num_tokens"
 MAX_MEMORY_GB = "perf/max_memory_gb"
+DRIVER_CALLS = "perf/driver_calls"
 GEN_TAIL_S = "gen/tail_s"
 MIGRATED_SAMPLES = "gen/migrated_samples"
 TAIL_INSTANCES = "gen/tail_instances"

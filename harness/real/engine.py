@@ -27,6 +27,7 @@ far faster with ``torch.set_num_threads(1)``.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
@@ -129,6 +130,12 @@ class EngineLoop:
             done += self.step(on_finish)
         return done
 
+    def steps_to_next_finish(self) -> int:
+        """Engine steps from now until the first of them in which some sample finishes, where that
+        is known in advance; 1 where it is not (an engine that cannot tell is advanced one step at
+        a time)."""
+        return 1
+
 
 class GenerationEngine(EngineLoop):
     """Continuous batching over a :class:`~harness.real.model.LlamaModel` (or a last-and-first
@@ -159,6 +166,16 @@ class GenerationEngine(EngineLoop):
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def steps_to_next_finish(self) -> int:
+        """Exact when every sample that the next step runs is length-controlled (``target_len``):
+        the next step first admits waiting samples into free slots, then every running sample gains
+        one token per step and no slot frees before one of them finishes, so nothing else joins
+        until then. 1 when some sample may stop at EOS (or there is no work)."""
+        upcoming = self.running + list(itertools.islice(self.waiting, len(self.free_slots)))
+        if not upcoming or any(s.target_len is None for s in upcoming):
+            return 1
+        return max(1, min(s.target_len - len(s.tokens) for s in upcoming))
 
     def _new_generator(self, sample_id: Hashable) -> torch.Generator | None:
         if self.sampling.temperature <= 0:

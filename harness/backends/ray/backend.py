@@ -331,6 +331,11 @@ class RayBackend(Backend):
         }
 
     # ---- waiting on workers ---------------------------------------------------------------
+    @property
+    def num_calls(self) -> int:
+        """Calls submitted to the workers so far (one per task call, whatever its number of devices)."""
+        return self._num_calls
+
     def submit(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> "Call":
         """Track ``refs`` (one per device, in order) as one call that must finish within ``timeout_s``."""
         timeout_s = self.opts.task_timeout_s if timeout_s is None else timeout_s

@@ -15,6 +15,7 @@ DTYPES = ("auto", "fp32", "bf16")
 GENERATION_ENGINES = ("ours", "vllm")
 ZERO3_IMPLS = ("auto", "deepspeed", "native")
 P2P_MATCHINGS = ("in_order", "tags")
+STREAM_ROUNDS = ("to_next_finish", "one_step")
 REWARD_KINDS = ("model", "token_range")
 
 
@@ -87,6 +88,11 @@ class RayOptions:
     # how pipeline messages between two ranks are matched: in_order (tags ignored, first posted
     # first matched per rank pair, as NCCL does; gloo runs emulate it) | tags (gloo only)
     p2p_matching: str = "in_order"
+    # streamed generation (RLHFuse section 4): the driver advances every instance to the next step in
+    # which some sample finishes (to_next_finish: one round trip per finish event) or one engine step
+    # per round trip (one_step, as before issue 27); the same samples finish and migrate at the same
+    # engine steps either way
+    stream_rounds: str = "to_next_finish"
     # failure handling (seconds)
     setup_timeout_s: float = 600.0
     task_timeout_s: float = 600.0
@@ -112,6 +118,8 @@ class RayOptions:
             raise ConfigError(f"backend.options.zero3_impl={self.zero3_impl!r}: use one of {', '.join(ZERO3_IMPLS)}")
         if self.p2p_matching not in P2P_MATCHINGS:
             raise ConfigError(f"backend.options.p2p_matching={self.p2p_matching!r}: use one of {', '.join(P2P_MATCHINGS)}")
+        if self.stream_rounds not in STREAM_ROUNDS:
+            raise ConfigError(f"backend.options.stream_rounds={self.stream_rounds!r}: use one of {', '.join(STREAM_ROUNDS)}")
         if self.p2p_matching == "tags" and self.device == "cuda":
             raise ConfigError("backend.options.p2p_matching=tags: NCCL ignores tags (messages between two ranks "
                               "match in posting order); use in_order on CUDA")

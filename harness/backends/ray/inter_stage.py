@@ -4,8 +4,13 @@ One generate task and the inference tasks that consume its stream (``Task.stream
 one process:
 
 1. every generation instance (a dp replica of the generate task's allocation) opens a session and
-   is advanced in rounds of ``STEPS_PER_ROUND`` engine steps; each finished sample is queued for
-   inference the round it finishes, with its real finish time;
+   all instances are advanced in lockstep rounds that end at the next step in which any sample
+   finishes (each instance reports how many steps away its next finish is; the round is the least
+   of them, 1 where an engine cannot tell). The unfinished count changes only when a sample
+   finishes, so checking it at round ends sees every change, at the same engine step as checking
+   after every token did, with one driver round trip per finish event instead of one per token
+   (docs/SIM_VS_REAL.md measures it); each finished sample is queued for inference the round it
+   finishes, with its real finish time;
 2. an instance whose samples are all finished releases its devices; an inference replica (a dp
    replica of the shared inference allocation) whose devices are all released takes up to
    ``micro_batch_size`` queued samples and runs ref, reward and critic forward passes on them
@@ -19,7 +24,8 @@ one process:
 Two differences from the plan's timing, both stated in docs: the critic's weights are moved to the
 inference layout once, before generation starts (a worker busy generating cannot serve a
 point-to-point send of its training shard mid-generation, so the per-replica fetch at release time
-is not reproduced), and the unfinished count is checked between rounds, not after every token.
+is not reproduced), and finished samples are reported at round ends (the step they finish in, but
+after the round's other instances have reached that step too).
 """
 from __future__ import annotations
 
@@ -33,7 +39,6 @@ from harness.backends.ray.rewards import reward_fields
 from harness.interpreter import Unit
 from harness.trace import SampleRecord
 
-STEPS_PER_ROUND = 1  # engine steps between two looks at the unfinished count
 
 
 class StreamedGeneration:
@@ -57,6 +62,7 @@ class StreamedGeneration:
         self.busy_replicas: dict[int, list] = {}  # replica -> its in-flight calls
         self.parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {t.model.value: [] for t in self.consumers}
         self.migrated_samples, self.tail_instances = 0, 0
+        self.next_finish: dict[int, int] = {}  # instance -> engine steps until its next sample finishes
 
     # ---- calls ----------------------------------------------------------------------------
     def _start(self, op: str, devices: list[int], payload: dict | None, what: str | None = None):
@@ -76,7 +82,9 @@ class StreamedGeneration:
                 "max_batch_size": policy.max_batch_size or it.batch.num_samples, "temperature": it.opts.temperature,
                 "sampling_seed": ex.stable_seed("sampling", self.b.ctx.seed, it.iteration),
                 "kv_capacity": int(it.batch.prompt_lens.max() + w.max_gen_len)}
-        self._all("gen_open", lambda k: {**base, "sample_ids": self.ids[k]}, range(len(self.instances)))
+        opened = self._all("gen_open", lambda k: {**base, "sample_ids": self.ids[k]}, range(len(self.instances)))
+        for k, results in enumerate(opened):
+            self.next_finish[k] = self._report(k, results)["next_finish"]
         migration = policy.migration
         threshold = math.ceil(migration.threshold_frac * it.batch.num_samples) if migration else None
         active = [k for k in range(len(self.instances)) if self.left[k] > 0]
@@ -101,8 +109,15 @@ class StreamedGeneration:
         self._finish(migration)
 
     # ---- generation rounds ----------------------------------------------------------------
+    def _report(self, k: int, results: list[dict]) -> dict:
+        """What instance ``k``'s tp rank 0 reported."""
+        return next(r for r in results if r["rank"] == self.instances[k][0])["out"]
+
     def _round(self, active: list[int]) -> None:
-        calls = {k: self._start("gen_steps", self.instances[k], {"max_steps": STEPS_PER_ROUND}) for k in active}
+        steps = 1  # backend.options.stream_rounds=one_step
+        if self.it.opts.stream_rounds == "to_next_finish":
+            steps = min(self.next_finish[k] for k in active)  # up to the next finish of any instance
+        calls = {k: self._start("gen_steps", self.instances[k], {"max_steps": steps}) for k in active}
         while calls:
             self._feed()
             done = self._collect_one(list(calls.values()))
@@ -111,8 +126,9 @@ class StreamedGeneration:
             k = next(k for k, c in calls.items() if c is done)
             del calls[k]
             self.b.spans_from(self.gen.name, done.results, self.it.t0, self.it.trace)
-            report = next(r for r in done.results if r["rank"] == self.instances[k][0])["out"]
+            report = self._report(k, done.results)
             self.left[k] = report["left"]
+            self.next_finish[k] = report["next_finish"]
             for sample_id, tokens, logprobs, finish in report["finished"]:
                 self.responses[sample_id] = (tokens, logprobs)
                 self.queue.append(sample_id)
@@ -186,6 +202,8 @@ class StreamedGeneration:
                                           {d for k in sources for d in self.instances[k]}], self.it.t0, self.it.trace)
         for k in sources:
             self._release(k)
+        for k in tails:  # their batches changed: one step, then they report again
+            self.next_finish[k] = 1
         self.tail_instances = len(tails)
         return tails
 

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from harness import metrics as mk
 from harness.backends.ray import experience as ex
 from harness.backends.ray.inter_stage import StreamedGeneration
 from harness.backends.ray.layout import assemble
@@ -76,7 +77,9 @@ class Iteration(PlanInterpreter):
 
     def run(self) -> StepTrace:
         self.prompts = ex.prompt_tokens(self.b.ctx.seed, self.iteration, self.batch, self.b.args["actor"].vocab_size)
+        calls_before = self.b.num_calls
         self._dispatch(execution_units(self.plan))
+        self.trace.counters[mk.DRIVER_CALLS] = float(self.b.num_calls - calls_before)
         if self.opts.digest:
             self._digest()
         return self.trace

@@ -6,7 +6,8 @@ A :class:`GenerationSession` lives on every device of one generation instance (t
 lockstep; tp rank 0 reports) between ``gen_open`` and ``gen_close``:
 
 - :meth:`steps`: up to ``max_steps`` engine steps (continuous batching); returns the samples that
-  finished, each with the wall-clock time it finished, and how many are left;
+  finished, each with the wall-clock time it finished, how many are left, and how many steps
+  until the next one finishes (exact for length-controlled samples: the driver's round length);
 - :meth:`export`: removes every unfinished sample; the small per-sample state (tokens, log-probs,
   RNG state) goes to the driver, the KV cache shard stays here until :func:`migrate` sends it;
 - :func:`migrate`: every source and destination device of a migration runs it at once; each KV
@@ -55,7 +56,11 @@ class GenerationSession:
                     finished.append((f.sample_id, f.tokens, f.logprobs, time.time()))
         spans = [("decode", t0, time.time(), 0.0, 0.0)] if finished or self.engine.has_work else []
         left = self.engine.num_running + self.engine.num_waiting
-        return spans, {"finished": finished if self.reports else [], "left": left}
+        return spans, {"finished": finished if self.reports else [], "left": left, "next_finish": self.next_finish()}
+
+    def next_finish(self) -> int:
+        """Engine steps until this instance's next sample finishes (1 when not known in advance)."""
+        return self.engine.steps_to_next_finish()
 
     def export(self, with_kv: bool) -> dict[str, Any]:
         self.exported = self.engine.export_unfinished(with_kv=with_kv)

@@ -255,6 +255,7 @@ class DeviceWorker:
         spans, out = [], None
         if op == "gen_open":
             self.sessions[task] = streaming.GenerationSession(self.replica("actor", alloc), payload)
+            out = {"next_finish": self.sessions[task].next_finish()}
         elif op == "gen_steps":
             spans, out = self.sessions[task].steps(int(payload["max_steps"]))
         elif op == "gen_export":

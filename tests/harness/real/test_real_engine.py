@@ -175,3 +175,34 @@ def test_vllm_engine_is_optional():
         pytest.skip("vllm is installed")
     with pytest.raises(vllm_engine.EngineUnavailableError, match="vLLM"):
         vllm_engine.VllmEngine("/nonexistent")
+
+
+@pytest.mark.parametrize("batch", [1, 3, 7])
+def test_steps_to_next_finish_is_exact_for_length_controlled_samples(tiny_model, batch):
+    """After ``steps_to_next_finish()`` steps some sample has finished, and in none of the steps
+    before (the driver's round length in streamed generation); samples submitted mid-flight count."""
+    prompts, targets = _workload(n=7, seed=3)
+    engine = GenerationEngine(tiny_model, max_batch_size=batch, sampling=SAMPLED)
+    for i in range(5):
+        engine.submit(i, prompts[i], targets[i])
+    rounds = 0
+    while engine.has_work:
+        k = engine.steps_to_next_finish()
+        assert k >= 1
+        for j in range(k):
+            finished = engine.step()
+            assert bool(finished) == (j == k - 1), (rounds, j, k)
+        rounds += 1
+        if rounds == 2:
+            for i in (5, 6):
+                engine.submit(i, prompts[i], targets[i])
+    assert rounds <= 7  # one round per distinct finishing step, at most one per sample
+
+
+def test_steps_to_next_finish_is_one_when_eos_may_end_a_sample(tiny_model):
+    prompts, _ = _workload(n=2, seed=4)
+    engine = GenerationEngine(tiny_model, max_batch_size=2, sampling=SamplingParams(eos_token_id=3, max_new_tokens=9))
+    engine.submit(0, prompts[0], target_len=9)
+    assert engine.steps_to_next_finish() == 9
+    engine.submit(1, prompts[1])  # EOS-controlled
+    assert engine.steps_to_next_finish() == 1

@@ -175,3 +175,10 @@ def test_conflict_ends_the_run_before_ray_starts(run_harness, tmp_path):
     assert "fault_injection.device=5" in line
     assert "workers (" not in proc.stdout and "Ray" not in proc.stdout
     assert not (tmp_path / "results").exists() or not list((tmp_path / "results").rglob("summary.json"))
+
+
+def test_stream_rounds_is_checked_when_the_options_are_built():
+    assert RayOptions().stream_rounds == "to_next_finish"
+    assert RayOptions(stream_rounds="one_step").stream_rounds == "one_step"
+    with pytest.raises(ConfigError, match="stream_rounds='every_token'.*to_next_finish, one_step"):
+        RayOptions(stream_rounds="every_token")
