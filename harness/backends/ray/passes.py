@@ -7,13 +7,7 @@ rank 0). Samples are dealt to dp replicas round-robin (as the simulator deals th
 instances and inference replicas); a training mini-batch is cut into dp contiguous shares, each
 share into micro-batches of ``micro_batch_size``.
 
-Pipeline parallelism executes the plan's own action list for this device's stage (the schedule
-``harness.schedule`` builds and the simulator times), lowered to sends and receives with the
-receives in each sender's send order (``harness.schedule.p2p_order``): ``RF``/``RB`` receive an
-activation/gradient, ``F`` runs the stage, ``SF`` sends its output on; ``B`` back-propagates and
-``SB`` sends the input gradient back. Sends are asynchronous and receives block, so any schedule
-that ``harness.schedule.validate`` accepts runs without deadlock, and messages match in posting
-order per rank pair, as under NCCL (which ignores tags).
+Training (pipeline schedules, PPO losses, optimizer steps) is in :mod:`harness.backends.ray.pipeline`.
 """
 from __future__ import annotations
 
@@ -30,9 +24,7 @@ from harness.backends.ray.replica import Replica
 from harness.backends.ray.rewards import task_scores
 from harness.costmodel.llama import forward_flops
 from harness.real.engine import GenerationEngine, SamplingParams
-from harness.real.ppo import policy_loss, value_loss
 from harness.real.model import split_layers
-from harness.schedule.ir import Action
 
 SpanT = tuple[str, float, float, float, float]
 
@@ -159,153 +151,3 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
 
 
 # ---- training ---------------------------------------------------------------------------
-
-def _loss(out: Tensor, mb: dict[str, Tensor], p: dict[str, Any], num_tokens: float) -> tuple[Tensor, dict]:
-    """The micro-batch's loss and stats, each divided by the mini-batch's ``num_tokens`` (so the
-    micro-batches of a mini-batch, on every dp replica, add up to the mini-batch's value). The
-    clip fractions are :mod:`harness.real.ppo`'s: tokens whose clipped term the loss takes."""
-    mask = mb["action_mask"]
-    if p["loss"] == "actor":
-        logp = _head_output(out, mb["tokens"], "logprobs", p["temperature"], None)
-        loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p["clip_eps"], num_tokens)
-        return loss, {"loss": s["actor/pg_loss"], "clipfrac": s["actor/pg_clipfrac"], "approx_kl": s["actor/ppo_kl"]}
-    values = out[:, :-1].float()
-    loss, s = value_loss(values, mb["old_values"], mb["returns"], mask, p["value_clip_eps"], num_tokens)
-    return loss, {"loss": s["critic/vf_loss"], "clipfrac": s["critic/vf_clipfrac"]}
-
-
-def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, mbs: int) -> list[dict[str, Tensor]]:
-    share = len(index) // dp
-    rows = index[k * share:(k + 1) * share]
-    return [{name: v[torch.as_tensor(rows[i:i + mbs], dtype=torch.long)] for name, v in data.items()}
-            for i in range(0, len(rows), mbs)]
-
-
-def train(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
-    """One PPO epoch of one model over the batch: one optimizer step per mini-batch, the plan's
-    action list for this device's pipeline stage."""
-    part = {k: p[k] for k in ("data", "loss", "micro_batch_size")}
-    fused = {**p, "parts": {replica.role: part}, "actions": p["actions_by_stage"][replica.coord[1]],
-             "pipe_role": None}
-    spans, outs = train_fused({replica.role: replica}, fused, {replica.role: model_cfg})
-    return spans[replica.role], outs[replica.role]
-
-
-def _message_tag(tag_base: dict[str, int], act: Action) -> int:
-    """A message's tag (used only when the channel matches by tag): its pipe, micro-batch and
-    direction (a forward activation and the gradient coming back)."""
-    return tag_base[act.pipe] + 2 * act.mb + (act.kind in ("SB", "RB"))
-
-
-def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dict[str, dict]
-                ) -> tuple[dict[str, list[SpanT]], dict[str, Any]]:
-    """One PPO epoch of every model in ``replicas`` (role -> this device's replica) through one
-    pipeline schedule: this device's logical rank runs ``p["actions"]`` in order, each action of
-    the pipe ``p["pipe_role"]`` maps to a model (RLHFuse section 5: actor and critic share ranks
-    and fill each other's bubbles). Per mini-batch, after the schedule, each model steps its
-    optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs per role.
-
-    ``p["actions"]`` is the *lowered* list (``harness.schedule.lower``) with its receives in the
-    senders' order (``harness.schedule.p2p_order.order_receives``), executed verbatim: ``RF``/``RB``
-    receive an activation/gradient (consecutive receives are posted together, with the sends
-    queued so far, right before the next computation, and kept until their computation runs);
-    ``F``/``B`` compute; ``SF``/``SB`` queue the output/input gradient for the neighbouring stage.
-    Posting follows the list, so messages match in posting order per rank pair, as under NCCL."""
-    roles = list(replicas)
-    any_replica = replicas[roles[0]]
-    dev = any_replica.device
-    actions = [Action.parse(a) for a in p["actions"]]
-    if any_replica.strategy.pp > 1 and all(a.is_compute for a in actions):
-        raise ValueError("train_fused needs the lowered action list (sends and receives), got compute actions only")
-    pipe_role = p.get("pipe_role") or {}
-    pipes = sorted({a.pipe for a in actions})
-    tag_base = {name: i * 8192 for i, name in enumerate(pipes)}  # keeps every pipe's messages apart (tag mode)
-    data = {r: {n: torch.tensor(v, device=dev) for n, v in p["parts"][r]["data"].items()} for r in roles}
-    spans: dict[str, list[SpanT]] = {r: [] for r in roles}
-    totals: dict[str, dict[str, float]] = {r: {} for r in roles}
-    runs: dict[str, list] = {r: [] for r in roles}
-    contexts = [replicas[r].compute() for r in roles]
-    for c in contexts:
-        c.__enter__()
-    try:
-        for r in roles:
-            replicas[r].set_train(True)
-        for index in p["minibatches"]:
-            index = np.array(index)
-            mbs, num_tokens, saved = {}, {}, {}
-            for r in roles:
-                rep = replicas[r]
-                num_tokens[r] = float(data[r]["action_mask"][torch.tensor(index)].sum())
-                mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p["parts"][r]["micro_batch_size"])
-                saved[r] = {}
-            chan = PipeChannel(dev, in_order=p.get("p2p_in_order", True))
-            received: dict[tuple[str, str, int], Tensor] = {}  # (pipe, RF/RB, mb) -> payload
-            to_send: dict[tuple[str, str, int], Tensor] = {}  # (pipe, SF/SB, mb) -> tensor computed
-            pending: list[Action] = []  # receives to post before the next computation
-            first_start = {r: None for r in roles}
-            for act in actions:
-                r = pipe_role.get(act.pipe, roles[0])
-                rep, loss_p = replicas[r], {**p, **p["parts"][r]}
-                mb = mbs[r][act.mb]
-                if act.kind in ("RF", "RB"):
-                    pending.append(act)
-                    continue
-                if act.kind in ("SF", "SB"):
-                    chan.send(to_send.pop((act.pipe, act.kind, act.mb)), rep.neighbour(1 if act.kind == "SF" else -1),
-                              _message_tag(tag_base, act))
-                    continue
-                if pending:
-                    specs = []
-                    for q in pending:
-                        qr = replicas[pipe_role.get(q.pipe, roles[0])]
-                        qmb = mbs[pipe_role.get(q.pipe, roles[0])][q.mb]["tokens"]
-                        specs.append(((qmb.shape[0], qmb.shape[1], qr.args.hidden_size),
-                                      qr.neighbour(-1 if q.kind == "RF" else 1), _message_tag(tag_base, q), qr.dtype))
-                    for q, buf in zip(pending, chan.recv_all(specs)):
-                        received[(q.pipe, q.kind, q.mb)] = buf
-                    pending = []
-                chan.post()
-                t0 = time.time()
-                if act.kind == "F":
-                    x = mb["tokens"] if rep.is_first else received.pop((act.pipe, "RF", act.mb))
-                    if not rep.is_first:
-                        x.requires_grad_(True)
-                    out = rep(x, attention_mask=mb["attn"])
-                    if rep.is_last:
-                        loss, stats = _loss(out, mb, loss_p, num_tokens[r])
-                        for key, v in stats.items():
-                            totals[r][key] = totals[r].get(key, 0.0) + v
-                        saved[r][act.mb] = (x, loss, None)
-                    else:
-                        to_send[(act.pipe, "SF", act.mb)] = out
-                        saved[r][act.mb] = (x, None, out)
-                    kind, factor = "forward", 1.0
-                else:
-                    x, loss, out = saved[r].pop(act.mb)
-                    if rep.is_last:
-                        rep.backward(loss)
-                    else:
-                        rep.backward(None, output=out, grad=received.pop((act.pipe, "RB", act.mb)))
-                    if not rep.is_first:
-                        to_send[(act.pipe, "SB", act.mb)] = x.grad
-                    kind, factor = "backward", 2.0
-                t1 = time.time()
-                first_start[r] = t0 if first_start[r] is None else first_start[r]
-                flops = factor * _flops(model_cfgs[r], rep, float(mb["attn"].sum()), mb["attn"].shape[1])
-                spans[r].append((kind, t0, t1, flops, 0.0))
-                if act.kind == "B":
-                    spans[r] += [(kd, a, b, 0.0, 0.0) for kd, a, b in rep.micro_step()]
-            if pending or received or to_send:
-                raise RuntimeError(f"train_fused: the action list left messages unmatched (receives not "
-                                   f"consumed: {sorted(received)}, sends not posted: {sorted(to_send)})")
-            chan.flush()
-            end = time.time()
-            for r in roles:
-                runs[r].append((first_start[r] if first_start[r] is not None else end, end))
-            for r in roles:  # gradient sync and optimizer step, model by model in the same order everywhere
-                spans[r] += [(kd, a, b, 0.0, 0.0) for kd, a, b in replicas[r].optimizer_step()]
-    finally:
-        for c in reversed(contexts):
-            c.__exit__(None, None, None)
-    outs = {r: ({"stats": totals[r], "runs": runs[r]} if replicas[r].reports else {"runs": runs[r]}) for r in roles}
-    return spans, outs

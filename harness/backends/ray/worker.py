@@ -216,7 +216,7 @@ class DeviceWorker:
     def run(self, spec: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
         """Execute one task's share on this device: ``spec['op']`` is generate, infer, train,
         move (weight movement) or state (weights for the driver's digest)."""
-        from harness.backends.ray import passes
+        from harness.backends.ray import passes, pipeline
         from harness.backends.ray.movement import gather_state, move_weights
 
         fault = self.options.get("fault_injection")
@@ -241,7 +241,7 @@ class DeviceWorker:
         elif op == "release":
             spans, out = [], {"freed_bytes": self.release(role, alloc) if self.rank in alloc.mesh else 0}
         else:
-            fn = {"generate": passes.generate, "infer": passes.infer, "train": passes.train}[op]
+            fn = {"generate": passes.generate, "infer": passes.infer, "train": pipeline.train}[op]
             replica = self.replica(role, alloc)
             spans, out = fn(replica, payload) if op == "generate" else fn(replica, payload, model_cfg)
         return self._result(spans, out)
@@ -270,7 +270,7 @@ class DeviceWorker:
 
     def _train_fused(self, payload: dict[str, Any]) -> dict[str, Any]:
         """This device's share of a fused training stage: its replica of every model it trains."""
-        from harness.backends.ray import passes
+        from harness.backends.ray import pipeline
 
         replicas = {}
         for role in payload["roles"]:
@@ -278,7 +278,7 @@ class DeviceWorker:
             if self.rank in alloc.mesh:
                 replicas[role] = self.replica(role, alloc)
         p = {**payload, "actions": payload["actions_by_device"][str(self.rank)]}
-        spans, outs = passes.train_fused(replicas, p, {r: self.setup_info["model_cfgs"][r] for r in replicas})
+        spans, outs = pipeline.train_fused(replicas, p, {r: self.setup_info["model_cfgs"][r] for r in replicas})
         return {**self._result([], outs), "task_spans": spans}
 
     def _result(self, spans, out) -> dict[str, Any]:

@@ -64,9 +64,10 @@ def test_value_clipfrac_hand_example():
 
 
 def test_ray_training_pass_reports_the_same_clip_fractions():
-    """The backend's per-micro-batch stats (harness.backends.ray.passes._loss) on the same cases,
+    """The backend's per-micro-batch stats (harness.backends.ray.pipeline._loss) on the same cases,
     from model outputs: logits whose log-probabilities give exactly RATIO against old log-probs."""
-    from harness.backends.ray.passes import _head_output, _loss
+    from harness.backends.ray.passes import _head_output
+    from harness.backends.ray.pipeline import _loss
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 3, generator=gen)

@@ -1,0 +1,217 @@
+"""Training on one device: the plan's pipeline schedule, run verbatim, and the PPO losses.
+
+Pipeline parallelism executes the plan's own action list for this device's stage (the schedule
+``harness.schedule`` builds and the simulator times), lowered to sends and receives with the
+receives in each sender's send order (``harness.schedule.p2p_order``): ``RF``/``RB`` receive an
+activation/gradient, ``F`` runs the stage, ``SF`` sends its output on; ``B`` back-propagates and
+``SB`` sends the input gradient back, one handler per action type (:class:`_ScheduleRun`). Sends
+are asynchronous and receives block, so any schedule that ``harness.schedule.validate`` accepts
+runs without deadlock, and messages match in posting order per rank pair, as under NCCL (which
+ignores tags). A training mini-batch is cut into dp contiguous shares, each share into
+micro-batches of ``micro_batch_size``. Functions return ``(spans, outputs)`` as in
+:mod:`harness.backends.ray.passes`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from harness.backends.ray.comm import PipeChannel
+from harness.backends.ray.passes import SpanT, _flops, _head_output
+from harness.backends.ray.replica import Replica
+from harness.real.ppo import policy_loss, value_loss
+from harness.schedule.ir import Action
+
+
+def _loss(out: Tensor, mb: dict[str, Tensor], p: dict[str, Any], num_tokens: float) -> tuple[Tensor, dict]:
+    """The micro-batch's loss and stats, each divided by the mini-batch's ``num_tokens`` (so the
+    micro-batches of a mini-batch, on every dp replica, add up to the mini-batch's value). The
+    clip fractions are :mod:`harness.real.ppo`'s: tokens whose clipped term the loss takes."""
+    mask = mb["action_mask"]
+    if p["loss"] == "actor":
+        logp = _head_output(out, mb["tokens"], "logprobs", p["temperature"], None)
+        loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p["clip_eps"], num_tokens)
+        return loss, {"loss": s["actor/pg_loss"], "clipfrac": s["actor/pg_clipfrac"], "approx_kl": s["actor/ppo_kl"]}
+    values = out[:, :-1].float()
+    loss, s = value_loss(values, mb["old_values"], mb["returns"], mask, p["value_clip_eps"], num_tokens)
+    return loss, {"loss": s["critic/vf_loss"], "clipfrac": s["critic/vf_clipfrac"]}
+
+
+def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, mbs: int) -> list[dict[str, Tensor]]:
+    share = len(index) // dp
+    rows = index[k * share:(k + 1) * share]
+    return [{name: v[torch.as_tensor(rows[i:i + mbs], dtype=torch.long)] for name, v in data.items()}
+            for i in range(0, len(rows), mbs)]
+
+
+def train(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
+    """One PPO epoch of one model over the batch: one optimizer step per mini-batch, the plan's
+    action list for this device's pipeline stage."""
+    part = {k: p[k] for k in ("data", "loss", "micro_batch_size")}
+    fused = {**p, "parts": {replica.role: part}, "actions": p["actions_by_stage"][replica.coord[1]],
+             "pipe_role": None}
+    spans, outs = train_fused({replica.role: replica}, fused, {replica.role: model_cfg})
+    return spans[replica.role], outs[replica.role]
+
+
+def _message_tag(tag_base: dict[str, int], act: Action) -> int:
+    """A message's tag (used only when the channel matches by tag): its pipe, micro-batch and
+    direction (a forward activation and the gradient coming back)."""
+    return tag_base[act.pipe] + 2 * act.mb + (act.kind in ("SB", "RB"))
+
+
+def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dict[str, dict]
+                ) -> tuple[dict[str, list[SpanT]], dict[str, Any]]:
+    """One PPO epoch of every model in ``replicas`` (role -> this device's replica) through one
+    pipeline schedule: this device's logical rank runs ``p["actions"]`` in order, each action of
+    the pipe ``p["pipe_role"]`` maps to a model (RLHFuse section 5: actor and critic share ranks
+    and fill each other's bubbles). Per mini-batch, after the schedule, each model steps its
+    optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs per role.
+
+    ``p["actions"]`` is the *lowered* list (``harness.schedule.lower``) with its receives in the
+    senders' order (``harness.schedule.p2p_order.order_receives``), executed verbatim by
+    :class:`_ScheduleRun`, one handler per action type."""
+    roles = list(replicas)
+    any_replica = replicas[roles[0]]
+    dev = any_replica.device
+    actions = [Action.parse(a) for a in p["actions"]]
+    if any_replica.strategy.pp > 1 and all(a.is_compute for a in actions):
+        raise ValueError("train_fused needs the lowered action list (sends and receives), got compute actions only")
+    pipes = sorted({a.pipe for a in actions})
+    tag_base = {name: i * 8192 for i, name in enumerate(pipes)}  # keeps every pipe's messages apart (tag mode)
+    data = {r: {n: torch.tensor(v, device=dev) for n, v in p["parts"][r]["data"].items()} for r in roles}
+    spans: dict[str, list[SpanT]] = {r: [] for r in roles}
+    totals: dict[str, dict[str, float]] = {r: {} for r in roles}
+    runs: dict[str, list] = {r: [] for r in roles}
+    contexts = [replicas[r].compute() for r in roles]
+    for c in contexts:
+        c.__enter__()
+    try:
+        for r in roles:
+            replicas[r].set_train(True)
+        for index in p["minibatches"]:
+            run = _ScheduleRun(replicas, p, model_cfgs, data, np.array(index), tag_base, spans, totals)
+            for act in actions:
+                run.handlers[act.kind](act)
+            end = run.end()
+            for r in roles:
+                runs[r].append((run.first_start[r] if run.first_start[r] is not None else end, end))
+            for r in roles:  # gradient sync and optimizer step, model by model in the same order everywhere
+                spans[r] += [(kd, a, b, 0.0, 0.0) for kd, a, b in replicas[r].optimizer_step()]
+    finally:
+        for c in reversed(contexts):
+            c.__exit__(None, None, None)
+    outs = {r: ({"stats": totals[r], "runs": runs[r]} if replicas[r].reports else {"runs": runs[r]}) for r in roles}
+    return spans, outs
+
+
+class _ScheduleRun:
+    """One mini-batch of a (lowered) pipeline schedule on this device: one handler per action type.
+
+    - ``RF``/``RB`` (receive an activation / a gradient): queued; consecutive receives are posted
+      together, with the sends queued so far, right before the next computation, and kept until
+      their computation runs;
+    - ``SF``/``SB`` (send the output / the input gradient): queued on the channel for the
+      neighbouring stage;
+    - ``F``/``B``: post what is pending, then compute; the last stage's forward computes the loss.
+
+    Posting follows the list, so messages match in posting order per rank pair, as under NCCL
+    (which ignores tags). The optimizer steps after the schedule (:func:`train_fused`)."""
+
+    def __init__(self, replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dict[str, dict],
+                 data: dict[str, dict[str, Tensor]], index: np.ndarray, tag_base: dict[str, int],
+                 spans: dict[str, list[SpanT]], totals: dict[str, dict[str, float]]):
+        self.replicas, self.p, self.model_cfgs, self.tag_base = replicas, p, model_cfgs, tag_base
+        self.spans, self.totals = spans, totals
+        self.roles = list(replicas)
+        self.pipe_role = p.get("pipe_role") or {}
+        self.mbs, self.num_tokens, self.saved = {}, {}, {}
+        for r in self.roles:
+            rep = replicas[r]
+            self.num_tokens[r] = float(data[r]["action_mask"][torch.tensor(index)].sum())
+            self.mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p["parts"][r]["micro_batch_size"])
+            self.saved[r] = {}
+        self.chan = PipeChannel(replicas[self.roles[0]].device, in_order=p.get("p2p_in_order", True))
+        self.received: dict[tuple[str, str, int], Tensor] = {}  # (pipe, RF/RB, mb) -> payload
+        self.to_send: dict[tuple[str, str, int], Tensor] = {}  # (pipe, SF/SB, mb) -> tensor computed
+        self.pending: list[Action] = []  # receives to post before the next computation
+        self.first_start: dict[str, float | None] = {r: None for r in self.roles}
+        self.handlers = {"RF": self.receive, "RB": self.receive, "SF": self.send, "SB": self.send,
+                         "F": self.forward, "B": self.backward}
+
+    def _role(self, act: Action) -> str:
+        return self.pipe_role.get(act.pipe, self.roles[0])
+
+    # ---- communication ------------------------------------------------------------------------
+    def receive(self, act: Action) -> None:
+        self.pending.append(act)
+
+    def send(self, act: Action) -> None:
+        rep = self.replicas[self._role(act)]
+        self.chan.send(self.to_send.pop((act.pipe, act.kind, act.mb)), rep.neighbour(1 if act.kind == "SF" else -1),
+                       _message_tag(self.tag_base, act))
+
+    def _post(self) -> None:
+        """Post the pending receives (with the queued sends) before a computation."""
+        if self.pending:
+            specs = []
+            for q in self.pending:
+                qr = self.replicas[self._role(q)]
+                qmb = self.mbs[self._role(q)][q.mb]["tokens"]
+                specs.append(((qmb.shape[0], qmb.shape[1], qr.args.hidden_size),
+                              qr.neighbour(-1 if q.kind == "RF" else 1), _message_tag(self.tag_base, q), qr.dtype))
+            for q, buf in zip(self.pending, self.chan.recv_all(specs)):
+                self.received[(q.pipe, q.kind, q.mb)] = buf
+            self.pending = []
+        self.chan.post()
+
+    # ---- computation --------------------------------------------------------------------------
+    def forward(self, act: Action) -> None:
+        self._post()
+        r = self._role(act)
+        rep, mb, t0 = self.replicas[r], self.mbs[r][act.mb], time.time()
+        x = mb["tokens"] if rep.is_first else self.received.pop((act.pipe, "RF", act.mb))
+        if not rep.is_first:
+            x.requires_grad_(True)
+        out = rep(x, attention_mask=mb["attn"])
+        if rep.is_last:
+            loss, stats = _loss(out, mb, {**self.p, **self.p["parts"][r]}, self.num_tokens[r])
+            for key, v in stats.items():
+                self.totals[r][key] = self.totals[r].get(key, 0.0) + v
+            self.saved[r][act.mb] = (x, loss, None)
+        else:
+            self.to_send[(act.pipe, "SF", act.mb)] = out
+            self.saved[r][act.mb] = (x, None, out)
+        self._span(r, "forward", 1.0, t0, mb)
+
+    def backward(self, act: Action) -> None:
+        self._post()
+        r = self._role(act)
+        rep, mb, t0 = self.replicas[r], self.mbs[r][act.mb], time.time()
+        x, loss, out = self.saved[r].pop(act.mb)
+        if rep.is_last:
+            rep.backward(loss)
+        else:
+            rep.backward(None, output=out, grad=self.received.pop((act.pipe, "RB", act.mb)))
+        if not rep.is_first:
+            self.to_send[(act.pipe, "SB", act.mb)] = x.grad
+        self._span(r, "backward", 2.0, t0, mb)
+        self.spans[r] += [(kd, a, b, 0.0, 0.0) for kd, a, b in rep.micro_step()]
+
+    def _span(self, r: str, kind: str, factor: float, t0: float, mb: dict[str, Tensor]) -> None:
+        t1 = time.time()
+        self.first_start[r] = t0 if self.first_start[r] is None else self.first_start[r]
+        flops = factor * _flops(self.model_cfgs[r], self.replicas[r], float(mb["attn"].sum()), mb["attn"].shape[1])
+        self.spans[r].append((kind, t0, t1, flops, 0.0))
+
+    def end(self) -> float:
+        """Check every message was matched, flush the channel; returns the end time."""
+        if self.pending or self.received or self.to_send:
+            raise RuntimeError(f"train_fused: the action list left messages unmatched (receives not "
+                               f"consumed: {sorted(self.received)}, sends not posted: {sorted(self.to_send)})")
+        self.chan.flush()
+        return time.time()
