@@ -1,15 +1,27 @@
-"""The list scheduler: tasks + dependency edges + meshes -> start and end times.
+"""When a plan's units run: the one readiness rule of the project, for every driver.
 
 A unit (:mod:`harness.interpreter`) may start when every task it reads from has ended and every
-device of its meshes is free; devices are then busy until the unit releases them (all at its end,
-or earlier per device: generation instances freed by long-tail migration, RLHFuse section 4).
-Tasks on disjoint meshes therefore overlap and tasks on shared devices serialise. This is the one
-scheduler of the project: the simulator (:mod:`harness.planning.simulate`) and the planners that
-score candidate plans by their makespan (ReaLHF's search) both use it.
+device it occupies is free, and no unit earlier in the plan's unit order that is still waiting
+occupies any of them (a later unit never jumps an earlier one on shared devices); its devices are
+then busy until it releases them (all at its end, or earlier per device: generation instances
+freed by long-tail migration, RLHFuse section 4). Units on disjoint devices therefore overlap and
+units on shared devices run in plan order.
+
+Two drivers, one rule:
+
+- :class:`ListScheduler` times it: each unit in order starts at ``max(inputs ready, devices
+  free)``. The simulator (:mod:`harness.planning.simulate`) and the planners that score candidate
+  plans by their makespan (ReaLHF's search, :func:`schedule_durations`) use it.
+- :class:`UnitQueue` is the same rule without a clock, driven by events: the real backend asks
+  which units may start now and says when each has finished (``backend=ray``'s dispatcher).
+
+For fixed durations the two give the same start times (tested on every system's plan:
+``tests/harness/planning/test_scheduler.py``). Which devices a unit occupies is the driver's
+one input (a weight movement also occupies its source on ``backend=ray``; issue 27 notes it).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -57,3 +69,47 @@ def schedule_durations(plan: Plan, num_devices: int, duration_s: Callable[[Unit]
         end = start + duration_s(unit)
         sched.finish({n: end for n in unit.names}, unit.devices, end)
     return sched
+
+
+class UnitQueue:
+    """The readiness rule (module docstring) driven by events, with no clock. ``units`` in plan
+    order (:func:`harness.interpreter.execution_units`); ``devices_of(unit)`` the devices a unit
+    occupies. The driver calls :meth:`next_startable` until it returns None, :meth:`start` on each
+    unit it starts, and :meth:`finish` when one has finished."""
+
+    def __init__(self, plan: Plan, units: Sequence[Unit], devices_of: Callable[[Unit], Iterable[int]]):
+        self.deps = plan.dependencies()
+        self.waiting: list[Unit] = list(units)
+        self.devices = {id(u): set(devices_of(u)) for u in self.waiting}
+        self.finished: set[str] = set()
+        self.busy: set[int] = set()
+        self.num_running = 0
+
+    def ready(self, unit: Unit) -> bool:
+        """Every task the unit reads from (outside the unit) has finished."""
+        inside = set(unit.names)
+        return all(d in self.finished for n in unit.names for d in self.deps[n] if d not in inside)
+
+    def next_startable(self) -> Unit | None:
+        """The first waiting unit that may start now, or None."""
+        claimed: set[int] = set()  # devices of earlier units still waiting
+        for unit in self.waiting:
+            devices = self.devices[id(unit)]
+            if self.ready(unit) and not devices & (self.busy | claimed):
+                return unit
+            claimed |= devices
+        return None
+
+    def start(self, unit: Unit) -> set[int]:
+        """Mark ``unit`` running; returns the devices it now holds."""
+        self.waiting.remove(unit)
+        devices = self.devices.pop(id(unit))
+        self.busy |= devices
+        self.num_running += 1
+        return devices
+
+    def finish(self, names: Iterable[str], devices: Iterable[int]) -> None:
+        """Tasks ``names`` have finished and ``devices`` are free again (a unit's, at its end)."""
+        self.finished.update(names)
+        self.busy.difference_update(devices)
+        self.num_running -= 1

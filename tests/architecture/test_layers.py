@@ -8,6 +8,9 @@
   against), and systems never import baselines.
 - The harness core (``harness`` outside ``planning``/``backends``/``figures``) never imports
   systems or baselines by name; they are discovered.
+- Backends decide nothing about when a unit may start: they never read the plan's dependency
+  graph (``Plan.dependencies``), the input of the one readiness rule in
+  ``harness.planning.scheduler`` (issue 27).
 """
 from __future__ import annotations
 
@@ -127,3 +130,13 @@ def test_harness_core_never_names_a_system():
 @pytest.mark.parametrize("prefix", ["harness.planning", "harness.backends"])
 def test_layer_exists(prefix):
     assert any(m.startswith(prefix) for m in project_modules())
+
+
+def test_backends_define_no_readiness_rule():
+    """Only harness.planning.scheduler reads the dependency graph to decide what may start."""
+    readers = []
+    for path in sorted((ROOT / "harness" / "backends").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "dependencies":
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert readers == []

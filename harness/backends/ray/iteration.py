@@ -1,10 +1,10 @@
 """One PPO iteration of a plan on the device workers (driver side).
 
 The plan's units (:func:`harness.interpreter.execution_units`) are dispatched by one handler per
-task kind, *concurrently*: a unit starts as soon as every task it reads from has finished and no
-device it uses is busy or claimed by an earlier unit still waiting (the list-scheduling rule of
-:mod:`harness.planning.scheduler`, so on shared devices units run in plan order and on disjoint
-devices they overlap, as the simulator assumes). Each handler starts its work on the workers and
+task kind, *concurrently*: a unit starts when the planning library's readiness rule says so
+(:class:`harness.planning.scheduler.UnitQueue`, the rule the simulator times: every task it reads
+from has finished and no device it uses is busy or claimed by an earlier unit still waiting, so on
+shared devices units run in plan order and on disjoint devices they overlap). Each handler starts its work on the workers and
 returns a completion step, which the driver runs when every device has answered; spans carry
 the workers' own clocks, so the trace shows the real overlap. the driver routes per-sample
 data (prompts, responses, log-probs, values, scores, advantages) between them. Before a task
@@ -43,6 +43,7 @@ from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
 from harness.plan import Allocation, Plan, Task, TaskKind
 from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
+from harness.planning.scheduler import UnitQueue
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.real.digest import weights_digest
 from harness.schedule import Schedule
@@ -94,52 +95,46 @@ class Iteration(PlanInterpreter):
         return devices
 
     def _dispatch(self, units: list[Unit]) -> None:
-        table, deps = self.handlers(), self.plan.dependencies()
-        finished: set[str] = set()
-        waiting = list(units)
-        running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
-        busy: set[int] = set()
+        """Start every unit as soon as the planning library's readiness rule allows
+        (:class:`harness.planning.scheduler.UnitQueue`), run its completion when it finishes."""
+        table = self.handlers()
         # a generate unit and the inference unit consuming its stream run as one (inter_stage.py)
-        streams = {u.stream_from: u for u in waiting if u.stream_from is not None}
-        waiting = [u for u in waiting if u.stream_from is None]
+        streams = {u.stream_from: u for u in units if u.stream_from is not None}
+
+        def devices_of(unit: Unit) -> set[int]:
+            consumer = streams.get(unit.names[0]) if unit.kind == TaskKind.GENERATE else None
+            return self._devices(unit) | (set(consumer.devices) if consumer is not None else set())
+
+        queue = UnitQueue(self.plan, [u for u in units if u.stream_from is None], devices_of)
+        running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
 
         def settle_one() -> None:  # wait for the next running unit to finish and record it
             done = self.b.collect([c for _, c, _, _ in running.values()])
             unit, _, finish, devices = running.pop(id(done))
             finish(done.results)
-            finished.update(unit.names)
-            busy.difference_update(devices)
+            queue.finish(unit.names, devices)
             if not running:  # freeing is a call on the copy's devices: only when none is busy
-                self._release_finished(finished)
+                self._release_finished(queue.finished)
 
-        while waiting or running:
-            claimed: set[int] = set()  # devices of earlier units still waiting: later ones may not jump them
-            streamed = False
-            for unit in list(waiting):
-                devices = self._devices(unit)
+        while queue.waiting or running:
+            unit = queue.next_startable()
+            while unit is not None:
+                devices = queue.start(unit)
                 consumer = streams.get(unit.names[0]) if unit.kind == TaskKind.GENERATE else None
                 if consumer is not None:
-                    devices |= set(consumer.devices)
-                inside = set(unit.names)
-                ready = all(d in finished for n in unit.names for d in deps[n] if d not in inside)
-                if ready and not devices & (busy | claimed):
-                    waiting.remove(unit)
-                    if consumer is not None:
-                        while running:  # the stream holds its devices by itself: settle the rest first
-                            settle_one()
-                        StreamedGeneration(self, unit, consumer).run()
-                        finished.update(unit.names + consumer.names)
-                        self._release_finished(finished)
-                        streamed = True
-                        break  # re-scan: new units may be ready
+                    while running:  # the stream holds its devices by itself: settle the rest first
+                        settle_one()
+                    StreamedGeneration(self, unit, consumer).run()
+                    queue.finish(unit.names + consumer.names, devices)
+                    self._release_finished(queue.finished)
+                else:
                     call, finish = table[unit.kind](unit)
                     running[id(call)] = (unit, call, finish, devices)
-                    busy.update(devices)
-                claimed |= devices
-            if streamed:
-                continue
+                unit = queue.next_startable()
             if not running:
-                raise RuntimeError(f"no unit of {[u.label for u in waiting]} can start (plan dependencies)")
+                if queue.waiting:
+                    raise RuntimeError(f"no unit of {[u.label for u in queue.waiting]} can start (plan dependencies)")
+                break
             settle_one()
 
     # ---- freeing copies whose phase has ended ------------------------------------------------
