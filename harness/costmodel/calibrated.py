@@ -339,32 +339,12 @@ class CalibratedCompute:
             return max(gpu_s, d.num_layers * launches * EAGER_HOST_S_PER_LAUNCH)
         raise ValueError(f"generation engine must be one of {ENGINES}, not {engine!r}")
 
-    def decode_step_gpu_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                          tp: int = 1, pp: int = 1) -> float:
-        if batch_size <= 0:
-            return 0.0
-        d = ModelDims.of(model)
-        num_mbs = min(pp, batch_size)
-        return self._pipelined_s(d, batch_size, context_tokens_total / batch_size,
-                                 context_tokens_total, batch_size, tp, pp, num_mbs)
-
-    def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                      tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: Optional[int] = None) -> float:
-        if batch_size <= 0:
-            return 0.0
-        gpu_s = self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp)
-        return self._with_engine(ModelDims.of(model), gpu_s, engine, launches_per_layer)
-
-    def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: float, num_steps: int,
-                      tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: Optional[int] = None) -> list[float]:
-        """:meth:`decode_step_s` of ``num_steps`` consecutive steps (contexts ``c, c + b, ...``),
-        bit for bit: the pieces of a step that do not depend on the context (linear ops, head,
-        all-reduces, pipeline hops) are computed once, only the attention core per step."""
-        if batch_size <= 0:
-            return [0.0] * num_steps
-        d = ModelDims.of(model)
+    def _decode_span_gpu_s(self, d: ModelDims, batch_size: int, context_tokens_total: float, num_steps: int,
+                           tp: int, pp: int) -> list[float]:
+        """GPU time of ``num_steps`` consecutive decode steps (contexts ``c, c + b, ...``) by the
+        pipeline rule of :meth:`_pipelined_s` (one micro-batch per stage, up to ``pp``): the parts of
+        a step that do not depend on the context (linear ops, head, all-reduces, pipeline hops) are
+        computed once, the attention core per step. ``batch_size`` must be positive."""
         num_mbs = min(pp, batch_size)
         mb = batch_size / num_mbs
         linear = self.linear_layer_s(d, tp, mb)
@@ -378,8 +358,33 @@ class CalibratedCompute:
             time_s += comm
             if hop is not None:
                 time_s += hop
-            out.append(self._with_engine(d, time_s, engine, launches_per_layer))
+            out.append(time_s)
         return out
+
+    def decode_step_gpu_s(self, model: Any, batch_size: int, context_tokens_total: float,
+                          tp: int = 1, pp: int = 1) -> float:
+        if batch_size <= 0:
+            return 0.0
+        return self._decode_span_gpu_s(ModelDims.of(model), batch_size, context_tokens_total, 1, tp, pp)[0]
+
+    def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
+                      tp: int = 1, pp: int = 1, engine: str = "graph",
+                      launches_per_layer: Optional[int] = None) -> float:
+        if batch_size <= 0:
+            return 0.0
+        gpu_s = self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp)
+        return self._with_engine(ModelDims.of(model), gpu_s, engine, launches_per_layer)
+
+    def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: float, num_steps: int,
+                      tp: int = 1, pp: int = 1, engine: str = "graph",
+                      launches_per_layer: Optional[int] = None) -> list[float]:
+        """:meth:`decode_step_s` of ``num_steps`` consecutive steps (contexts ``c, c + b, ...``),
+        bit for bit, in one pass (:meth:`_decode_span_gpu_s`)."""
+        if batch_size <= 0:
+            return [0.0] * num_steps
+        d = ModelDims.of(model)
+        return [self._with_engine(d, g, engine, launches_per_layer)
+                for g in self._decode_span_gpu_s(d, batch_size, context_tokens_total, num_steps, tp, pp)]
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, engine: str = "graph",

@@ -63,20 +63,22 @@ def inference_s(ctx: PlanContext, task: Task, batch: Batch) -> float:
                               ctx.workload.micro_batch_size, 0.0, record_spans=False).end_s
 
 
-def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> float:
-    plan = Plan(system="estimate", tasks=[task], training=[stage], mini_batch_size=mini_batch_size,
+def _one_task_plan(task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> Plan:
+    return Plan(system="estimate", tasks=[task], training=[stage], mini_batch_size=mini_batch_size,
                 global_batch_size=batch.num_samples)
-    seq = batch.prompt_lens + batch.output_lens
-    return simulate_training(ctx.cost_model, plan, stage, ctx.models, seq,
+
+
+def training_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> float:
+    plan = _one_task_plan(task, stage, mini_batch_size, batch)
+    return simulate_training(ctx.cost_model, plan, stage, ctx.models, batch.prompt_lens + batch.output_lens,
                              ctx.workload.activation_recompute, 0.0, record_spans=False).end_s
 
 
 def training_bound_s(ctx: PlanContext, task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> float:
     """A lower bound of :func:`training_s` (``passes.training_work_bound_s``): cheap, no schedule timed."""
-    plan = Plan(system="estimate", tasks=[task], training=[stage], mini_batch_size=mini_batch_size,
-                global_batch_size=batch.num_samples)
-    seq = batch.prompt_lens + batch.output_lens
-    return training_work_bound_s(ctx.cost_model, plan, stage, ctx.models, seq, ctx.workload.activation_recompute)
+    plan = _one_task_plan(task, stage, mini_batch_size, batch)
+    return training_work_bound_s(ctx.cost_model, plan, stage, ctx.models, batch.prompt_lens + batch.output_lens,
+                                 ctx.workload.activation_recompute)
 
 
 def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task], moves: dict) -> float:

@@ -39,7 +39,6 @@ carry per task.
 from __future__ import annotations
 
 import math
-
 from typing import Iterable, Optional
 
 from harness.errors import PlanError
@@ -204,7 +203,7 @@ class LayoutSearch:
         self.ctx.report(f"{self.name}: actor and critic training layouts")
         tiers = {task: self.training_tiers(task, role) for task, role in TRAINING}
         levels = max(len(t) for t in tiers.values())
-        stages, times = {}, {}
+        stages, times, bounds = {}, {}, {}
         fallback = [(step, opts) for step, opts in self.fallback_options.items() if step in self.ledger.later]
 
         def need_of(task, role, cand):
@@ -233,7 +232,6 @@ class LayoutSearch:
                 bounds[task, cand] = training_bound_s(self.ctx, Task(task, "train", role, Allocation(self.mesh, cand[0])),
                                                       stages[task, cand], w.mini_batch_size, self.batch)
             return bounds[task, cand]
-        bounds: dict = {}
 
         (ta, ra), (tc, rc) = TRAINING
         plans = [(False, level) for level in range(levels)] + ([(True, level) for level in range(levels)]

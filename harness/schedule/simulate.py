@@ -74,7 +74,7 @@ class _Structure:
             f_base = len(self.home)
             b_base = f_base + S * M
             self.pipe_slots[pipe.name] = (f_base, b_base, S, M, ranks)
-            for kind, base in (("F", f_base), ("B", b_base)):
+            for kind in ("F", "B"):
                 for s in range(S):
                     for mb in range(M):
                         self.home.append(ranks[s])

@@ -40,7 +40,6 @@ from harness.interpreter import Unit
 from harness.trace import SampleRecord
 
 
-
 class StreamedGeneration:
     def __init__(self, it, gen_unit: Unit, stream_unit: Unit):
         self.it, self.b = it, it.b

@@ -49,6 +49,7 @@ from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.incremental import chain_tails
 from systems.rlhfuse.intra.pipes import model_index
 
+
 def model_priority(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]) -> dict[str, int]:
     """Pipe name -> priority class (0 = scheduled first): models sorted by mean per-stage
     ``F + B`` (larger first), ties by model order (model 1 first)."""
