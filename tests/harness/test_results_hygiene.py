@@ -69,7 +69,9 @@ def test_a_killed_run_leaves_staging_that_the_next_run_removes(tmp_path):
 
 def test_concurrent_identical_runs_do_the_work_once(tmp_path):
     root = tmp_path / "results"
-    args = [*RUN, "backend.num_iterations=1500", f"results_dir={root}"]
+    # the first run must still be writing when the second has started up (~3 s here): ~10 s of
+    # simulation (1,500 iterations had become too short a margin once the simulator got faster)
+    args = [*RUN, "backend.num_iterations=6000", f"results_dir={root}"]
     first = start(args, tmp_path / "a")
     wait_for_staging(root, first)
     second = start(args, tmp_path / "b")
