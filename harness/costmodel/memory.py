@@ -19,7 +19,9 @@ between the first and last stage), so the heaviest stage is as if untied.
 Training state follows the ZeRO paper (Rajbhandari et al., SC'20, section 3.1): mixed-
 precision Adam keeps 2 bytes/param of bf16 weights, 2 of bf16 gradients and K = 12 of fp32
 master weights, momentum and variance. ZeRO-1 shards the 12, ZeRO-2 also the gradients,
-ZeRO-3 the weights as well.
+ZeRO-3 the weights as well. ZeRO-Offload (Ren et al., ATC'21, section 4) moves the 12 to host
+memory and with them the gradients: each reduced gradient bucket is copied to the host, so the
+device keeps only the bucket being reduced (``OFFLOAD_GRAD_BUCKET_PARAMS``), not the gradients.
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", Table 2 (bytes per layer, ``s`` sequence, ``b`` micro-batch, ``h``
@@ -53,6 +55,10 @@ GB = 1e9
 WEIGHT_BYTES = 2  # bf16 weights
 GRAD_BYTES = 2  # bf16 gradients
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam momentum + variance ("K = 12")
+# ZeRO-Offload's gradient buffer on the device: DeepSpeed's default ``reduce_bucket_size``, 5e8
+# elements (deepspeed.ai/docs/config-json, "zero_optimization"), which neither DeepSpeed-Chat nor
+# OpenRLHF change. Gradients beyond one bucket leave the device as they are reduced.
+OFFLOAD_GRAD_BUCKET_PARAMS = 5e8
 
 # Logits are kept in fp32 for a numerically stable softmax / cross-entropy.
 LOGIT_BYTES = 4
@@ -79,15 +85,18 @@ def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYT
 
 def training_state_gb(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
                       zero_stage: int = 0, optimizer_offload: bool = False) -> float:
-    """Weights + gradients + Adam states on one device under ZeRO stage 0-3; without the Adam states
-    when ``optimizer_offload`` keeps them in host memory (ZeRO-Offload)."""
+    """Weights + gradients + Adam states on one device under ZeRO stage 0-3. With
+    ``optimizer_offload`` (ZeRO-Offload) the Adam states live in host memory and the gradients
+    follow them there, one reduce bucket at a time: the device keeps at most one bucket."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
     params = max_stage_params(model, pp) / tp
     weights = WEIGHT_BYTES / (dp if zero_stage >= 3 else 1)
-    grads = GRAD_BYTES / (dp if zero_stage >= 2 else 1)
-    optimizer = 0.0 if optimizer_offload else OPTIMIZER_BYTES / (dp if zero_stage >= 1 else 1)
-    return params * (weights + grads + optimizer) / GB
+    grads = params * GRAD_BYTES / (dp if zero_stage >= 2 else 1)
+    if optimizer_offload:
+        return (params * weights + min(grads, OFFLOAD_GRAD_BUCKET_PARAMS * GRAD_BYTES)) / GB
+    optimizer = OPTIMIZER_BYTES / (dp if zero_stage >= 1 else 1)
+    return (params * (weights + optimizer) + grads) / GB
 
 
 def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: float,

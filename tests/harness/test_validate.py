@@ -89,16 +89,14 @@ def test_committed_replay_file_reads_and_a_point_replays_deterministically():
     assert first == second and first[0]["predicted"] > 0 and first[0]["measured"] == 1184.31
 
 
-# The calibration set's points (graded A or B in ../shared/published/measurements.jsonl) that the
-# replay file cannot express yet, each with the reason docs/VALIDATION.md gives.
-NOT_EXPRESSED = {"P002", "P005"}
+# The calibration set: the points graded A or B in ../shared/published/measurements.jsonl.
 GRADED_A_OR_B = {f"P{i:03d}" for i in [*range(1, 15), *range(21, 30), *range(37, 46), 56, 57, 58, 70, 72]}
 
 
 def test_replay_file_covers_the_calibration_set():
     ids = {p.id.split(".")[0] for p in validate.read_replay(REPLAY)}
     assert len(GRADED_A_OR_B) == 37
-    assert ids == GRADED_A_OR_B - NOT_EXPRESSED
+    assert ids == GRADED_A_OR_B
 
 
 def test_a_subset_of_every_source_replays_in_ci():

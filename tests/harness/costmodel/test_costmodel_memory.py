@@ -42,6 +42,19 @@ def test_training_state_13b_zero_stages_dp256(zero_stage, bytes_per_param):
     assert got == pytest.approx(bytes_per_param * P13 / 1e9, rel=REL)
 
 
+@pytest.mark.parametrize("dp, zero_stage, weight_bytes, grad_gb", [
+    (1, 3, 2, 1.0),  # one GPU: all 26 GB of bf16 gradients would exceed one 5e8-element bucket
+    (4, 2, 2, 1.0),  # ZeRO-2 over 4: 6.5 GB of gradient shard, still one bucket on the device
+    (64, 3, 2 / 64, 2 * P13 / 64 / 1e9),  # a shard smaller than a bucket stays whole
+])
+def test_optimizer_offload_keeps_weights_and_one_gradient_bucket(dp, zero_stage, weight_bytes, grad_gb):
+    """ZeRO-Offload (Ren et al. ATC'21, section 4): Adam states and gradients live on the host; the
+    device keeps its bf16 weights (sharded under ZeRO-3) and at most one reduce bucket."""
+    got = training_state_gb(LLAMA["13b"], dp=dp, tp=1, pp=1, zero_stage=zero_stage, optimizer_offload=True)
+    assert got == pytest.approx(weight_bytes * P13 / 1e9 + grad_gb, rel=REL)
+    assert got < training_state_gb(LLAMA["13b"], dp=dp, tp=1, pp=1, zero_stage=zero_stage)
+
+
 def test_pipeline_stage_takes_the_heavier_end():
     m = LLAMA["13b"]
     # last stage: 20 layers + final norm + LM head (one h more than the embedding stage)
