@@ -62,7 +62,7 @@ What we reproduce, as plan data:
   gradient_accumulation_steps``, and the actor and critic pools may differ in dp, so the mini-batch
   must be a multiple of micro-batch x dp of both; otherwise the plan is refused, naming the keys.
 - **Concurrency**: ref, reward and values read only the responses and run on disjoint pools, so
-  the list scheduler runs them at the same time; so do ``update_actor`` and ``update_critic``
+  the scheduler runs them at the same time; so do ``update_actor`` and ``update_critic``
   (OpenRLHF trains both at once on their own GPUs). ``plan.notes["pools/<role>"]`` gives each
   pool's devices.
 

@@ -17,7 +17,7 @@ What we reimplement:
   memory-feasible plans only (the harness memory check).
 - **Search**: simulated annealing (Metropolis with a linearly cooled temperature) that changes one
   call's choice at a time (its strategy on the same mesh, or a new mesh and strategy), scored by
-  the makespan of an iteration under the planning library's list scheduler
+  the makespan of an iteration under the planning library's scheduler
   (:mod:`harness.planning.scheduler`): calls start when their inputs are ready and their devices
   free, so disjoint meshes overlap and overlapping ones serialise; reallocation costs come from
   :func:`harness.planning.realloc.reallocation_transfers`. Task durations are the simulator's own task
@@ -136,7 +136,7 @@ class RealHF(System):
             return t
 
         def makespan(plan: Plan) -> float:
-            """The plan's units list-scheduled (as the simulator does) with cached task durations."""
+            """The plan's units timed by the scheduler (as the simulator does) with cached task durations."""
             memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
             return schedule_durations(plan, ctx.num_devices, lambda unit: duration(unit, plan, memory)).makespan_s
 

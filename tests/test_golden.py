@@ -69,6 +69,17 @@ rewards) and waits for ``ref`` and ``gen``. Checked before applying it: on every
 model the plan is otherwise identical and every metric and note is unchanged (in all of these
 plans ``update_critic`` shares devices with ``ref`` and comes after it, so it already started after
 ``ref`` had ended), so no golden file was re-recorded for it.
+
+Edited on purpose (issue 27, item 1: one scheduler): the simulator now starts units through the
+event-driven scheduler (``harness.planning.scheduler``), the one ``backend=ray`` drives, and a weight
+movement occupies the devices it sends from as well as its target (as on ``backend=ray``). Every plan
+and every metric is unchanged except two notes and one last digit, edited in place:
+- ``realhf`` ``search/accepted`` 70 -> 66 (13b) and 66 -> 67 (65b_33b): a candidate whose movement's
+  source devices are busy now waits for them, so a few candidates' makespans differ and the
+  annealing accepts a different number of moves; it ends on the same plan with the same
+  ``search/best_estimate_s``;
+- ``disaggregated`` 65b_33b ``timing_s/realloc`` 0.0661246077176471 -> 0.06612460771764705: the
+  same spans summed in start order instead of plan order.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ backends use it, it never imports a backend (a test enforces that).
 | :mod:`.memory` | per-task, per-device memory feasibility of a plan |
 | :mod:`.realloc` | bytes each device receives when weights change layout (also used by the real backend) |
 | :mod:`.taskmodels` | per-task cost models: generation (with migration), streaming inference, inference, training, weight movement |
-| :mod:`.scheduler` | the one list scheduler: tasks + dependencies + meshes -> start/end times |
+| :mod:`.scheduler` | the one scheduler: readiness, device claims and releases, streams riding with their generator; driven by predicted times here, by completions on backend=ray |
 | :mod:`.simulate` | whole-plan simulation through the shared interpreter (what ``backend=sim`` runs) |
 | :mod:`.estimate` | task-time and whole-plan estimates for scoring candidates |
 """

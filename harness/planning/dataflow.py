@@ -1,7 +1,7 @@
 """What the PPO training tasks consume, traced back to the data the earlier tasks write.
 
 The one source of the training tasks' reads in :data:`harness.planning.workflow.PPO_TASKS`, hence
-of the dependency edges both the simulator's list scheduler and the Ray driver wait on
+of the dependency edges the one scheduler (simulator and Ray driver alike) waits on
 (:meth:`harness.plan.Plan.dependencies`).
 
 Each training loss reads per-sample tensors (:data:`LOSS_INPUTS`, the payload the Ray backend ships

@@ -1,4 +1,4 @@
-"""When a plan's units run: the one readiness rule of the project, for every driver.
+"""When a plan's units run: the one scheduler of the project, for every driver (issue 27).
 
 A unit (:mod:`harness.interpreter`) may start when every task it reads from has ended and every
 device it occupies is free, and no unit earlier in the plan's unit order that is still waiting
@@ -7,88 +7,74 @@ then busy until it releases them (all at its end, or earlier per device: generat
 freed by long-tail migration, RLHFuse section 4). Units on disjoint devices therefore overlap and
 units on shared devices run in plan order.
 
-Two drivers, one rule:
+The inference tasks that consume a generate task's stream (``Unit.stream_from``) ride with their
+generator: one entry of the queue, in the consumer's place in the unit order (after everything
+either reads from), ready when both units' inputs are, on the devices of both, started together
+(the consumer takes samples as generation finishes them, on devices as generation releases them).
 
-- :class:`ListScheduler` times it: each unit in order starts at ``max(inputs ready, devices
-  free)``. The simulator (:mod:`harness.planning.simulate`) and the planners that score candidate
-  plans by their makespan (ReaLHF's search, :func:`schedule_durations`) use it.
-- :class:`UnitQueue` is the same rule without a clock, driven by events: the real backend asks
-  which units may start now and says when each has finished (``backend=ray``'s dispatcher).
+:class:`UnitQueue` is that rule without a clock, driven by events: a driver asks which units may
+start now, and says when tasks have finished and devices were released. Two drivers:
 
-For fixed durations the two give the same start times (tested on every system's plan:
-``tests/harness/planning/test_scheduler.py``). Which devices a unit occupies is the driver's
-one input (a weight movement also occupies its source on ``backend=ray``; issue 27 notes it).
+- :func:`run_timed` drives it with predicted times: each started unit's handler returns when its
+  tasks end and its devices are released (:class:`Timing`), and the queue is advanced event by
+  event in time order. The simulator (:mod:`harness.planning.simulate`) and the planners that
+  score candidate plans by their makespan (ReaLHF's search, :func:`schedule_durations`) use it.
+- ``backend=ray``'s dispatcher (:mod:`harness.backends.ray.iteration`) drives it with the
+  completions of its workers' calls.
+
+Which devices a unit occupies is :func:`unit_devices`, the same for both drivers.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from harness.errors import PlanError
 from harness.interpreter import Unit, execution_units
 from harness.plan import Plan
 
 
-class ListScheduler:
-    def __init__(self, plan: Plan, num_devices: int):
-        self.deps = plan.dependencies()
-        self.end_s: dict[str, float] = {}
-        self.device_free_s = np.zeros(num_devices)
-
-    def ready_s(self, unit: Unit) -> float:
-        """When the unit's inputs are ready: the last end among the tasks it depends on."""
-        inside = set(unit.names)
-        return max((self.end_s[d] for n in unit.names for d in self.deps[n] if d not in inside), default=0.0)
-
-    def free_s(self, devices: Iterable[int]) -> float:
-        devices = list(devices)
-        return float(self.device_free_s[devices].max()) if devices else 0.0
-
-    def start_s(self, unit: Unit) -> float:
-        return max(self.ready_s(unit), self.free_s(unit.devices))
-
-    def finish(self, end_s: dict[str, float], devices: Iterable[int], release_s: float,
-               early_release_s: dict[int, float] | None = None) -> None:
-        """Record the tasks' ends; ``devices`` are busy until ``release_s`` (or, for those in
-        ``early_release_s``, until their own time)."""
-        self.end_s.update(end_s)
-        self.device_free_s[list(devices)] = release_s
-        for device, t in (early_release_s or {}).items():
-            self.device_free_s[device] = t
-
-    @property
-    def makespan_s(self) -> float:
-        return max(self.end_s.values(), default=0.0)
-
-
-def schedule_durations(plan: Plan, num_devices: int, duration_s: Callable[[Unit], float]) -> ListScheduler:
-    """List-schedule ``plan`` with a fixed duration per unit (planners' quick makespan estimate)."""
-    sched = ListScheduler(plan, num_devices)
-    for unit in execution_units(plan):
-        start = sched.start_s(unit)
-        end = start + duration_s(unit)
-        sched.finish({n: end for n in unit.names}, unit.devices, end)
-    return sched
+def unit_devices(plan: Plan, unit: Unit, consumer: Unit | None = None) -> set[int]:
+    """The devices a unit occupies while it runs: its tasks' meshes, those of the stream consumer
+    that rides with it, and for a weight movement the devices it sends from (its source layout's)."""
+    devices = set(unit.devices) | (set(consumer.devices) if consumer is not None else set())
+    for name in unit.names:
+        move = plan.movement_of(name)
+        if move is not None:
+            devices |= set(move.source.mesh)
+    return devices
 
 
 class UnitQueue:
     """The readiness rule (module docstring) driven by events, with no clock. ``units`` in plan
-    order (:func:`harness.interpreter.execution_units`); ``devices_of(unit)`` the devices a unit
-    occupies. The driver calls :meth:`next_startable` until it returns None, :meth:`start` on each
-    unit it starts, and :meth:`finish` when one has finished."""
+    order (:func:`harness.interpreter.execution_units`). The driver calls :meth:`next_startable`
+    until it returns None and :meth:`start` on each unit it starts; then :meth:`finish` when tasks
+    have finished and :meth:`release` when devices are free again (or both at once)."""
 
-    def __init__(self, plan: Plan, units: Sequence[Unit], devices_of: Callable[[Unit], Iterable[int]]):
+    def __init__(self, plan: Plan, units: Sequence[Unit]):
         self.deps = plan.dependencies()
-        self.waiting: list[Unit] = list(units)
-        self.devices = {id(u): set(devices_of(u)) for u in self.waiting}
+        self.consumers = {u.stream_from: u for u in units if u.stream_from is not None}
+        by_name = {u.names[0]: u for u in units if len(u.names) == 1}
+        # a generator waits in its consumer's place (its own place left empty)
+        self.waiting: list[Unit] = [by_name[u.stream_from] if u.stream_from is not None else u for u in units
+                                    if self.consumer_of(u) is None]
+        self.devices = {id(u): unit_devices(plan, u, self.consumer_of(u)) for u in self.waiting}
         self.finished: set[str] = set()
         self.busy: set[int] = set()
-        self.num_running = 0
+
+    def consumer_of(self, unit: Unit) -> Unit | None:
+        """The inference unit consuming this generate unit's stream, if any (it starts with it)."""
+        return self.consumers.get(unit.names[0]) if len(unit.names) == 1 else None
 
     def ready(self, unit: Unit) -> bool:
-        """Every task the unit reads from (outside the unit) has finished."""
-        inside = set(unit.names)
-        return all(d in self.finished for n in unit.names for d in self.deps[n] if d not in inside)
+        """Every task the unit (and its stream consumer) reads from outside them has finished."""
+        consumer = self.consumer_of(unit)
+        names = unit.names + (consumer.names if consumer is not None else ())
+        return all(d in self.finished for n in names for d in self.deps[n] if d not in names)
 
     def next_startable(self) -> Unit | None:
         """The first waiting unit that may start now, or None."""
@@ -101,15 +87,98 @@ class UnitQueue:
         return None
 
     def start(self, unit: Unit) -> set[int]:
-        """Mark ``unit`` running; returns the devices it now holds."""
+        """Mark ``unit`` (and its stream consumer) running; returns the devices it now holds."""
         self.waiting.remove(unit)
         devices = self.devices.pop(id(unit))
         self.busy |= devices
-        self.num_running += 1
         return devices
 
-    def finish(self, names: Iterable[str], devices: Iterable[int]) -> None:
-        """Tasks ``names`` have finished and ``devices`` are free again (a unit's, at its end)."""
+    def finish(self, names: Iterable[str], devices: Iterable[int] = ()) -> None:
+        """Tasks ``names`` have finished; ``devices`` are free again."""
         self.finished.update(names)
+        self.release(devices)
+
+    def release(self, devices: Iterable[int]) -> None:
+        """``devices`` are free again (a unit's at its end, or some of them earlier)."""
         self.busy.difference_update(devices)
-        self.num_running -= 1
+
+    def stuck(self) -> PlanError:
+        return PlanError(f"no unit of {[u.label for u in self.waiting]} can ever start (plan dependencies)")
+
+
+@dataclass
+class Timing:
+    """What a started unit's handler predicts: when each of its tasks ends and when each of its
+    devices is released (every device it holds, once)."""
+    end_s: dict[str, float]
+    release_s: dict[int, float]
+
+
+@dataclass
+class Timeline:
+    """The result of :func:`run_timed`: each unit's start, each task's end, each device's last
+    release."""
+    num_devices: int
+    start_s: dict[str, float] = field(default_factory=dict)  # by unit label
+    end_s: dict[str, float] = field(default_factory=dict)  # by task name
+    device_free_s: np.ndarray = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.device_free_s is None:
+            self.device_free_s = np.zeros(self.num_devices)
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.end_s.values(), default=0.0)
+
+
+def run_timed(plan: Plan, num_devices: int, start: Callable[[Unit, float, UnitQueue], Timing],
+              units: Sequence[Unit] | None = None) -> Timeline:
+    """Drive a :class:`UnitQueue` with predicted times: start every startable unit at the current
+    time (``start(unit, now_s, queue)`` returns its :class:`Timing`), then advance to the next
+    event (a task's end or a device's release) in time order, ties in the order they were
+    predicted."""
+    queue = UnitQueue(plan, execution_units(plan) if units is None else units)
+    timeline = Timeline(num_devices)
+    events: list[tuple[float, int, tuple[str, ...], tuple[int, ...]]] = []
+    order = itertools.count()
+    now = 0.0
+    while queue.waiting or events:
+        unit = queue.next_startable()
+        while unit is not None:
+            held = queue.start(unit)
+            timeline.start_s[unit.label] = now
+            timing = start(unit, now, queue)
+            if set(timing.release_s) != held:
+                raise PlanError(f"{unit.label} holds devices {sorted(held)} but releases {sorted(timing.release_s)}")
+            timeline.end_s.update(timing.end_s)
+            for t, names in _by_time(timing.end_s.items()):
+                heapq.heappush(events, (t, next(order), names, ()))
+            for t, devices in _by_time(timing.release_s.items()):
+                heapq.heappush(events, (t, next(order), (), devices))
+                timeline.device_free_s[list(devices)] = t
+            unit = queue.next_startable()
+        if not events:
+            if queue.waiting:
+                raise queue.stuck()
+            break
+        now, _, names, devices = heapq.heappop(events)
+        queue.finish(names, devices)
+    return timeline
+
+
+def _by_time(pairs) -> list[tuple[float, tuple]]:
+    groups: dict[float, list] = {}
+    for key, t in pairs:
+        groups.setdefault(t, []).append(key)
+    return sorted((t, tuple(keys)) for t, keys in groups.items())
+
+
+def schedule_durations(plan: Plan, num_devices: int, duration_s: Callable[[Unit], float]) -> Timeline:
+    """The plan timed with a fixed duration per unit (planners' quick makespan estimate)."""
+    def start(unit: Unit, now: float, queue: UnitQueue) -> Timing:
+        end = now + duration_s(unit)
+        consumer = queue.consumer_of(unit)
+        names = unit.names + (consumer.names if consumer is not None else ())
+        return Timing({n: end for n in names}, {d: end for d in unit_devices(plan, unit, consumer)})
+    return run_timed(plan, num_devices, start)

@@ -1,12 +1,13 @@
 """Whole-plan simulation: one PPO iteration of a plan over the cost model, as a StepTrace.
 
-The plan's units (:mod:`harness.interpreter`) are list-scheduled (:mod:`harness.planning.scheduler`)
-and each is timed by its task model (:mod:`harness.planning.taskmodels`), one handler per task kind:
+The plan's units (:mod:`harness.interpreter`) are started by the project's one scheduler
+(:mod:`harness.planning.scheduler`, driven here by predicted times) and each is timed by its task model (:mod:`harness.planning.taskmodels`), one handler per task kind:
 
 - ``generate``: token-level generation (continuous or static batching, long-tail migration);
   instances released early by migration free their devices early;
-- ``inference``: pipelined forward passes, or, for a unit consuming a stream, samples taken as
-  generation finishes them on replicas as their devices are released (RLHFuse section 4);
+- ``inference``: pipelined forward passes; a unit consuming a stream starts with its generator and
+  takes samples as generation finishes them, on replicas as their devices are released (RLHFuse
+  section 4);
 - ``train``: the stage's pipeline schedule per mini-batch (fused or not), gradient sync, optimizer;
 - ``weight_movement``: reallocation / parameter-sync bytes over the links.
 
@@ -15,7 +16,7 @@ here depends on which system produced the plan.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from harness.errors import PlanError
 from harness.interpreter import PlanInterpreter, Unit
 from harness.plan import Plan, TaskKind
 from harness.planning.memory import MemoryReport
-from harness.planning.scheduler import ListScheduler
+from harness.planning.scheduler import Timing, UnitQueue, run_timed, unit_devices
 from harness.planning.taskmodels.generation import GenerationResult, padded_lengths, simulate_generation
 from harness.planning.taskmodels.passes import (PassResult, simulate_inference, simulate_training,
                                                 simulate_weight_movement)
@@ -37,7 +38,9 @@ from harness.workload import Batch
 
 class PlanSimulator(PlanInterpreter):
     """Simulates one iteration of ``plan`` on ``batch``; ``memory`` is the plan's memory report
-    (KV capacity per generate task, per-device peaks)."""
+    (KV capacity per generate task, per-device peaks). The project's scheduler
+    (:func:`harness.planning.scheduler.run_timed`) starts each unit; its handler predicts when the
+    unit's tasks end and its devices are released."""
 
     def __init__(self, ctx: PlanContext, plan: Plan, memory: MemoryReport, iteration: int, batch: Batch):
         self.ctx, self.cm, self.plan, self.memory, self.batch = ctx, ctx.cost_model, plan, memory, batch
@@ -47,81 +50,90 @@ class PlanSimulator(PlanInterpreter):
             if plan.engines.generation.pad_prompts_to_max:  # every prompt padded to the longest allowed
                 self.prompt_lens = np.full_like(batch.prompt_lens, ctx.workload.prompt_len.max)
         self.trace = StepTrace(iteration=iteration, num_devices=ctx.num_devices)
-        self.sched = ListScheduler(plan, ctx.num_devices)
         gen_dp = max((t.allocation.strategy.dp for t in plan.tasks if t.kind == TaskKind.GENERATE), default=1)
         # what later passes see: own lengths, or padded to the longest of a generation round
         self.seq_lens = padded_lengths(plan.generation, gen_dp, self.prompt_lens, batch.output_lens)
         self.moves = {m.task: m for m in plan.weight_movements}
-        self.generated: dict[str, GenerationResult] = {}  # generate task -> its result (for streams)
+        self.now_s = 0.0  # the start of the unit being handled
+        self.consumer: Unit | None = None  # the stream consumer starting with it, if any
 
-    def handlers(self) -> dict[TaskKind, Callable[[Unit], Any]]:
+    def handlers(self) -> dict[TaskKind, Callable[[Unit], Timing]]:
         return {TaskKind.GENERATE: self.generate, TaskKind.INFERENCE: self.inference,
                 TaskKind.TRAIN: self.train, TaskKind.WEIGHT_MOVEMENT: self.weight_movement}
 
     def run(self) -> StepTrace:
-        self.run_units(self.plan)
+        table = self.handlers()
+
+        def start(unit: Unit, now_s: float, queue: UnitQueue) -> Timing:
+            self.now_s, self.consumer = now_s, queue.consumer_of(unit)
+            return table[unit.kind](unit)
+
+        run_timed(self.plan, self.ctx.num_devices, start)
         self.trace.memory_gb = dict(self.memory.peak_gb)
         return self.trace
 
-    def _record(self, unit: Unit, result: PassResult, early_release_s: dict[int, float] | None = None) -> None:
-        self.sched.finish({n: result.end_s for n in unit.names}, unit.devices, result.end_s, early_release_s)
+    def _record(self, unit: Unit, result: PassResult) -> Timing:
         self.trace.spans.extend(result.spans)
         self.trace.pipelines.extend(result.pipelines)
         self.trace.samples.extend(result.samples)
+        return Timing({n: result.end_s for n in unit.names},
+                      {d: result.end_s for d in unit_devices(self.plan, unit)})
 
-    # ---- handlers, one per task kind ------------------------------------------------------
-    def generate(self, unit: Unit) -> None:
+    # ---- handlers, one per task kind: predict the unit's Timing from its start ---------------
+    def generate(self, unit: Unit) -> Timing:
         (task,) = unit.tasks
         gen = simulate_generation(self.cm, task, self.plan.generation, self.ctx.model(task.model),
-                                  self.prompt_lens, self.batch.output_lens, self.sched.start_s(unit),
+                                  self.prompt_lens, self.batch.output_lens, self.now_s,
                                   self.memory.kv_capacity_gb[task.name], self.ctx.workload.max_gen_len)
-        self.generated[task.name] = gen
         spans = [s for inst in gen.instances for s in inst.spans]
-        self._record(unit, PassResult(spans, gen.end_s, [], gen.samples), gen.device_free_s())
+        timing = self._record(unit, PassResult(spans, gen.end_s, [], gen.samples))
+        timing.release_s.update(gen.device_free_s())  # instances released at migration free early
         policy = self.plan.generation.migration
         if policy is not None:
             self.trace.counters[mk.MIGRATED_SAMPLES] = gen.migrated_samples
             self.trace.counters[mk.TAIL_INSTANCES] = gen.tail_instances
             self.trace.counters[mk.MIGRATION_THRESHOLD_FRAC] = policy.threshold_frac
+        if self.consumer is not None:
+            self._streamed_inference(self.consumer, gen, timing)
+        return timing
 
-    def inference(self, unit: Unit) -> None:
-        if unit.stream_from is not None:
-            return self._streamed_inference(unit)
-        (task,) = unit.tasks
-        result = simulate_inference(self.cm, task, self.ctx.model(task.model), self.seq_lens,
-                                    self.ctx.workload.micro_batch_size, self.sched.start_s(unit),
-                                    offloaded=task.model in self.plan.offloaded)
-        self._record(unit, result)
-
-    def _streamed_inference(self, unit: Unit) -> None:
-        gen = self.generated.get(unit.stream_from)
-        if gen is None:
-            raise PlanError(f"{unit.label} stream from {unit.stream_from}, which must run before them")
+    def _streamed_inference(self, unit: Unit, gen: GenerationResult, timing: Timing) -> None:
+        """The inference unit consuming ``gen``'s stream, started with it: it takes samples as
+        generation finishes them, on each device once generation has released it."""
         allocations = {t.allocation for t in unit.tasks}
         if len(allocations) != 1:
             raise PlanError(f"{unit.label} stream from {unit.stream_from} and must share one allocation "
                             f"(got {[str(t.allocation.strategy) for t in unit.tasks]})")
         mesh = list(unit.tasks[0].allocation.mesh)
-        free = {d: float(self.sched.device_free_s[d]) for d in mesh}
+        free = {d: timing.release_s.get(d, self.now_s) for d in mesh}
         models = {t.model: self.ctx.model(t.model) for t in unit.tasks}
         streamed = simulate_streaming_inference(self.cm, list(unit.tasks), models, gen.samples, free,
                                                 self.ctx.workload.micro_batch_size, self.moves)
         end = max(streamed.end_s.values())
-        self.sched.finish(streamed.end_s, mesh, end)
+        timing.end_s.update(streamed.end_s)
+        timing.release_s.update({d: end for d in mesh})
         self.trace.spans.extend(streamed.spans)
 
-    def train(self, unit: Unit) -> None:
-        result = simulate_training(self.cm, self.plan, unit.stage, self.ctx.models, self.seq_lens,
-                                   self.ctx.workload.activation_recompute, self.sched.start_s(unit))
-        self._record(unit, result)
+    def inference(self, unit: Unit) -> Timing:
+        if unit.stream_from is not None:  # the scheduler starts a stream consumer with its generator
+            raise PlanError(f"{unit.label} stream from {unit.stream_from}, which must run with them")
+        (task,) = unit.tasks
+        result = simulate_inference(self.cm, task, self.ctx.model(task.model), self.seq_lens,
+                                    self.ctx.workload.micro_batch_size, self.now_s,
+                                    offloaded=task.model in self.plan.offloaded)
+        return self._record(unit, result)
 
-    def weight_movement(self, unit: Unit) -> None:
+    def train(self, unit: Unit) -> Timing:
+        result = simulate_training(self.cm, self.plan, unit.stage, self.ctx.models, self.seq_lens,
+                                   self.ctx.workload.activation_recompute, self.now_s)
+        return self._record(unit, result)
+
+    def weight_movement(self, unit: Unit) -> Timing:
         (task,) = unit.tasks
         if task.name not in self.moves:
             raise PlanError(f"weight-movement task {task.name} has no WeightMovement in the plan")
-        result = simulate_weight_movement(self.cm, self.moves[task.name], self.ctx.model(task.model),
-                                          self.sched.start_s(unit))
-        self._record(unit, result)
+        result = simulate_weight_movement(self.cm, self.moves[task.name], self.ctx.model(task.model), self.now_s)
+        return self._record(unit, result)
 
 
 def generation_gather_s(ctx: PlanContext, plan: Plan) -> float:

@@ -86,26 +86,12 @@ class Iteration(PlanInterpreter):
         return self.trace
 
     # ---- concurrent dispatch ----------------------------------------------------------------
-    def _devices(self, unit: Unit) -> set[int]:
-        """Every device a unit may use: its meshes, and for a weight movement its sources too."""
-        devices = set(unit.devices)
-        if unit.kind == TaskKind.WEIGHT_MOVEMENT:
-            m = self.plan.movement_of(unit.names[0])
-            devices |= set(m.source.mesh) | set(self.b.home[m.model].mesh)
-        return devices
-
     def _dispatch(self, units: list[Unit]) -> None:
         """Start every unit as soon as the planning library's readiness rule allows
         (:class:`harness.planning.scheduler.UnitQueue`), run its completion when it finishes."""
         table = self.handlers()
-        # a generate unit and the inference unit consuming its stream run as one (inter_stage.py)
-        streams = {u.stream_from: u for u in units if u.stream_from is not None}
-
-        def devices_of(unit: Unit) -> set[int]:
-            consumer = streams.get(unit.names[0]) if unit.kind == TaskKind.GENERATE else None
-            return self._devices(unit) | (set(consumer.devices) if consumer is not None else set())
-
-        queue = UnitQueue(self.plan, [u for u in units if u.stream_from is None], devices_of)
+        # a generate unit and the inference unit consuming its stream start as one (inter_stage.py)
+        queue = UnitQueue(self.plan, units)
         running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
 
         def settle_one() -> None:  # wait for the next running unit to finish and record it
@@ -120,7 +106,7 @@ class Iteration(PlanInterpreter):
             unit = queue.next_startable()
             while unit is not None:
                 devices = queue.start(unit)
-                consumer = streams.get(unit.names[0]) if unit.kind == TaskKind.GENERATE else None
+                consumer = queue.consumer_of(unit)
                 if consumer is not None:
                     while running:  # the stream holds its devices by itself: settle the rest first
                         settle_one()

@@ -1,6 +1,6 @@
 """``backend=sim``: execute a Plan as discrete events over the cost model (docs/DESIGN.md section 4).
 
-The simulator's task models, list scheduler and whole-plan interpreter belong to the planning
+The simulator's task models, the scheduler driver and the whole-plan simulation belong to the planning
 library (:mod:`harness.planning.simulate`), because planners score candidate plans with the very
 same code; this backend is one user of it. It checks the plan's memory once (the report gives KV
 capacities and per-device peaks) and simulates each iteration on the harness's batch. It executes

@@ -1,9 +1,10 @@
-"""The list scheduler on hand-built tiny plans, against hand-computed start and end times."""
+"""The scheduler on hand-built tiny plans, against hand-computed start and end times, and driven
+by predicted times against the closed form of its rule on every system's plan."""
 import pytest
 
 from harness.interpreter import execution_units
 from harness.plan import Allocation, ParallelStrategy, Plan, Task, TrainingStage
-from harness.planning.scheduler import ListScheduler, schedule_durations
+from harness.planning.scheduler import Timeline, Timing, run_timed, schedule_durations
 from harness.schedule import PipeSpec, build
 
 
@@ -26,7 +27,7 @@ def by_label(durations: dict[str, float]):
     return duration, calls
 
 
-def starts(sched: ListScheduler, durations: dict[str, float], names: dict[str, str]) -> dict[str, float]:
+def starts(sched: Timeline, durations: dict[str, float], names: dict[str, str]) -> dict[str, float]:
     """Start of each task = its end minus the duration of the unit it ran in."""
     return {n: sched.end_s[n] - durations[label] for n, label in names.items()}
 
@@ -79,39 +80,48 @@ def test_start_is_max_of_data_ready_and_devices_free():
     assert sched.end_s == {"a": 6.0, "b": 2.0, "c": 7.0}
 
 
+def _timed(plan: Plan, num_devices: int, timings: dict[str, Timing]) -> Timeline:
+    """Run the plan with each unit's Timing given relative to its start."""
+    def start(unit, now, queue):
+        t = timings[unit.label]
+        return Timing({n: now + e for n, e in t.end_s.items()}, {d: now + r for d, r in t.release_s.items()})
+    return run_timed(plan, num_devices, start)
+
+
 def test_early_release_frees_devices_before_the_unit_ends():
     plan = Plan("t", [
         Task("gen", "generate", "actor", alloc(0, 1, 2, 3), writes=("responses",)),
         infer("tail_free", (2, 3)),  # no data dependency: waits for devices only
         infer("needs_dev1", (1, 2)),
     ])
-    units = {u.label: u for u in execution_units(plan)}
-    sched = ListScheduler(plan, 4)
-    gen = units["gen"]
-    assert sched.start_s(gen) == 0.0
     # generation ends at 10, but its instances on devices 2 and 3 finished (were migrated away) at 4
-    sched.finish({"gen": 10.0}, gen.devices, 10.0, early_release_s={2: 4.0, 3: 4.0})
-    assert list(sched.device_free_s) == [10.0, 10.0, 4.0, 4.0]
-    assert sched.start_s(units["tail_free"]) == 4.0
-    sched.finish({"tail_free": 5.0}, units["tail_free"].devices, 5.0)
-    # device 1 is held until generation's end, so this unit waits for it
-    assert sched.start_s(units["needs_dev1"]) == 10.0
-    assert sched.makespan_s == 10.0
+    timeline = _timed(plan, 4, {"gen": Timing({"gen": 10.0}, {0: 10.0, 1: 10.0, 2: 4.0, 3: 4.0}),
+                                "tail_free": Timing({"tail_free": 1.0}, {2: 1.0, 3: 1.0}),
+                                "needs_dev1": Timing({"needs_dev1": 1.0}, {1: 1.0, 2: 1.0})})
+    assert timeline.start_s == {"gen": 0.0, "tail_free": 4.0, "needs_dev1": 10.0}
+    # device 1 is held until generation's end, so needs_dev1 waits for it
+    assert list(timeline.device_free_s) == [10.0, 11.0, 11.0, 5.0]
+    assert timeline.makespan_s == 11.0
 
 
 def test_without_early_release_every_device_is_held_to_the_end():
     plan = Plan("t", [Task("gen", "generate", "actor", alloc(0, 1, 2, 3)), infer("x", (2, 3))])
-    units = {u.label: u for u in execution_units(plan)}
-    sched = ListScheduler(plan, 4)
-    sched.finish({"gen": 10.0}, units["gen"].devices, 10.0)
-    assert sched.start_s(units["x"]) == 10.0
+    timeline = _timed(plan, 4, {"gen": Timing({"gen": 10.0}, {d: 10.0 for d in range(4)}),
+                                "x": Timing({"x": 1.0}, {2: 1.0, 3: 1.0})})
+    assert timeline.start_s["x"] == 10.0
 
 
-def test_empty_scheduler_and_no_devices():
+def test_a_unit_must_release_exactly_the_devices_it_holds():
+    from harness.errors import PlanError
+    plan = Plan("t", [infer("a", (0, 1))])
+    with pytest.raises(PlanError, match="holds devices"):
+        _timed(plan, 2, {"a": Timing({"a": 1.0}, {0: 1.0})})
+
+
+def test_empty_plan_section_and_no_devices():
     plan = Plan("t", [infer("a", (0,))])
-    sched = ListScheduler(plan, 2)
-    assert sched.makespan_s == 0.0
-    assert sched.free_s([]) == 0.0
+    assert Timeline(2).makespan_s == 0.0
+    assert schedule_durations(plan, 2, lambda unit: 0.0).makespan_s == 0.0
 
 
 def _fused_stage_plan() -> Plan:
@@ -154,51 +164,49 @@ def _stream_member_depends_on_a_later_task() -> Plan:
     ])
 
 
-def test_grouped_unit_waits_for_a_dependency_of_a_later_member():
+def test_a_stream_starts_with_its_generator_once_every_member_can():
     plan = _stream_member_depends_on_a_later_task()
     plan.validate(4)
-    sched = schedule_durations(plan, 4, lambda unit: 1.0)
-    # gen and the realloc run at once on disjoint meshes; the stream unit (devices 0..3) waits for both
-    assert sched.end_s == {"gen": 1.0, "realloc_critic_values": 1.0, "ref": 2.0, "values": 2.0}
+    calls = []
+    sched = schedule_durations(plan, 4, lambda unit: calls.append(unit.label) or 1.0)
+    # the consumers ride with gen (one duration asked, for gen) in their place in the order: after the
+    # critic realloc that values reads, so gen waits for it though it runs on other devices
+    assert calls == ["realloc_critic_values", "gen"]
+    assert sched.start_s == {"realloc_critic_values": 0.0, "gen": 1.0}
+    assert sched.end_s == {"realloc_critic_values": 1.0, "gen": 2.0, "ref": 2.0, "values": 2.0}
 
 
-# ---- the event-driven queue (backend=ray's driver) against the timed scheduler ------------------
-def _list_starts(plan: Plan, num_devices: int, duration) -> dict[str, float]:
-    sched, out = ListScheduler(plan, num_devices), {}
-    for unit in execution_units(plan):
-        start = out[unit.label] = sched.start_s(unit)
-        end = start + duration(unit)
-        sched.finish({n: end for n in unit.names}, unit.devices, end)
-    return out
-
-
-def _queue_starts(plan: Plan, duration) -> dict[str, float]:
-    """Drive the UnitQueue with completion events at start + duration, as a real driver would."""
-    import heapq
-
-    from harness.planning.scheduler import UnitQueue
-    queue = UnitQueue(plan, execution_units(plan), lambda u: u.devices)
-    now, events, out, seq = 0.0, [], {}, 0
-    while queue.waiting or events:
-        unit = queue.next_startable()
-        while unit is not None:
-            devices = queue.start(unit)
-            out[unit.label] = now
-            heapq.heappush(events, (now + duration(unit), seq, unit.names, devices))
-            seq += 1
-            unit = queue.next_startable()
-        assert events, f"units {[u.label for u in queue.waiting]} can never start"
-        now, _, names, devices = heapq.heappop(events)
-        queue.finish(names, devices)
+# ---- the event-driven scheduler driven by predicted times, against the closed form of its rule --
+def _closed_form_starts(plan: Plan, num_devices: int, duration) -> dict[str, float]:
+    """The rule in closed form: entries in unit order (a stream's generator in its consumer's place,
+    with the consumer's inputs and devices; a weight movement on its target and source devices),
+    each starting at max(inputs ended, devices free)."""
+    units = execution_units(plan)
+    gens = {u.names[0]: u for u in units if len(u.names) == 1}
+    deps, end, free, out = plan.dependencies(), {}, [0.0] * num_devices, {}
+    for unit in units:
+        if unit.stream_from is None and any(c.stream_from == unit.names[0] for c in units):
+            continue  # a generator waits in its consumer's place
+        head = gens[unit.stream_from] if unit.stream_from is not None else unit
+        names = head.names + (unit.names if head is not unit else ())
+        devices = set(head.devices) | set(unit.devices)
+        devices |= {d for n in names if plan.movement_of(n) for d in plan.movement_of(n).source.mesh}  # senders
+        ready = max((end[d] for n in names for d in deps[n] if d not in names), default=0.0)
+        start = out[head.label] = max([ready] + [free[d] for d in devices])
+        for n in names:
+            end[n] = start + duration(head)
+        for d in devices:
+            free[d] = start + duration(head)
     return out
 
 
 @pytest.mark.parametrize("system", ["deepspeed_chat", "realhf", "rlhfuse_base", "rlhfuse", "interleaved",
                                     "disaggregated", "colocated"])
-def test_event_driven_queue_starts_units_when_the_timed_scheduler_does(system):
-    """The one readiness rule, driven two ways: by events (backend=ray's dispatcher) and by the
-    clock (the simulator and the planners). With the same durations every unit starts at the
-    same time, on every system's plan, for many random duration sets (ties and zeros included)."""
+def test_the_scheduler_driven_by_predicted_times_follows_its_rule(system):
+    """The event-driven scheduler (UnitQueue, as backend=ray drives it with completions), driven by
+    predicted durations (as the simulator and the planners drive it), starts every unit when the
+    closed form of the rule says, on every system's plan, for many random duration sets (ties and
+    zeros included)."""
     import random
 
     from harness.testing import plan_for
@@ -209,15 +217,30 @@ def test_event_driven_queue_starts_units_when_the_timed_scheduler_does(system):
     for trial in range(30):
         table = {label: rng.choice([0.0, 1.0, 2.0, rng.random() * 3]) for label in labels}
         duration = lambda unit: table[unit.label]  # noqa: E731
-        assert _queue_starts(plan, duration) == _list_starts(plan, ctx.num_devices, duration), (system, trial)
+        timeline = schedule_durations(plan, ctx.num_devices, duration)
+        assert timeline.start_s == _closed_form_starts(plan, ctx.num_devices, duration), (system, trial)
 
 
-def test_a_waiting_unit_keeps_its_devices_from_later_units_in_both_drivers():
+def test_a_waiting_unit_keeps_its_devices_from_later_units():
     """b waits for a's data; c, later in plan order and free to run, may not take b's device
-    before b has run (no jumping): c starts when b ends, not at 0, under both drivers."""
+    before b has run (no jumping): c starts when b ends, not at 0. Without the claim rule c would
+    start at 0 (the closed form below shows the rule, the queue must follow it)."""
     plan = Plan("t", [infer("a", (0,), writes=("x",)), infer("b", (1,), reads=("x",)), infer("c", (1,))])
     table = {"a": 10.0, "b": 1.0, "c": 1.0}
     duration = lambda unit: table[unit.label]  # noqa: E731
     expected = {"a": 0.0, "b": 10.0, "c": 11.0}
-    assert _list_starts(plan, 2, duration) == expected
-    assert _queue_starts(plan, duration) == expected
+    assert _closed_form_starts(plan, 2, duration) == expected
+    assert schedule_durations(plan, 2, duration).start_s == expected
+
+
+def test_a_weight_movement_occupies_the_devices_it_sends_from():
+    """A movement's source devices send the weights: it waits for them, and later units on them
+    wait for it, as on backend=ray (one device set for both drivers)."""
+    from harness.plan import WeightMovement
+    plan = Plan("t", [infer("busy", (0,)),
+                      Task("move", "weight_movement", "actor", alloc(1), writes=("actor_weights@gen",)),
+                      infer("after", (0,))],
+                weight_movements=[WeightMovement("move", "actor", alloc(0), alloc(1))])
+    table = {"busy": 5.0, "move": 1.0, "after": 1.0}
+    timeline = schedule_durations(plan, 2, lambda unit: table[unit.label])
+    assert timeline.start_s == {"busy": 0.0, "move": 5.0, "after": 6.0}
