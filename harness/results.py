@@ -2,7 +2,8 @@
 
 ``results/<experiment>/<system>[,<variant>]/<model>/seed<k>/`` holds the resolved config (``config.yaml``),
 ``plan.json``, ``schedules/*.csv``, ``trace.json`` (Chrome trace), ``metrics.jsonl`` (one line per
-iteration) and ``summary.json``. A run is written into a hidden sibling folder and renamed into
+iteration), ``units.jsonl`` (one line per iteration: the scheduler's units in start order and the
+pairs that ran at the same time) and ``summary.json``. A run is written into a hidden sibling folder and renamed into
 place only when complete, so a crash or a refused plan never leaves a half-written run (a killed
 run's staging folder is removed by the next run in that experiment, :func:`remove_stale_partials`);
 a folder with ``summary.json`` is a finished run and is skipped when a sweep is resumed. Two
@@ -38,6 +39,7 @@ PLAN_FILE = "plan.json"
 TRACE_FILE = "trace.json"
 CONFIG_FILE = "config.yaml"
 SAMPLES_FILE = "samples.csv"  # last iteration: one row per sample (lengths, finish time)
+UNITS_FILE = "units.jsonl"  # per iteration: the scheduler's record (harness.planning.scheduler.UnitQueue.record)
 FAILURES_FILE = "failures.jsonl"
 LOCK_DIR = Path(tempfile.gettempdir()) / "rlhf-harness-locks"  # run and failures-file locks (this machine)
 

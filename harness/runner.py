@@ -32,7 +32,7 @@ from harness.plan import Plan
 from harness.progress import planning_progress
 from harness.schedule import to_csv
 from harness.system import PlanContext, System
-from harness.trace import PARAM_DIGEST, StepTrace, trace_devices, write_chrome_trace
+from harness.trace import PARAM_DIGEST, UNITS, StepTrace, trace_devices, write_chrome_trace
 from harness.validation import check_batch_sizes
 from harness.workload import make_batch, resolve_workload, validate_workload
 
@@ -194,6 +194,9 @@ def _plan_and_run(cfg: DictConfig, run: RunConfig, ctx: PlanContext, system: Sys
         with open(folder.path(results.METRICS_FILE), "w") as f:
             for row in rows:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
+        with open(folder.path(results.UNITS_FILE), "w") as f:
+            for it, trace in enumerate(traces):
+                f.write(json.dumps({"iteration": it, **trace.extra.get(UNITS, {})}) + "\n")
         results.write_table(folder.path(results.SAMPLES_FILE), [
             {"sample_id": r.sample_id, "prompt_len": r.prompt_len, "response_len": r.response_len,
              "finish_s": r.finish_s} for r in traces[-1].samples])

@@ -15,7 +15,9 @@ Both backends emit the same structure, so every metric means the same thing simu
   backend that holds real weights, is ``{model: digest}`` of each trained model's full weights after
   the iteration (:func:`harness.real.digest.weights_digest`: ``num_params``, ``sum``, ``l2``,
   ``update_l2``, ``sha256``); the runner writes the last iteration's to ``summary.json`` as
-  ``final_weights``.
+  ``final_weights``. ``extra[UNITS]`` (``units``), from every backend, is the scheduler's
+  record of the iteration (:meth:`harness.planning.scheduler.UnitQueue.record`), which the runner
+  writes to ``units.jsonl``.
 
 ``to_chrome_trace`` writes the Chrome trace-event format, which Perfetto opens.
 """
@@ -65,6 +67,7 @@ class PipelineRun:
     peak_activation_gb: float
 
 PARAM_DIGEST = "param_digest"  # StepTrace.extra key: {model: digest of its full weights after the iteration}
+UNITS = "units"  # StepTrace.extra key: the scheduler's record of what ran when (UnitQueue.record)
 
 
 @dataclass

@@ -65,6 +65,12 @@ class UnitQueue:
         self.devices = {id(u): unit_devices(plan, u, self.consumer_of(u)) for u in self.waiting}
         self.finished: set[str] = set()
         self.busy: set[int] = set()
+        # what ran when, for sim-vs-real parity (runner: units.jsonl): labels in start order, and the
+        # pairs of units that were running at the same time (one started while the other had not
+        # finished all its tasks)
+        self.started: list[str] = []
+        self.concurrent: set[tuple[str, str]] = set()
+        self._running: dict[str, set[str]] = {}  # label -> its (and its consumer's) unfinished tasks
 
     def consumer_of(self, unit: Unit) -> Unit | None:
         """The inference unit consuming this generate unit's stream, if any (it starts with it)."""
@@ -91,11 +97,20 @@ class UnitQueue:
         self.waiting.remove(unit)
         devices = self.devices.pop(id(unit))
         self.busy |= devices
+        consumer = self.consumer_of(unit)
+        self.concurrent.update(tuple(sorted((unit.label, other))) for other in self._running)
+        self.started.append(unit.label)
+        self._running[unit.label] = set(unit.names + (consumer.names if consumer is not None else ()))
         return devices
 
     def finish(self, names: Iterable[str], devices: Iterable[int] = ()) -> None:
         """Tasks ``names`` have finished; ``devices`` are free again."""
-        self.finished.update(names)
+        names = set(names)
+        self.finished |= names
+        for label in list(self._running):
+            self._running[label] -= names
+            if not self._running[label]:
+                del self._running[label]
         self.release(devices)
 
     def release(self, devices: Iterable[int]) -> None:
@@ -104,6 +119,12 @@ class UnitQueue:
 
     def stuck(self) -> PlanError:
         return PlanError(f"no unit of {[u.label for u in self.waiting]} can ever start (plan dependencies)")
+
+    def record(self) -> dict[str, list]:
+        """What ran when: ``started`` (unit labels in start order) and ``concurrent`` (sorted label
+        pairs of units running at the same time); the same for every driver of the same plan whose
+        units finish in the same order."""
+        return {"started": list(self.started), "concurrent": [list(p) for p in sorted(self.concurrent)]}
 
 
 @dataclass
@@ -122,6 +143,7 @@ class Timeline:
     start_s: dict[str, float] = field(default_factory=dict)  # by unit label
     end_s: dict[str, float] = field(default_factory=dict)  # by task name
     device_free_s: np.ndarray = None  # type: ignore[assignment]
+    record: dict[str, list] = field(default_factory=dict)  # UnitQueue.record()
 
     def __post_init__(self):
         if self.device_free_s is None:
@@ -136,8 +158,8 @@ def run_timed(plan: Plan, num_devices: int, start: Callable[[Unit, float, UnitQu
               units: Sequence[Unit] | None = None) -> Timeline:
     """Drive a :class:`UnitQueue` with predicted times: start every startable unit at the current
     time (``start(unit, now_s, queue)`` returns its :class:`Timing`), then advance to the next
-    event (a task's end or a device's release) in time order, ties in the order they were
-    predicted."""
+    instant with events (tasks' ends, devices' releases) and apply all of them before starting
+    anything at it."""
     queue = UnitQueue(plan, execution_units(plan) if units is None else units)
     timeline = Timeline(num_devices)
     events: list[tuple[float, int, tuple[str, ...], tuple[int, ...]]] = []
@@ -162,8 +184,11 @@ def run_timed(plan: Plan, num_devices: int, start: Callable[[Unit, float, UnitQu
             if queue.waiting:
                 raise queue.stuck()
             break
-        now, _, names, devices = heapq.heappop(events)
-        queue.finish(names, devices)
+        now = events[0][0]
+        while events and events[0][0] == now:
+            _, _, names, devices = heapq.heappop(events)
+            queue.finish(names, devices)
+    timeline.record = queue.record()
     return timeline
 
 

@@ -32,7 +32,7 @@ from harness.planning.taskmodels.passes import (PassResult, simulate_inference, 
                                                 simulate_weight_movement)
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
-from harness.trace import StepTrace
+from harness.trace import UNITS, StepTrace
 from harness.workload import Batch
 
 
@@ -68,7 +68,7 @@ class PlanSimulator(PlanInterpreter):
             self.now_s, self.consumer = now_s, queue.consumer_of(unit)
             return table[unit.kind](unit)
 
-        run_timed(self.plan, self.ctx.num_devices, start)
+        self.trace.extra[UNITS] = run_timed(self.plan, self.ctx.num_devices, start).record
         self.trace.memory_gb = dict(self.memory.peak_gb)
         return self.trace
 

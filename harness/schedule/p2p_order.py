@@ -16,7 +16,8 @@ This module owns:
   which compares, pair by pair, the sender's posting order with the receiver's over the lowered
   action lists (the lists the real pipeline runtime executes);
 - :func:`order_receives`: the fix, a pass over a lowered schedule that makes every rank post its
-  receives from a peer in that peer's send order. A receive needed before the ones posted ahead
+  receives from a peer in that peer's send order (:func:`in_posting_order`: fixed and checked, as
+  the real runtime executes a schedule). A receive needed before the ones posted ahead
   of it on the sender is preceded by those earlier receives (their payloads wait in a buffer
   until their compute action runs), and a receive already posted early is dropped from its old
   place. Sends are never moved, so this cannot add a wait: when a rank needs message ``m`` its
@@ -117,3 +118,11 @@ def order_receives(schedule: Schedule) -> Schedule:
                     break
         out[rank] = ordered
     return Schedule(dict(lowered.pipes), out)
+
+
+def in_posting_order(schedule: Schedule) -> Schedule:
+    """A schedule as a real runtime executes it: lowered to sends and receives, every rank posting
+    its receives in its peers' send order (:func:`order_receives`), checked (:func:`check_in_order`)."""
+    ordered = order_receives(schedule)
+    check_in_order(ordered)
+    return ordered

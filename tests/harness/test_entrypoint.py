@@ -21,7 +21,7 @@ from harness.schedule import from_csv
 
 FAST = ("logger=none", "cluster.num_nodes=1", "backend.num_iterations=2", "logger.progress_bar=false")
 VARIANT = "cluster.num_nodes=1"  # the results variant FAST implies (iterations and logger are not part of it)
-RUN_FILES = ("summary.json", "metrics.jsonl", "plan.json", "config.yaml", "trace.json")
+RUN_FILES = ("summary.json", "metrics.jsonl", "units.jsonl", "plan.json", "config.yaml", "trace.json")
 
 
 def harness_args(*overrides: str, results_dir: Path) -> list[str]:

@@ -52,7 +52,7 @@ class VllmOptions:
 @dataclass
 class FaultInjection:
     """Test hook: the worker of ``device`` dies (exits without cleaning up) when ``task`` reaches it
-    (with ``op``: only that operation of the task, e.g. ``gen_migrate`` mid-stream, ``train_fused``)."""
+    (with ``op``: only that request of the task, by its worker method, e.g. ``migrate`` mid-stream, ``train``)."""
 
     task: Optional[str] = None  # None = no fault
     device: Optional[int] = None  # None = every device that runs it (the first to do so ends the run)

@@ -35,6 +35,7 @@ import numpy as np
 
 from harness import metrics as mk
 from harness.backends.ray import experience as ex
+from harness.backends.ray.protocol import CloseSession, Export, Infer, Migrate, OpenSession, Steps
 from harness.backends.ray.rewards import reward_fields
 from harness.interpreter import Unit
 from harness.trace import SampleRecord
@@ -42,7 +43,7 @@ from harness.trace import SampleRecord
 
 class StreamedGeneration:
     def __init__(self, it, gen_unit: Unit, stream_unit: Unit):
-        self.it, self.b = it, it.b
+        self.it, self.b, self.group = it, it.b, it.group
         (self.gen,) = gen_unit.tasks
         self.consumers = list(stream_unit.tasks)
         self.alloc = self.gen.allocation
@@ -64,24 +65,26 @@ class StreamedGeneration:
         self.next_finish: dict[int, int] = {}  # instance -> engine steps until its next sample finishes
 
     # ---- calls ----------------------------------------------------------------------------
-    def _start(self, op: str, devices: list[int], payload: dict | None, what: str | None = None):
-        return self.b.start(what or self.gen.name, op, "actor", self.alloc, payload, sorted(devices))
+    def _request(self, kind, **fields):
+        return kind(self.gen.name, "actor", self.alloc, **fields)
 
-    def _all(self, op: str, payload_of, instances) -> list:
-        calls = [self._start(op, self.instances[k], payload_of(k)) for k in instances]
-        return [self.b.collect([c]).results for c in calls]
+    def _all(self, request_of, instances) -> list:
+        """One request per instance (``request_of(k)``) to its devices, every result awaited."""
+        calls = [self.group.start(request_of(k), self.instances[k]) for k in instances]
+        return [self.group.collect([c]).results for c in calls]
 
     def run(self) -> None:
         it, policy = self.it, self.it.plan.generation
         it._ensure(self.gen.name, "actor", self.alloc)
         for t in self.consumers:  # ref/reward are resident; the critic is resharded up front (see module doc)
             it._ensure(t.name, t.model.value, t.allocation)
-        w = self.b.ctx.workload
-        base = {"prompts": it.prompts, "target_lens": it.batch.output_lens.tolist(),
-                "max_batch_size": policy.max_batch_size or it.batch.num_samples, "temperature": it.opts.temperature,
-                "sampling_seed": ex.stable_seed("sampling", self.b.ctx.seed, it.iteration),
-                "kv_capacity": int(it.batch.prompt_lens.max() + w.max_gen_len)}
-        opened = self._all("gen_open", lambda k: {**base, "sample_ids": self.ids[k]}, range(len(self.instances)))
+        w = it.ctx.workload
+        base = dict(prompts=it.prompts, target_lens=it.batch.output_lens.tolist(),
+                    max_batch_size=policy.max_batch_size or it.batch.num_samples, temperature=it.opts.temperature,
+                    sampling_seed=ex.stable_seed("sampling", it.ctx.seed, it.iteration),
+                    kv_capacity=int(it.batch.prompt_lens.max() + w.max_gen_len))
+        opened = self._all(lambda k: self._request(OpenSession, sample_ids=self.ids[k], **base),
+                           range(len(self.instances)))
         for k, results in enumerate(opened):
             self.next_finish[k] = self._report(k, results)["next_finish"]
         migration = policy.migration
@@ -100,7 +103,7 @@ class StreamedGeneration:
             if threshold is not None and 0 < unfinished < threshold and len(active) > 1:
                 active = self._migrate(active, migration)
                 threshold = None  # the tail migrates once
-        self._all("gen_close", lambda k: None, range(len(self.instances)))
+        self._all(lambda k: self._request(CloseSession), range(len(self.instances)))
         while self.queue or self.busy_replicas:
             self._feed()
             if self.busy_replicas:
@@ -108,15 +111,15 @@ class StreamedGeneration:
         self._finish(migration)
 
     # ---- generation rounds ----------------------------------------------------------------
-    def _report(self, k: int, results: list[dict]) -> dict:
+    def _report(self, k: int, results: list) -> dict:
         """What instance ``k``'s tp rank 0 reported."""
-        return next(r for r in results if r["rank"] == self.instances[k][0])["out"]
+        return next(r for r in results if r.rank == self.instances[k][0]).out
 
     def _round(self, active: list[int]) -> None:
         steps = 1  # backend.options.stream_rounds=one_step
         if self.it.opts.stream_rounds == "to_next_finish":
             steps = min(self.next_finish[k] for k in active)  # up to the next finish of any instance
-        calls = {k: self._start("gen_steps", self.instances[k], {"max_steps": steps}) for k in active}
+        calls = {k: self.group.start(self._request(Steps, max_steps=steps), self.instances[k]) for k in active}
         while calls:
             self._feed()
             done = self._collect_one(list(calls.values()))
@@ -140,7 +143,7 @@ class StreamedGeneration:
     # ---- inference fed by the stream ------------------------------------------------------
     def _feed(self) -> None:
         """Give queued samples to every idle inference replica whose devices generation released."""
-        mbs = self.b.ctx.workload.micro_batch_size
+        mbs = self.it.ctx.workload.micro_batch_size
         for j, devices in enumerate(self.replicas):
             if not self.queue:
                 return
@@ -152,18 +155,18 @@ class StreamedGeneration:
             calls = []
             for task in self.consumers:
                 role = task.model.value
-                payload = {"tokens": sub.tokens, "attn": sub.attn, "last_index": sub.last_index,
-                           "what": ex.INFERENCE_OUTPUT[role], "micro_batch_size": mbs,
-                           "temperature": self.it.opts.temperature, "rows": list(range(len(rows))),
-                           **reward_fields(role, sub.prompt_lens, self.b.reward_spec)}
-                call = self.b.start(task.name, "infer", role, task.allocation, payload, sorted(devices))
+                request = Infer(task.name, role, task.allocation, tokens=sub.tokens, attn=sub.attn,
+                                last_index=sub.last_index, what=ex.INFERENCE_OUTPUT[role], micro_batch_size=mbs,
+                                temperature=self.it.opts.temperature, rows=list(range(len(rows))),
+                                **reward_fields(role, sub.prompt_lens, self.b.reward_spec))
+                call = self.group.start(request, devices)
                 calls.append((call, task, np.asarray(rows)))
             self.busy_replicas[j] = calls
 
     def _collect_one(self, gen_calls: list):
         """Wait for the next call to finish; return it if it is one of ``gen_calls``."""
         inference = {id(c): (j, c, task, rows) for j, calls in self.busy_replicas.items() for c, task, rows in calls}
-        done = self.b.collect(gen_calls + [c for _, c, _, _ in inference.values()])
+        done = self.group.collect(gen_calls + [c for _, c, _, _ in inference.values()])
         if id(done) not in inference:
             return done
         j, call, task, rows = inference[id(done)]
@@ -181,10 +184,10 @@ class StreamedGeneration:
         tails = order[:max(1, policy.num_tail_instances)]
         sources = [k for k in order if k not in tails]
         with_kv = policy.transfer == "kv"
-        exports = {k: self._all("gen_export", lambda _: {"with_kv": with_kv}, [k])[0] for k in sources}
+        exports = {k: self._all(lambda _: self._request(Export, with_kv=with_kv), [k])[0] for k in sources}
         moves = []
         for k in sources:
-            by_rank = {r["rank"]: r["out"] for r in exports[k]}
+            by_rank = {r.rank: r.out for r in exports[k]}
             samples = by_rank[self.instances[k][0]]["samples"]
             for j, sample in enumerate(samples):
                 dst = tails[(k + j) % len(tails)]
@@ -195,9 +198,8 @@ class StreamedGeneration:
             self.migrated_samples += len(samples)
             self.left[k] = 0
         devices = sorted({d for k in sources + tails for d in self.instances[k]})
-        call = self._start("gen_migrate", devices, {"moves": moves, "with_kv": with_kv})
-        results = self.b.collect([call]).results
-        self.b.spans_from(self.gen.name, [r for r in results if r["rank"] in
+        results = self.group.call(self._request(Migrate, moves=moves, with_kv=with_kv), devices)
+        self.b.spans_from(self.gen.name, [r for r in results if r.rank in
                                           {d for k in sources for d in self.instances[k]}], self.it.t0, self.it.trace)
         for k in sources:
             self._release(k)

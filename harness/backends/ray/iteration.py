@@ -1,13 +1,12 @@
 """One PPO iteration of a plan on the device workers (driver side).
 
 The plan's units (:func:`harness.interpreter.execution_units`) are dispatched by one handler per
-task kind, *concurrently*: a unit starts when the planning library's readiness rule says so
-(:class:`harness.planning.scheduler.UnitQueue`, the rule the simulator times: every task it reads
-from has finished and no device it uses is busy or claimed by an earlier unit still waiting, so on
-shared devices units run in plan order and on disjoint devices they overlap). Each handler starts its work on the workers and
-returns a completion step, which the driver runs when every device has answered; spans carry
-the workers' own clocks, so the trace shows the real overlap. the driver routes per-sample
-data (prompts, responses, log-probs, values, scores, advantages) between them. Before a task
+task kind, *concurrently*, when the project's one scheduler says so
+(:class:`harness.planning.scheduler.UnitQueue`, which the simulator drives with predicted times and
+this driver with completions). Each handler sends its requests to the workers and returns a
+completion step, run when every device has answered; spans carry the workers' own clocks, so the
+trace shows the real overlap. The driver routes per-sample data (prompts, responses, log-probs,
+values, scores, advantages) between tasks. Before a task
 computes with a model it checks that the model's weights in the task's layout are current: the
 home layout always is; a copy is current after a weight-movement task refreshed it since the last
 training step. A plan that omits a needed movement still runs correctly: the move is done inside
@@ -38,49 +37,39 @@ from harness import metrics as mk
 from harness.backends.ray import experience as ex
 from harness.backends.ray.inter_stage import StreamedGeneration
 from harness.backends.ray.layout import assemble
+from harness.backends.ray.protocol import Dispatch, Generate, Infer, Move, Release, State, Train, TrainPart
 from harness.backends.ray.rewards import reward_fields
-from harness.backends.ray.worker import layout_key
 from harness.interpreter import PlanInterpreter, Unit, execution_units
 from harness.plan import Allocation, Plan, Task, TaskKind
 from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
 from harness.planning.scheduler import UnitQueue
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.real.digest import weights_digest
-from harness.schedule import Schedule
-from harness.schedule.p2p_order import check_in_order, order_receives
-from harness.trace import PARAM_DIGEST, PipelineRun, SampleRecord, StepTrace
+from harness.schedule.p2p_order import in_posting_order
+from harness.trace import PARAM_DIGEST, UNITS, PipelineRun, SampleRecord, StepTrace
 from harness.workload import Batch
-
-
-def p2p_ordered(schedule: Schedule) -> Schedule:
-    """The training stage's schedule as the workers run it: lowered to sends and receives, every
-    rank posting its receives in its peers' send order (so messages match in posting order per
-    rank pair, as NCCL matches them), checked."""
-    ordered = order_receives(schedule)
-    check_in_order(ordered)
-    return ordered
 
 
 class Iteration(PlanInterpreter):
     def __init__(self, backend, plan: Plan, iteration: int, batch: Batch):
         self.b, self.plan, self.iteration, self.batch = backend, plan, iteration, batch
-        self.opts = backend.opts
+        self.opts, self.group, self.homes, self.ctx = backend.opts, backend.group, backend.homes, backend.ctx
         self.trace = StepTrace(iteration=iteration, num_devices=backend.ctx.num_devices)
         self.rollout: ex.Rollout | None = None
         self.outputs: dict[str, np.ndarray] = {}  # model role -> its inference output
         self.experience: dict[frozenset[str], dict[str, np.ndarray]] = {}  # by the inputs it was computed from
         self.t0 = time.time()
-        self.copies = self._transient_copies()
+        self.copies = self.homes.transient_copies(plan)
 
     def handlers(self):
         return {TaskKind.WEIGHT_MOVEMENT: self._movement_unit, TaskKind.GENERATE: self._generate_unit,
-                TaskKind.INFERENCE: self._inference_unit, TaskKind.TRAIN: self._train_unit}
+                TaskKind.INFERENCE: self._inference_unit, TaskKind.TRAIN: self._train}
 
     def run(self) -> StepTrace:
-        self.prompts = ex.prompt_tokens(self.b.ctx.seed, self.iteration, self.batch, self.b.args["actor"].vocab_size)
-        calls_before = self.b.num_calls
+        self.prompts = ex.prompt_tokens(self.ctx.seed, self.iteration, self.batch, self.b.args["actor"].vocab_size)
+        calls_before = self.group.num_calls
         self._dispatch(execution_units(self.plan))
-        self.trace.counters[mk.DRIVER_CALLS] = float(self.b.num_calls - calls_before)
+        self.trace.counters[mk.DRIVER_CALLS] = float(self.group.num_calls - calls_before)
         if self.opts.digest:
             self._digest()
         return self.trace
@@ -95,7 +84,7 @@ class Iteration(PlanInterpreter):
         running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
 
         def settle_one() -> None:  # wait for the next running unit to finish and record it
-            done = self.b.collect([c for _, c, _, _ in running.values()])
+            done = self.group.collect([c for _, c, _, _ in running.values()])
             unit, _, finish, devices = running.pop(id(done))
             finish(done.results)
             queue.finish(unit.names, devices)
@@ -122,34 +111,17 @@ class Iteration(PlanInterpreter):
                     raise RuntimeError(f"no unit of {[u.label for u in queue.waiting]} can start (plan dependencies)")
                 break
             settle_one()
+        self.trace.extra[UNITS] = queue.record()
 
     # ---- freeing copies whose phase has ended ------------------------------------------------
-    def _transient_copies(self) -> dict[tuple[str, str], tuple[Allocation, set[str]]]:
-        """(model, layout) -> (allocation, tasks computing with it) for every copy of a model in a
-        layout other than its home that the plan does not keep resident."""
-        resident = {(r.model.value, layout_key(self.plan.task(r.task).allocation)) for r in self.plan.resident}
-        out: dict[tuple[str, str], tuple[Allocation, set[str]]] = {}
-        for t in self.plan.tasks:
-            if t.kind == TaskKind.WEIGHT_MOVEMENT:
-                continue
-            role, key = t.model.value, layout_key(t.allocation)
-            if key == layout_key(self.b.home[role]) or (role, key) in resident:
-                continue
-            out.setdefault((role, key), (t.allocation, set()))[1].add(t.name)
-        for m in self.plan.weight_movements:  # a movement filling a copy counts as a use of it
-            entry = out.get((m.model.value if hasattr(m.model, "value") else str(m.model), layout_key(m.target)))
-            if entry is not None:
-                entry[1].add(m.task)
-        return out
-
     def _release_finished(self, finished: set[str]) -> None:
         """Free every transient copy whose tasks have all finished in this iteration."""
         for (role, key), (alloc, users) in list(self.copies.items()):
             if users <= finished:
                 del self.copies[(role, key)]
-                results = self.b._call(f"free_{role}", "release", role, alloc, None)
-                self.b.valid.pop((role, key), None)
-                freed = sum(r["out"]["freed_bytes"] for r in results if r["out"])
+                results = self.group.call(Release(f"free_{role}", role, alloc))
+                self.homes.freed(role, alloc)
+                freed = sum(r.out["freed_bytes"] for r in results if r.out)
                 self.trace.extra.setdefault("freed", []).append({"model": role, "layout": key, "bytes": freed})
                 self.trace.counters["perf/freed_copies"] = self.trace.counters.get("perf/freed_copies", 0.0) + 1
                 self.trace.counters["perf/freed_copy_gb"] = self.trace.counters.get("perf/freed_copy_gb", 0.0) + freed / 1e9
@@ -158,8 +130,9 @@ class Iteration(PlanInterpreter):
     def _movement_unit(self, unit: Unit):
         (task,) = unit.tasks
         m = self.plan.movement_of(task.name)
-        source = m.source if self._current(m.model, m.source) else self.b.home[m.model]
-        return self._start_move(task.name, m.model, source, m.target)
+        role = m.model.value
+        source = m.source if self.homes.current(role, m.source) else self.homes.home[role]
+        return self._start_move(task.name, role, source, m.target)
 
     def _generate_unit(self, unit: Unit):
         (task,) = unit.tasks
@@ -169,50 +142,36 @@ class Iteration(PlanInterpreter):
         if unit.stream_from is not None or len(unit.tasks) != 1:
             raise RuntimeError(f"backend=ray does not execute the streamed inference unit {unit.label} yet")
         (task,) = unit.tasks
-        return self._infer(task.name, task.model, task.allocation)
-
-    def _train_unit(self, unit: Unit):
-        if len(unit.tasks) > 1 or len(unit.stage.schedule.pipes) > 1:
-            return self._train_fused(unit)
-        (task,) = unit.tasks
-        return self._train(task, unit.stage)
+        return self._infer(task.name, task.model.value, task.allocation)
 
     # ---- weights ----------------------------------------------------------------------------
-    def _current(self, role: str, alloc: Allocation) -> bool:
-        b = self.b
-        if layout_key(alloc) == layout_key(b.home[role]):
-            return True
-        return b.valid.get((role, layout_key(alloc))) == b.version[role]
-
     def _start_move(self, task: str, role: str, source: Allocation, target: Allocation):
-        devices = sorted(set(source.mesh) | set(target.mesh))
-        call = self.b.start(task, "move", role, target, None, devices, source)
+        call = self.group.start(Move(task, role, target, source=source), set(source.mesh) | set(target.mesh))
 
-        def finish(results: list[dict]) -> None:
+        def finish(results: list) -> None:
             self.b.spans_from(task, results, self.t0, self.trace)
-            self.b.valid[(role, layout_key(target))] = self.b.version[role]
+            self.homes.refreshed(role, target)
         return call, finish
 
     def _ensure(self, task: str, role: str, alloc: Allocation) -> None:
         """The plan has no movement for ``alloc``: move inside the task (synchronously; Ray keeps
         each worker's calls in submission order, so this cannot reorder collectives)."""
-        if not self._current(role, alloc):
-            call, finish = self._start_move(task, role, self.b.home[role], alloc)
-            finish(self.b.collect([call]).results)
+        if not self.homes.current(role, alloc):
+            call, finish = self._start_move(task, role, self.homes.home[role], alloc)
+            finish(self.group.collect([call]).results)
 
     # ---- tasks ------------------------------------------------------------------------------
     def _generate(self, name: str, alloc: Allocation):
         self._ensure(name, "actor", alloc)
-        policy, w = self.plan.generation, self.b.ctx.workload
-        payload = {"prompts": self.prompts, "target_lens": self.batch.output_lens.tolist(),
-                   "batching": policy.batching, "max_batch_size": policy.max_batch_size,
-                   "temperature": self.opts.temperature,
-                   "sampling_seed": ex.stable_seed("sampling", self.b.ctx.seed, self.iteration),
-                   "kv_capacity": int(self.batch.prompt_lens.max() + w.max_gen_len)}
-        return self.b.start(name, "generate", "actor", alloc, payload), \
-            lambda results: self._generated(name, results)
+        policy, w = self.plan.generation, self.ctx.workload
+        request = Generate(name, "actor", alloc, prompts=self.prompts, target_lens=self.batch.output_lens.tolist(),
+                           batching=policy.batching, max_batch_size=policy.max_batch_size,
+                           temperature=self.opts.temperature,
+                           sampling_seed=ex.stable_seed("sampling", self.ctx.seed, self.iteration),
+                           kv_capacity=int(self.batch.prompt_lens.max() + w.max_gen_len))
+        return self.group.start(request), lambda results: self._generated(name, results)
 
-    def _generated(self, name: str, results: list[dict]) -> None:
+    def _generated(self, name: str, results: list) -> None:
         self.b.spans_from(name, results, self.t0, self.trace)
         responses = {}
         for part in self.b.outputs(results):
@@ -227,18 +186,22 @@ class Iteration(PlanInterpreter):
         self.rollout = ex.build_rollout(self.prompts, responses)
 
     def _infer(self, name: str, role: str, alloc: Allocation):
+        """Samples dealt to the dp replicas round-robin (as the simulator deals them), each
+        replica's rows sent to its devices (split by dp rank)."""
         self._ensure(name, role, alloc)
         r = self.rollout
         what = ex.INFERENCE_OUTPUT[role]
-        payload = {"tokens": r.tokens, "attn": r.attn, "last_index": r.last_index, "what": what,
-                   "micro_batch_size": self.b.ctx.workload.micro_batch_size, "temperature": self.opts.temperature,
-                   **reward_fields(role, r.prompt_lens, self.b.reward_spec)}
-        shape = (len(r.prompt_lens),) if what == "score" else r.action_mask.shape
+        request = Infer(name, role, alloc, tokens=r.tokens, attn=r.attn, last_index=r.last_index, what=what,
+                        micro_batch_size=self.ctx.workload.micro_batch_size, temperature=self.opts.temperature,
+                        **reward_fields(role, r.prompt_lens, self.b.reward_spec))
+        dp, n = alloc.strategy.dp, len(r.prompt_lens)
+        shares = [request.replace(rows=list(range(k, n, dp))) for k in range(dp)]
+        shape = (n,) if what == "score" else r.action_mask.shape
 
-        def finish(results: list[dict]) -> None:
+        def finish(results: list) -> None:
             self.b.spans_from(name, results, self.t0, self.trace)
             self.outputs[role] = ex.scatter_rows(self.b.outputs(results), shape)
-        return self.b.start(name, "infer", role, alloc, payload), finish
+        return self.group.start(request, mode=Dispatch.BY_DP_RANK, shares=shares), finish
 
     def _training_data(self, task: Task) -> dict[str, np.ndarray]:
         """The loss inputs of training task ``task``, computed from exactly the data it declares
@@ -256,71 +219,59 @@ class Iteration(PlanInterpreter):
         return {k: data[k] for k in LOSS_INPUTS[task.model.value]}
 
     def _minibatches(self) -> list:
-        return ex.minibatch_indices(self.batch.num_samples, self.plan.mini_batch_size, self.b.ctx.seed, self.iteration)
+        return ex.minibatch_indices(self.batch.num_samples, self.plan.mini_batch_size, self.ctx.seed, self.iteration)
 
-    def _train(self, task: Task, stage):
-        name, role, alloc = task.name, task.model.value, task.allocation
-        minibatches = self._minibatches()
-        payload = {"data": self._training_data(task), "minibatches": minibatches,
-                   "micro_batch_size": stage.micro_batch_size, "loss": role, "temperature": self.opts.temperature,
-                   "clip_eps": self.opts.clip_eps, "value_clip_eps": self.opts.value_clip_eps}
-        pipe = next(iter(stage.schedule.pipes.values()))
-        ordered = p2p_ordered(stage.schedule)
-        payload["actions_by_stage"] = {p: [a.token() for a in ordered.order.get(r, [])
-                                           if a.pipe == pipe.name and a.stage == p]
-                                       for p, r in enumerate(pipe.stage_to_rank)}
-        return self.b.start(name, "train", role, alloc, payload), \
-            lambda results: self._trained(name, role, alloc, results, len(minibatches))
-
-    def _train_fused(self, unit: Unit):
-        """A fused stage (RLHFuse section 5): every device of the stage runs its logical rank's
-        action list from the plan's fused schedule, interleaving actor and critic actions."""
+    def _train(self, unit: Unit):
+        """A training stage: every device runs its logical rank's lowered action list from the
+        stage's schedule (one model's pipeline, or actor and critic fused, RLHFuse section 5), each
+        device its own list (dispatched by device)."""
         stage = unit.stage
         minibatches = self._minibatches()
-        ordered = p2p_ordered(stage.schedule)
+        ordered = in_posting_order(stage.schedule)
         rank_of: dict[int, int] = {}
+        held: dict[int, set[tuple[str, int]]] = {}  # device -> the (pipe, stage) pairs it runs
         for (pipe, st), devices in pipe_stage_devices(self.plan, stage).items():
             rank = stage.schedule.pipes[pipe].stage_to_rank[st]
             for d in devices:
                 if rank_of.setdefault(d, rank) != rank:
                     raise RuntimeError(f"device {d} holds logical ranks {rank_of[d]} and {rank} of {unit.label}")
-        roles = [t.model.value for t in unit.tasks]
-        payload = {"roles": roles, "minibatches": minibatches, "temperature": self.opts.temperature,
-                   "clip_eps": self.opts.clip_eps, "value_clip_eps": self.opts.value_clip_eps,
-                   "allocations": {t.model.value: dataclasses.asdict(t.allocation) for t in unit.tasks},
-                   "parts": {t.model.value: {"data": self._training_data(t),
-                                             "loss": t.model.value, "micro_batch_size": stage.micro_batch_size}
-                             for t in unit.tasks},
-                   "pipe_role": {name: pipe.model for name, pipe in stage.schedule.pipes.items()},
-                   "actions_by_device": {str(d): [a.token() for a in ordered.order.get(r, [])]
-                                         for d, r in rank_of.items()}}
+                held.setdefault(d, set()).add((pipe, st))
         first = unit.tasks[0]
-        call = self.b.start(unit.label, "train_fused", first.model.value, first.allocation, payload, unit.devices)
+        request = Train(unit.label, first.model.value, first.allocation,
+                        parts={t.model.value: TrainPart(self._training_data(t), stage.micro_batch_size)
+                               for t in unit.tasks},
+                        allocations={t.model.value: t.allocation for t in unit.tasks},
+                        pipe_role={name: pipe.model for name, pipe in stage.schedule.pipes.items()},
+                        minibatches=minibatches, temperature=self.opts.temperature, clip_eps=self.opts.clip_eps,
+                        value_clip_eps=self.opts.value_clip_eps)
+        shares = {d: request.replace(actions=tuple(a.token() for a in ordered.order.get(rank_of[d], [])
+                                                   if (a.pipe, a.stage) in held[d]))
+                  for d in rank_of}
+        call = self.group.start(request, mode=Dispatch.BY_DEVICE, shares=shares)
         group0 = {devices[0] for devices in pipe_stage_devices(self.plan, stage).values()}
 
-        def finish(results: list[dict]) -> None:
+        def finish(results: list) -> None:
             for task in unit.tasks:
                 role = task.model.value
-                per_task = [{**r, "spans": r["task_spans"][role], "out": r["out"].get(role)} for r in results
-                            if role in r["task_spans"]]
-                self._trained(task.name, role, task.allocation, per_task, len(minibatches), pipelines=False)
-            self._fused_pipelines(unit.label, group0, results, len(minibatches))
+                per_task = [dataclasses.replace(r, spans=r.task_spans[role], out=r.out.get(role)) for r in results
+                            if role in r.task_spans]
+                self._trained(task.name, role, per_task, len(minibatches))
+            self._stage_pipelines(unit.label, group0, results, len(minibatches))
         return call, finish
 
-    def _fused_pipelines(self, label: str, ranks: set[int], results: list[dict], num_minibatches: int) -> None:
-        """One PipelineRun per mini-batch over the fused pipeline's logical ranks of group 0 (tp rank 0)."""
-        mine = [r for r in results if r["rank"] in ranks]
+    def _stage_pipelines(self, label: str, ranks: set[int], results: list, num_minibatches: int) -> None:
+        """One PipelineRun per mini-batch over the stage's logical ranks of group 0 (tp rank 0)."""
+        mine = [r for r in results if r.rank in ranks]
         for j in range(num_minibatches):
-            start = min(run[j][0] for r in mine for run in (o["runs"] for o in r["out"].values()))
-            end = max(run[j][1] for r in mine for run in (o["runs"] for o in r["out"].values()))
-            compute = sum(min(e, end) - max(st, start) for r in mine for spans in r["task_spans"].values()
+            start = min(run[j][0] for r in mine for run in (o["runs"] for o in r.out.values()))
+            end = max(run[j][1] for r in mine for run in (o["runs"] for o in r.out.values()))
+            compute = sum(min(e, end) - max(st, start) for r in mine for spans in r.task_spans.values()
                           for kind, st, e, *_ in spans if kind in ("forward", "backward") and st < end and e > start)
             self.trace.pipelines.append(PipelineRun(label, start - self.t0, end - start, len(mine), compute, 0.0))
 
-    def _trained(self, name: str, role: str, alloc: Allocation, results: list[dict], n: int,
-                 pipelines: bool = True) -> None:
+    def _trained(self, name: str, role: str, results: list, n: int) -> None:
         self.b.spans_from(name, results, self.t0, self.trace)
-        self.b.version[role] += 1
+        self.homes.trained(role)
         totals: dict[str, float] = {}
         for part in self.b.outputs(results):
             for key, value in part.get("stats", {}).items():
@@ -331,27 +282,13 @@ class Iteration(PlanInterpreter):
             self.trace.counters[f"rl/{prefix}_clipfrac"] = totals["clipfrac"] / n
         if "approx_kl" in totals:
             self.trace.counters["rl/ppo_kl"] = totals["approx_kl"] / n
-        if pipelines:
-            self._pipelines(name, alloc, results, n)
-
-    def _pipelines(self, name: str, alloc: Allocation, results: list[dict], num_minibatches: int) -> None:
-        """One PipelineRun per mini-batch over dp replica 0, tp rank 0 (its pp stages)."""
-        s = alloc.strategy
-        ranks = {alloc.device(0, p, 0) for p in range(s.pp)}
-        mine = [r for r in results if r["rank"] in ranks]
-        for j in range(num_minibatches):
-            start = min(r["out"]["runs"][j][0] for r in mine)
-            end = max(r["out"]["runs"][j][1] for r in mine)
-            compute = sum(min(e, end) - max(st, start) for r in mine for kind, st, e, *_ in r["spans"]
-                          if kind in ("forward", "backward") and st < end and e > start)
-            self.trace.pipelines.append(PipelineRun(name, start - self.t0, end - start, s.pp, compute, 0.0))
 
     # ---- digest -----------------------------------------------------------------------------
     def _digest(self) -> None:
         digests = {}
         for role in ("actor", "critic"):
-            alloc = self.b.home[role]
-            results = self.b._call(f"digest_{role}", "state", role, alloc, None)
+            alloc = self.homes.home[role]
+            results = self.group.call(State(f"digest_{role}", role, alloc))
             pieces = {tuple(p["coord"]): {n: torch.tensor(v) for n, v in p["state"].items()}
                       for p in self.b.outputs(results)}
             s = alloc.strategy

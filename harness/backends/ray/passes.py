@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 from harness.backends.ray.comm import PipeChannel
+from harness.backends.ray.protocol import Generate, Infer, SpanT
 from harness.backends.ray.replica import Replica
 from harness.backends.ray.rewards import task_scores
 from harness.costmodel.llama import forward_flops
 from harness.real.engine import GenerationEngine, SamplingParams
 from harness.real.model import split_layers
 
-SpanT = tuple[str, float, float, float, float]
 
 
 def _flops(model_cfg: dict, replica: Replica, num_tokens: float, seq_len: float) -> float:
@@ -70,14 +70,14 @@ def make_engine(replica: Replica, *, max_batch_size: int, sampling: SamplingPara
     return engine
 
 
-def generate(replica: Replica, p: dict[str, Any]) -> tuple[list[SpanT], Any]:
+def generate(replica: Replica, p: Generate) -> tuple[list[SpanT], Any]:
     """Length-controlled generation of this replica's samples (continuous batching, or static
     rounds of ``max_batch_size`` that each wait for their longest sample)."""
     k, dp = replica.coord[0], replica.strategy.dp
-    ids = [i for i in range(len(p["prompts"])) if i % dp == k]
-    max_batch = max(1, min(p["max_batch_size"] or len(ids), len(ids)))
-    sampling = SamplingParams(temperature=p["temperature"], seed=p["sampling_seed"])
-    rounds = [ids[i:i + max_batch] for i in range(0, len(ids), max_batch)] if p["batching"] == "static" else [ids]
+    ids = [i for i in range(len(p.prompts)) if i % dp == k]
+    max_batch = max(1, min(p.max_batch_size or len(ids), len(ids)))
+    sampling = SamplingParams(temperature=p.temperature, seed=p.sampling_seed)
+    rounds = [ids[i:i + max_batch] for i in range(0, len(ids), max_batch)] if p.batching == "static" else [ids]
     spans, finished = [], []
 
     def on_finish(f):
@@ -87,9 +87,9 @@ def generate(replica: Replica, p: dict[str, Any]) -> tuple[list[SpanT], Any]:
         replica.set_train(False)
         for chunk in rounds:
             engine = make_engine(replica, max_batch_size=max_batch, sampling=sampling,
-                                 kv_capacity=int(p["kv_capacity"]))
+                                 kv_capacity=int(p.kv_capacity))
             for i in chunk:
-                engine.submit(i, p["prompts"][i], target_len=int(p["target_lens"][i]))
+                engine.submit(i, p.prompts[i], target_len=int(p.target_lens[i]))
             t0 = time.time()
             engine.run(on_finish)
             spans.append(("decode", t0, time.time(), 0.0, 0.0))
@@ -107,19 +107,21 @@ def _head_output(out: Tensor, tokens: Tensor, what: str, temperature: float, las
     return out[torch.arange(out.shape[0]), last_index].float()  # score of the last token
 
 
-def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
-    tokens, attn = torch.tensor(p["tokens"]), torch.tensor(p["attn"])
-    last_index = torch.tensor(p["last_index"])
-    prompt_lens = torch.tensor(p["prompt_lens"]) if p.get("task_reward") else None
+def infer(replica: Replica, p: Infer, model_cfg: dict, in_order: bool = True) -> tuple[list[SpanT], Any]:
+    """Forward passes over this replica's rows, micro-batch by micro-batch through its pipeline
+    stages; ``in_order``: pipeline messages matched in posting order, as NCCL does."""
+    tokens, attn = torch.tensor(p.tokens), torch.tensor(p.attn)
+    last_index = torch.tensor(p.last_index)
+    prompt_lens = torch.tensor(p.prompt_lens) if p.task_reward else None
     k, dp = replica.coord[0], replica.strategy.dp
-    mbs = p["micro_batch_size"]
+    mbs = p.micro_batch_size
     # samples are dealt to dp replicas round-robin, unless the driver gives one replica its rows
     # (streamed inference: one replica takes a micro-batch of finished samples)
-    mine = np.asarray(p["rows"], dtype=np.int64) if p.get("rows") is not None else np.arange(tokens.shape[0])[k::dp]
+    mine = np.asarray(p.rows, dtype=np.int64) if p.rows is not None else np.arange(tokens.shape[0])[k::dp]
     num_mbs = math.ceil(len(mine) / mbs)
     if getattr(replica, "lockstep", False):  # DeepSpeed gathers inside forward: equal pass counts
         num_mbs = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)
-    chan, spans, outputs = PipeChannel(replica.device, in_order=p.get("p2p_in_order", True)), [], []
+    chan, spans, outputs = PipeChannel(replica.device, in_order=in_order), [], []
     hidden = replica.args.hidden_size
     dev = replica.device
     with torch.no_grad(), replica.compute():
@@ -138,10 +140,10 @@ def infer(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[Sp
             spans.append(("forward", t0, t1, _flops(model_cfg, replica, float(x_attn.sum()), x_attn.shape[1]), 0.0))
             if not replica.is_last:
                 chan.send(out, replica.neighbour(1), tag=m)
-            elif not dummy and p.get("task_reward"):  # a programmatic reward replaces the model's score
-                outputs.append(task_scores(x_tok, prompt_lens[rows], last_index[rows], p["task_reward"]))
+            elif not dummy and p.task_reward:  # a programmatic reward replaces the model's score
+                outputs.append(task_scores(x_tok, prompt_lens[rows], last_index[rows], p.task_reward))
             elif not dummy:
-                outputs.append(_head_output(out, x_tok.to(dev), p["what"], p["temperature"],
+                outputs.append(_head_output(out, x_tok.to(dev), p.what, p.temperature,
                                             last_index[rows].to(dev)).cpu())
         chan.flush()
     if not replica.reports:

@@ -21,23 +21,24 @@ import torch
 from torch import Tensor
 
 from harness.backends.ray.comm import PipeChannel
-from harness.backends.ray.passes import SpanT, _flops, _head_output
+from harness.backends.ray.passes import _flops, _head_output
+from harness.backends.ray.protocol import SpanT, Train
 from harness.backends.ray.replica import Replica
 from harness.real.ppo import policy_loss, value_loss
 from harness.schedule.ir import Action
 
 
-def _loss(out: Tensor, mb: dict[str, Tensor], p: dict[str, Any], num_tokens: float) -> tuple[Tensor, dict]:
+def _loss(out: Tensor, mb: dict[str, Tensor], role: str, p: Train, num_tokens: float) -> tuple[Tensor, dict]:
     """The micro-batch's loss and stats, each divided by the mini-batch's ``num_tokens`` (so the
     micro-batches of a mini-batch, on every dp replica, add up to the mini-batch's value). The
     clip fractions are :mod:`harness.real.ppo`'s: tokens whose clipped term the loss takes."""
     mask = mb["action_mask"]
-    if p["loss"] == "actor":
-        logp = _head_output(out, mb["tokens"], "logprobs", p["temperature"], None)
-        loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p["clip_eps"], num_tokens)
+    if role == "actor":
+        logp = _head_output(out, mb["tokens"], "logprobs", p.temperature, None)
+        loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p.clip_eps, num_tokens)
         return loss, {"loss": s["actor/pg_loss"], "clipfrac": s["actor/pg_clipfrac"], "approx_kl": s["actor/ppo_kl"]}
     values = out[:, :-1].float()
-    loss, s = value_loss(values, mb["old_values"], mb["returns"], mask, p["value_clip_eps"], num_tokens)
+    loss, s = value_loss(values, mb["old_values"], mb["returns"], mask, p.value_clip_eps, num_tokens)
     return loss, {"loss": s["critic/vf_loss"], "clipfrac": s["critic/vf_clipfrac"]}
 
 
@@ -48,42 +49,33 @@ def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, 
             for i in range(0, len(rows), mbs)]
 
 
-def train(replica: Replica, p: dict[str, Any], model_cfg: dict) -> tuple[list[SpanT], Any]:
-    """One PPO epoch of one model over the batch: one optimizer step per mini-batch, the plan's
-    action list for this device's pipeline stage."""
-    part = {k: p[k] for k in ("data", "loss", "micro_batch_size")}
-    fused = {**p, "parts": {replica.role: part}, "actions": p["actions_by_stage"][replica.coord[1]],
-             "pipe_role": None}
-    spans, outs = train_fused({replica.role: replica}, fused, {replica.role: model_cfg})
-    return spans[replica.role], outs[replica.role]
-
-
 def _message_tag(tag_base: dict[str, int], act: Action) -> int:
     """A message's tag (used only when the channel matches by tag): its pipe, micro-batch and
     direction (a forward activation and the gradient coming back)."""
     return tag_base[act.pipe] + 2 * act.mb + (act.kind in ("SB", "RB"))
 
 
-def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dict[str, dict]
-                ) -> tuple[dict[str, list[SpanT]], dict[str, Any]]:
-    """One PPO epoch of every model in ``replicas`` (role -> this device's replica) through one
-    pipeline schedule: this device's logical rank runs ``p["actions"]`` in order, each action of
-    the pipe ``p["pipe_role"]`` maps to a model (RLHFuse section 5: actor and critic share ranks
-    and fill each other's bubbles). Per mini-batch, after the schedule, each model steps its
-    optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs per role.
+def train(replicas: dict[str, Replica], p: Train, model_cfgs: dict[str, dict], in_order: bool = True
+          ) -> tuple[dict[str, list[SpanT]], dict[str, Any]]:
+    """One PPO epoch of every model in ``replicas`` (role -> this device's replica: one model, or two
+    in a fused stage) through one pipeline schedule: this device's logical rank runs ``p.actions`` in
+    order, each action of the pipe ``p.pipe_role`` maps to a model (RLHFuse section 5: actor and
+    critic share ranks and fill each other's bubbles). Per mini-batch, after the schedule, each model
+    steps its optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs
+    per role. ``in_order``: pipeline messages matched in posting order per rank pair, as NCCL does.
 
-    ``p["actions"]`` is the *lowered* list (``harness.schedule.lower``) with its receives in the
+    ``p.actions`` is the *lowered* list (``harness.schedule.lower``) with its receives in the
     senders' order (``harness.schedule.p2p_order.order_receives``), executed verbatim by
     :class:`_ScheduleRun`, one handler per action type."""
     roles = list(replicas)
     any_replica = replicas[roles[0]]
     dev = any_replica.device
-    actions = [Action.parse(a) for a in p["actions"]]
+    actions = [Action.parse(a) for a in p.actions]
     if any_replica.strategy.pp > 1 and all(a.is_compute for a in actions):
-        raise ValueError("train_fused needs the lowered action list (sends and receives), got compute actions only")
+        raise ValueError("train needs the lowered action list (sends and receives), got compute actions only")
     pipes = sorted({a.pipe for a in actions})
     tag_base = {name: i * 8192 for i, name in enumerate(pipes)}  # keeps every pipe's messages apart (tag mode)
-    data = {r: {n: torch.tensor(v, device=dev) for n, v in p["parts"][r]["data"].items()} for r in roles}
+    data = {r: {n: torch.tensor(v, device=dev) for n, v in p.parts[r].data.items()} for r in roles}
     spans: dict[str, list[SpanT]] = {r: [] for r in roles}
     totals: dict[str, dict[str, float]] = {r: {} for r in roles}
     runs: dict[str, list] = {r: [] for r in roles}
@@ -93,8 +85,8 @@ def train_fused(replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dic
     try:
         for r in roles:
             replicas[r].set_train(True)
-        for index in p["minibatches"]:
-            run = _ScheduleRun(replicas, p, model_cfgs, data, np.array(index), tag_base, spans, totals)
+        for index in p.minibatches:
+            run = _ScheduleRun(replicas, p, model_cfgs, data, np.array(index), tag_base, spans, totals, in_order)
             for act in actions:
                 run.handlers[act.kind](act)
             end = run.end()
@@ -120,22 +112,22 @@ class _ScheduleRun:
     - ``F``/``B``: post what is pending, then compute; the last stage's forward computes the loss.
 
     Posting follows the list, so messages match in posting order per rank pair, as under NCCL
-    (which ignores tags). The optimizer steps after the schedule (:func:`train_fused`)."""
+    (which ignores tags). The optimizer steps after the schedule (:func:`train`)."""
 
-    def __init__(self, replicas: dict[str, Replica], p: dict[str, Any], model_cfgs: dict[str, dict],
+    def __init__(self, replicas: dict[str, Replica], p: Train, model_cfgs: dict[str, dict],
                  data: dict[str, dict[str, Tensor]], index: np.ndarray, tag_base: dict[str, int],
-                 spans: dict[str, list[SpanT]], totals: dict[str, dict[str, float]]):
+                 spans: dict[str, list[SpanT]], totals: dict[str, dict[str, float]], in_order: bool):
         self.replicas, self.p, self.model_cfgs, self.tag_base = replicas, p, model_cfgs, tag_base
         self.spans, self.totals = spans, totals
         self.roles = list(replicas)
-        self.pipe_role = p.get("pipe_role") or {}
+        self.pipe_role = p.pipe_role or {}
         self.mbs, self.num_tokens, self.saved = {}, {}, {}
         for r in self.roles:
             rep = replicas[r]
             self.num_tokens[r] = float(data[r]["action_mask"][torch.tensor(index)].sum())
-            self.mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p["parts"][r]["micro_batch_size"])
+            self.mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p.parts[r].micro_batch_size)
             self.saved[r] = {}
-        self.chan = PipeChannel(replicas[self.roles[0]].device, in_order=p.get("p2p_in_order", True))
+        self.chan = PipeChannel(replicas[self.roles[0]].device, in_order=in_order)
         self.received: dict[tuple[str, str, int], Tensor] = {}  # (pipe, RF/RB, mb) -> payload
         self.to_send: dict[tuple[str, str, int], Tensor] = {}  # (pipe, SF/SB, mb) -> tensor computed
         self.pending: list[Action] = []  # receives to post before the next computation
@@ -179,7 +171,7 @@ class _ScheduleRun:
             x.requires_grad_(True)
         out = rep(x, attention_mask=mb["attn"])
         if rep.is_last:
-            loss, stats = _loss(out, mb, {**self.p, **self.p["parts"][r]}, self.num_tokens[r])
+            loss, stats = _loss(out, mb, r, self.p, self.num_tokens[r])
             for key, v in stats.items():
                 self.totals[r][key] = self.totals[r].get(key, 0.0) + v
             self.saved[r][act.mb] = (x, loss, None)
@@ -211,7 +203,7 @@ class _ScheduleRun:
     def end(self) -> float:
         """Check every message was matched, flush the channel; returns the end time."""
         if self.pending or self.received or self.to_send:
-            raise RuntimeError(f"train_fused: the action list left messages unmatched (receives not "
+            raise RuntimeError(f"train: the action list left messages unmatched (receives not "
                                f"consumed: {sorted(self.received)}, sends not posted: {sorted(self.to_send)})")
         self.chan.flush()
         return time.time()

@@ -3,7 +3,7 @@ short rounds, reports finished samples as they finish, and whose long tail migra
 instances with its KV cache sent over point-to-point collectives.
 
 A :class:`GenerationSession` lives on every device of one generation instance (tp ranks step in
-lockstep; tp rank 0 reports) between ``gen_open`` and ``gen_close``:
+lockstep; tp rank 0 reports) between the ``OpenSession`` and ``CloseSession`` requests (protocol.py):
 
 - :meth:`steps`: up to ``max_steps`` engine steps (continuous batching); returns the samples that
   finished, each with the wall-clock time it finished, how many are left, and how many steps
@@ -26,22 +26,21 @@ import torch
 from harness.backends.ray.comm import exchange
 from harness.backends.ray.replica import Replica
 from harness.backends.ray.passes import make_engine
+from harness.backends.ray.protocol import Migrate, OpenSession, SpanT
 from harness.real.engine import MigratedSample, SamplingParams
-
-SpanT = tuple[str, float, float, float, float]
 
 
 class GenerationSession:
-    def __init__(self, replica: Replica, p: dict[str, Any]):
+    def __init__(self, replica: Replica, p: OpenSession):
         self.replica = replica
         self.reports = replica.coord[2] == 0
-        sampling = SamplingParams(temperature=p["temperature"], seed=p["sampling_seed"])
-        ids = [int(i) for i in p["sample_ids"]]
+        sampling = SamplingParams(temperature=p.temperature, seed=p.sampling_seed)
+        ids = [int(i) for i in p.sample_ids]
         # slots for the instance's own samples and for any migrated to it later
-        self.engine = make_engine(replica, max_batch_size=max(1, int(p["max_batch_size"])), sampling=sampling,
-                                  kv_capacity=int(p["kv_capacity"]))
+        self.engine = make_engine(replica, max_batch_size=max(1, int(p.max_batch_size)), sampling=sampling,
+                                  kv_capacity=int(p.kv_capacity))
         for i in ids:
-            self.engine.submit(i, p["prompts"][i], target_len=int(p["target_lens"][i]))
+            self.engine.submit(i, p.prompts[i], target_len=int(p.target_lens[i]))
         self.exported: list[MigratedSample] = []
 
     def steps(self, max_steps: int) -> tuple[list[SpanT], dict[str, Any]]:
@@ -88,17 +87,17 @@ def _unflat_kv(buf: torch.Tensor, shapes: dict) -> dict[int, tuple[torch.Tensor,
     return out
 
 
-def migrate(rank: int, session: GenerationSession | None, p: dict[str, Any], device,
+def migrate(rank: int, session: GenerationSession | None, p: Migrate, device,
             dtype: torch.dtype = torch.float32) -> list[SpanT]:
     """Send this device's exported KV shards and/or receive and import the samples moved here.
 
-    ``p["moves"]``: one entry per (sample, tp rank) with ``src`` and ``dst`` devices, the sample's
-    state (``sample``) and its KV ``shapes``; ``p["with_kv"]`` says whether KV travels."""
+    ``p.moves``: one entry per (sample, tp rank) with ``src`` and ``dst`` devices, the sample's
+    state (``sample``) and its KV ``shapes``; ``p.with_kv`` says whether KV travels."""
     t0 = time.time()
     sends, recv_numel, incoming = {}, {}, {}
     by_id = {m.sample_id: m for m in (session.exported if session is not None else [])}
-    for move in p["moves"]:
-        numel = 2 * sum(int(torch.tensor(s).prod()) for s in move["shapes"].values()) if p["with_kv"] else 0
+    for move in p.moves:
+        numel = 2 * sum(int(torch.tensor(s).prod()) for s in move["shapes"].values()) if p.with_kv else 0
         if move["src"] == rank and numel:
             sends.setdefault(move["dst"], []).append(_flat_kv(by_id[move["sample"]["sample_id"]]))
         if move["dst"] == rank:

@@ -2,7 +2,8 @@
 
 The driver (:class:`harness.backends.ray.RayBackend`) creates one ``DeviceWorker`` per device,
 wires them into one ``torch.distributed`` job (gloo on CPU, NCCL on CUDA), hands every worker the
-plan, then calls :meth:`DeviceWorker.run` on the devices of each task's mesh. A worker keeps, per
+plan, then sends the devices of each task its typed requests (:mod:`harness.backends.ray.protocol`):
+one worker method per request class, each answering with a ``Result``. A worker keeps, per
 model role, a *home* replica in the layout where the model trains (actor, critic) or infers (ref,
 reward), plus copies in the layouts of other tasks, which weight movements refresh.
 
@@ -29,13 +30,9 @@ import socket
 import time
 from typing import Any
 
-from harness.plan import Allocation, ParallelStrategy, Plan
-
-SpanT = tuple[str, float, float, float, float]
-
-
-def alloc_from_dict(d: dict) -> Allocation:
-    return Allocation(tuple(d["mesh"]), ParallelStrategy(**d["strategy"]))
+from harness.backends.ray.protocol import (CloseSession, Export, Generate, Infer, Migrate, Move, OpenSession,
+                                           Release, Request, Result, State, Steps, Train)
+from harness.plan import Allocation, Plan
 
 
 def cuda_local_index(gpu_ids: list, visible: str | None) -> int:
@@ -136,7 +133,7 @@ class DeviceWorker:
         self.setup_info = setup
         self.groups = Groups(self.rank, self.world_size, [tuple(r) for r in setup["groups"]], self.device)
         for role, home in setup["homes"].items():
-            alloc = alloc_from_dict(home["allocation"])
+            alloc = home["allocation"]
             if self.rank in alloc.mesh:
                 self._create(role, alloc, home)
         return time.time() - t0
@@ -188,7 +185,7 @@ class DeviceWorker:
         self._note_memory()
         return replica
 
-    def release(self, role: str, alloc: Allocation) -> int:
+    def _free(self, role: str, alloc: Allocation) -> int:
         """Free this device's copy of ``role`` in ``alloc`` (a layout whose phase has ended and that
         the plan does not keep resident); a later weight movement builds it again. Returns the
         bytes freed."""
@@ -212,79 +209,92 @@ class DeviceWorker:
             return self._create(role, alloc, None)
         return self.replicas[key]
 
-    # ---- tasks --------------------------------------------------------------------------
-    def run(self, spec: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
-        """Execute one task's share on this device: ``spec['op']`` is generate, infer, train,
-        move (weight movement) or state (weights for the driver's digest)."""
-        from harness.backends.ray import passes, pipeline
-        from harness.backends.ray.movement import gather_state, move_weights
-
+    # ---- requests (protocol.py), one method each ---------------------------------------------
+    def _enter(self, req: Request) -> None:
         fault = self.options.get("fault_injection")
-        if fault and fault.get("task") == spec["task"] and fault.get("device") in (None, self.rank) \
-                and fault.get("op") in (None, spec["op"]):
+        if fault and fault.get("task") == req.task and fault.get("device") in (None, self.rank) \
+                and fault.get("op") in (None, req.method):
             os._exit(17)  # test hook: die as a crashed worker would, without cleaning up
-        op, role = spec["op"], spec["role"]
-        if isinstance(payload, dict):  # pipeline messages matched as backend.options.p2p_matching says (comm.PipeChannel)
-            payload = {**payload, "p2p_in_order": self.options.get("p2p_matching", "in_order") == "in_order"}
-        alloc = alloc_from_dict(spec["allocation"])
-        model_cfg = self.setup_info["model_cfgs"][role]
-        if op == "move":
-            source = self.replica(role, alloc_from_dict(spec["source"])) if self.rank in spec["source"]["mesh"] else None
-            target = self.replica(role, alloc, create=True) if self.rank in alloc.mesh else None
-            spans, out = move_weights(self, role, source, target, alloc_from_dict(spec["source"]), alloc)
-        elif op == "train_fused":
-            return self._train_fused(payload)
-        elif op.startswith("gen_"):
-            return self._generation_session(op, spec, payload, alloc)
-        elif op == "state":
-            spans, out = [], gather_state(self.replica(role, alloc))
-        elif op == "release":
-            spans, out = [], {"freed_bytes": self.release(role, alloc) if self.rank in alloc.mesh else 0}
-        else:
-            fn = {"generate": passes.generate, "infer": passes.infer, "train": pipeline.train}[op]
-            replica = self.replica(role, alloc)
-            spans, out = fn(replica, payload) if op == "generate" else fn(replica, payload, model_cfg)
-        return self._result(spans, out)
 
-    def _generation_session(self, op: str, spec: dict, payload: dict[str, Any], alloc) -> dict[str, Any]:
-        """Streamed generation (RLHFuse section 4): open a session, advance it, export its tail,
-        migrate KV caches, close it (:mod:`harness.backends.ray.streaming`)."""
-        from harness.backends.ray import streaming
+    @property
+    def _in_order(self) -> bool:
+        """Pipeline messages matched in posting order, as NCCL does (backend.options.p2p_matching)."""
+        return self.options.get("p2p_matching", "in_order") == "in_order"
 
-        task = spec["task"]
-        spans, out = [], None
-        if op == "gen_open":
-            self.sessions[task] = streaming.GenerationSession(self.replica("actor", alloc), payload)
-            out = {"next_finish": self.sessions[task].next_finish()}
-        elif op == "gen_steps":
-            spans, out = self.sessions[task].steps(int(payload["max_steps"]))
-        elif op == "gen_export":
-            out = self.sessions[task].export(bool(payload["with_kv"]))
-        elif op == "gen_migrate":
-            spans = streaming.migrate(self.rank, self.sessions.get(task), payload, self.device, self.dtype)
-        elif op == "gen_close":
-            self.sessions.pop(task, None)
-        else:
-            raise ValueError(f"unknown generation op {op!r}")
-        return self._result(spans, out)
+    def generate(self, req: Generate) -> Result:
+        from harness.backends.ray import passes
 
-    def _train_fused(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """This device's share of a fused training stage: its replica of every model it trains."""
+        self._enter(req)
+        return self._result(*passes.generate(self.replica(req.role, req.allocation), req))
+
+    def infer(self, req: Infer) -> Result:
+        from harness.backends.ray import passes
+
+        self._enter(req)
+        replica = self.replica(req.role, req.allocation)
+        return self._result(*passes.infer(replica, req, self.setup_info["model_cfgs"][req.role], self._in_order))
+
+    def train(self, req: Train) -> Result:
+        """This device's share of a training stage: its replica of every model the stage trains
+        here, running this device's logical rank's action list (one model, or two fused)."""
         from harness.backends.ray import pipeline
 
-        replicas = {}
-        for role in payload["roles"]:
-            alloc = alloc_from_dict(payload["allocations"][role])
-            if self.rank in alloc.mesh:
-                replicas[role] = self.replica(role, alloc)
-        p = {**payload, "actions": payload["actions_by_device"][str(self.rank)]}
-        spans, outs = pipeline.train_fused(replicas, p, {r: self.setup_info["model_cfgs"][r] for r in replicas})
-        return {**self._result([], outs), "task_spans": spans}
+        self._enter(req)
+        replicas = {role: self.replica(role, alloc) for role, alloc in req.allocations.items() if self.rank in alloc.mesh}
+        cfgs = {r: self.setup_info["model_cfgs"][r] for r in replicas}
+        spans, outs = pipeline.train(replicas, req, cfgs, self._in_order)
+        return self._result([], outs, task_spans=spans)
 
-    def _result(self, spans, out) -> dict[str, Any]:
+    def move(self, req: Move) -> Result:
+        from harness.backends.ray.movement import move_weights
+
+        self._enter(req)
+        source = self.replica(req.role, req.source) if self.rank in req.source.mesh else None
+        target = self.replica(req.role, req.allocation, create=True) if self.rank in req.allocation.mesh else None
+        return self._result(*move_weights(self, req.role, source, target, req.source, req.allocation))
+
+    def state(self, req: State) -> Result:
+        from harness.backends.ray.movement import gather_state
+
+        self._enter(req)
+        return self._result([], gather_state(self.replica(req.role, req.allocation)))
+
+    def release(self, req: Release) -> Result:
+        self._enter(req)
+        return self._result([], {"freed_bytes": self._free(req.role, req.allocation)
+                                 if self.rank in req.allocation.mesh else 0})
+
+    # streamed generation (RLHFuse section 4): a session per generate task (streaming.py)
+    def open_session(self, req: OpenSession) -> Result:
+        from harness.backends.ray import streaming
+
+        self._enter(req)
+        self.sessions[req.task] = streaming.GenerationSession(self.replica(req.role, req.allocation), req)
+        return self._result([], {"next_finish": self.sessions[req.task].next_finish()})
+
+    def steps(self, req: Steps) -> Result:
+        self._enter(req)
+        return self._result(*self.sessions[req.task].steps(req.max_steps))
+
+    def export(self, req: Export) -> Result:
+        self._enter(req)
+        return self._result([], self.sessions[req.task].export(req.with_kv))
+
+    def migrate(self, req: Migrate) -> Result:
+        from harness.backends.ray import streaming
+
+        self._enter(req)
+        return self._result(streaming.migrate(self.rank, self.sessions.get(req.task), req, self.device, self.dtype),
+                            None)
+
+    def close_session(self, req: CloseSession) -> Result:
+        self._enter(req)
+        self.sessions.pop(req.task, None)
+        return self._result([], None)
+
+    def _result(self, spans, out, task_spans: dict | None = None) -> Result:
         self._note_memory()
-        return {"rank": self.rank, "spans": spans, "out": out, "memory_gb": self.memory_gb(),
-                "memory": self.memory_stats()}
+        return Result(self.rank, spans, out, self.memory_gb(), self.memory_stats(), task_spans)
 
     def _note_memory(self) -> None:
         now = sum(r.state_bytes() for r in self.replicas.values() if r.module is not None)

@@ -68,6 +68,7 @@ def test_ray_training_pass_reports_the_same_clip_fractions():
     from model outputs: logits whose log-probabilities give exactly RATIO against old log-probs."""
     from harness.backends.ray.passes import _head_output
     from harness.backends.ray.pipeline import _loss
+    from harness.backends.ray.protocol import Train
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 3, generator=gen)
@@ -75,14 +76,14 @@ def test_ray_training_pass_reports_the_same_clip_fractions():
     logp = _head_output(logits, tokens, "logprobs", 1.0, None)
     mb = {"tokens": tokens, "action_mask": MASK.float(), "advantages": ADV.float(),
           "old_logprobs": logp - RATIO.float().log()}
-    p = {"loss": "actor", "temperature": 1.0, "clip_eps": EPS}
-    _, stats = _loss(logits, mb, p, num_tokens=7.0)
+    p = Train("t", "actor", None, temperature=1.0, clip_eps=EPS, value_clip_eps=EPS)
+    _, stats = _loss(logits, mb, "actor", p, num_tokens=7.0)
     assert stats["clipfrac"] == pytest.approx(3 / 7, abs=1e-6)
     assert stats["approx_kl"] == pytest.approx(-float((RATIO.log() * MASK).sum()) / 7, abs=1e-5)
 
     out = torch.cat([VALUES, torch.zeros(1, 1, dtype=torch.float64)], 1).float()  # value head output (B, W)
     mb = {"tokens": torch.zeros(1, 5, dtype=torch.long), "action_mask": torch.ones(1, 4),
           "old_values": torch.zeros(1, 4), "returns": RETURNS.float()}
-    loss, stats = _loss(out, mb, {"loss": "critic", "value_clip_eps": EPS}, num_tokens=4.0)
+    loss, stats = _loss(out, mb, "critic", p, num_tokens=4.0)
     assert stats["clipfrac"] == pytest.approx(1 / 4)
     assert math.isclose(stats["loss"], 3.3675, rel_tol=1e-6)

@@ -2,7 +2,7 @@
 
 In ``in_order`` mode the channel posts every message with tag 0, so gloo, like NCCL, hands the
 k-th receive between two ranks the k-th send. Each rank replays a searched fused schedule's lowered
-action list exactly as ``pipeline.train_fused`` executes it (receives collected and posted together,
+action list exactly as ``pipeline.train`` executes it (receives collected and posted together,
 with the queued sends, before the next computation; a send queued after its computation), each
 message carrying its own identity as payload, and records every receive that got another
 message's payload. Oracles:

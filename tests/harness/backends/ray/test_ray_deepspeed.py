@@ -81,7 +81,7 @@ def _flat(path: Path) -> torch.Tensor:
 
 def _initial(role: str) -> torch.Tensor:
     """The seeded initial weights of ``role`` (seed 0), as the backend builds them."""
-    from harness.backends.ray.backend import role_seeds
+    from harness.backends.ray.homes import role_seeds
     from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 
     args = {r: ModelArgs.from_llama_config(load_llama_config("tiny"), value_head=r in ("critic", "reward"))

@@ -48,9 +48,9 @@ def no_ray(monkeypatch):
 
     ray = pytest.importorskip("ray")
     monkeypatch.setattr(ray, "init", refuse)
-    from harness.backends.ray import backend
+    from harness.backends.ray import cluster
 
-    monkeypatch.setattr(backend.RayBackend, "_start_ray", refuse)
+    monkeypatch.setattr(cluster.Cluster, "start_ray", refuse)
 
 
 def fake_cuda(monkeypatch, count: int) -> None:
@@ -99,7 +99,7 @@ def test_every_option_combination_is_run_or_refused_before_ray_starts(monkeypatc
             impl = "native" if zero3 == "native" or not DEEPSPEED else "deepspeed"
             assert backend.zero3 == {"actor": impl, "critic": impl, "ref": impl, "reward": impl}, case
             assert backend.opts.device == device and backend.opts.dtype == dtype  # resolved later, in setup
-        assert backend.workers == []
+        assert backend.group is None
 
 
 @pytest.mark.skipif(not DEEPSPEED, reason="DeepSpeed is not installed (the dev extra installs it)")
@@ -109,7 +109,7 @@ def test_bf16_runs_on_deepspeed_by_default(monkeypatch):
     fake_cuda(monkeypatch, 2)
     backend, plan = _backend_and_plan([])
     backend.check(plan)
-    assert backend._device() == "cuda" and backend.opts.resolved_dtype("cuda") == "bf16"
+    assert backend.cluster.device() == "cuda" and backend.opts.resolved_dtype("cuda") == "bf16"
     assert set(backend.zero3.values()) == {"deepspeed"}
 
 
@@ -157,7 +157,7 @@ def test_joining_a_cluster_checks_the_device_once_known(monkeypatch):
     """device=auto on a cluster is known once joined: check() defers device conflicts, and setup
     runs check_options again with the resolved device before any worker starts."""
     backend, plan = _backend_and_plan(["backend.address=auto", "backend.options.fault_injection.device=9"])
-    assert backend._device() is None
+    assert backend.cluster.device() is None
     with pytest.raises(ConfigError, match="fault_injection.device=9"):
         backend.check(plan)
     backend, plan = _backend_and_plan(["backend.address=auto"])

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from harness.backends.ray.backend import model_args  # noqa: E402
+from harness.backends.ray.homes import model_args  # noqa: E402
 from harness.backends.ray.options import unsupported_features  # noqa: E402
 from harness.plan import Plan  # noqa: E402
 from harness.testing import plan_for  # noqa: E402

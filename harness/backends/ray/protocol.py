@@ -1,0 +1,168 @@
+"""The driver-worker protocol of ``backend=ray`` (issue 27, item 2): one request dataclass per
+worker method, one result type, and how a request reaches the devices of a call.
+
+Every request names its task (for spans and errors), its model role and the layout it computes in
+(``allocation``); its class says which :class:`~harness.backends.ray.worker.DeviceWorker` method
+runs it (``Request.method``). A worker answers every request with a :class:`Result`.
+
+How a call reaches its devices is explicit (:class:`Dispatch`, as the dispatch modes of verl's and
+OpenRLHF's worker groups):
+
+- ``ONE_TO_ALL``: the same request to every device; each worker computes its own share from its
+  place in the layout (generation rows by dp replica, tensor and pipeline shards, a weight
+  movement's sends and receives);
+- ``BY_DP_RANK``: one request per data-parallel replica, every device of replica ``k`` receiving
+  the rows the driver gave it (``Infer.rows``);
+- ``BY_DEVICE``: one request per device (a fused pipeline stage: each device's logical rank runs
+  its own lowered action list, RLHFuse section 5).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar, Optional
+
+from harness.plan import Allocation
+
+SpanT = tuple[str, float, float, float, float]  # (kind, start, end, flops, bytes) on the worker's clock
+
+
+class Dispatch(Enum):
+    ONE_TO_ALL = "one_to_all"
+    BY_DP_RANK = "by_dp_rank"
+    BY_DEVICE = "by_device"
+
+
+@dataclass(frozen=True)
+class Request:
+    task: str
+    role: str
+    allocation: Allocation
+    method: ClassVar[str] = ""
+
+    def replace(self, **changes) -> "Request":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Sampling(Request):
+    """What generating needs: the batch's prompts and target lengths (length-controlled samples),
+    the sampling parameters, slots per instance and the KV capacity per sample."""
+    prompts: list = field(default_factory=list)
+    target_lens: list = field(default_factory=list)
+    max_batch_size: Optional[int] = None
+    temperature: float = 1.0
+    sampling_seed: int = 0
+    kv_capacity: int = 0
+
+
+@dataclass(frozen=True)
+class Generate(Sampling):
+    """Generate every sample of the batch dealt to this device's dp replica (round-robin), with
+    continuous batching or in static rounds (``batching``)."""
+    batching: str = "continuous"
+    method: ClassVar[str] = "generate"
+
+
+@dataclass(frozen=True)
+class Infer(Request):
+    """Forward passes of the rollout: log-probs, values or scores (``what``). ``rows``: the samples
+    of this replica (None: dealt round-robin by dp replica on the worker)."""
+    tokens: Any = None
+    attn: Any = None
+    last_index: Any = None
+    what: str = "logprobs"
+    micro_batch_size: int = 1
+    temperature: float = 1.0
+    rows: Optional[list] = None
+    task_reward: Optional[dict] = None  # a programmatic reward replaces the reward model's score
+    prompt_lens: Optional[list] = None
+    method: ClassVar[str] = "infer"
+
+
+@dataclass(frozen=True)
+class TrainPart:
+    """One model's share of a training stage: its loss inputs and micro-batch size."""
+    data: dict
+    micro_batch_size: int
+
+
+@dataclass(frozen=True)
+class Train(Request):
+    """One PPO epoch of the models of a training stage on this device: ``actions``, its logical
+    rank's lowered action list, in order (one optimizer step per mini-batch). ``parts`` and
+    ``allocations`` per model role; ``pipe_role`` maps each pipe of the schedule to its role."""
+    parts: dict = field(default_factory=dict)
+    allocations: dict = field(default_factory=dict)
+    pipe_role: dict = field(default_factory=dict)
+    actions: tuple = ()
+    minibatches: list = field(default_factory=list)
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    method: ClassVar[str] = "train"
+
+
+@dataclass(frozen=True)
+class Move(Request):
+    """Move ``role``'s weights from the ``source`` layout to ``allocation`` (sends and receives)."""
+    source: Optional[Allocation] = None
+    method: ClassVar[str] = "move"
+
+
+@dataclass(frozen=True)
+class State(Request):
+    """This device's piece of the weights (the driver's digest)."""
+    method: ClassVar[str] = "state"
+
+
+@dataclass(frozen=True)
+class Release(Request):
+    """Free this device's copy of ``role`` in ``allocation``."""
+    method: ClassVar[str] = "release"
+
+
+@dataclass(frozen=True)
+class OpenSession(Sampling):
+    """Streamed generation (RLHFuse section 4): open this instance's session on ``sample_ids``."""
+    sample_ids: list = field(default_factory=list)
+    method: ClassVar[str] = "open_session"
+
+
+@dataclass(frozen=True)
+class Steps(Request):
+    """Advance the session by up to ``max_steps`` engine steps."""
+    max_steps: int = 1
+    method: ClassVar[str] = "steps"
+
+
+@dataclass(frozen=True)
+class Export(Request):
+    """Take the session's unfinished samples out (with their KV caches when ``with_kv``)."""
+    with_kv: bool = True
+    method: ClassVar[str] = "export"
+
+
+@dataclass(frozen=True)
+class Migrate(Request):
+    """Send the exported samples' KV shards and import the samples moved here (``moves``)."""
+    moves: list = field(default_factory=list)
+    with_kv: bool = True
+    method: ClassVar[str] = "migrate"
+
+
+@dataclass(frozen=True)
+class CloseSession(Request):
+    method: ClassVar[str] = "close_session"
+
+
+@dataclass
+class Result:
+    """A worker's answer: its rank, its spans, the request's output, and its memory peaks."""
+    rank: int
+    spans: list
+    out: Any
+    memory_gb: float = 0.0
+    memory: dict = field(default_factory=dict)
+    task_spans: Optional[dict] = None  # a fused stage: spans per model role
