@@ -29,8 +29,8 @@ after the round's other instances have reached that step too).
 """
 from __future__ import annotations
 
-import math
 from collections import deque
+
 import numpy as np
 
 from harness import metrics as mk
@@ -38,6 +38,7 @@ from harness.backends.ray import experience as ex
 from harness.backends.ray.protocol import CloseSession, Export, Infer, Migrate, OpenSession, Steps
 from harness.backends.ray.rewards import reward_fields
 from harness.interpreter import Unit
+from harness.planning.taskmodels import migration as mg
 from harness.trace import SampleRecord
 
 
@@ -88,7 +89,7 @@ class StreamedGeneration:
         for k, results in enumerate(opened):
             self.next_finish[k] = self._report(k, results)["next_finish"]
         migration = policy.migration
-        threshold = math.ceil(migration.threshold_frac * it.batch.num_samples) if migration else None
+        threshold = mg.threshold(migration.threshold_frac, it.batch.num_samples) if migration else None
         active = [k for k in range(len(self.instances)) if self.left[k] > 0]
         for k in range(len(self.instances)):
             if self.left[k] == 0:
@@ -99,8 +100,8 @@ class StreamedGeneration:
                 active.remove(k)
                 self._release(k)
             unfinished = sum(self.left[k] for k in active)
-            # as the simulator: migrate once fewer than R_t samples are unfinished
-            if threshold is not None and 0 < unfinished < threshold and len(active) > 1:
+            # the simulator's rule (planning/taskmodels/migration.py): once fewer than R_t are unfinished
+            if threshold is not None and mg.due(unfinished, threshold) and len(active) > 1:
                 active = self._migrate(active, migration)
                 threshold = None  # the tail migrates once
         self._all(lambda k: self._request(CloseSession), range(len(self.instances)))
@@ -180,9 +181,7 @@ class StreamedGeneration:
 
     # ---- long-tail migration --------------------------------------------------------------
     def _migrate(self, active: list[int], policy) -> list[int]:
-        order = sorted(active, key=lambda k: (-self.left[k], k))
-        tails = order[:max(1, policy.num_tail_instances)]
-        sources = [k for k in order if k not in tails]
+        tails, sources = mg.tail_instances({k: self.left[k] for k in active}, policy.num_tail_instances)
         with_kv = policy.transfer == "kv"
         exports = {k: self._all(lambda _: self._request(Export, with_kv=with_kv), [k])[0] for k in sources}
         moves = []
@@ -190,7 +189,7 @@ class StreamedGeneration:
             by_rank = {r.rank: r.out for r in exports[k]}
             samples = by_rank[self.instances[k][0]]["samples"]
             for j, sample in enumerate(samples):
-                dst = tails[(k + j) % len(tails)]
+                dst = mg.destination(tails, k, j)
                 for t, (src_dev, dst_dev) in enumerate(zip(self.instances[k], self.instances[dst])):
                     moves.append({"src": src_dev, "dst": dst_dev, "sample": sample,
                                   "shapes": by_rank[src_dev]["kv_shapes"].get(sample["sample_id"], {})})

@@ -41,6 +41,7 @@ import numpy as np
 from harness.costmodel import CostModel
 from harness.costmodel.llama import kv_bytes_per_token
 from harness.plan import GenerationPolicy, Task
+from harness.planning.taskmodels.migration import destination, due, tail_instances, threshold
 from harness.trace import SampleRecord, Span
 
 
@@ -257,12 +258,11 @@ def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, ou
     return instances
 
 
-def _migration_time(finish_times: list[float], num_samples: int, threshold: int) -> float | None:
-    """First time the number of unfinished samples drops below ``threshold``."""
-    times = sorted(finish_times)
-    for finished, t in enumerate(times, start=1):
-        if num_samples - finished < threshold:
-            return t if num_samples - finished > 0 else None
+def _migration_time(finish_times: list[float], num_samples: int, threshold_samples: int) -> float | None:
+    """First time the number of unfinished samples drops below ``threshold_samples`` (while some are)."""
+    for finished, t in enumerate(sorted(finish_times), start=1):
+        if num_samples - finished < threshold_samples:
+            return t if due(num_samples - finished, threshold_samples) else None
     return None
 
 
@@ -280,18 +280,18 @@ def _transfer_s(cm: CostModel, model, samples: list[_Sample], src: ContinuousIns
 def _migrate(cm: CostModel, model, instances: list[ContinuousInstance], num_targets: int, transfer: str) -> tuple[int, int]:
     """Move every unfinished sample to the ``num_targets`` instances holding the most; returns
     (samples moved, instances kept). Instances run on after their incoming transfers end."""
-    order = sorted(range(len(instances)), key=lambda k: (-instances[k].num_unfinished, k))
-    targets = [instances[k] for k in order[:num_targets] if instances[k].num_unfinished > 0] or [instances[order[0]]]
+    tails, sources = tail_instances({k: inst.num_unfinished for k, inst in enumerate(instances)}, num_targets)
+    targets = [instances[k] for k in tails]
     moved = 0
     arrivals = {id(t): t.now for t in targets}
-    for k in order[len(targets):]:
+    for k in sources:
         src = instances[k]
         samples = src.take_unfinished()
         if not samples:
             continue
         moved += len(samples)
         for j, sample in enumerate(samples):  # spread round-robin over the targets
-            dst = targets[(k + j) % len(targets)]
+            dst = instances[destination(tails, k, j)]
             sent = [sample]
             dt = _transfer_s(cm, model, sent, src, dst, transfer)
             src.result.spans.append(Span(src.devices, src.task_name, "migrate", src.now, src.now + dt, 0.0))
@@ -329,8 +329,8 @@ def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, mod
     result = GenerationResult(finishes, [i.result for i in instances])
     mig = policy.migration
     if mig is not None and s.dp > 1:
-        threshold = math.ceil(mig.threshold_frac * len(prompt_lens))
-        t_m = _migration_time([f.finish_s for f in finishes], len(prompt_lens), threshold)
+        t_m = _migration_time([f.finish_s for f in finishes], len(prompt_lens),
+                              threshold(mig.threshold_frac, len(prompt_lens)))
         if t_m is not None:
             instances, finishes = fresh()  # replay up to the migration time (instances are independent)
             for inst in instances:
