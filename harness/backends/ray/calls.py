@@ -11,9 +11,11 @@ rather than waiting on them.
 """
 from __future__ import annotations
 
+import math
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from harness.backends.ray.protocol import Dispatch, Request
 
@@ -41,6 +43,33 @@ class Call:
         self.left = set(range(len(self.refs)))
 
 
+class BackgroundCall(Call):
+    """Driver-side work that makes calls of its own (a streamed generation and its inference,
+    inter_stage.py), run in a thread beside the driver's other units and collected like a call:
+    done when the thread ends, its exception (a worker failure, named) raised by
+    :meth:`WorkerGroup.collect`. Its own calls bound its time."""
+
+    POLL_S = 0.002  # how often collect looks at background work while it waits on the workers
+
+    def __init__(self, what: str, devices: list[int], work: Callable[[], None]):
+        super().__init__(what, [], list(devices), math.inf, math.inf)
+        self.left, self.error = {0}, None
+
+        def target() -> None:
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - handed to the driver thread by collect
+                self.error = e
+        self.thread = threading.Thread(target=target, name=what, daemon=True)
+        self.thread.start()
+
+    def poll(self) -> None:
+        if not self.thread.is_alive():
+            if self.error is not None:
+                raise self.error
+            self.left = set()
+
+
 class WorkerGroup:
     """One Ray actor per device (``workers[d]``), and the calls in flight on them."""
 
@@ -48,6 +77,7 @@ class WorkerGroup:
         self.ray, self.workers, self.pids, self.task_timeout_s = ray, workers, pids, task_timeout_s
         self.healthy = True
         self.num_calls = 0  # calls submitted so far (one per request sent, whatever its devices)
+        self._count = threading.Lock()  # calls are submitted from the driver's thread and a stream's
 
     def start(self, request: Request, devices: Sequence[int] | None = None, mode: Dispatch = Dispatch.ONE_TO_ALL,
               shares: Sequence[Request] | dict[int, Request] | None = None) -> Call:
@@ -74,8 +104,10 @@ class WorkerGroup:
     def submit(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> Call:
         """Track ``refs`` (one per device, in order) as one call that must finish within ``timeout_s``."""
         timeout_s = self.task_timeout_s if timeout_s is None else timeout_s
-        self.num_calls += 1
-        return Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s, seq=self.num_calls)
+        with self._count:
+            self.num_calls += 1
+            seq = self.num_calls
+        return Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s, seq=seq)
 
     def wait(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> list:
         """Results of ``refs`` (one per device, in order); raise WorkerFailedError on the first
@@ -88,7 +120,14 @@ class WorkerGroup:
         the others (their workers may be blocked in a collective with a dead peer)."""
         ray = self.ray
         owner = {ref: (call, i) for call in calls for i, ref in enumerate(call.refs) if i in call.left}
+        background = [c for c in calls if isinstance(c, BackgroundCall)]
         while True:
+            for call in background:
+                try:
+                    call.poll()
+                except BaseException:
+                    self.healthy = False
+                    raise
             for call in calls:
                 if not call.left:
                     return call
@@ -99,7 +138,11 @@ class WorkerGroup:
                 stuck = sorted(first.devices[i] for i in first.left)
                 raise WorkerFailedError(f"{first.what}: devices {stuck} did not finish within {first.timeout_s:.0f} s "
                                         f"(backend.options.task_timeout_s); the run is aborted")
-            ready, _ = ray.wait(list(owner), num_returns=1, timeout=first.deadline - now)
+            timeout = min(first.deadline - now, BackgroundCall.POLL_S) if background else first.deadline - now
+            if not owner:
+                time.sleep(timeout)
+                continue
+            ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
             for ref in ready:
                 call, i = owner.pop(ref)
                 d = call.devices[i]

@@ -1,7 +1,8 @@
 """Driver side of RLHFuse's inter-stage fusion (section 4) on ``backend=ray``.
 
 One generate task and the inference tasks that consume its stream (``Task.stream_from``) run as
-one process:
+one process, started when the scheduler starts the pair and run on a driver thread of its own
+(:class:`harness.backends.ray.calls.BackgroundCall`) beside the driver's other units:
 
 1. every generation instance (a dp replica of the generate task's allocation) opens a session and
    all instances are advanced in lockstep rounds that end at the next step in which any sample
@@ -17,7 +18,8 @@ one process:
    (in that order, on its own devices) while generation goes on elsewhere;
 3. with a migration policy, once fewer than R_t samples are unfinished, every unfinished
    sample leaves the non-tail instances for the ``num_tail_instances`` instances holding the most
-   (spread round-robin, as the simulator does), its KV cache sent device to device
+   (spread round-robin; the decisions are the simulator's own,
+   :mod:`harness.planning.taskmodels.migration`), its KV cache sent device to device
    (:func:`harness.backends.ray.streaming.migrate`; tokens only with ``transfer=tokens``); the
    released instances' devices then run inference.
 

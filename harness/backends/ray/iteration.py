@@ -35,6 +35,7 @@ import torch
 
 from harness import metrics as mk
 from harness.backends.ray import experience as ex
+from harness.backends.ray.calls import BackgroundCall
 from harness.backends.ray.inter_stage import StreamedGeneration
 from harness.backends.ray.layout import assemble
 from harness.backends.ray.protocol import Dispatch, Generate, Infer, Move, Release, State, Train, TrainPart
@@ -79,7 +80,6 @@ class Iteration(PlanInterpreter):
         """Start every unit as soon as the planning library's readiness rule allows
         (:class:`harness.planning.scheduler.UnitQueue`), run its completion when it finishes."""
         table = self.handlers()
-        # a generate unit and the inference unit consuming its stream start as one (inter_stage.py)
         queue = UnitQueue(self.plan, units)
         running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
 
@@ -96,15 +96,13 @@ class Iteration(PlanInterpreter):
             while unit is not None:
                 devices = queue.start(unit)
                 consumer = queue.consumer_of(unit)
-                if consumer is not None:
-                    while running:  # the stream holds its devices by itself: settle the rest first
-                        settle_one()
-                    StreamedGeneration(self, unit, consumer).run()
-                    queue.finish(unit.names + consumer.names, devices)
-                    self._release_finished(queue.finished)
+                if consumer is not None:  # the stream and its inference, beside the other units (a thread)
+                    stream = StreamedGeneration(self, unit, consumer)
+                    call, finish = BackgroundCall(f"task {unit.label}", sorted(devices), stream.run), lambda _: None
+                    unit = Unit(unit.kind, unit.tasks + consumer.tasks)  # finishes with its consumer
                 else:
                     call, finish = table[unit.kind](unit)
-                    running[id(call)] = (unit, call, finish, devices)
+                running[id(call)] = (unit, call, finish, devices)
                 unit = queue.next_startable()
             if not running:
                 if queue.waiting:
