@@ -76,10 +76,14 @@ class UnitQueue:
         """The inference unit consuming this generate unit's stream, if any (it starts with it)."""
         return self.consumers.get(unit.names[0]) if len(unit.names) == 1 else None
 
+    def names_of(self, unit: Unit) -> tuple[str, ...]:
+        """The tasks that start with ``unit``: its own and its stream consumer's."""
+        consumer = self.consumer_of(unit)
+        return unit.names + (consumer.names if consumer is not None else ())
+
     def ready(self, unit: Unit) -> bool:
         """Every task the unit (and its stream consumer) reads from outside them has finished."""
-        consumer = self.consumer_of(unit)
-        names = unit.names + (consumer.names if consumer is not None else ())
+        names = self.names_of(unit)
         return all(d in self.finished for n in names for d in self.deps[n] if d not in names)
 
     def next_startable(self) -> Unit | None:
@@ -97,10 +101,9 @@ class UnitQueue:
         self.waiting.remove(unit)
         devices = self.devices.pop(id(unit))
         self.busy |= devices
-        consumer = self.consumer_of(unit)
         self.concurrent.update(tuple(sorted((unit.label, other))) for other in self._running)
         self.started.append(unit.label)
-        self._running[unit.label] = set(unit.names + (consumer.names if consumer is not None else ()))
+        self._running[unit.label] = set(self.names_of(unit))
         return devices
 
     def finish(self, names: Iterable[str], devices: Iterable[int] = ()) -> None:
@@ -203,7 +206,6 @@ def schedule_durations(plan: Plan, num_devices: int, duration_s: Callable[[Unit]
     """The plan timed with a fixed duration per unit (planners' quick makespan estimate)."""
     def start(unit: Unit, now: float, queue: UnitQueue) -> Timing:
         end = now + duration_s(unit)
-        consumer = queue.consumer_of(unit)
-        names = unit.names + (consumer.names if consumer is not None else ())
-        return Timing({n: end for n in names}, {d: end for d in unit_devices(plan, unit, consumer)})
+        return Timing({n: end for n in queue.names_of(unit)},
+                      {d: end for d in unit_devices(plan, unit, queue.consumer_of(unit))})
     return run_timed(plan, num_devices, start)

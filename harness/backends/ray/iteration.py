@@ -81,13 +81,13 @@ class Iteration(PlanInterpreter):
         (:class:`harness.planning.scheduler.UnitQueue`), run its completion when it finishes."""
         table = self.handlers()
         queue = UnitQueue(self.plan, units)
-        running: dict[int, tuple[Unit, Any, Callable, set[int]]] = {}
+        running: dict[int, tuple[tuple[str, ...], Any, Callable, set[int]]] = {}  # by call: its tasks, ...
 
         def settle_one() -> None:  # wait for the next running unit to finish and record it
             done = self.group.collect([c for _, c, _, _ in running.values()])
-            unit, _, finish, devices = running.pop(id(done))
+            names, _, finish, devices = running.pop(id(done))
             finish(done.results)
-            queue.finish(unit.names, devices)
+            queue.finish(names, devices)
             if not running:  # freeing is a call on the copy's devices: only when none is busy
                 self._release_finished(queue.finished)
 
@@ -99,14 +99,13 @@ class Iteration(PlanInterpreter):
                 if consumer is not None:  # the stream and its inference, beside the other units (a thread)
                     stream = StreamedGeneration(self, unit, consumer)
                     call, finish = BackgroundCall(f"task {unit.label}", sorted(devices), stream.run), lambda _: None
-                    unit = Unit(unit.kind, unit.tasks + consumer.tasks)  # finishes with its consumer
                 else:
                     call, finish = table[unit.kind](unit)
-                running[id(call)] = (unit, call, finish, devices)
+                running[id(call)] = (queue.names_of(unit), call, finish, devices)
                 unit = queue.next_startable()
             if not running:
                 if queue.waiting:
-                    raise RuntimeError(f"no unit of {[u.label for u in queue.waiting]} can start (plan dependencies)")
+                    raise queue.stuck()
                 break
             settle_one()
         self.trace.extra[UNITS] = queue.record()
@@ -137,9 +136,7 @@ class Iteration(PlanInterpreter):
         return self._generate(task.name, task.allocation)
 
     def _inference_unit(self, unit: Unit):
-        if unit.stream_from is not None or len(unit.tasks) != 1:
-            raise RuntimeError(f"backend=ray does not execute the streamed inference unit {unit.label} yet")
-        (task,) = unit.tasks
+        (task,) = unit.tasks  # a streamed inference unit starts with its generator (inter_stage.py)
         return self._infer(task.name, task.model.value, task.allocation)
 
     # ---- weights ----------------------------------------------------------------------------
