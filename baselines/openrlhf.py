@@ -49,7 +49,8 @@ What we reproduce, as plan data:
   refused it (``assert args.zero_stage != 3 or args.vllm_num_engines > 0`` in
   ``examples/train_ppo_ray.py``).
 - **Engines** (``harness/engines.py``, ``conf/engine/``): ``system.generation_engine`` is ``vllm``
-  with a gen pool and ``hf_generate`` with ``gen: 0`` (derived from the split in the YAML; a run's
+  with a gen pool and ``hf_generate_fa2`` (HF generate with flash-attention 2: OpenRLHF's scripts pass
+  ``--flash_attn``) with ``gen: 0`` (derived from the split in the YAML; a run's
   ``engine.generation=...`` overrides it, and an engine that contradicts the split is refused);
   ``system.training_engine`` is ``deepspeed`` (ZeRO data parallelism; ``engine.training=
   deepspeed_offload`` adds the example scripts' ``--adam_offload``). Where the run carries engines,
@@ -119,7 +120,8 @@ class OpenRLHFConfig(SystemConfig):
     micro_batch_size: Optional[int] = None  # --micro_train_batch_size (per GPU); None = workload.micro_batch_size
     generation_batch_size: int = 16  # --micro_rollout_batch_size (per actor rank; the benchmark's 7B "gen mbs")
     # Execution engines (harness/engines.py, conf/engine/): vLLM, or with system.split.gen=0 Hugging Face
-    # generate on the actor (the YAML derives it from the split); DeepSpeed ZeRO for every model.
+    # generate with flash-attention 2 on the actor (the YAML derives it from the split); DeepSpeed ZeRO
+    # for every model.
     generation_engine: str = "vllm"
     training_engine: str = "deepspeed"
 
@@ -127,7 +129,7 @@ class OpenRLHFConfig(SystemConfig):
 def generation_engine_for(gen_units) -> str:
     """``system.generation_engine``'s default (the resolver ``openrlhf_generation_engine`` in
     conf/system/openrlhf.yaml): vLLM when the split gives it a pool, else HF ``generate``."""
-    return "vllm" if int(gen_units) > 0 else "hf_generate"
+    return "vllm" if int(gen_units) > 0 else "hf_generate_fa2"
 
 
 OmegaConf.register_new_resolver("openrlhf_generation_engine", generation_engine_for, replace=True)
@@ -201,7 +203,7 @@ class OpenRLHF(System):
                 raise PlanError(f"system.split.gen=0 means no vLLM pool: OpenRLHF then generates with Hugging Face "
                                 f"generate on the actor's GPUs, in its training layout, but this run's generation "
                                 f"engine {engine.name} generates from its own copy of the weights; run it with "
-                                f"system.generation_engine=hf_generate (the default when system.split.gen=0)")
+                                f"system.generation_engine=hf_generate_fa2 (the default when system.split.gen=0)")
             policy = GenerationPolicy(batching="static", engine="eager", max_batch_size=cfg.generation_batch_size,
                                       synced_instances=cfg.zero_stage == 3, pad_to_longest=True)
             return actor, policy

@@ -11,7 +11,9 @@ as data, once for every system:
   static or continuous batching, CUDA graphs or an eager host loop (``launches_per_layer`` kernels
   issued from Python per layer per step), whether it generates from weights gathered once into its
   own layout or from the training engine's module in place (``weights``: under ZeRO-3 every step
-  then all-gathers every layer), synced rounds under ZeRO-3, padding;
+  then all-gathers every layer), synced rounds under ZeRO-3, padding, how many times a step moves the
+  KV cache (``kv_cache_passes``: copies made by the framework's cache and attention code) and how
+  often the host waits for the GPU (``host_syncs_per_layer``);
 - a **training engine** (``conf/engine/training/<name>.yaml``, :class:`TrainingEngine`): which
   parallelism it supports, CPU optimizer offload (ZeRO-Offload), the speed of its kernels.
 
@@ -87,6 +89,14 @@ class GenerationEngine:
     # false: no KV cache is reused, so every decode step runs the whole sequence so far (a prefill
     # of the batch's context), not one token per sequence
     kv_cache: bool = True
+    # times a decode step moves the KV cache's bytes (reads plus writes). Our kernel profiles read it
+    # once (gpt-fast's static cache, as a paged or preallocated cache is); every pass beyond the
+    # first costs its bytes at the measured streaming rate (copies made by the framework's Python)
+    kv_cache_passes: float = 1.0
+    # host-device synchronisations per layer per step (a ``.item()`` or ``nonzero`` in the model
+    # code): the host cannot run ahead of the GPU across one, and the GPU idles until the host
+    # issues the next kernel, so each costs one launch of host time on top of the step
+    host_syncs_per_layer: int = 0
     # fitted (None: data/engines/fitted.json, else the prior)
     gpu_time_scale: Optional[float] = None  # GPU time of a step relative to our kernel profiles
     # eager engines: host time per kernel launch relative to gpt-fast's eager loop (the calibrated
@@ -104,6 +114,12 @@ class GenerationEngine:
             raise ConfigError(f"generation engine {self.name}: kernels=eager needs launches_per_layer >= 1")
         if self.kernels == "graph" and self.launches_per_layer is not None:
             raise ConfigError(f"generation engine {self.name}: launches_per_layer is for kernels=eager")
+        if self.kv_cache_passes < 1:
+            raise ConfigError(f"generation engine {self.name}: kv_cache_passes={self.kv_cache_passes} < 1 "
+                              f"(attention reads the cache at least once)")
+        if self.host_syncs_per_layer < 0 or (self.host_syncs_per_layer and self.kernels != "eager"):
+            raise ConfigError(f"generation engine {self.name}: host_syncs_per_layer is a count >= 0 of an "
+                              f"eager engine (kernels=eager)")
         if (self.synced_under_zero3 or self.pad_to_longest) and self.batching != "static":
             raise ConfigError(f"generation engine {self.name}: synced_under_zero3 / pad_to_longest need "
                               f"batching=static (rounds)")
@@ -274,9 +290,10 @@ class EngineCosts:
     :class:`~harness.costmodel.CostModel` (everything not overridden is delegated), with
 
     - prefill and decode steps: ``max(GPU time x gpu_time_scale, eager host time x host_time_scale,
-      ZeRO-3 gather)``,
-      the gather only when the engine generates from ZeRO-3 shards in place; without a reused KV
-      cache (``kv_cache: false``) a decode step's GPU time is a prefill of the whole context;
+      ZeRO-3 gather)`` plus, per host-device sync, one launch of host time; the gather only when the
+      engine generates from ZeRO-3 shards in place; a decode step's GPU time includes the KV cache's
+      extra passes (``kv_cache_passes - 1``) at the streaming rate; without a reused KV cache
+      (``kv_cache: false``) a decode step's GPU time is a prefill of the whole context;
     - forward and backward: ``x compute_time_scale``;
     - optimizer step with offload: the CPU Adam step over the node's share of the optimizer states
       plus the fp16 gradients down and parameters up over PCIe, instead of the GPU's."""
@@ -298,20 +315,40 @@ class EngineCosts:
         # the roofline has no host model (as before issue 26)
         self._host_s_per_launch = EAGER_HOST_S_PER_LAUNCH if self.cm.calibration is not None else 0.0
         self._default_launches = GPT_FAST_LAUNCHES_PER_LAYER
+        compute = self.cm.compute  # the calibrated streaming rate, else the roofline's HBM rate
+        self._stream_s_per_byte = float(getattr(compute, "stream_s_per_byte", 0.0)
+                                        or 1.0 / compute.bytes_per_s)
         self._spans: dict[tuple, tuple[float, ...]] = {}  # decode_span_s answers
         self._span_models: dict[int, Any] = {}  # keeps the memo's keyed models alive
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cm, name)
 
-    def _step(self, graph_s: float, model: Any, kernels: str, launches: Optional[int]) -> float:
-        """A step from the cost model's CUDA-graph time of it (GPU time + the graph replay overhead)."""
-        gpu_s = max(0.0, graph_s - self._graph_overhead_s) * self.engines.generation.gpu_time_scale
+    def _step(self, graph_s: float, model: Any, kernels: str, launches: Optional[int],
+              extra_gpu_s: float = 0.0) -> float:
+        """A step from the cost model's CUDA-graph time of it (GPU time + the graph replay overhead)
+        and the engine's own GPU work beyond our kernels (``extra_gpu_s``: KV-cache copies)."""
+        gen = self.engines.generation
+        gpu_s = (max(0.0, graph_s - self._graph_overhead_s) + extra_gpu_s) * gen.gpu_time_scale
         if kernels == "graph":
             return max(gpu_s + self._graph_overhead_s, self.gen_gather_s)
-        host_s = (model.num_layers * (launches or self._default_launches) * self._host_s_per_launch
-                  * self.engines.generation.host_time_scale)
-        return max(gpu_s, host_s, self.gen_gather_s)
+        host_s_per_launch = self._host_s_per_launch * gen.host_time_scale
+        host_s = model.num_layers * (launches or self._default_launches) * host_s_per_launch
+        sync_s = model.num_layers * gen.host_syncs_per_layer * host_s_per_launch
+        return max(gpu_s, host_s, self.gen_gather_s) + sync_s
+
+    def _kv_extra_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int, pp: int) -> float:
+        """GPU time of a decode step's KV-cache passes beyond the one our kernel profiles include: the
+        bytes one device holds for one micro-batch's pass through every layer (the pipeline rule of
+        :meth:`CalibratedCompute._pipelined_s`), at the streaming rate."""
+        extra_passes = self.engines.generation.kv_cache_passes - 1.0
+        if extra_passes <= 0.0:
+            return 0.0
+        from harness.costmodel import kv_bytes_per_token
+        from harness.costmodel.llama import ModelDims
+        d = ModelDims.of(model)
+        per_device = kv_bytes_per_token(d) * context_tokens_total / (min(tp, d.num_kv_heads) * min(pp, batch_size))
+        return extra_passes * per_device * self._stream_s_per_byte
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,
                       pp: int = 1, engine: str = "graph", launches_per_layer: Optional[int] = None) -> float:
@@ -322,7 +359,8 @@ class EngineCosts:
         else:  # the model runs over every sequence's whole context to produce its next token
             tokens = context_tokens_total + batch_size
             gpu_s = self.cm.prefill_s(model, tokens, tp, pp, tokens / batch_size, "graph")
-        return self._step(gpu_s, model, engine, launches_per_layer)
+        return self._step(gpu_s, model, engine, launches_per_layer,
+                          self._kv_extra_s(model, batch_size, context_tokens_total, tp, pp))
 
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
                       tp: int = 1, pp: int = 1, engine: str = "graph",
@@ -332,8 +370,10 @@ class EngineCosts:
         hit = self._spans.get(key)
         if hit is None:
             if self.engines.generation.kv_cache and batch_size > 0:  # the cost model's span, step by step
-                hit = tuple(self._step(g, model, engine, launches_per_layer) for g in self.cm.decode_span_s(
-                    model, batch_size, context_tokens_total, num_steps, tp, pp, "graph"))
+                hit = tuple(self._step(g, model, engine, launches_per_layer, self._kv_extra_s(
+                    model, batch_size, context_tokens_total + j * batch_size, tp, pp))
+                    for j, g in enumerate(self.cm.decode_span_s(
+                        model, batch_size, context_tokens_total, num_steps, tp, pp, "graph")))
             else:
                 hit = tuple(self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp,
                                                engine, launches_per_layer) for j in range(num_steps))

@@ -171,13 +171,15 @@ def openrlhf_bench(m: dict) -> list[dict]:
             assume = ("DeepSpeed-Chat with the hybrid engine disabled: generate() in place, prompts padded to 1,024; "
                       "actor ZeRO-2, critic ZeRO-3, reference model offloaded")
         else:
-            ov += ["engine.generation=hf_generate", "system.zero_stage=2"]
-            assume = "OpenRLHF without Ray: all models on all 8 GPUs, DeepSpeed ZeRO-2, HF generate() in place"
+            ov += ["engine.generation=hf_generate_fa2", "system.zero_stage=2"]
+            assume = ("OpenRLHF without Ray: all models on all 8 GPUs, DeepSpeed ZeRO-2, HF generate() in place "
+                      "with flash-attention 2 (--flash_attn)")
     else:
         split = ["system.split.actor=4", "system.split.gen=0"] if kind == "ray" else []
         ov = ["+system=openrlhf", *ov, *split, f"system.generation_batch_size={gen_mbs}",
               f"system.micro_batch_size={train_mbs}"]
-        assume = ("OpenRLHF Ray placement ref:reward:actor:critic = 1:1:4:2, HF generate() on the actor pool"
+        assume = (("OpenRLHF Ray placement ref:reward:actor:critic = 1:1:4:2, HF generate() with flash-attention 2 "
+                   "on the actor pool (system.split.gen=0: engine hf_generate_fa2)")
                   if kind == "ray" else "OpenRLHF Ray + vLLM placement 1:1:2:2:2, vLLM tp 1")
     if offload:
         ov.append("engine.training=deepspeed_offload")
@@ -199,7 +201,7 @@ OPENRLHF_README = {  # id: (model, gen mbs, train mbs, the README's generation_l
 
 def openrlhf_readme(m: dict) -> dict:
     """P056-P058: OpenRLHF README (Jan 2024), 8 A100-80GB, actor 4 / critic 2 / RM 1 / ref 1, ZeRO-2 + Adam
-    offload, HF generate."""
+    offload, HF generate with flash-attention 2 (the default engine with system.split.gen=0)."""
     model, gen_mbs, train_mbs, (low, high) = OPENRLHF_README[m["id"]]
     ov = ["+system=openrlhf", f"model={model}", "cluster=a100_8x", "cluster.num_nodes=1", "workload=hh_rlhf",
           "workload.global_batch_size=1024", "workload.mini_batch_size=128", "workload.max_gen_len=1024",

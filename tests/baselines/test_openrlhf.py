@@ -100,7 +100,7 @@ def test_ray_without_vllm_generates_on_the_actor_pool():
     assert plan.weight_movements == [] and plan.tasks_of(TaskKind.WEIGHT_MOVEMENT) == []
     g = plan.generation
     assert (g.batching, g.engine, g.max_batch_size, g.pad_to_longest) == ("static", "eager", 16, True)
-    assert plan.engines.generation.name == "hf_generate"  # derived from system.split.gen=0
+    assert plan.engines.generation.name == "hf_generate_fa2"  # derived from system.split.gen=0
     assert "pools/gen" not in plan.notes and plan.notes["split"] == "1:1:4:2:0"
 
 

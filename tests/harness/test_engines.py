@@ -14,7 +14,7 @@ Oracles, not mocks:
 - plans an engine cannot run are refused (static batching under long-tail migration; DeepSpeed ZeRO
   under a tensor/pipeline-parallel layout);
 - :class:`EngineCosts` against its closed forms (GPU-time factor, eager host floor, ZeRO-3 gather
-  floor, compute factor, CPU-Adam optimizer step recomputed from its docstring) and the plan memory
+  floor, KV-cache passes, host syncs, compute factor, CPU-Adam optimizer step recomputed from its docstring) and the plan memory
   check against cost-model primitives (ZeRO-Offload's freed optimizer states, in-place generation's
   two gathered layers);
 - plans round-trip their engines through to_dict / from_dict / JSON.
@@ -156,6 +156,9 @@ def test_missing_engine_file_and_bad_kind_are_refused(tmp_path):
     ({"kernels": "graph", "launches_per_layer": 6}, "launches_per_layer"),
     ({"batching": "continuous", "pad_to_longest": True}, "static"),
     ({"batching": "continuous", "synced_under_zero3": True}, "static"),
+    ({"kv_cache_passes": 0.5}, "kv_cache_passes"),
+    ({"kernels": "eager", "launches_per_layer": 9, "host_syncs_per_layer": -1}, "host_syncs_per_layer"),
+    ({"host_syncs_per_layer": 1}, "host_syncs_per_layer"),  # a CUDA-graph step has no host syncs
 ])
 def test_bad_generation_engine_values_are_refused(tmp_path, fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -459,7 +462,45 @@ def test_plan_without_engines_round_trips():
     assert Plan.from_dict(d).engines is None
 
 
-@pytest.mark.parametrize("generation", ["ds_hybrid", "vllm", "coati_generate", "ds_chat_generate"])
+@pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)
+def test_kv_cache_passes_and_host_syncs_are_their_closed_forms(ctx, batch, context, tp, pp):
+    """Each KV-cache pass beyond the first streams the bytes one device holds for one micro-batch at
+    the calibrated streaming rate (scaled with the GPU time); each host sync adds one launch of host
+    time per layer on top of the step."""
+    from harness.costmodel import kv_bytes_per_token
+    from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH
+    from harness.costmodel.llama import ModelDims
+    cm, model = ctx.cost_model, ctx.models.actor
+    d = ModelDims.of(model)
+    gpu = cm.decode_step_s(model, batch, context, tp, pp, "graph") - cm.compute.graph_step_overhead_s
+    kv = kv_bytes_per_token(d) * context / (min(tp, d.num_kv_heads) * min(pp, batch)) * cm.compute.stream_s_per_byte
+    graph = EngineCosts(cm, _engines({"gpu_time_scale": 2.0, "kv_cache_passes": 3.5}, {}))
+    assert graph.decode_step_s(model, batch, context, tp, pp, "graph") == pytest.approx(
+        2.0 * (gpu + 2.5 * kv) + cm.compute.graph_step_overhead_s, rel=1e-12)
+    launches, syncs = 40, 2
+    eager = EngineCosts(cm, _engines({"host_time_scale": 1.5, "kernels": "eager", "launches_per_layer": launches,
+                                      "batching": "static", "kv_cache_passes": 7, "host_syncs_per_layer": syncs}, {}))
+    host_launch = 1.5 * EAGER_HOST_S_PER_LAUNCH
+    assert eager.decode_step_s(model, batch, context, tp, pp, "eager", launches) == pytest.approx(
+        max(gpu + 6 * kv, d.num_layers * launches * host_launch) + d.num_layers * syncs * host_launch, rel=1e-12)
+
+
+def test_flash_attention_generation_of_openrlhf_is_slower_than_sdpa():
+    """Same plan (OpenRLHF without vLLM), same fitted constants (hf_generate_fa2 shares hf_generate's):
+    transformers' flash-attention-2 path copies the KV cache twice more per step, launches more kernels
+    and syncs with the host, so it cannot generate faster; at the priors and with the fit alike."""
+    base = ["+system=openrlhf", "model=7b", "cluster=a800_8x", "cluster.num_nodes=1", "system.split.gen=0",
+            "system.split.actor=4", "workload.global_batch_size=64", "workload.mini_batch_size=64",
+            "workload.max_gen_len=256", "workload.output_len.max=256", *QUIET]
+    for fitted in ([], PRIORS):
+        default = summary([*base, *fitted])["timing_s/gen"]  # hf_generate_fa2, derived from split.gen=0
+        sdpa = summary([*base, *fitted, "engine.generation=hf_generate"])["timing_s/gen"]
+        assert default > 1.05 * sdpa
+    assert eng.fit_key("generation", load_engine("generation", "hf_generate_fa2")) == "generation/hf_generate"
+
+
+@pytest.mark.parametrize("generation", ["ds_hybrid", "vllm", "coati_generate", "ds_chat_generate",
+                                        "hf_generate_fa2"])
 def test_a_decode_span_under_an_engine_is_its_steps_bit_for_bit(generation):
     """``EngineCosts.decode_span_s`` (the cost model's one-pass span, then the engine's step rule;
     or step by step without a KV cache) equals the engine's per-step times."""
