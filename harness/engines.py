@@ -344,8 +344,7 @@ class EngineCosts:
         extra_passes = self.engines.generation.kv_cache_passes - 1.0
         if extra_passes <= 0.0:
             return 0.0
-        from harness.costmodel import kv_bytes_per_token
-        from harness.costmodel.llama import ModelDims
+        from harness.costmodel.llama import ModelDims, kv_bytes_per_token
         d = ModelDims.of(model)
         per_device = kv_bytes_per_token(d) * context_tokens_total / (min(tp, d.num_kv_heads) * min(pp, batch_size))
         return extra_passes * per_device * self._stream_s_per_byte

@@ -15,7 +15,7 @@ Checkpoints named in the config (``model.<role>.checkpoint``) go through :func:`
 (a directory, a ``.gguf`` file, or ``pkg:<package>``), :func:`inspect_checkpoint` (everything checked
 from headers alone: config or GGUF metadata, tensor names, shapes, types, file sizes) and
 :func:`load_checkpoint_state`; which role starts from which checkpoint, and where value heads come
-from, is decided in :mod:`harness.backends.ray.checkpoints`.
+from, is decided in :mod:`harness.real.checkpoints`.
 
 Only safetensors are read (no pickle). Architectures other than LLaMA, rope scaling, biases and
 activations other than SiLU raise :class:`CheckpointError`.

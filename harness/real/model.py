@@ -424,7 +424,7 @@ def init_values(name: str, shape: tuple[int, ...], seed: int, rows: tuple[int, i
 class LlamaModel(PipelineStage):
     """The whole decoder (one stage holding every layer), randomly initialised from ``seed`` by
     :func:`init_values` (the same numbers on any device and in any layout: a sharded replica built
-    with :func:`harness.backends.ray.layout.init_local_module` holds exactly the matching slices).
+    with :func:`harness.real.parallel.layout.init_local_module` holds exactly the matching slices).
     ``init=False`` leaves memory uninitialised for loaders."""
 
     def __init__(self, args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32,

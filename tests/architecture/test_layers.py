@@ -8,6 +8,8 @@
   against), and systems never import baselines.
 - The harness core (``harness`` outside ``planning``/``backends``/``figures``) never imports
   systems or baselines by name; they are discovered.
+- The real-model runtime (``harness.real``: models, PPO math, model parallelism) never imports a
+  backend or Ray.
 - Backends decide nothing about when a unit may start: they never read the plan's dependency
   graph (``Plan.dependencies``), the input of the one readiness rule in
   ``harness.planning.scheduler`` (issue 27).
@@ -116,6 +118,15 @@ def offenders(prefixes: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str
 
 def test_planners_never_import_backends():
     assert offenders(("harness.planning", "systems", "baselines"), ("harness.backends",)) == []
+
+
+def test_real_model_runtime_is_independent_of_the_launcher():
+    """harness.real (models, PPO math, the model-parallel runtime) never imports a backend or Ray:
+    the Ray backend drives it, another launcher could."""
+    assert offenders(("harness.real",), ("harness.backends",)) == []
+    tree_imports = [f"{p.relative_to(ROOT)} imports {name}" for p in sorted((ROOT / "harness" / "real").rglob("*.py"))
+                    for name in imported_names(p, module_name(p)) if name == "ray" or name.startswith("ray.")]
+    assert tree_imports == []
 
 
 def test_baselines_and_systems_are_independent():

@@ -29,7 +29,7 @@ from typing import Any
 
 from harness.backends.base import Backend
 from harness.backends.ray.calls import WorkerFailedError, WorkerGroup
-from harness.backends.ray.checkpoints import describe, initial_state, resolve_checkpoints
+from harness.real.checkpoints import describe, initial_state, resolve_checkpoints
 from harness.backends.ray.cluster import Cluster
 from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.homes import ROLES, ModelHomes, home_task, role_seeds
@@ -89,7 +89,7 @@ class RayBackend(Backend):
         see :meth:`Cluster.device`), and choose each home layout's ZeRO-3 engine (``self.zero3``)."""
         import importlib.util
 
-        from harness.backends.ray.zero3 import deepspeed_available
+        from harness.real.parallel.zero3 import deepspeed_available
 
         n = self.ctx.num_devices
         problems = []
@@ -153,7 +153,7 @@ class RayBackend(Backend):
               + (f"; weights: {describe(self.checkpoints)}" if any(self.checkpoints.values()) else ""))
 
     def _setup_info(self, plan: Plan) -> dict[str, Any]:
-        from harness.backends.ray.comm import plan_group_ranks
+        from harness.real.parallel.comm import plan_group_ranks
 
         seeds = role_seeds(self.ctx.seed, self.args)
         stages = {name: st for st in plan.training for name in st.tasks}

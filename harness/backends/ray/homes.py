@@ -9,7 +9,7 @@ compute with a stale copy has it refreshed first.
 from __future__ import annotations
 
 from harness.backends.ray.experience import stable_seed
-from harness.backends.ray.worker import layout_key
+from harness.real.parallel.store import layout_key
 from harness.errors import PlanError
 from harness.plan import Allocation, Plan, TaskKind
 from harness.real.model import ModelArgs

@@ -25,7 +25,6 @@ for the last iteration.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,17 +36,15 @@ from harness import metrics as mk
 from harness.backends.ray import experience as ex
 from harness.backends.ray.calls import BackgroundCall
 from harness.backends.ray.inter_stage import StreamedGeneration
-from harness.backends.ray.layout import assemble
-from harness.backends.ray.protocol import Dispatch, Generate, Infer, Move, Release, State, Train, TrainPart
+from harness.real.parallel.layout import assemble
+from harness.backends.ray.protocol import Dispatch, Generate, Infer, Move, Release, State
 from harness.backends.ray.rewards import reward_fields
+from harness.backends.ray.training import start_training
 from harness.interpreter import PlanInterpreter, Unit, execution_units
-from harness.plan import Allocation, Plan, Task, TaskKind
-from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
+from harness.plan import Allocation, Plan, TaskKind
 from harness.planning.scheduler import UnitQueue
-from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.real.digest import weights_digest
-from harness.schedule.p2p_order import in_posting_order
-from harness.trace import PARAM_DIGEST, UNITS, PipelineRun, SampleRecord, StepTrace
+from harness.trace import PARAM_DIGEST, UNITS, SampleRecord, StepTrace
 from harness.workload import Batch
 
 
@@ -64,7 +61,8 @@ class Iteration(PlanInterpreter):
 
     def handlers(self):
         return {TaskKind.WEIGHT_MOVEMENT: self._movement_unit, TaskKind.GENERATE: self._generate_unit,
-                TaskKind.INFERENCE: self._inference_unit, TaskKind.TRAIN: self._train}
+                TaskKind.INFERENCE: self._inference_unit,
+                TaskKind.TRAIN: lambda unit: start_training(self, unit)}
 
     def run(self) -> StepTrace:
         self.prompts = ex.prompt_tokens(self.ctx.seed, self.iteration, self.batch, self.b.args["actor"].vocab_size)
@@ -197,86 +195,6 @@ class Iteration(PlanInterpreter):
             self.b.spans_from(name, results, self.t0, self.trace)
             self.outputs[role] = ex.scatter_rows(self.b.outputs(results), shape)
         return self.group.start(request, mode=Dispatch.BY_DP_RANK, shares=shares), finish
-
-    def _training_data(self, task: Task) -> dict[str, np.ndarray]:
-        """The loss inputs of training task ``task``, computed from exactly the data it declares
-        it reads (:class:`TaskInputs`: a declared input not written yet, or an undeclared one read,
-        fails at once). Computed once per distinct set of declared inputs; both PPO training tasks
-        declare the same, so advantages and returns are computed once per iteration."""
-        inputs = TaskInputs(task.name, task.reads, ex.sample_data(self.rollout, self.outputs))
-        key = frozenset(inputs)
-        if key not in self.experience:
-            self.experience[key], stats = ex.training_data(inputs, self.opts.kl_coef, self.opts.gamma,
-                                                           self.opts.lam, self.opts.whiten_advantages)
-            for name, value in stats.items():
-                self.trace.counters[f"rl/{name}"] = value
-        data = self.experience[key]
-        return {k: data[k] for k in LOSS_INPUTS[task.model.value]}
-
-    def _minibatches(self) -> list:
-        return ex.minibatch_indices(self.batch.num_samples, self.plan.mini_batch_size, self.ctx.seed, self.iteration)
-
-    def _train(self, unit: Unit):
-        """A training stage: every device runs its logical rank's lowered action list from the
-        stage's schedule (one model's pipeline, or actor and critic fused, RLHFuse section 5), each
-        device its own list (dispatched by device)."""
-        stage = unit.stage
-        minibatches = self._minibatches()
-        ordered = in_posting_order(stage.schedule)
-        rank_of: dict[int, int] = {}
-        held: dict[int, set[tuple[str, int]]] = {}  # device -> the (pipe, stage) pairs it runs
-        for (pipe, st), devices in pipe_stage_devices(self.plan, stage).items():
-            rank = stage.schedule.pipes[pipe].stage_to_rank[st]
-            for d in devices:
-                if rank_of.setdefault(d, rank) != rank:
-                    raise RuntimeError(f"device {d} holds logical ranks {rank_of[d]} and {rank} of {unit.label}")
-                held.setdefault(d, set()).add((pipe, st))
-        first = unit.tasks[0]
-        request = Train(unit.label, first.model.value, first.allocation,
-                        parts={t.model.value: TrainPart(self._training_data(t), stage.micro_batch_size)
-                               for t in unit.tasks},
-                        allocations={t.model.value: t.allocation for t in unit.tasks},
-                        pipe_role={name: pipe.model for name, pipe in stage.schedule.pipes.items()},
-                        minibatches=minibatches, temperature=self.opts.temperature, clip_eps=self.opts.clip_eps,
-                        value_clip_eps=self.opts.value_clip_eps)
-        shares = {d: request.replace(actions=tuple(a.token() for a in ordered.order.get(rank_of[d], [])
-                                                   if (a.pipe, a.stage) in held[d]))
-                  for d in rank_of}
-        call = self.group.start(request, mode=Dispatch.BY_DEVICE, shares=shares)
-        group0 = {devices[0] for devices in pipe_stage_devices(self.plan, stage).values()}
-
-        def finish(results: list) -> None:
-            for task in unit.tasks:
-                role = task.model.value
-                per_task = [dataclasses.replace(r, spans=r.task_spans[role], out=r.out.get(role)) for r in results
-                            if role in r.task_spans]
-                self._trained(task.name, role, per_task, len(minibatches))
-            self._stage_pipelines(unit.label, group0, results, len(minibatches))
-        return call, finish
-
-    def _stage_pipelines(self, label: str, ranks: set[int], results: list, num_minibatches: int) -> None:
-        """One PipelineRun per mini-batch over the stage's logical ranks of group 0 (tp rank 0)."""
-        mine = [r for r in results if r.rank in ranks]
-        for j in range(num_minibatches):
-            start = min(run[j][0] for r in mine for run in (o["runs"] for o in r.out.values()))
-            end = max(run[j][1] for r in mine for run in (o["runs"] for o in r.out.values()))
-            compute = sum(min(e, end) - max(st, start) for r in mine for spans in r.task_spans.values()
-                          for kind, st, e, *_ in spans if kind in ("forward", "backward") and st < end and e > start)
-            self.trace.pipelines.append(PipelineRun(label, start - self.t0, end - start, len(mine), compute, 0.0))
-
-    def _trained(self, name: str, role: str, results: list, n: int) -> None:
-        self.b.spans_from(name, results, self.t0, self.trace)
-        self.homes.trained(role)
-        totals: dict[str, float] = {}
-        for part in self.b.outputs(results):
-            for key, value in part.get("stats", {}).items():
-                totals[key] = totals.get(key, 0.0) + value
-        prefix = "policy" if role == "actor" else "value"
-        if "loss" in totals:
-            self.trace.counters[f"rl/{prefix}_loss"] = totals["loss"] / n
-            self.trace.counters[f"rl/{prefix}_clipfrac"] = totals["clipfrac"] / n
-        if "approx_kl" in totals:
-            self.trace.counters["rl/ppo_kl"] = totals["approx_kl"] / n
 
     # ---- digest -----------------------------------------------------------------------------
     def _digest(self) -> None:

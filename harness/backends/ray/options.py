@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from harness.backends.ray.config import RayOptions
-from harness.backends.ray.layout import check_tp
+from harness.real.parallel.layout import check_tp
 from harness.errors import ConfigError, PlanError
 from harness.plan import Feature, ModelRole, Plan, TaskKind
 from harness.real.model import ModelArgs
@@ -92,7 +92,7 @@ def zero3_engine(requested: str, task: str, mesh_size: int, num_devices: int,
     ``backend.options.zero3_impl=requested``, and why ``requested`` cannot be honoured (None when
     it can). DeepSpeed runs over the default process group, so only a mesh of every device can use
     it; ``auto`` takes DeepSpeed where it can (in float32 and in bf16: DeepSpeed's own bf16 mode,
-    :mod:`harness.backends.ray.zero3`) and the native ZeRO-3 elsewhere."""
+    :mod:`harness.real.parallel.zero3`) and the native ZeRO-3 elsewhere."""
     if requested == "native":
         return "native", None
     if deepspeed_installed and mesh_size == num_devices:

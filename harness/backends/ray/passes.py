@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from harness.backends.ray.comm import PipeChannel
+from harness.real.parallel.comm import PipeChannel
 from harness.backends.ray.protocol import Generate, Infer, SpanT
-from harness.backends.ray.replica import Replica
+from harness.real.parallel.replica import Replica
 from harness.backends.ray.rewards import task_scores
 from harness.costmodel.llama import forward_flops
 from harness.real.engine import GenerationEngine, SamplingParams

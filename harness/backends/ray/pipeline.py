@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from harness.backends.ray.comm import PipeChannel
+from harness.real.parallel.comm import PipeChannel
 from harness.backends.ray.passes import _flops, _head_output
 from harness.backends.ray.protocol import SpanT, Train
-from harness.backends.ray.replica import Replica
+from harness.real.parallel.replica import Replica
 from harness.real.ppo import policy_loss, value_loss
 from harness.schedule.ir import Action
 

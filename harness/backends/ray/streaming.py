@@ -12,7 +12,7 @@ lockstep; tp rank 0 reports) between the ``OpenSession`` and ``CloseSession`` re
   RNG state) goes to the driver, the KV cache shard stays here until :func:`migrate` sends it;
 - :func:`migrate`: every source and destination device of a migration runs it at once; each KV
   shard goes from tp rank ``t`` of the source instance to tp rank ``t`` of the destination in one
-  ``batch_isend_irecv`` exchange (:func:`harness.backends.ray.comm.exchange`), and destinations
+  ``batch_isend_irecv`` exchange (:func:`harness.real.parallel.comm.exchange`), and destinations
   import the samples, which continue exactly where they stopped (or, for ``transfer=tokens``,
   are prefilled again from their tokens).
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from harness.backends.ray.comm import exchange
-from harness.backends.ray.replica import Replica
+from harness.real.parallel.comm import exchange
+from harness.real.parallel.replica import Replica
 from harness.backends.ray.passes import make_engine
 from harness.backends.ray.protocol import Migrate, OpenSession, SpanT
 from harness.real.engine import MigratedSample, SamplingParams

@@ -335,7 +335,7 @@ def test_ray_refuses_non_llama_architectures_naming_the_field():
         check_models_architecture(run.model)
     with pytest.raises(ConfigError, match="mlp=gelu"):
         check_architecture(run.model.critic)
-    from harness.backends.ray.checkpoints import resolve_checkpoints
+    from harness.real.checkpoints import resolve_checkpoints
 
     with pytest.raises(ConfigError, match="backend=ray builds LLaMA modules only"):
         resolve_checkpoints(run.model)  # what RayBackend.__init__ runs first

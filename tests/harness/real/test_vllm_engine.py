@@ -226,9 +226,9 @@ def test_a_vllm_run_without_vllm_is_refused_before_anything_runs(tmp_path, run_h
 def test_ray_worker_builds_one_vllm_engine_and_refreshes_it(fake_vllm, tmp_path):
     """backend=ray's engine choice (passes.make_engine) on a replica: vLLM is built once from the
     replica's weights written as a checkpoint, later calls refresh the weights in place."""
-    from harness.backends.ray.comm import Groups
+    from harness.real.parallel.comm import Groups
     from harness.backends.ray.passes import make_engine
-    from harness.backends.ray.replica import LocalReplica
+    from harness.real.parallel.replica import LocalReplica
     from harness.plan import Allocation, ParallelStrategy
     from harness.real.hf import load_hf_llama
 

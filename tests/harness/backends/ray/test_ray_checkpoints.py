@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.backends.ray.checkpoints import initial_state, resolve_checkpoints
+from harness.real.checkpoints import initial_state, resolve_checkpoints
 from harness.errors import ConfigError
 from harness.real import hf
 from harness.real.gguf import GGML_F32, gguf_bytes

@@ -21,7 +21,7 @@ the tolerance.
 bf16 (issue 25, item 2): the same iteration in bf16 (``backend.options.dtype=bf16``, the default on
 CUDA) with the default ``zero3_impl=auto``, which now takes DeepSpeed in its own bf16 mode (bf16
 parameters, float32 master weights, Adam states, gradient reduction and accumulation;
-harness/backends/ray/zero3.py), against the native ZeRO-3 in bf16. The weights compared are the
+harness/real/parallel/zero3.py), against the native ZeRO-3 in bf16. The weights compared are the
 bf16 parameters, so a difference is whole bf16 ulps of single elements (about 2^-8 of the element,
 some 2% of this iteration's actor update each); measured: bitwise equal (0) for actor and critic,
 while the control's change of math moves the (fp32) weights by 0.64-0.97 of the bf16 update.
@@ -138,14 +138,14 @@ def test_deepspeed_bf16_and_native_bf16_give_the_same_weights(runs, role):
 PROBE = r"""
 import json, sys
 import torch
-from harness.backends.ray.comm import Groups
+from harness.real.parallel.comm import Groups
 from harness.backends.ray.worker import DeviceWorker
 from harness.plan import Allocation, ParallelStrategy
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 
 worker = DeviceWorker(0, 1, {"device": "cpu", "torch_threads": 1, "dtype": "bf16"})  # sets DS_ACCELERATOR=cpu
 worker.init_distributed("127.0.0.1", int(sys.argv[1]), 60.0)
-from harness.backends.ray.zero3 import DeepSpeedReplica
+from harness.real.parallel.zero3 import DeepSpeedReplica
 
 args = ModelArgs.from_llama_config(load_llama_config("tiny"))
 r = DeepSpeedReplica("actor", args, Allocation((0,), ParallelStrategy(1, 1, 1, zero_stage=3)), 0,

@@ -114,7 +114,7 @@ def test_bf16_runs_on_deepspeed_by_default(monkeypatch):
 
 
 def test_deepspeed_missing_is_refused_before_ray_starts(monkeypatch):
-    from harness.backends.ray import zero3
+    from harness.real.parallel import zero3
 
     monkeypatch.setattr(zero3, "deepspeed_available", lambda: False)
     backend, plan = _backend_and_plan(["backend.options.device=cpu", "backend.options.zero3_impl=deepspeed"])

@@ -22,13 +22,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.backends.ray.comm import Groups
+from harness.real.parallel.comm import Groups
 from harness.backends.ray.config import RayOptions, check_address
-from harness.backends.ray.layout import (build_local_module, flat_init_shard, full_shapes, init_local_module, load_pieces,
+from harness.real.parallel.layout import (build_local_module, flat_init_shard, full_shapes, init_local_module, load_pieces,
                                          param_bytes)
-from harness.backends.ray.optim import FlatAdam
+from harness.real.parallel.optim import FlatAdam
 from harness.backends.ray.options import engine_unsupported
-from harness.backends.ray.replica import LocalReplica, NativeZero3Replica
+from harness.real.parallel.replica import LocalReplica, NativeZero3Replica
 from harness.errors import ConfigError
 from harness.plan import Allocation, ParallelStrategy
 from harness.real.model import INIT_BLOCK_NUMEL, LlamaModel, ModelArgs, init_values, load_llama_config

@@ -30,7 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from harness.backends.ray import comm  # noqa: E402
+from harness.real.parallel import comm  # noqa: E402
 from harness.backends.ray.worker import DeviceWorker, cuda_local_index  # noqa: E402
 
 WORLD = 4
@@ -185,7 +185,7 @@ SCRIPT = r"""
 import json, sys
 import torch
 import torch.distributed as dist
-from harness.backends.ray import comm
+from harness.real.parallel import comm
 from harness.backends.ray.worker import DeviceWorker
 
 rank, world, port, sets = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])

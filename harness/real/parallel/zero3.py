@@ -18,7 +18,7 @@ DeepSpeed's own bf16 mode (``"bf16": {"enabled": true}``, DeepSpeed config docs,
 options"): the module's parameters are bf16 and DeepSpeed's ZeRO-3 optimizer keeps the float32 master
 partition and hands our Adam float32 parameters, so its states are float32 as well. Gradients are
 reduce-scattered and accumulated in float32 (``communication_data_type`` and
-``data_types.grad_accum_dtype``), as the native ZeRO-3 does (harness/backends/ray/optim.py), so the two
+``data_types.grad_accum_dtype``), as the native ZeRO-3 does (harness/real/parallel/optim.py), so the two
 differ only in summation order and rounding. DeepSpeed's CPU accelerator supports bf16
 (``is_bf16_supported``), which is how CI tests this path.
 
@@ -34,8 +34,8 @@ import time
 import torch
 from torch import Tensor
 
-from harness.backends.ray.layout import build_local_module, load_pieces
-from harness.backends.ray.replica import Replica
+from harness.real.parallel.layout import build_local_module, load_pieces
+from harness.real.parallel.replica import Replica
 
 Span = tuple[str, float, float]
 

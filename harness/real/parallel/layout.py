@@ -170,7 +170,7 @@ def init_local_module(args: ModelArgs, pp: int, p: int, tp: int, t: int, *, devi
 
 def flat_init_shard(args: ModelArgs, seed: int, lo: int, hi: int) -> Tensor:
     """Elements ``[lo, hi)`` (float32) of the whole model's flat parameter vector in parameter-name
-    order (the order of :class:`harness.backends.ray.optim.FlatAdam`), from the seeded initial
+    order (the order of :class:`harness.real.parallel.optim.FlatAdam`), from the seeded initial
     weights; past the last parameter (padding) zeros. Materialises only the rows it needs."""
     out = torch.zeros(max(hi - lo, 0))
     offset = 0

@@ -37,7 +37,7 @@ def _expected_send(recv: Action) -> Action:
 
 
 def _replay(rank: int, world: int, init_file: str, schedule: Schedule, in_order: bool, out) -> None:
-    from harness.backends.ray.comm import PipeChannel
+    from harness.real.parallel.comm import PipeChannel
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -3,7 +3,7 @@
 - From a ZeRO-3 layout (DeepSpeed-Chat's hybrid engine, Yao et al. 2023 section 4): the source
   mesh all-gathers the whole model, then every target device keeps its own (pp stage, tp slice).
 - Otherwise (ReaLHF-style reallocation, Mei et al. 2024; RLHFuse's resharding): each target device
-  receives exactly the slices :func:`harness.backends.ray.layout.transfer_plan` lists -- the piece
+  receives exactly the slices :func:`harness.real.parallel.layout.transfer_plan` lists -- the piece
   model of :func:`harness.planning.realloc.reallocation_transfers`, which the simulator costs -- one flat
   buffer per (source, destination) pair, all pairs at once.
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from harness.backends.ray.comm import exchange
-from harness.backends.ray.layout import _interval, full_shapes, load_pieces, transfer_plan
+from harness.real.parallel.comm import exchange
+from harness.real.parallel.layout import _interval, full_shapes, load_pieces, transfer_plan
 from harness.plan import Allocation
 
 
@@ -32,10 +32,13 @@ def _narrow(t: torch.Tensor, dim: int | None, offset: int, length: int) -> torch
     return t if dim is None else t.narrow(dim, offset, length)
 
 
-def move_weights(worker, role: str, source, target, source_alloc: Allocation,
+def move_weights(store, role: str, source, target, source_alloc: Allocation,
                  target_alloc: Allocation) -> tuple[list, Any]:
-    rank = worker.rank
-    args = worker._args(role)
+    """Move ``role``'s weights from ``source_alloc`` to ``target_alloc`` as device ``store.rank``
+    (a :class:`~harness.real.parallel.store.ReplicaStore`): ``source`` / ``target`` are its replicas
+    in the two layouts, None where it is not in that mesh."""
+    rank = store.rank
+    args = store.args(role)
     t0 = time.time()
     received = 0.0
     if source_alloc.strategy.zero_stage == 3:
@@ -72,9 +75,9 @@ def move_weights(worker, role: str, source, target, source_alloc: Allocation,
             elif tr.dst == rank:
                 recv_numel[tr.src] = recv_numel.get(tr.src, 0) + tr.numel(shapes[tr.name])
         flat_sends = {dst: torch.cat(parts) for dst, parts in sends.items()}
-        dtype = getattr(worker, "dtype", torch.float32)  # weights travel in the replicas' dtype (bf16 on CUDA)
+        dtype = store.dtype  # weights travel in the replicas' dtype (bf16 on CUDA)
         flat_sends = {dst: buf.to(dtype) for dst, buf in flat_sends.items()}
-        got = exchange(rank, flat_sends, recv_numel, dtype, worker.device)
+        got = exchange(rank, flat_sends, recv_numel, dtype, store.device)
         offsets = {src: 0 for src in got}
         for tr in plan:
             if tr.dst == rank and tr.src != rank:

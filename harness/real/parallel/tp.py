@@ -1,5 +1,5 @@
 """Tensor parallelism for :class:`harness.real.model.PipelineStage` modules built by
-:func:`harness.backends.ray.layout.build_local_module` (Megatron-LM, Shoeybi et al. 2019, section 3).
+:func:`harness.real.parallel.layout.build_local_module` (Megatron-LM, Shoeybi et al. 2019, section 3).
 
 Each decoder layer's attention and MLP get the two conjugate operators of the paper's Figure 3:
 ``f`` at the block input (identity forward, all-reduce of the input gradient backward) and ``g``
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from harness.backends.ray.layout import head_ranges, is_shared_kv
+from harness.real.parallel.layout import head_ranges, is_shared_kv
 from harness.real.model import ModelArgs, PipelineStage
 
 

@@ -5,10 +5,10 @@ in the layout, its process groups, a module to call, and -- for a trained model 
 hooks (``backward``, ``micro_step``, ``optimizer_step``). Three kinds:
 
 - :class:`LocalReplica`: the device holds its pipeline stage's layers, tp slice, and (ZeRO 0-2)
-  Adam over the dp group (:class:`~harness.backends.ray.optim.FlatAdam`);
+  Adam over the dp group (:class:`~harness.real.parallel.optim.FlatAdam`);
 - :class:`NativeZero3Replica`: ZeRO-3 with our own sharding (tp = pp = 1): parameters sharded
-  between uses, gathered for a task (:class:`~harness.backends.ray.optim.ShardedParams`);
-- ``DeepSpeedReplica`` (:mod:`harness.backends.ray.zero3`): a DeepSpeed ZeRO-3 engine.
+  between uses, gathered for a task (:class:`~harness.real.parallel.optim.ShardedParams`);
+- ``DeepSpeedReplica`` (:mod:`harness.real.parallel.zero3`): a DeepSpeed ZeRO-3 engine.
 
 Initial weights: a replica is built on the meta device and materialises only its own piece (its
 pipeline stage's layers, its tp slice; for native ZeRO-3 only its flat optimizer shard), computed
@@ -30,11 +30,11 @@ import time
 import torch
 from torch import Tensor
 
-from harness.backends.ray.comm import Groups
-from harness.backends.ray.layout import (build_local_module, check_tp, coords, flat_init_shard, init_local_module,
-                                         load_pieces, param_bytes)
-from harness.backends.ray.optim import FlatAdam, ShardedParams
-from harness.backends.ray.tp import install_tp_hooks, sync_shared_kv_grads
+from harness.real.parallel.comm import Groups
+from harness.real.parallel.layout import (build_local_module, check_tp, coords, flat_init_shard, init_local_module,
+                                         param_bytes)
+from harness.real.parallel.optim import FlatAdam, ShardedParams
+from harness.real.parallel.tp import install_tp_hooks, sync_shared_kv_grads
 from harness.plan import Allocation
 from harness.real.model import ModelArgs
 

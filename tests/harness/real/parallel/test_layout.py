@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.backends.ray.experience import minibatch_indices
-from harness.backends.ray.layout import (assemble, build_local_module, coords, full_shapes, load_pieces, local_args,
+from harness.real.parallel.layout import (assemble, build_local_module, coords, full_shapes, load_pieces, local_args,
                                          received_bytes, transfer_plan)
 from harness.costmodel.llama import matmul_params_per_layer
 from harness.plan import Allocation, ParallelStrategy

@@ -1,0 +1,107 @@
+"""Training units of one PPO iteration on ``backend=ray`` (driver side): each device's action list
+from the stage's lowered schedule, the loss inputs each training task declares it reads, and what the
+workers report back (spans, PPO statistics, one :class:`~harness.trace.PipelineRun` per mini-batch).
+
+A stage trains one model's pipeline, or actor and critic fused into one bidirectional schedule
+(RLHFuse section 5); every device runs its logical rank's actions (:mod:`harness.backends.ray.pipeline`).
+``it`` is the :class:`harness.backends.ray.iteration.Iteration` the unit belongs to.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from harness.backends.ray import experience as ex
+from harness.backends.ray.protocol import Dispatch, Train, TrainPart
+from harness.interpreter import Unit
+from harness.plan import Task
+from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
+from harness.planning.taskmodels.passes import pipe_stage_devices
+from harness.schedule.p2p_order import in_posting_order
+from harness.trace import PipelineRun
+
+
+def training_data(it, task: Task) -> dict[str, np.ndarray]:
+    """The loss inputs of training task ``task``, computed from exactly the data it declares
+    it reads (:class:`TaskInputs`: a declared input not written yet, or an undeclared one read,
+    fails at once). Computed once per distinct set of declared inputs; both PPO training tasks
+    declare the same, so advantages and returns are computed once per iteration."""
+    inputs = TaskInputs(task.name, task.reads, ex.sample_data(it.rollout, it.outputs))
+    key = frozenset(inputs)
+    if key not in it.experience:
+        it.experience[key], stats = ex.training_data(inputs, it.opts.kl_coef, it.opts.gamma,
+                                                       it.opts.lam, it.opts.whiten_advantages)
+        for name, value in stats.items():
+            it.trace.counters[f"rl/{name}"] = value
+    data = it.experience[key]
+    return {k: data[k] for k in LOSS_INPUTS[task.model.value]}
+
+
+def minibatch_order(it) -> list:
+    return ex.minibatch_indices(it.batch.num_samples, it.plan.mini_batch_size, it.ctx.seed, it.iteration)
+
+
+def start_training(it, unit: Unit):
+    """A training stage: every device runs its logical rank's lowered action list from the
+    stage's schedule (one model's pipeline, or actor and critic fused, RLHFuse section 5), each
+    device its own list (dispatched by device)."""
+    stage = unit.stage
+    minibatches = minibatch_order(it)
+    ordered = in_posting_order(stage.schedule)
+    rank_of: dict[int, int] = {}
+    held: dict[int, set[tuple[str, int]]] = {}  # device -> the (pipe, stage) pairs it runs
+    for (pipe, st), devices in pipe_stage_devices(it.plan, stage).items():
+        rank = stage.schedule.pipes[pipe].stage_to_rank[st]
+        for d in devices:
+            if rank_of.setdefault(d, rank) != rank:
+                raise RuntimeError(f"device {d} holds logical ranks {rank_of[d]} and {rank} of {unit.label}")
+            held.setdefault(d, set()).add((pipe, st))
+    first = unit.tasks[0]
+    request = Train(unit.label, first.model.value, first.allocation,
+                    parts={t.model.value: TrainPart(training_data(it, t), stage.micro_batch_size)
+                           for t in unit.tasks},
+                    allocations={t.model.value: t.allocation for t in unit.tasks},
+                    pipe_role={name: pipe.model for name, pipe in stage.schedule.pipes.items()},
+                    minibatches=minibatches, temperature=it.opts.temperature, clip_eps=it.opts.clip_eps,
+                    value_clip_eps=it.opts.value_clip_eps)
+    shares = {d: request.replace(actions=tuple(a.token() for a in ordered.order.get(rank_of[d], [])
+                                               if (a.pipe, a.stage) in held[d]))
+              for d in rank_of}
+    call = it.group.start(request, mode=Dispatch.BY_DEVICE, shares=shares)
+    group0 = {devices[0] for devices in pipe_stage_devices(it.plan, stage).values()}
+
+    def finish(results: list) -> None:
+        for task in unit.tasks:
+            role = task.model.value
+            per_task = [dataclasses.replace(r, spans=r.task_spans[role], out=r.out.get(role)) for r in results
+                        if role in r.task_spans]
+            record_trained(it, task.name, role, per_task, len(minibatches))
+        record_pipelines(it, unit.label, group0, results, len(minibatches))
+    return call, finish
+
+
+def record_pipelines(it, label: str, ranks: set[int], results: list, num_minibatches: int) -> None:
+    """One PipelineRun per mini-batch over the stage's logical ranks of group 0 (tp rank 0)."""
+    mine = [r for r in results if r.rank in ranks]
+    for j in range(num_minibatches):
+        start = min(run[j][0] for r in mine for run in (o["runs"] for o in r.out.values()))
+        end = max(run[j][1] for r in mine for run in (o["runs"] for o in r.out.values()))
+        compute = sum(min(e, end) - max(st, start) for r in mine for spans in r.task_spans.values()
+                      for kind, st, e, *_ in spans if kind in ("forward", "backward") and st < end and e > start)
+        it.trace.pipelines.append(PipelineRun(label, start - it.t0, end - start, len(mine), compute, 0.0))
+
+
+def record_trained(it, name: str, role: str, results: list, n: int) -> None:
+    it.b.spans_from(name, results, it.t0, it.trace)
+    it.homes.trained(role)
+    totals: dict[str, float] = {}
+    for part in it.b.outputs(results):
+        for key, value in part.get("stats", {}).items():
+            totals[key] = totals.get(key, 0.0) + value
+    prefix = "policy" if role == "actor" else "value"
+    if "loss" in totals:
+        it.trace.counters[f"rl/{prefix}_loss"] = totals["loss"] / n
+        it.trace.counters[f"rl/{prefix}_clipfrac"] = totals["clipfrac"] / n
+    if "approx_kl" in totals:
+        it.trace.counters["rl/ppo_kl"] = totals["approx_kl"] / n
