@@ -22,12 +22,15 @@ start now, and says when tasks have finished and devices were released. Two driv
 - ``backend=ray``'s dispatcher (:mod:`harness.backends.ray.iteration`) drives it with the
   completions of its workers' calls.
 
-Which devices a unit occupies is :func:`unit_devices`, the same for both drivers.
+Which devices a unit occupies is :func:`unit_devices`, the same for both drivers. Inside a
+streamed unit, which inference replica takes which finished samples is :class:`StreamFeed`, the
+same for both drivers too (the simulator's streaming model and Ray's streamed generation).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -128,6 +131,55 @@ class UnitQueue:
         pairs of units running at the same time); the same for every driver of the same plan whose
         units finish in the same order."""
         return {"started": list(self.started), "concurrent": [list(p) for p in sorted(self.concurrent)]}
+
+
+class StreamFeed:
+    """Which inference replica takes which finished samples of a stream, with no clock (RLHFuse
+    section 4: inference consumes samples as generation finishes them).
+
+    A replica of the consumers' shared allocation becomes *available* once generation has released
+    all its devices (and, in the simulator, it has fetched the weights it lacks): :meth:`available`.
+    An available idle replica takes the next micro-batch (:meth:`take`): up to ``micro_batch_size``
+    finished samples in finish order, of those finished by then; the replica idle longest goes first
+    (ties: the order the driver reported them in). It is idle again when the driver says so
+    (:meth:`done`: the simulator when the replica's first pipeline stage can take the next
+    micro-batch, Ray when the replica's calls have returned)."""
+
+    def __init__(self, num_replicas: int, micro_batch_size: int):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.queue: deque[int] = deque()  # finished samples not yet taken, in finish order
+        self.idle: deque[int] = deque()  # available replicas with no micro-batch, longest idle first
+        self.unavailable = set(range(num_replicas))
+        self.num_busy = 0
+
+    def finished(self, sample_ids: Iterable[int]) -> None:
+        self.queue.extend(sample_ids)
+
+    def available(self, replica: int) -> None:
+        """``replica``'s devices are all free (idempotent)."""
+        if replica in self.unavailable:
+            self.unavailable.remove(replica)
+            self.idle.append(replica)
+
+    def done(self, replica: int) -> None:
+        self.num_busy -= 1
+        self.idle.append(replica)
+
+    def take(self) -> list[tuple[int, list[int]]]:
+        """Every micro-batch that may start now, as (replica, its samples)."""
+        out = []
+        while self.idle and self.queue:
+            replica = self.idle.popleft()
+            out.append((replica, [self.queue.popleft() for _ in range(min(self.micro_batch_size, len(self.queue)))]))
+            self.num_busy += 1
+        return out
+
+    @property
+    def drained(self) -> bool:
+        """No sample waits and no replica computes."""
+        return not self.queue and self.num_busy == 0
 
 
 @dataclass

@@ -15,7 +15,9 @@ one process, started when the scheduler starts the pair and run on a driver thre
 2. an instance whose samples are all finished releases its devices; an inference replica (a dp
    replica of the shared inference allocation) whose devices are all released takes up to
    ``micro_batch_size`` queued samples and runs ref, reward and critic forward passes on them
-   (in that order, on its own devices) while generation goes on elsewhere;
+   (in that order, on its own devices) while generation goes on elsewhere; which replica takes
+   which samples is the simulator's rule (:class:`harness.planning.scheduler.StreamFeed`: the
+   replica idle longest, in finish order);
 3. with a migration policy, once fewer than R_t samples are unfinished, every unfinished
    sample leaves the non-tail instances for the ``num_tail_instances`` instances holding the most
    (spread round-robin; the decisions are the simulator's own,
@@ -31,8 +33,6 @@ after the round's other instances have reached that step too).
 """
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from harness import metrics as mk
@@ -40,6 +40,7 @@ from harness.backends.ray import experience as ex
 from harness.backends.ray.protocol import CloseSession, Export, Infer, Migrate, OpenSession, Steps
 from harness.backends.ray.rewards import reward_fields
 from harness.interpreter import Unit
+from harness.planning.scheduler import StreamFeed
 from harness.planning.taskmodels import migration as mg
 from harness.trace import SampleRecord
 
@@ -59,9 +60,10 @@ class StreamedGeneration:
         self.ids = {k: list(range(k, n, s.dp)) for k in range(s.dp)}
         self.left = {k: len(v) for k, v in self.ids.items()}
         self.responses: dict[int, tuple[list[int], list[float]]] = {}
-        self.queue: deque[int] = deque()
         self.released: set[int] = set()
         self.replicas = [set(self.inf_alloc.replica_devices(j)) for j in range(self.inf_alloc.strategy.dp)]
+        # which replica takes which finished samples: the simulator's rule (planning.scheduler.StreamFeed)
+        self.feed = StreamFeed(len(self.replicas), it.ctx.workload.micro_batch_size)
         self.busy_replicas: dict[int, list] = {}  # replica -> its in-flight calls
         self.parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {t.model.value: [] for t in self.consumers}
         self.migrated_samples, self.tail_instances = 0, 0
@@ -107,10 +109,12 @@ class StreamedGeneration:
                 active = self._migrate(active, migration)
                 threshold = None  # the tail migrates once
         self._all(lambda k: self._request(CloseSession), range(len(self.instances)))
-        while self.queue or self.busy_replicas:
+        while not self.feed.drained:
             self._feed()
-            if self.busy_replicas:
-                self._collect_one([])
+            if not self.busy_replicas:
+                raise RuntimeError(f"streamed inference {[t.name for t in self.consumers]}: samples wait but generation "
+                                   f"released the devices of no inference replica {self.replicas}")
+            self._collect_one([])
         self._finish(migration)
 
     # ---- generation rounds ----------------------------------------------------------------
@@ -136,23 +140,22 @@ class StreamedGeneration:
             self.next_finish[k] = report["next_finish"]
             for sample_id, tokens, logprobs, finish in report["finished"]:
                 self.responses[sample_id] = (tokens, logprobs)
-                self.queue.append(sample_id)
+                self.feed.finished((sample_id,))
                 self.it.trace.samples.append(SampleRecord(int(sample_id), int(self.it.batch.prompt_lens[sample_id]),
                                                           len(tokens), finish - self.it.t0))
 
     def _release(self, k: int) -> None:
         self.released |= set(self.instances[k])
+        for j, devices in enumerate(self.replicas):
+            if devices <= self.released:
+                self.feed.available(j)
 
     # ---- inference fed by the stream ------------------------------------------------------
     def _feed(self) -> None:
-        """Give queued samples to every idle inference replica whose devices generation released."""
+        """Start every micro-batch the feeding rule gives an idle replica whose devices generation released."""
         mbs = self.it.ctx.workload.micro_batch_size
-        for j, devices in enumerate(self.replicas):
-            if not self.queue:
-                return
-            if j in self.busy_replicas or not devices <= self.released:
-                continue
-            rows = [self.queue.popleft() for _ in range(min(mbs, len(self.queue)))]
+        for j, rows in self.feed.take():
+            devices = self.replicas[j]
             prompts = [self.it.prompts[i] for i in rows]
             sub = ex.build_rollout(prompts, {n: self.responses[i] for n, i in enumerate(rows)})
             calls = []
@@ -179,6 +182,7 @@ class StreamedGeneration:
         self.busy_replicas[j] = [x for x in self.busy_replicas[j] if x[0] is not call]
         if not self.busy_replicas[j]:
             del self.busy_replicas[j]
+            self.feed.done(j)
         return None
 
     # ---- long-tail migration --------------------------------------------------------------

@@ -15,7 +15,8 @@ Model (all three inference tasks share one allocation in a fused plan):
   stage (each pipeline stage runs the three models in turn); the replica's first stage takes
   the next micro-batch after the slowest stage's time (steady-state pipelining), and a
   micro-batch completes no earlier than the previous one plus that time;
-- samples are taken in finish order by whichever replica is free first (work-conserving).
+- samples are taken in finish order by whichever replica is free first (work-conserving):
+  :class:`harness.planning.scheduler.StreamFeed`, the rule ``backend=ray`` follows too.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from harness.costmodel import CostModel
 from harness.plan import Task, WeightMovement
+from harness.planning.scheduler import StreamFeed
 from harness.planning.realloc import reallocation_transfers
 from harness.trace import SampleRecord, Span
 
@@ -72,7 +74,10 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
     ready_s = [r.finish_s for r in order]
     lengths = np.array([r.prompt_len + r.response_len for r in order], dtype=float)
     spans: list[Span] = []
-    heap: list[tuple[float, int]] = []  # (when stage 0 of replica k can take a micro-batch, k)
+    feed = StreamFeed(s.dp, micro_batch_size)  # the feeding rule Ray's streamed generation uses too
+    # replica events in time order (ties: lower replica first): (when, k, kind), kind 1 = available
+    # (devices free, weights fetched), 2 = idle again; samples finish in ``order``
+    events: list[tuple[float, int, int]] = []
     last_done: dict[int, float] = {}
     loads = [_load_times(cm, moves.get(t.name), models[t.model]) for t in tasks]
     loading = "+".join(t.name for t in tasks if t.name in moves)  # tasks whose weights are fetched per replica
@@ -82,35 +87,44 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
         load = sum(max((times.get(d, 0.0) for d in devices), default=0.0) for times in loads)
         if load > 0:
             spans.append(Span(devices, loading, "realloc", start, start + load))
-        heapq.heappush(heap, (start + load, k))
+        events.append((start + load, k, 1))
         last_done[k] = start + load
+    heapq.heapify(events)
     end = {t.name: 0.0 for t in tasks}
-    next_sample = 0
-    while next_sample < len(order):
-        free_at, k = heapq.heappop(heap)
-        t0 = max(free_at, ready_s[next_sample])
-        take = next_sample
-        while take < len(order) and take - next_sample < micro_batch_size and ready_s[take] <= t0:
-            take += 1
-        tokens = float(lengths[next_sample:take].sum())
-        seq = tokens / (take - next_sample)
-        next_sample = take
-        # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
-        # stage time is the sum over the three models
-        per_task = _stage_times(cm, tasks, models, tokens, seq, s.tp, s.pp)
-        stage = [sum(per_task[t.name][p] for t in tasks) for p in range(s.pp)]
-        clock = t0
-        for p in range(s.pp):
-            if record_spans:
-                offset = clock
-                for t in tasks:
-                    dt = per_task[t.name][p]
-                    spans.append(Span(alloc.stage_devices(k, p), t.name, "forward", offset, offset + dt))
-                    offset += dt
-            clock += stage[p]
-        done = max(clock, last_done[k] + max(stage))  # behind the previous micro-batch in the pipeline
-        last_done[k] = done
-        for t in tasks:
-            end[t.name] = max(end[t.name], done)
-        heapq.heappush(heap, (t0 + max(stage), k))
+    num_samples, num_finished, num_taken = len(order), 0, 0
+    while num_taken < num_samples:
+        # the next moment something happens; every sample finished by then is queued before any is taken
+        now = min(ready_s[num_finished] if num_finished < num_samples else np.inf, events[0][0] if events else np.inf)
+        first = num_finished
+        while num_finished < num_samples and ready_s[num_finished] <= now:
+            num_finished += 1
+        feed.finished(range(first, num_finished))
+        while events and events[0][0] == now:
+            _, k, kind = heapq.heappop(events)
+            if kind == 1:
+                feed.available(k)
+            else:
+                feed.done(k)
+        for k, taken in feed.take():
+            num_taken += len(taken)
+            tokens = float(lengths[taken].sum())
+            seq = tokens / len(taken)
+            # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
+            # stage time is the sum over the three models
+            per_task = _stage_times(cm, tasks, models, tokens, seq, s.tp, s.pp)
+            stage = [sum(per_task[t.name][p] for t in tasks) for p in range(s.pp)]
+            clock = now
+            for p in range(s.pp):
+                if record_spans:
+                    offset = clock
+                    for t in tasks:
+                        dt = per_task[t.name][p]
+                        spans.append(Span(alloc.stage_devices(k, p), t.name, "forward", offset, offset + dt))
+                        offset += dt
+                clock += stage[p]
+            done = max(clock, last_done[k] + max(stage))  # behind the previous micro-batch in the pipeline
+            last_done[k] = done
+            for t in tasks:
+                end[t.name] = max(end[t.name], done)
+            heapq.heappush(events, (now + max(stage), k, 2))
     return StreamingResult(spans, end)

@@ -4,7 +4,7 @@ import pytest
 
 from harness.interpreter import execution_units
 from harness.plan import Allocation, ParallelStrategy, Plan, Task, TrainingStage
-from harness.planning.scheduler import Timeline, Timing, run_timed, schedule_durations
+from harness.planning.scheduler import StreamFeed, Timeline, Timing, run_timed, schedule_durations
 from harness.schedule import PipeSpec, build
 
 
@@ -244,3 +244,31 @@ def test_a_weight_movement_occupies_the_devices_it_sends_from():
     table = {"busy": 5.0, "move": 1.0, "after": 1.0}
     timeline = schedule_durations(plan, 2, lambda unit: table[unit.label])
     assert timeline.start_s == {"busy": 0.0, "move": 5.0, "after": 6.0}
+
+
+# ---- StreamFeed: which inference replica takes which finished samples ---------------------------
+def test_stream_feed_gives_the_longest_idle_replica_the_next_samples_in_finish_order():
+    feed = StreamFeed(num_replicas=3, micro_batch_size=2)
+    assert feed.take() == [] and feed.drained
+    feed.finished([7, 3, 5])
+    assert feed.take() == [] and not feed.drained  # no replica available yet
+    feed.available(2)
+    feed.available(0)
+    feed.available(2)  # idempotent: devices released twice
+    assert feed.take() == [(2, [7, 3]), (0, [5])]  # the replica available first goes first
+    assert feed.take() == [] and not feed.drained  # both compute
+    feed.finished([1])
+    feed.available(1)
+    assert feed.take() == [(1, [1])]
+    feed.done(0)
+    feed.done(2)
+    feed.finished([4, 6, 8])
+    assert feed.take() == [(0, [4, 6]), (2, [8])]  # idle longest: 0 finished before 2
+    for replica in (1, 0, 2):
+        feed.done(replica)
+    assert feed.drained and list(feed.idle) == [1, 0, 2]
+
+
+def test_stream_feed_needs_a_positive_micro_batch():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        StreamFeed(2, 0)
