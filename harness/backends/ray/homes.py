@@ -85,3 +85,24 @@ class ModelHomes:
             if entry is not None:
                 entry[1].add(m.task)
         return out
+
+
+def stale_movement_sources(plan: Plan) -> list[str]:
+    """Weight movements whose source layout would hold stale weights when they run (the model trained
+    since that copy was last filled), replaying two iterations in the plan's unit order. Such a plan
+    is refused: moving from the home layout instead would use devices the scheduler did not give
+    the movement (:func:`harness.planning.scheduler.unit_devices` claims the source layout's)."""
+    from harness.interpreter import execution_units
+
+    homes, stale = ModelHomes(plan), []
+    for _ in range(2):  # the second iteration starts from the first's versions
+        for unit in execution_units(plan):
+            for task in unit.tasks:
+                move = plan.movement_of(task.name) if task.kind == TaskKind.WEIGHT_MOVEMENT else None
+                if move is not None:
+                    if not homes.current(move.model.value, move.source) and move.task not in stale:
+                        stale.append(move.task)
+                    homes.refreshed(move.model.value, move.target)
+                elif task.kind == TaskKind.TRAIN:
+                    homes.trained(task.model.value)
+    return stale

@@ -10,7 +10,10 @@ values, scores, advantages) between tasks. Before a task
 computes with a model it checks that the model's weights in the task's layout are current: the
 home layout always is; a copy is current after a weight-movement task refreshed it since the last
 training step. A plan that omits a needed movement still runs correctly: the move is done inside
-the consuming task and shows as a ``realloc`` span of that task.
+the consuming task and shows as a ``realloc`` span of that task. A plan whose weight movement
+would send a stale copy (the model trained since the copy was filled) is refused before Ray starts
+(:func:`harness.backends.ray.homes.stale_movement_sources`): a movement sends from the source
+layout's devices, which the scheduler gives it.
 
 Memory: a model's copy in another task's layout (e.g. the actor in the generation layout) that the
 plan does not list as resident (``Plan.resident``) is freed on its devices as soon as the last task
@@ -125,9 +128,8 @@ class Iteration(PlanInterpreter):
     def _movement_unit(self, unit: Unit):
         (task,) = unit.tasks
         m = self.plan.movement_of(task.name)
-        role = m.model.value
-        source = m.source if self.homes.current(role, m.source) else self.homes.home[role]
-        return self._start_move(task.name, role, source, m.target)
+        # the source copy is current: plans with stale sources are refused (homes.stale_movement_sources)
+        return self._start_move(task.name, m.model.value, m.source, m.target)
 
     def _generate_unit(self, unit: Unit):
         (task,) = unit.tasks

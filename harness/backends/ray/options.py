@@ -52,6 +52,12 @@ def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[s
     for m in plan.weight_movements:
         if m.target.strategy.zero_stage == 3:
             out.append(f"weight movement {m.task} targets a ZeRO-3 layout")
+    from harness.backends.ray.homes import stale_movement_sources
+
+    for name in stale_movement_sources(plan):
+        m = plan.movement_of(name)
+        out.append(f"weight movement {name} sends {m.model.value} from {m.source.strategy} on {list(m.source.mesh)}, "
+                   f"whose copy is stale when it runs (trained since it was filled); move from the home layout")
     for role in plan.offloaded:  # offloading swaps a local replica's weights around each use (replica.py)
         for t in plan.tasks:
             if t.model == role and t.allocation.strategy.zero_stage == 3:
