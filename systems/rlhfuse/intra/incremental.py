@@ -184,6 +184,7 @@ class OrderState:
         if any(p < len(s) for p, s in zip(pos, self.seqs)):
             raise ScheduleError("order deadlocks")
         self._start_list, self._end_list = start, end
+        self._makespan: float | None = None  # the last committed move's (None: from ``end``)
 
     @property
     def start(self) -> list[float]:
@@ -199,6 +200,8 @@ class OrderState:
         return self._end_list
 
     def makespan(self) -> float:
+        if self._makespan is not None:  # the re-timing's own maximum of the same end times
+            return self._makespan
         end = self.end
         return max((end[s[-1]] for s in self.seqs if s), default=0.0)
 
@@ -211,7 +214,8 @@ class OrderState:
     # ---- trial moves ---------------------------------------------------------------------
     def _reaches(self, a: int, b: int) -> bool:
         """Is ``b`` reachable from ``a`` without the rank edge ``a -> b``? (time-bounded DFS)"""
-        start, dsucc, seqs, rank_of, pos = self.start, self.dsucc, self.seqs, self.rank_of, self.pos
+        # the array itself, not the ``start`` list: a search reads a few entries here after each commit
+        start, dsucc, seqs, rank_of, pos = self._a_start, self.dsucc, self.seqs, self.rank_of, self.pos
         limit = start[b]
         stack = [v for v in dsucc[a] if start[v] <= limit]
         seen = set(stack)
@@ -265,7 +269,7 @@ class OrderState:
                 return None
         if self._reaches(a, b):
             return None
-        t0 = self.start[a]
+        t0 = float(self._a_start[a])
         seq[i], seq[i + 1] = b, a
         self._a_seq[r, i], self._a_seq[r, i + 1] = b, a
         makespan = self._resim(r, i, t0, threshold)
@@ -316,7 +320,7 @@ class OrderState:
             threshold = gate(r, lo, new_vals)
             if threshold is None:
                 return None
-        t0 = self.start[seq[lo]]
+        t0 = float(self._a_start[seq[lo]])
         del seq[i]
         seq.insert(j, v)
         self._mirror_move(r, i, j)
@@ -351,6 +355,7 @@ class OrderState:
             raise RuntimeError("cannot commit a trial move that was cut short")
         self._a_start, self._a_ss = self._a_ss, self._a_start
         self._a_end, self._a_se = self._a_se, self._a_end
+        self._makespan = float(makespan)
         self._start_list = self._end_list = None  # lists made again from the arrays when read
         seq, pos, dur = self.seqs[r], self.pos, self.dur
         self.prefix[r][lo:lo + len(new_vals)] = new_vals
