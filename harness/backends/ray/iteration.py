@@ -18,7 +18,8 @@ layout's devices, which the scheduler gives it.
 Memory: a model's copy in another task's layout (e.g. the actor in the generation layout) that the
 plan does not list as resident (``Plan.resident``) is freed on its devices as soon as the last task
 of the iteration that computes with it has finished; the next weight movement rebuilds it. Models
-the plan offloads keep their weights in host memory between uses (``replica.Replica.compute``).
+the plan offloads keep their weights in host memory between uses
+(``harness.real.parallel.replica.Replica.compute``).
 
 RL metrics go to ``StepTrace.counters`` under ``rl/``; weight digests (sum, L2, distance from the
 initial weights) to ``rl/<model>_param_{sum,l2}`` and ``rl/<model>_update_l2`` and, with the
