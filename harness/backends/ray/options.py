@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from harness.backends.ray.config import RayOptions
+from harness.backends.ray.homes import stale_movement_sources
 from harness.real.parallel.layout import check_tp
 from harness.errors import ConfigError, PlanError
 from harness.plan import Feature, ModelRole, Plan, TaskKind
@@ -52,8 +53,6 @@ def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[s
     for m in plan.weight_movements:
         if m.target.strategy.zero_stage == 3:
             out.append(f"weight movement {m.task} targets a ZeRO-3 layout")
-    from harness.backends.ray.homes import stale_movement_sources
-
     for name in stale_movement_sources(plan):
         m = plan.movement_of(name)
         out.append(f"weight movement {name} sends {m.model.value} from {m.source.strategy} on {list(m.source.mesh)}, "

@@ -184,11 +184,11 @@ class OrderState:
         if any(p < len(s) for p, s in zip(pos, self.seqs)):
             raise ScheduleError("order deadlocks")
         self._start_list, self._end_list = start, end
-        self._makespan: float | None = None  # the last committed move's (None: from ``end``)
 
     @property
     def start(self) -> list[float]:
-        """Start time of every action (a list: the Python moves index it one action at a time)."""
+        """Start time of every action, as a list (made from the array when read after a commit; the
+        trial moves read the few entries they need from the array itself)."""
         if self._start_list is None:
             self._start_list = self._a_start.tolist()
         return self._start_list
@@ -200,8 +200,6 @@ class OrderState:
         return self._end_list
 
     def makespan(self) -> float:
-        if self._makespan is not None:  # the re-timing's own maximum of the same end times
-            return self._makespan
         end = self.end
         return max((end[s[-1]] for s in self.seqs if s), default=0.0)
 
@@ -355,7 +353,6 @@ class OrderState:
             raise RuntimeError("cannot commit a trial move that was cut short")
         self._a_start, self._a_ss = self._a_ss, self._a_start
         self._a_end, self._a_se = self._a_se, self._a_end
-        self._makespan = float(makespan)
         self._start_list = self._end_list = None  # lists made again from the arrays when read
         seq, pos, dur = self.seqs[r], self.pos, self.dur
         self.prefix[r][lo:lo + len(new_vals)] = new_vals
