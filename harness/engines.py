@@ -15,7 +15,8 @@ as data, once for every system:
   KV cache (``kv_cache_passes``: copies made by the framework's cache and attention code) and how
   often the host waits for the GPU (``host_syncs_per_layer``);
 - a **training engine** (``conf/engine/training/<name>.yaml``, :class:`TrainingEngine`): which
-  parallelism it supports, CPU optimizer offload (ZeRO-Offload), the speed of its kernels.
+  parallelism it supports, CPU optimizer offload (ZeRO-Offload), whether its attention writes the
+  score matrices to HBM (an eager attention: ``attention_score_bytes_*``), the speed of its kernels.
 
 Each system names its default engines (``system.generation_engine`` / ``system.training_engine``:
 the engines of the implementation it reimplements); ``engine.generation=<name or yaml path>`` and
@@ -134,6 +135,13 @@ class TrainingEngine:
     # or megatron (3D: tp, pp, dp with a distributed optimizer)
     parallelism: str = "megatron"
     optimizer_offload: bool = False  # ZeRO-Offload: fp32 states and Adam on the CPU
+    # bytes a forward / backward moves per attention-score element (heads x queries x keys, per layer)
+    # beyond a fused attention kernel's (0: fused, FlashAttention-style, scores never leave the chip).
+    # An eager attention writes the score matrix to HBM and rereads it at each elementwise op; the
+    # YAML files derive the counts from the framework's attention code. Charged at the measured
+    # streaming rate; the backward's count includes the forward again under activation recomputation.
+    attention_score_bytes_forward: float = 0.0
+    attention_score_bytes_backward: float = 0.0
     # fitted (None: data/engines/fitted.json, else the prior)
     compute_time_scale: Optional[float] = None  # forward/backward time relative to our kernel profiles
     cpu_adam_gbps: Optional[float] = None  # per node: optimizer-state bytes CPU Adam streams per second
@@ -142,6 +150,11 @@ class TrainingEngine:
 
     def __post_init__(self) -> None:
         _check_choice(self.name, "parallelism", self.parallelism, ("zero", "megatron"))
+        for key in ("attention_score_bytes_forward", "attention_score_bytes_backward"):
+            value = getattr(self, key)
+            if not (value >= 0.0 and value < float("inf")):
+                raise ConfigError(f"training engine {self.name}: {key}={value} must be a finite count of "
+                                  f"bytes >= 0")
 
 
 @dataclass(frozen=True)
@@ -294,7 +307,9 @@ class EngineCosts:
       engine generates from ZeRO-3 shards in place; a decode step's GPU time includes the KV cache's
       extra passes (``kv_cache_passes - 1``) at the streaming rate; without a reused KV cache
       (``kv_cache: false``) a decode step's GPU time is a prefill of the whole context;
-    - forward and backward: ``x compute_time_scale``;
+    - forward and backward: ``(our kernels + eager attention-score traffic) x compute_time_scale``,
+      the traffic ``attention_score_bytes_* x heads/tp x tokens x seq_len x layers`` at the streaming
+      rate (the forward's bytes again in a backward that recomputes the attention);
     - optimizer step with offload: the CPU Adam step over the node's share of the optimizer states
       plus the fp16 gradients down and parameters up over PCIe, instead of the GPU's."""
 
@@ -388,11 +403,37 @@ class EngineCosts:
         gpu_s = self.cm.prefill_s(model, num_tokens, tp, pp, seq_len, "graph")
         return self._step(gpu_s, model, engine, launches_per_layer)
 
-    def forward_s(self, *args: Any, **kwargs: Any) -> float:
-        return self.cm.forward_s(*args, **kwargs) * self.engines.training.compute_time_scale
+    def _score_traffic_s(self, bytes_per_score: float, model: Any, num_tokens: float, seq_len: float,
+                         tp: int, num_layers: Optional[float]) -> float:
+        """Seconds an eager attention spends streaming the score matrices of ``num_tokens`` tokens in
+        sequences of ``seq_len`` (every query against every key: an eager kernel computes the masked
+        half too) through ``num_layers`` layers, ``bytes_per_score`` bytes per element."""
+        if bytes_per_score <= 0.0 or num_tokens <= 0:
+            return 0.0
+        from harness.costmodel.llama import ModelDims
+        d = ModelDims.of(model)
+        layers = d.num_layers if num_layers is None else num_layers
+        heads_local = d.num_heads / min(tp, d.num_heads)
+        return bytes_per_score * heads_local * num_tokens * seq_len * layers * self._stream_s_per_byte
 
-    def backward_s(self, *args: Any, **kwargs: Any) -> float:
-        return self.cm.backward_s(*args, **kwargs) * self.engines.training.compute_time_scale
+    def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
+                  num_layers: Optional[float] = None, include_head: Optional[bool] = None) -> float:
+        t = self.engines.training
+        time_s = self.cm.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
+        time_s += self._score_traffic_s(t.attention_score_bytes_forward, model, num_tokens, seq_len, tp,
+                                        num_layers)
+        return time_s * t.compute_time_scale
+
+    def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
+                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
+                   recompute: Optional[str] = None) -> float:
+        t = self.engines.training
+        time_s = self.cm.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
+        score_bytes = t.attention_score_bytes_backward
+        if (recompute or self.cm.recompute) in ("full", "selective"):  # both recompute the attention
+            score_bytes += t.attention_score_bytes_forward
+        time_s += self._score_traffic_s(score_bytes, model, num_tokens, seq_len, tp, num_layers)
+        return time_s * t.compute_time_scale
 
     def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0) -> float:
         t = self.engines.training

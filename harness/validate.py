@@ -48,6 +48,7 @@ from harness.errors import ConfigError
 METRICS = {
     "step_s": "timing_s/step",
     "samples_per_s": "perf/samples_per_s",
+    "gen_s": "timing_s/gen",
     "gen_inference_s": "timing_s/gen_inference",
     "train_s": "timing_s/train",
 }

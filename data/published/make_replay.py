@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -96,12 +97,14 @@ def ds_chat_table(m: dict) -> dict:
     if "40GB/80GB" in gpu:  # Figure 6: 'the 13B value matches 8xA100-80G Table 1 better' (notes)
         gpu = "A100-80GB"
     base = ["+system=deepspeed_chat", f"model={OPT_MODEL[actor]}", *ds_chat_cluster(gpu, n), *FIXED_256,
-            f"system.gen_tp={min(OPT_GEN_TP[actor], n)}", *FAST]
+            f"system.gen_tp={min(OPT_GEN_TP[actor], n)}", "engine.training=deepspeed_hf_eager", *FAST]
     assume = ("256-token prompts and 256-token answers (fixed, the benchmark setting); one PPO epoch, one "
               "mini-batch per iteration; the largest power-of-two batch <= 1024 that passes our memory check "
               "(the source: 'largest non-OOM'); ZeRO-3 for actor and critic; fp16 run as bf16; "
               f"hybrid-engine tp {min(OPT_GEN_TP[actor], n)} (assumed: DS-Chat's default 1, 2 for 13B per its "
-              "release script, more for larger actors)")
+              "release script, more for larger actors); training and inference passes with transformers' eager OPT "
+              "attention in fp16 (OPT had no SDPA or flash path in the transformers of April 2023: "
+              "conf/engine/training/deepspeed_hf_eager.yaml)")
     system = m["system"]
     if system.startswith("HuggingFace DDP"):
         base += ["engine.generation=hf_generate", "system.zero_stage=0", "system.gen_tp=1"]
@@ -116,7 +119,8 @@ def ds_chat_table(m: dict) -> dict:
     try:
         batch, ov = largest_batch(base, n)
     except NoFit:  # DS-Chat's single-GPU recipes offload (--offload, --offload_reference_model)
-        base += ["engine.training=deepspeed_offload", "system.offload_reference_model=true"]
+        base = [o for o in base if o != "engine.training=deepspeed_hf_eager"]
+        base += ["engine.training=deepspeed_offload_hf_eager", "system.offload_reference_model=true"]
         assume += "; nothing fits without offload: Adam and the reference model offloaded to the CPU"
         batch, ov = largest_batch(base, n)
     if system.startswith("Colossal-AI"):
@@ -138,6 +142,29 @@ def ds_chat_table(m: dict) -> dict:
                    "per sample (DS-Chat perf.py: actor 4x + critic 4x training + 1x generation, 512 tokens)")
     return {"metric": "samples_per_s", "value": round(value, 4), "overrides": ov,
             "assumptions": f"{assume}; batch {batch}; {derived}"}
+
+
+BREAKDOWN = re.compile(r"Breakdown: generation ([0-9.]+) s/seq \([0-9]+%\), RL training ([0-9.]+) s/seq")
+
+
+def ds_chat_breakdown(m: dict, main: dict) -> list[dict]:
+    """P021-P023 (blog Figure 5) also give each stack's generation and RL-training bars: two more lines
+    each, ``gen_s`` (generation alone) and ``train_s`` (actor and critic training), in seconds per
+    iteration: the GPU-normalised seconds per sequence x the iteration's batch / the GPUs. The third bar,
+    'others' (the experience's ref/reward/critic passes and the rest), is left out: what it holds is not
+    stated."""
+    found = BREAKDOWN.search(m["notes"])
+    if found is None:
+        return []
+    batch = next(int(o.split("=")[1]) for o in main["overrides"] if o.startswith("workload.global_batch_size="))
+    n = int(m["num_gpus"])
+    out = []
+    for suffix, metric, per_seq in ((".gen", "gen_s", found.group(1)), (".train", "train_s", found.group(2))):
+        out.append({"id": m["id"] + suffix, "metric": metric, "value": round(float(per_seq) * batch / n, 4),
+                    "overrides": main["overrides"],
+                    "assumptions": f"{main['assumptions']}; {metric} = {per_seq} GPU-normalised s per sequence "
+                                   f"x {batch} sequences / {n} GPUs (the figure's {metric[:-2]} bar)"})
+    return out
 
 
 OPENRLHF_BENCH = {  # id: (model, kind, gen mbs, train mbs, offload)
@@ -248,6 +275,7 @@ def build(measurements: Path) -> list[dict]:
         if pid <= "P029":
             try:
                 out = [ds_chat_table(m)]
+                out += ds_chat_breakdown(m, out[0])
             except NoFit as e:
                 print(pid, "SKIPPED:", e, flush=True)
                 continue

@@ -14,7 +14,7 @@ Oracles, not mocks:
 - plans an engine cannot run are refused (static batching under long-tail migration; DeepSpeed ZeRO
   under a tensor/pipeline-parallel layout);
 - :class:`EngineCosts` against its closed forms (GPU-time factor, eager host floor, ZeRO-3 gather
-  floor, KV-cache passes, host syncs, compute factor, CPU-Adam optimizer step recomputed from its docstring) and the plan memory
+  floor, KV-cache passes, host syncs, compute factor, eager attention-score traffic, CPU-Adam optimizer step recomputed from its docstring) and the plan memory
   check against cost-model primitives (ZeRO-Offload's freed optimizer states, in-place generation's
   two gathered layers);
 - plans round-trip their engines through to_dict / from_dict / JSON.
@@ -385,6 +385,48 @@ def test_compute_time_scale_multiplies_forward_and_backward_exactly(ctx, tp, num
     assert ec.optimizer_step_s(model, 8, tp, 1, 3) == cm.optimizer_step_s(model, 8, tp, 1, 3)
     assert ec.allgather_s(1e9, list(range(8))) == cm.allgather_s(1e9, list(range(8)))
     assert ec.decode_step_s(model, 8, 8 * 300, tp) == cm.decode_step_s(model, 8, 8 * 300, tp)
+
+
+@pytest.mark.parametrize("tp,num_layers,recompute", [(1, None, "none"), (2, 16, "full"), (8, 8, "selective"),
+                                                     (4, None, "full")])
+def test_eager_attention_score_traffic_is_its_closed_form(ctx, tp, num_layers, recompute):
+    """bytes per score x heads/tp x tokens x seq_len x layers at the streaming rate, inside the compute
+    factor; the backward pays the forward's bytes again when it recomputes the attention."""
+    cm, model = ctx.cost_model, ctx.models.actor
+    fwd_b, bwd_b, scale = 24.0, 30.0, 1.3
+    ec = EngineCosts(cm, _engines({}, {"compute_time_scale": scale, "attention_score_bytes_forward": fwd_b,
+                                       "attention_score_bytes_backward": bwd_b}))
+    tokens, seq = 4 * 512.0, 512.0
+    layers = model.num_layers if num_layers is None else num_layers
+    elements = model.num_heads / tp * tokens * seq * layers
+    stream = cm.compute.stream_s_per_byte
+    args = (model, tokens, seq, tp, num_layers, None)
+    assert ec.forward_s(*args) == pytest.approx(scale * (cm.forward_s(*args) + fwd_b * elements * stream),
+                                                rel=1e-12)
+    bwd_bytes = bwd_b + (fwd_b if recompute != "none" else 0.0)
+    assert ec.backward_s(*args, recompute) == pytest.approx(
+        scale * (cm.backward_s(*args, recompute) + bwd_bytes * elements * stream), rel=1e-12)
+    assert ec.forward_s(model, 0.0, seq, tp) == 0.0
+
+
+@pytest.mark.parametrize("key", ["attention_score_bytes_forward", "attention_score_bytes_backward"])
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan")])
+def test_bad_attention_score_bytes_are_refused(key, value):
+    with pytest.raises(ConfigError, match=key):
+        TrainingEngine(name="bad", **{key: value})
+
+
+def test_eager_attention_trains_slower_and_generates_the_same():
+    """DeepSpeed-Chat's OPT runs (replay P001-P029) train with transformers' eager OPT attention: the same
+    plan on deepspeed_hf_eager trains and runs ref/reward/critic passes slower, generates identically."""
+    opt = [*DSCHAT, "model=opt_1_3b_350m", "cluster=a100_40g_8x", "workload.max_gen_len=256"]
+    fused = summary([*opt, "engine.training=deepspeed"])
+    eager = summary([*opt, "engine.training=deepspeed_hf_eager"])
+    assert eager["timing_s/train"] > fused["timing_s/train"]
+    assert eager["timing_s/ref"] > fused["timing_s/ref"]
+    assert eager["timing_s/gen"] == fused["timing_s/gen"]
+    for name in ("deepspeed_hf_eager", "deepspeed_offload_hf_eager"):  # same kernels: one fitted factor
+        assert eng.fit_key("training", load_engine("training", name)) == "training/deepspeed"
 
 
 @pytest.mark.parametrize("dp,tp,pp,zero", [(8, 1, 1, 3), (4, 2, 1, 1), (2, 1, 1, 2), (16, 1, 1, 3),

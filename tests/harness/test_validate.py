@@ -99,6 +99,29 @@ def test_replay_file_covers_the_calibration_set():
     assert ids == GRADED_A_OR_B
 
 
+def test_stage_lines_are_parts_of_their_point():
+    """A point's stage lines (P021.gen, P037.train, ...) run the point's setup and measure a part of its
+    iteration: their times sum to no more than the point's step time (batch / samples/s, or step_s)."""
+    points = validate.read_replay(REPLAY)
+    whole = {p.id: p for p in points if "." not in p.id}
+    parts: dict[str, float] = {}
+    for p in points:
+        if "." in p.id:
+            base = whole[p.id.split(".")[0]]
+            assert p.overrides == base.overrides and p.metric in ("gen_s", "gen_inference_s", "train_s"), p
+            parts[base.id] = parts.get(base.id, 0.0) + p.value
+    assert {"P021", "P022", "P023", "P037"} <= set(parts)
+    for pid, total in parts.items():
+        base = whole[pid]
+        if base.metric == "step_s":
+            step_s = base.value
+        else:
+            batch = next(int(o.split("=")[1]) for o in base.overrides if o.startswith("workload.global_batch_size="))
+            step_s = batch / base.value
+        # 1e-3: the sources round each column (P038: 975.36 + 209.05 = 1184.41 against an E2E of 1184.31)
+        assert total <= step_s * (1 + 1e-3), (pid, total, step_s)
+
+
 def test_a_subset_of_every_source_replays_in_ci():
     """One point per source (the CI subset of issue 26): each plans, fits in memory and simulates."""
     points = validate.read_replay(REPLAY)
