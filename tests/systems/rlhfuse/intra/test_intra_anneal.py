@@ -90,6 +90,45 @@ def test_rejected_swaps_are_exactly_the_deadlocking_ones():
                 state.revert()
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "interpreted"])
+@pytest.mark.parametrize("n1,n2,m1,m2,p2p", [(4, 4, 3, 3, 0.0), (4, 2, 4, 6, 0.1)])
+def test_rejected_moves_are_exactly_the_deadlocking_ones(compiled, n1, n2, m1, m2, p2p):
+    """Every move on every rank, from the greedy start and after a random walk: try_move refuses
+    (None, before any timing) exactly the moves whose order simulate finds deadlocked, and the
+    compiled and interpreted cycle tests agree."""
+    pipes, costs, start, model, seqs = _setup(n1, n2, m1, m2, p2p)
+    walked = OrderState(model, seqs)
+    rng = random.Random(5)
+    for _ in range(400):
+        r = rng.randrange(len(walked.seqs))
+        n = len(walked.seqs[r])
+        if walked.try_move(r, rng.randrange(n), rng.randrange(n)) is not None:
+            walked.commit()
+    num_deadlocks = 0
+    for orders in (seqs, walked.seqs):
+        state = OrderState(model, orders, compiled=compiled)
+        for r, seq in enumerate(state.seqs):
+            for i in range(len(seq)):
+                for j in range(len(seq)):
+                    if i == j:
+                        continue
+                    trial = [list(x) for x in state.seqs]
+                    trial[r].insert(j, trial[r].pop(i))
+                    try:
+                        simulate(_decode(model, start.ranks, trial, pipes), costs)
+                        deadlocks = False
+                    except ScheduleError:
+                        deadlocks = True
+                    num_deadlocks += deadlocks
+                    assert state._closes_cycle(r, i, j) == deadlocks, (r, i, j)
+                    out = state.try_move(r, i, j)
+                    if deadlocks:
+                        assert out is None
+                    elif out is not None:
+                        state.revert()
+    assert num_deadlocks > 0  # the oracle saw both answers
+
+
 def test_memory_cap_blocks_swaps_and_threshold_aborts():
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 4)
     tight = OrderState(model, seqs, mem_cap=OrderState(model, seqs).max_peak())
