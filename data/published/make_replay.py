@@ -3,6 +3,8 @@
 
     python data/published/make_replay.py [--measurements PATH]
 
+Where a source also gives a point's stages (OpenRLHF's benchmark table, the DeepSpeed blog's Figure 5
+bars), each stage is one more line with the point's overrides (``P037.gen``, ``P021.train``, ...).
 Each line's ``assumptions`` says what the source leaves open and what was assumed. Derived values
 (samples/s from hours per epoch, from GPU-normalised seconds per sequence, from nominal TFLOPs) are
 computed here from the published numbers with the formulas cited below. Where a source gives only
