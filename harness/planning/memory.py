@@ -8,7 +8,8 @@ iteration (``Plan.resident``) + the task's working set:
   maximum-length sample (prompt cap + ``max_gen_len``); the rest of memory is KV capacity;
 - inference: weights (unless resident) + one layer's forward activations for a micro-batch;
 - train: weights, gradients and optimizer states (unless resident) + the schedule's peak in-flight
-  activations (Korthikanti et al. 2022), from ``simulate`` of the plan's pipeline schedule.
+  activations (Korthikanti et al. 2022): the running sum over each rank's list of the plan's pipeline
+  schedule (``list_order_peak_memory``, the peak ``simulate`` reports, without timing).
 
 A plan that does not fit raises :class:`PlanMemoryError` naming the task, the device and every
 term of the sum. The same numbers are what the simulator reports as per-device memory peaks.
@@ -25,10 +26,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
+import numpy as np
+
 from harness.costmodel import CostModel
 from harness.errors import PlanError, PlanMemoryError
 from harness.plan import Allocation, Plan, Task
-from harness.schedule import PipeCosts, simulate
+from harness.schedule import PipeCosts, list_order_peak_memory
 
 
 @dataclass
@@ -68,7 +71,7 @@ def kv_one_sample_gb(cm: CostModel, model, s, workload) -> float:
 
 def one_f_one_b_activation_gb(cm: CostModel, model, s, workload, num_mbs: int) -> float:
     """Peak in-flight activations of a single-pipe 1F1B stage: its first stage holds min(pp, M)
-    micro-batches of ``layers / pp`` layers (what :func:`training_activation_gb` simulates)."""
+    micro-batches of ``layers / pp`` layers (what :func:`training_activation_gb` counts)."""
     return min(s.pp, num_mbs) * cm.activation_gb(model, workload.micro_batch_size, max_seq_len(workload), s.tp,
                                                  model.num_layers / s.pp, workload.activation_recompute)
 
@@ -86,7 +89,7 @@ def training_activation_gb(plan: Plan, cm: CostModel, models, workload) -> dict[
             act = cm.activation_gb(getattr(models, pipe.model), stage.micro_batch_size, seq, s.tp,
                                    layers, workload.activation_recompute)
             costs[pipe.name] = PipeCosts.uniform(pipe.num_stages, 1.0, 2.0, act)
-        peak = max(simulate(stage.schedule, costs, record_times=False).peak_memory.values())
+        peak = max(list_order_peak_memory(stage.schedule, costs).values())
         for name in stage.tasks:
             out[name] = peak
     return out
@@ -125,8 +128,21 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
         task = plan.task(r.task)
         gb = _state_gb(cm, getattr(models, r.model), task.allocation, r.what, offload)
         resident_keys.add((r.model, r.task))
+        term = f"resident {r.model} {r.what} ({task.allocation.strategy})"
         for d in task.allocation.mesh:
-            resident[d].append((f"resident {r.model} {r.what} ({task.allocation.strategy})", gb))
+            resident[d].append((term, gb))
+    # A device's resident total, summed once (in the order the states were listed), and each task's
+    # devices as one array operation: at 4,096 devices the per-device, per-task Python loop was most
+    # of ReaLHF's search (issue 28). NumPy's float64 addition and maximum are Python's, so the
+    # numbers are the same.
+    resident_gb = {d: sum(gb for _, gb in held) for d, held in resident.items()}
+    num_devices = 1 + max((max(t.allocation.mesh) for t in plan.tasks if t.allocation.mesh), default=-1)
+    resident_arr = np.zeros(num_devices)
+    for d, gb in resident_gb.items():
+        resident_arr[d] = gb
+    peak_arr = np.zeros(num_devices)
+    seen = np.zeros(num_devices, dtype=bool)
+    first_seen: list[np.ndarray] = []  # devices in the order the tasks first touch them
     train_act = training_activation_gb(plan, cm, models, workload)
     report = MemoryReport(capacity_gb=capacity)
     for task in plan.tasks:
@@ -136,26 +152,43 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
             r.model == task.model and plan.task(r.task).allocation == task.allocation  # the training module
             for r in plan.resident)
         working = _working_set_gb(task, cm, models, workload, resident_here, train_act, offload)
-        worst = 0.0
-        for d in task.allocation.mesh:
-            total = sum(gb for _, gb in resident[d]) + sum(working.values())
-            worst = max(worst, total)
-            report.peak_gb[d] = max(report.peak_gb.get(d, 0.0), total)
-            if total > capacity:
-                terms = [f"{name} {gb:.1f} GB" for name, gb in resident[d]]
-                terms += [f"{name} {gb:.1f} GB" for name, gb in working.items()]
-                raise PlanMemoryError(
-                    f"plan of {plan.system} does not fit in device memory: task {task.name} "
-                    f"({task.allocation.strategy}) on device {d} needs {total:.1f} GB but only "
-                    f"{capacity:.1f} GB is usable ({cm.gpu.hbm_gb:g} GB x "
-                    f"{cm.gpu.usable_memory_frac:g}); it holds: {'; '.join(terms)}. Use more devices "
-                    f"(cluster.num_nodes), a smaller model, a smaller micro-batch or more recomputation.")
+        working_gb = sum(working.values())
+        mesh = _device_index(task.allocation.mesh)
+        totals = resident_arr[mesh] + working_gb
+        worst = max(0.0, float(totals.max())) if totals.size else 0.0
+        if worst > capacity:
+            d = next(d for d in task.allocation.mesh if resident_gb.get(d, 0) + working_gb > capacity)
+            total = resident_gb.get(d, 0) + working_gb
+            terms = [f"{name} {gb:.1f} GB" for name, gb in resident.get(d, ())]
+            terms += [f"{name} {gb:.1f} GB" for name, gb in working.items()]
+            raise PlanMemoryError(
+                f"plan of {plan.system} does not fit in device memory: task {task.name} "
+                f"({task.allocation.strategy}) on device {d} needs {total:.1f} GB but only "
+                f"{capacity:.1f} GB is usable ({cm.gpu.hbm_gb:g} GB x "
+                f"{cm.gpu.usable_memory_frac:g}); it holds: {'; '.join(terms)}. Use more devices "
+                f"(cluster.num_nodes), a smaller model, a smaller micro-batch or more recomputation.")
+        devices = np.arange(num_devices)[mesh]
+        new = devices[~seen[devices]]
+        if new.size:
+            first_seen.append(new)
+            seen[new] = True
+        peak_arr[mesh] = np.maximum(peak_arr[mesh], totals)
         report.task_peak_gb[task.name] = worst
         if task.kind == "generate":
-            used = max(sum(gb for _, gb in resident[d]) for d in task.allocation.mesh)
+            used = float(resident_arr[mesh].max())
             weights = sum(v for k, v in working.items() if "weights" in k)
             report.kv_capacity_gb[task.name] = capacity - used - weights
+    for new in first_seen:
+        report.peak_gb.update(zip(new.tolist(), peak_arr[new].tolist()))
     return report
+
+
+def _device_index(mesh: tuple[int, ...]):
+    """``mesh`` as an index into per-device arrays: a slice when it is a contiguous ascending range
+    (every mesh the planners build), else an integer array."""
+    if mesh and mesh[-1] - mesh[0] + 1 == len(mesh) and mesh == tuple(range(mesh[0], mesh[-1] + 1)):
+        return slice(mesh[0], mesh[-1] + 1)
+    return np.asarray(mesh, dtype=np.int64)
 
 
 # ---- planning: the same terms, counted while layouts are chosen ------------------------------

@@ -62,6 +62,8 @@ def reallocation_transfers(source: Allocation, target: Allocation, num_layers: i
     holders_by_node: dict[int, set[tuple[int, int]]] = {}
     for dev, (_, p, t) in src_coords.items():
         holders_by_node.setdefault(dev // gpus_per_node, set()).add((p, t))
+    source_nodes = {d // gpus_per_node for d in source.mesh}
+    covered_by: dict[tuple[int, int, int], float] = {}  # (node, stage, tp slice) of the target -> covered
     transfers = []
     for dev, coord in _coords(target).items():
         layers, cols = _piece(target, num_layers, coord)
@@ -70,13 +72,16 @@ def reallocation_transfers(source: Allocation, target: Allocation, num_layers: i
         if dev in src_coords:
             s_layers, s_cols = _piece(source, num_layers, src_coords[dev])
             held = _overlap(layers, s_layers) * _overlap(cols, s_cols) * src_shard
-        local = holders_by_node.get(dev // gpus_per_node, set())
-        covered = sum(_overlap(layers, l) * _overlap(cols, c)
-                      for l, c in (_piece(source, num_layers, (0, p, t)) for p, t in local))
+        node = dev // gpus_per_node
         if source.strategy.zero_stage == 3:  # each piece is spread over every dp rank of the source
-            intra = all(d // gpus_per_node == dev // gpus_per_node for d in source.mesh)
+            intra = source_nodes == {node}
         else:
-            intra = covered >= need - 1e-9
+            key = (node, coord[1], coord[2])  # every dp replica on a node needs the same piece
+            if key not in covered_by:
+                covered_by[key] = sum(_overlap(layers, l) * _overlap(cols, c)
+                                      for l, c in (_piece(source, num_layers, (0, p, t))
+                                                   for p, t in holders_by_node.get(node, ())))
+            intra = covered_by[key] >= need - 1e-9
         transfers.append(DeviceTransfer(dev, max(0.0, need - held) * layer_bytes, intra))
     return transfers
 

@@ -13,6 +13,9 @@
 """
 from __future__ import annotations
 
+import bisect
+from collections import abc
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -63,18 +66,45 @@ def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, 
             yield ParallelStrategy(dp=num_devices // (tp * pp), tp=tp, pp=pp, zero_stage=zero_stage)
 
 
-def mesh_options(num_nodes: int, gpus_per_node: int) -> list[tuple[int, ...]]:
+class MeshOptions(abc.Sequence):
+    """ReaLHF's meshes, in a fixed order: every contiguous aligned slice of one node (sizes dividing
+    the node, smaller than it), node by node, then every range of whole nodes, by first node and
+    length. A sequence made on demand: at 512 nodes it holds 138,496 meshes, most of them thousands
+    of devices long, and a search draws a few hundred (issue 28; building them took ~10 CPU s)."""
+
+    def __init__(self, num_nodes: int, gpus_per_node: int):
+        self.num_nodes, self.gpus_per_node = num_nodes, gpus_per_node
+        self._slices = [(size, offset) for size in divisors(gpus_per_node)[:-1]
+                        for offset in range(0, gpus_per_node, size)]
+        self._num_slices = num_nodes * len(self._slices)
+        # first index of each start node's ranges (node s has num_nodes - s of them)
+        self._range_starts = list(itertools.accumulate((num_nodes - s for s in range(num_nodes)), initial=0))
+
+    def __len__(self) -> int:
+        return self._num_slices + self._range_starts[-1]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"mesh option {index} of {len(self)}")
+        per_node = self.gpus_per_node
+        if index < self._num_slices:
+            node, k = divmod(index, len(self._slices))
+            size, offset = self._slices[k]
+            base = node * per_node + offset
+            return tuple(range(base, base + size))
+        k = index - self._num_slices
+        start = bisect.bisect_right(self._range_starts, k) - 1
+        length = k - self._range_starts[start] + 1
+        return tuple(range(start * per_node, (start + length) * per_node))
+
+
+def mesh_options(num_nodes: int, gpus_per_node: int) -> MeshOptions:
     """Contiguous aligned slices of one node (sizes dividing the node) and ranges of whole nodes."""
-    meshes = []
-    for node in range(num_nodes):
-        base = node * gpus_per_node
-        for size in divisors(gpus_per_node)[:-1]:
-            for offset in range(0, gpus_per_node, size):
-                meshes.append(tuple(range(base + offset, base + offset + size)))
-    for start in range(num_nodes):
-        for length in range(1, num_nodes - start + 1):
-            meshes.append(tuple(range(start * gpus_per_node, (start + length) * gpus_per_node)))
-    return meshes
+    return MeshOptions(num_nodes, gpus_per_node)
 
 
 def strategy_options(mesh_size: int, gpus_per_node: int, num_layers: int, train: bool, mini_batch: int,

@@ -266,6 +266,31 @@ def _result(schedule: Schedule, model: SimModel, ranks: list[int], seqs: list[li
     return result
 
 
+def list_order_peak_memory(schedule: Schedule, costs: Mapping[str, PipeCosts]) -> dict[int, float]:
+    """Each rank's peak memory as :func:`simulate` counts it, without timing anything: a rank's
+    actions never overlap, so the running sum in its list order (``F`` adds its stage's activation,
+    the matching ``B`` frees it, send/recv count nothing) is the peak. The same numbers as
+    ``simulate(schedule, costs).peak_memory`` for a schedule that runs; unlike it, no check that
+    the schedule does (memory checks of plans use this; the timing pass checks)."""
+    activation = {name: [float(a) for a in costs[name].activation] for name in schedule.pipes}
+    peaks: dict[int, float] = {}
+    for rank in schedule.ranks:
+        held = peak = 0.0
+        for a in schedule.order.get(rank, ()):
+            if a.kind == "F":
+                held += activation[a.pipe][a.stage]
+            elif a.kind == "B":
+                held += -activation[a.pipe][a.stage]
+            elif a.kind == "W":
+                raise ValueError(f"{a.token()} on rank {rank}: split backward is not supported")
+            else:
+                continue
+            if held > peak:
+                peak = held
+        peaks[rank] = peak
+    return peaks
+
+
 def simulate(schedule: Schedule, costs: Mapping[str, PipeCosts],
              record_times: bool = True) -> SimResult:
     """Time ``schedule`` under ``costs`` (pipe name -> PipeCosts). Raises ScheduleError (with the

@@ -20,6 +20,35 @@ def test_mesh_options_are_aligned_node_slices_or_whole_node_ranges():
             assert len(mesh) % 8 == 0 and mesh[0] % 8 == 0
 
 
+def _eager_mesh_options(num_nodes, gpus_per_node):
+    """The search space written out in full, in the order the lazy sequence promises."""
+    sizes = [d for d in range(1, gpus_per_node) if gpus_per_node % d == 0]
+    slices = [tuple(range(n * gpus_per_node + o, n * gpus_per_node + o + size))
+              for n in range(num_nodes) for size in sizes for o in range(0, gpus_per_node, size)]
+    ranges = [tuple(range(a * gpus_per_node, b * gpus_per_node))
+              for a in range(num_nodes) for b in range(a + 1, num_nodes + 1)]
+    return slices + ranges
+
+
+@pytest.mark.parametrize("num_nodes,gpus_per_node", [(1, 8), (2, 8), (5, 8), (3, 6), (4, 1), (7, 4)])
+def test_mesh_options_are_made_on_demand_in_the_same_order(num_nodes, gpus_per_node):
+    import random
+
+    eager = _eager_mesh_options(num_nodes, gpus_per_node)
+    lazy = mesh_options(num_nodes, gpus_per_node)
+    assert len(lazy) == len(eager) and list(lazy) == eager and lazy[-1] == eager[-1] and lazy[1:4] == eager[1:4]
+    with pytest.raises(IndexError):
+        lazy[len(eager)]
+    a, b = random.Random(5), random.Random(5)  # the annealing draws the same meshes as from a list
+    assert [a.choice(lazy) for _ in range(40)] == [b.choice(eager) for _ in range(40)]
+
+
+def test_mesh_options_at_4096_gpus_are_not_built():
+    meshes = mesh_options(512, 8)
+    assert len(meshes) == 512 * 14 + 512 * 513 // 2
+    assert meshes[len(meshes) - 1] == tuple(range(511 * 8, 4096)) and meshes[512 * 14] == tuple(range(8))
+
+
 def test_strategy_options_fill_the_mesh():
     opts = strategy_options(16, 8, num_layers=32, train=True, mini_batch=64, micro_batch=1, zero_stage=1)
     assert all(s.size == 16 and s.tp <= 8 and s.pp <= 32 and 64 % s.dp == 0 for s in opts)
@@ -41,6 +70,20 @@ def test_search_is_deterministic_and_never_worse_than_its_start():
     assert a.notes["search/verified_step_s"] <= a.notes["search/start_verified_step_s"] + 1e-12
     assert a.notes["search/best_estimate_s"] <= a.notes["search/start_estimate_s"]
     assert a.notes["search/steps"] == 40
+
+
+def test_refinement_keeps_the_annealing_plan_or_improves_its_estimate():
+    base = ["+system=realhf", *SMALL, "system.max_steps=40", "system.seed=3"]
+    annealed, _, _ = plan_for([*base, "system.num_refine_rounds=0"])
+    refined, _, _ = plan_for(base)
+    assert "search/refine_evaluations" not in annealed.notes
+    assert refined.notes["search/steps"] == annealed.notes["search/steps"] == 40
+    assert refined.notes["search/refine_evaluations"] > 0
+    assert refined.notes["search/best_estimate_s"] <= annealed.notes["search/best_estimate_s"]
+    if refined.notes["search/refine_improvements"] == 0:
+        assert refined.to_dict()["tasks"] == annealed.to_dict()["tasks"]
+    else:
+        assert refined.notes["search/best_estimate_s"] < annealed.notes["search/best_estimate_s"]
 
 
 def test_search_plans_use_sub_meshes_and_fit():

@@ -28,6 +28,10 @@ BEFORE_ISSUE_12 = {"deepspeed_chat": [f"engine.generation={HERE / 'engine_before
 # Engine constants fitted on published measurements (issue 26) change every time on purpose: the golden
 # runs keep them at their priors, which reproduce the cost model the files were recorded with.
 BEFORE_ISSUE_26 = ["engine.fitted=false"]
+# ReaLHF's coordinate-descent refinement after annealing (issue 28) is switched off: the files check
+# the annealing path they were recorded with. The refinement's own plans are better (roofline, these
+# budgets: 13b 140.59 -> 144.88 samples/s, 65b_33b 35.89 -> 41.36; docs/PLANNING_SPEED.md).
+AFTER_RECORDING = {"realhf": ["system.num_refine_rounds=0"]}
 # Wall-clock measurements: recorded for information, never compared.
 WALL_CLOCK_KEYS = ("timing_s/plan", "fused/search_s")
 
@@ -36,7 +40,7 @@ def overrides(system: str, model: str, results_dir: str) -> list[str]:
     return [f"+system={system}", f"model={model}", "logger=none", "logger.progress_bar=false",
             f"results_dir={results_dir}", "experiment_name=golden",
             "cluster.cost_model=roofline"] + DETERMINISTIC.get(system, []) + BEFORE_ISSUE_12.get(system, []) \
-        + BEFORE_ISSUE_26
+        + BEFORE_ISSUE_26 + AFTER_RECORDING.get(system, [])
 
 
 def run(system: str, model: str) -> dict:

@@ -7,6 +7,7 @@ from harness.schedule import (
     Action, PipeCosts, PipeSpec, Schedule, ScheduleError, build, forward_only, gpipe,
     one_f_one_b, sequential_actor_critic, simulate, validate,
 )
+from harness.schedule import list_order_peak_memory, lower
 
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 UNIT_COSTS = [(1.0, 2.0), (1.0, 1.0)]
@@ -40,6 +41,38 @@ def test_peak_activation_memory(p, m):
     res = simulate(Schedule({"A": pipe}, gpipe(pipe)), costs)
     assert res.peak_memory == {s: m for s in range(p)}
     assert res.max_peak_memory == m
+
+
+def _uneven_costs(pipes, seed):
+    import random
+
+    rng = random.Random(seed)
+    return {p.name: PipeCosts((1.0,) * p.num_stages, (2.0,) * p.num_stages,
+                              tuple(rng.choice([0.1, 0.3, 1 / 3, 2.7, 1e-3]) for _ in range(p.num_stages)))
+            for p in pipes}
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 3), (4, 4), (3, 7), (8, 16)])
+def test_list_order_peak_memory_is_simulates_peak(p, m):
+    """The memory check's untimed count equals the timed pass's peak, bit for bit, on every
+    builder, lowered schedules (send/recv count nothing) and forward-only pipes."""
+    actor, critic = _pipe(p, m, "A"), _pipe(p, m, "C", reverse=True)
+    schedules = [build(kind, [actor]) for kind in ("1f1b", "gpipe")]
+    schedules += [sequential_actor_critic(actor, critic), lower(build("1f1b", [actor])),
+                  Schedule({"A": actor}, forward_only(actor))]
+    for seed, schedule in enumerate(schedules):
+        costs = _uneven_costs(schedule.pipes.values(), seed)
+        assert list_order_peak_memory(schedule, costs) == simulate(schedule, costs).peak_memory
+
+
+def test_list_order_peak_memory_of_fused_schedules():
+    from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
+
+    pipes = fused_pipes(4, 2, 4, 4)
+    for seed in range(3):
+        schedule = search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), max_steps=50, seed=seed).schedule
+        costs = _uneven_costs(schedule.pipes.values(), seed)
+        assert list_order_peak_memory(schedule, costs) == simulate(schedule, costs).peak_memory
 
 
 @pytest.mark.parametrize("p,m", [(1, 1), (3, 5), (8, 16)])
