@@ -17,7 +17,7 @@ from typing import Optional
 from harness.config import SystemConfig
 from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.estimate import simulate_plan
+from harness.planning.estimate import simulated_makespan_s
 from harness.planning.strategies import candidate_strategies, parse_layout, search
 from harness.planning.workflow import PPO_TASKS, check_layout_fits, full_mesh
 from harness.system import PlanContext, System, register_system_config
@@ -52,7 +52,7 @@ class Colocated(System):
             shared = Allocation(full_mesh(n), strategy)
             plans[strategy] = assemble_ppo_plan(ctx, cfg.name, {task: shared for task in PPO_TASKS}, policy,
                                                 layout_keys={task: "system.layout" for task in PPO_TASKS})
-            return simulate_plan(ctx, plans[strategy]).makespan_s
+            return simulated_makespan_s(ctx, plans[strategy])
 
         best = search(candidates, score, "the shared layout", system=cfg.name)
         plans[best.strategy].notes["layout"] = f"{best.strategy} ({best.num_candidates} candidates, " \

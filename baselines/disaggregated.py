@@ -55,7 +55,7 @@ from typing import Callable
 from harness.config import SystemConfig
 from harness.errors import PlanError
 from harness.plan import GenerationPolicy, MovementKind, Plan
-from harness.planning.estimate import simulate_plan
+from harness.planning.estimate import simulated_makespan_s
 from harness.planning.layout_search import PoolLayoutSearch
 from harness.planning.strategies import SearchResult
 from harness.system import PlanContext, System, register_system_config
@@ -176,7 +176,7 @@ class SplitPlanner:
 
     def makespan_s(self, plan: Plan) -> float:
         """Simulated iteration time (checks memory first; raises PlanMemoryError if it does not fit)."""
-        return simulate_plan(self.ctx, plan, self.batch).makespan_s
+        return simulated_makespan_s(self.ctx, plan, self.batch)
 
 
 class Disaggregated(System):

@@ -50,7 +50,7 @@ from harness.errors import PlanError
 from harness.interpreter import Unit
 from harness.plan import Allocation, GenerationPolicy, Plan, ParallelStrategy, TaskKind
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.estimate import generation_s, inference_s, representative_batch, simulate_plan, training_s
+from harness.planning.estimate import generation_s, inference_s, representative_batch, simulated_makespan_s, training_s
 from harness.planning.memory import check_plan_memory
 from harness.planning.scheduler import schedule_durations
 from harness.planning.strategies import divisors, largest_tp, mesh_options, strategy_options
@@ -273,7 +273,7 @@ class RealHF(System):
     def _verify(self, ctx: PlanContext, start: Plan, best: Plan) -> tuple[float, float]:
         """Step time of both plans under the full simulator on the representative batch."""
         batch = representative_batch(ctx)
-        return simulate_plan(ctx, start, batch).makespan_s, simulate_plan(ctx, best, batch).makespan_s
+        return simulated_makespan_s(ctx, start, batch), simulated_makespan_s(ctx, best, batch)
 
 
 class RealHFHeuristic(RealHF):

@@ -12,7 +12,7 @@ import numpy as np
 
 from harness.plan import GenerationPolicy, Plan, Task, TrainingStage
 from harness.planning.memory import check_plan_memory
-from harness.planning.simulate import simulate_iteration
+from harness.planning.simulate import PlanSimulator, simulate_iteration
 from harness.planning.taskmodels.generation import simulate_generation
 from harness.planning.taskmodels.passes import simulate_inference, simulate_training, training_work_bound_s
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
@@ -90,6 +90,17 @@ def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task
     streamed = simulate_streaming_inference(ctx.cost_model, inference, models, gen_result.samples, free,
                                             ctx.workload.micro_batch_size, moves, record_spans=False)
     return max(streamed.end_s.values())
+
+
+def simulated_makespan_s(ctx: PlanContext, plan: Plan, batch: Batch | None = None) -> float:
+    """The iteration time of :func:`simulate_plan` without building its trace: every task's end,
+    as the full simulator predicts it (the trace's makespan is the last span's end, which can differ
+    from it in the last bit). Checks memory first. Planners score whole plans with it."""
+    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    simulator = PlanSimulator(ctx, plan, memory, 0, batch if batch is not None else representative_batch(ctx),
+                              record_spans=False)
+    simulator.run()
+    return simulator.timeline.makespan_s
 
 
 def simulate_plan(ctx: PlanContext, plan: Plan, batch: Batch | None = None, iteration: int = 0) -> StepTrace:

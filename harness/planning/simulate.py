@@ -26,7 +26,7 @@ from harness.errors import PlanError
 from harness.interpreter import PlanInterpreter, Unit
 from harness.plan import Plan, TaskKind
 from harness.planning.memory import MemoryReport
-from harness.planning.scheduler import Timing, UnitQueue, run_timed, unit_devices
+from harness.planning.scheduler import Timeline, Timing, UnitQueue, run_timed, unit_devices
 from harness.planning.taskmodels.generation import GenerationResult, padded_lengths, simulate_generation
 from harness.planning.taskmodels.passes import (PassResult, simulate_inference, simulate_training,
                                                 simulate_weight_movement)
@@ -40,10 +40,15 @@ class PlanSimulator(PlanInterpreter):
     """Simulates one iteration of ``plan`` on ``batch``; ``memory`` is the plan's memory report
     (KV capacity per generate task, per-device peaks). The project's scheduler
     (:func:`harness.planning.scheduler.run_timed`) starts each unit; its handler predicts when the
-    unit's tasks end and its devices are released."""
+    unit's tasks end and its devices are released. ``record_spans=False`` (planners scoring whole
+    plans) leaves out the training, inference and streaming spans, which the end times do not need:
+    read :attr:`timeline`'s ``makespan_s`` then, not the trace's."""
 
-    def __init__(self, ctx: PlanContext, plan: Plan, memory: MemoryReport, iteration: int, batch: Batch):
+    def __init__(self, ctx: PlanContext, plan: Plan, memory: MemoryReport, iteration: int, batch: Batch,
+                 record_spans: bool = True):
         self.ctx, self.cm, self.plan, self.memory, self.batch = ctx, ctx.cost_model, plan, memory, batch
+        self.record_spans = record_spans
+        self.timeline: Timeline | None = None
         self.prompt_lens = batch.prompt_lens
         if plan.engines is not None:  # ops as the plan's execution engines run them
             self.cm = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
@@ -68,7 +73,8 @@ class PlanSimulator(PlanInterpreter):
             self.now_s, self.consumer = now_s, queue.consumer_of(unit)
             return table[unit.kind](unit)
 
-        self.trace.extra[UNITS] = run_timed(self.plan, self.ctx.num_devices, start).record
+        self.timeline = run_timed(self.plan, self.ctx.num_devices, start)
+        self.trace.extra[UNITS] = self.timeline.record
         self.trace.memory_gb = dict(self.memory.peak_gb)
         return self.trace
 
@@ -108,7 +114,8 @@ class PlanSimulator(PlanInterpreter):
         free = {d: timing.release_s.get(d, self.now_s) for d in mesh}
         models = {t.model: self.ctx.model(t.model) for t in unit.tasks}
         streamed = simulate_streaming_inference(self.cm, list(unit.tasks), models, gen.samples, free,
-                                                self.ctx.workload.micro_batch_size, self.moves)
+                                                self.ctx.workload.micro_batch_size, self.moves,
+                                                record_spans=self.record_spans)
         end = max(streamed.end_s.values())
         timing.end_s.update(streamed.end_s)
         timing.release_s.update({d: end for d in mesh})
@@ -120,12 +127,12 @@ class PlanSimulator(PlanInterpreter):
         (task,) = unit.tasks
         result = simulate_inference(self.cm, task, self.ctx.model(task.model), self.seq_lens,
                                     self.ctx.workload.micro_batch_size, self.now_s,
-                                    offloaded=task.model in self.plan.offloaded)
+                                    offloaded=task.model in self.plan.offloaded, record_spans=self.record_spans)
         return self._record(unit, result)
 
     def train(self, unit: Unit) -> Timing:
         result = simulate_training(self.cm, self.plan, unit.stage, self.ctx.models, self.seq_lens,
-                                   self.ctx.workload.activation_recompute, self.now_s)
+                                   self.ctx.workload.activation_recompute, self.now_s, self.record_spans)
         return self._record(unit, result)
 
     def weight_movement(self, unit: Unit) -> Timing:

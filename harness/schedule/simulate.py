@@ -92,9 +92,15 @@ class _Structure:
     def actions(self) -> list[Action]:
         """The action of every id; made on first use (timing alone never needs them)."""
         if self._actions is None:
-            self._actions = [Action(pipe.name, s, kind, mb) for pipe in self.pipes for kind in ("F", "B")
-                             for s in range(pipe.num_stages) for mb in range(pipe.num_mbs)]
+            self._actions = [a for pipe in self.pipes for a in _pipe_actions(pipe.name, pipe.num_stages, pipe.num_mbs)]
         return self._actions
+
+
+@lru_cache(maxsize=1024)
+def _pipe_actions(name: str, num_stages: int, num_mbs: int) -> tuple[Action, ...]:
+    """One pipe's actions in id order (forwards, then backwards; stage-major), shared by every
+    structure with that pipe: planners rebuild structures for the same pipes on new placements."""
+    return tuple(Action(name, s, kind, mb) for kind in ("F", "B") for s in range(num_stages) for mb in range(num_mbs))
 
 
 @lru_cache(maxsize=64)
@@ -135,9 +141,8 @@ class SimModel:
                 self.mem_delta.extend([-act[s]] * M)
             f_base = st.pipe_slots[pipe.name][0]
             p2p = cost.p2p
-            for i in range(f_base, f_base + 2 * S * M):
-                self.lat_a.append(p2p if st.cross_a[i] else 0.0)
-                self.lat_b.append(p2p if st.cross_b[i] else 0.0)
+            self.lat_a += [p2p if cross else 0.0 for cross in st.cross_a[f_base:f_base + 2 * S * M]]
+            self.lat_b += [p2p if cross else 0.0 for cross in st.cross_b[f_base:f_base + 2 * S * M]]
         self.num_actions = len(self.home)
 
     @property
@@ -291,22 +296,33 @@ def list_order_peak_memory(schedule: Schedule, costs: Mapping[str, PipeCosts]) -
     return peaks
 
 
+def simulate_each(schedule: Schedule, costs_each: Sequence[Mapping[str, PipeCosts]],
+                  record_times: bool = True) -> list[SimResult]:
+    """``[simulate(schedule, costs) for costs in costs_each]``, with the rank lists encoded once
+    (the numbering depends on the pipes, not the costs): a training stage's mini-batches differ
+    only in their costs."""
+    if not costs_each:
+        return []
+    models = [sim_model(schedule, costs) for costs in costs_each]
+    ranks = schedule.ranks
+    empty: list[Action] = []
+    try:
+        seqs = [models[0].encode(schedule.order.get(r, empty), r) for r in ranks]
+        run_outs = [model.run(seqs, want_start=record_times) for model in models]
+    except _EncodeError as err:
+        raise ScheduleError(format_error("cannot simulate schedule", [str(err)], schedule)) from None
+    for run_out in run_outs:
+        pos = run_out[4]
+        if any(p < len(seq) for p, seq in zip(pos, seqs)):
+            compute_only = strip_comm(schedule)
+            stuck = find_deadlock(compute_only) or {}
+            raise ScheduleError(deadlock_report(compute_only, stuck))
+    return [_result(schedule, model, ranks, seqs, run_out, record_times) for model, run_out in zip(models, run_outs)]
+
+
 def simulate(schedule: Schedule, costs: Mapping[str, PipeCosts],
              record_times: bool = True) -> SimResult:
     """Time ``schedule`` under ``costs`` (pipe name -> PipeCosts). Raises ScheduleError (with the
     rank x step grid) on deadlock, duplicated, misplaced or unknown actions. Missing actions that
     nothing waits for are not an error here; ``validate`` checks completeness."""
-    model = sim_model(schedule, costs)
-    ranks = schedule.ranks
-    empty: list[Action] = []
-    try:
-        seqs = [model.encode(schedule.order.get(r, empty), r) for r in ranks]
-        run_out = model.run(seqs, want_start=record_times)
-    except _EncodeError as err:
-        raise ScheduleError(format_error("cannot simulate schedule", [str(err)], schedule)) from None
-    pos = run_out[4]
-    if any(p < len(seq) for p, seq in zip(pos, seqs)):
-        compute_only = strip_comm(schedule)
-        stuck = find_deadlock(compute_only) or {}
-        raise ScheduleError(deadlock_report(compute_only, stuck))
-    return _result(schedule, model, ranks, seqs, run_out, record_times)
+    return simulate_each(schedule, [costs], record_times)[0]

@@ -25,7 +25,7 @@ from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
 from harness.plan import Plan, Task, TrainingStage, WeightMovement
 from harness.planning.realloc import reallocation_transfers
-from harness.schedule import PipeCosts, simulate
+from harness.schedule import PipeCosts, simulate_each
 from harness.trace import PipelineRun, SampleRecord, Span
 
 BYTES_PER_PARAM = 2  # bf16 weights and gradients
@@ -179,11 +179,13 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
     now = start_s
     label = "+".join(stage.tasks)
     stage_devices = pipe_stage_devices(plan, stage) if record_spans else {}
+    minibatch_costs = []
     for mb_index in range(stage.num_minibatches):
         lo = mb_index * plan.mini_batch_size
         seq = float(seq_lens[lo:lo + plan.mini_batch_size].mean())
-        costs, compute_only = _pipe_costs(cm, plan, stage, models, seq, recompute)
-        result = simulate(stage.schedule, costs, record_times=record_spans)
+        minibatch_costs.append((seq, *_pipe_costs(cm, plan, stage, models, seq, recompute)))
+    results = simulate_each(stage.schedule, [costs for _, costs, _ in minibatch_costs], record_times=record_spans)
+    for (seq, costs, compute_only), result in zip(minibatch_costs, results):
         if not record_spans:
             now += result.makespan
             for task in tasks:

@@ -112,7 +112,9 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
             # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
             # stage time is the sum over the three models
             per_task = _stage_times(cm, tasks, models, tokens, seq, s.tp, s.pp)
-            stage = [sum(per_task[t.name][p] for t in tasks) for p in range(s.pp)]
+            # the stages are equal but the last (the head): two sums, not one per stage
+            body = sum(per_task[t.name][0] for t in tasks) if s.pp > 1 else 0.0
+            stage = [body] * (s.pp - 1) + [sum(per_task[t.name][-1] for t in tasks)]
             clock = now
             for p in range(s.pp):
                 if record_spans:
