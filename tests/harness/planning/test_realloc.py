@@ -50,3 +50,59 @@ def test_zero3_gather_to_tp8():
     far = transfers(Allocation(tuple(range(16)), S(dp=16, zero_stage=3)),
                     Allocation(tuple(range(16)), S(dp=2, tp=8)))
     assert not far[0].intra_node
+
+
+def _per_device_oracle(source, target, num_layers, layer_bytes, gpus_per_node):
+    """What each target device receives, counted device by device from the definition: the piece
+    it needs, minus what it holds itself, and whether its node holds all of the piece."""
+    def piece(alloc, coord):
+        _, p, t = coord
+        per = num_layers / alloc.strategy.pp
+        return (p * per, (p + 1) * per), (t / alloc.strategy.tp, (t + 1) / alloc.strategy.tp)
+
+    def overlap(a, b):
+        return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+    def coords(alloc):
+        s = alloc.strategy
+        return {alloc.device(k, p, t): (k, p, t) for k in range(s.dp) for p in range(s.pp) for t in range(s.tp)}
+
+    src = coords(source)
+    shard = 1.0 / source.strategy.dp if source.strategy.zero_stage == 3 else 1.0
+    out = []
+    for dev, coord in coords(target).items():
+        layers, cols = piece(target, coord)
+        need = (layers[1] - layers[0]) * (cols[1] - cols[0])
+        held = 0.0
+        if dev in src:
+            s_layers, s_cols = piece(source, src[dev])
+            held = overlap(layers, s_layers) * overlap(cols, s_cols) * shard
+        on_node = {(p, t) for d, (_, p, t) in src.items() if d // gpus_per_node == dev // gpus_per_node}
+        covered = sum(overlap(layers, l) * overlap(cols, c) for l, c in (piece(source, (0, p, t)) for p, t in on_node))
+        if source.strategy.zero_stage == 3:
+            intra = all(d // gpus_per_node == dev // gpus_per_node for d in source.mesh)
+        else:
+            intra = covered >= need - 1e-9
+        out.append((dev, max(0.0, need - held) * layer_bytes, intra))
+    return out
+
+
+def test_transfers_equal_a_per_device_count_on_random_layouts():
+    """The per-(node, piece) bookkeeping gives each device's bytes and tier as counted one by one."""
+    import random
+
+    from harness.planning.strategies import mesh_options, strategy_options
+
+    rng = random.Random(0)
+    for num_nodes, per_node, layers in [(4, 8, 24), (3, 4, 7), (2, 8, 40)]:
+        meshes = mesh_options(num_nodes, per_node)
+        for _ in range(150):
+            a, b = rng.choice(meshes), rng.choice(meshes)
+            sa = rng.choice(strategy_options(len(a), per_node, layers, False, 64, 1, 0))
+            sb = rng.choice(strategy_options(len(b), per_node, layers, False, 64, 1, 0))
+            source = Allocation(a, S(sa.dp, sa.tp, sa.pp, rng.choice([0, 1, 3])))
+            target = Allocation(b, sb)
+            got = [(t.device, t.bytes, t.intra_node)
+                   for t in reallocation_transfers(source, target, layers, 1e6, per_node)]
+            expected = _per_device_oracle(source, target, layers, 1e6, per_node)
+            assert [(d, pytest.approx(x, rel=1e-12, abs=1e-6), i) for d, x, i in expected] == got
