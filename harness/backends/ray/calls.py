@@ -114,6 +114,25 @@ class WorkerGroup:
         failure or when ``timeout_s`` passes, without waiting for the others."""
         return self.collect([self.submit(refs, devices, what, timeout_s)]).results
 
+    def _running_when_died(self, calls: list[Call], device: int, failed: Call) -> Call:
+        """The call the dead worker of ``device`` was running. A worker runs its calls in
+        submission order, so it is the earliest one whose result on ``device`` is not a success: an
+        earlier call can have finished on the worker with its result not yet collected here (a
+        streamed generation step beside the inference that died). The death reaches every pending
+        result within moments; a result still unknown after a second counts as not a success."""
+        ray = self.ray
+        mine = sorted(((c, c.refs[j]) for c in calls if c.refs for j in c.left if c.devices[j] == device),
+                      key=lambda cr: cr[0].seq)
+        if not mine:
+            return failed
+        ray.wait([ref for _, ref in mine], num_returns=len(mine), timeout=1.0)
+        for c, ref in mine:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # died with the worker, or not known yet
+                return c
+        return failed
+
     def collect(self, calls: list[Call]) -> Call:
         """Wait until one of ``calls`` has all its results and return it. Raises WorkerFailedError
         on the first failure of any call, or when a call outlives its deadline, without waiting for
@@ -150,9 +169,7 @@ class WorkerGroup:
                     call.results[i] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     self.healthy = False
-                    # the call the worker was running when it died: its earliest unfinished one
-                    call = min((c for c in calls if any(c.devices[j] == d for j in c.left)), key=lambda c: c.seq,
-                               default=call)
+                    call = self._running_when_died(calls, d, call)
                     raise WorkerFailedError(f"{call.what}: the worker of device {d} (pid {self.pid(d)}) died; the run "
                                             f"is aborted and the other workers are stopped. Ray: "
                                             f"{str(e).splitlines()[0]}") from None
