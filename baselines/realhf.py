@@ -170,9 +170,12 @@ class RealHF(System):
         if not self.cfg.search:
             start_plan.notes.update({"search/estimated_step_s": round(start_s, 4)})
             return start_plan
-        best_s, best_choice, best_plan, steps, accepted = self._anneal(ctx, evaluate, start_choice, start_s,
-                                                                       start_plan)
-        best_s, best_plan, refined = self._refine(ctx, evaluate, best_choice, best_s, best_plan)
+        options = self._options(ctx)
+        budget_s = ctx.wall_clock_budget_s(self.cfg.search_time_s)  # one for annealing and refinement
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        best_s, best_choice, best_plan, steps, accepted = self._anneal(ctx, evaluate, options, budget_s, deadline,
+                                                                       start_choice, start_s, start_plan)
+        best_s, best_plan, refined = self._refine(ctx, evaluate, options, deadline, best_choice, best_s, best_plan)
         verified = self._verify(ctx, start_plan, best_plan)
         best_plan.notes.update({"search/start_estimate_s": round(start_s, 4), "search/best_estimate_s": round(best_s, 4),
                                 "search/steps": steps, "search/accepted": accepted, "search/seed": self.cfg.seed,
@@ -200,13 +203,11 @@ class RealHF(System):
             return cache[key]
         return meshes, strategies
 
-    def _anneal(self, ctx, evaluate, choice, current_s, current_plan):
+    def _anneal(self, ctx, evaluate, options, budget_s, deadline, choice, current_s, current_plan):
         rng = random.Random(self.cfg.seed)
-        meshes, strategies = self._options(ctx)
+        meshes, strategies = options
         best = (current_s, choice, current_plan)
         t0 = self.cfg.initial_temperature_frac * current_s
-        budget_s = ctx.wall_clock_budget_s(self.cfg.search_time_s)
-        deadline = time.perf_counter() + (budget_s or 0.0)
         budget = self.cfg.max_steps if budget_s is None else None
         if budget is None and budget_s is None:
             raise PlanError("realhf: give system.max_steps or system.search_time_s (a search budget)")
@@ -236,14 +237,13 @@ class RealHF(System):
                     best = (score, proposal, plan)
         return (*best, steps, accepted)
 
-    def _refine(self, ctx, evaluate, choice, best_s, best_plan):
+    def _refine(self, ctx, evaluate, options, deadline, choice, best_s, best_plan):
         """Coordinate descent from the annealing's best: for each call in turn, every strategy on its
         mesh, keeping each one that lowers the estimate; rounds until one improves nothing (at most
-        ``num_refine_rounds``). Deterministic; stops at the wall-clock budget when one is set.
-        Returns the best estimate and plan, and (evaluations, improvements)."""
-        _, strategies = self._options(ctx)
-        budget_s = ctx.wall_clock_budget_s(self.cfg.search_time_s)
-        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        ``num_refine_rounds``). Deterministic; stops at the search's wall-clock deadline when one is
+        set (the annealing's, so a wall-clock budget bounds both). Returns the best estimate and
+        plan, and (evaluations, improvements)."""
+        _, strategies = options
         evaluations = improvements = 0
         for round_index in range(self.cfg.num_refine_rounds):
             ctx.report(f"realhf: refining, round {round_index + 1}/{self.cfg.num_refine_rounds}, "

@@ -143,6 +143,7 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
     peak_arr = np.zeros(num_devices)
     seen = np.zeros(num_devices, dtype=bool)
     first_seen: list[np.ndarray] = []  # devices in the order the tasks first touch them
+    all_devices = np.arange(num_devices)
     train_act = training_activation_gb(plan, cm, models, workload)
     report = MemoryReport(capacity_gb=capacity)
     for task in plan.tasks:
@@ -167,7 +168,7 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
                 f"{capacity:.1f} GB is usable ({cm.gpu.hbm_gb:g} GB x "
                 f"{cm.gpu.usable_memory_frac:g}); it holds: {'; '.join(terms)}. Use more devices "
                 f"(cluster.num_nodes), a smaller model, a smaller micro-batch or more recomputation.")
-        devices = np.arange(num_devices)[mesh]
+        devices = all_devices[mesh]
         new = devices[~seen[devices]]
         if new.size:
             first_seen.append(new)
