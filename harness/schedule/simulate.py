@@ -18,14 +18,18 @@ Speed: the search calls this tens of thousands of times a minute, so the schedul
 into flat integer arrays (actions numbered per pipe / kind / stage / micro-batch, per-action
 dependency, duration and latency arrays cached per (pipes, costs)), and the run is a worklist over
 ranks: a blocked rank registers on the one action it waits for and is woken when that action
-finishes, so the whole pass is O(number of actions). ``SimModel`` exposes the encoded form for
-callers (the annealer) that want to skip re-encoding.
+finishes, so the whole pass is O(number of actions); it is compiled with numba
+(:mod:`harness.schedule.kernel`). ``SimModel`` exposes the encoded form for callers (the
+annealer) that want to skip re-encoding.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
+
+import numpy as np
 
 from harness.schedule.ir import Action, PipeCosts, PipeSpec, Schedule
 from harness.schedule.lower import strip_comm
@@ -51,6 +55,16 @@ class SimResult:
     @property
     def max_peak_memory(self) -> float:
         return max(self.peak_memory.values(), default=0.0)
+
+
+# SimModel.run's tiering (as a JIT tiers up): schedules are timed by the Python pass until this
+# process has timed this many actions with it, then by the compiled kernel. The kernel's first
+# call costs about 0.3 s (numba's start-up and its on-disk cache), what the Python pass spends on
+# roughly this many actions, so no process pays more than about twice the cheaper of the two
+# (the ski-rental bound): a planner that times a few small schedules never starts numba, the
+# fused-schedule search and the 4,096-GPU planners switch early.
+COMPILE_AFTER_ACTIONS = 300_000
+_python_actions_timed = 0
 
 
 class _EncodeError(Exception):
@@ -144,6 +158,7 @@ class SimModel:
             self.lat_a += [p2p if cross else 0.0 for cross in st.cross_a[f_base:f_base + 2 * S * M]]
             self.lat_b += [p2p if cross else 0.0 for cross in st.cross_b[f_base:f_base + 2 * S * M]]
         self.num_actions = len(self.home)
+        self._np: tuple[np.ndarray, ...] | None = None
 
     @property
     def actions(self) -> list[Action]:
@@ -176,10 +191,44 @@ class SimModel:
                 raise _EncodeError(f"{a.token()} is on rank {rank} but its stage lives on rank {ranks[s]}")
         return out
 
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-action lists as NumPy arrays for :func:`~harness.schedule.kernel.list_schedule`
+        (made on first use: callers that only read the lists never pay for them)."""
+        if self._np is None:
+            self._np = (np.asarray(self.dep_a, dtype=np.int64), np.asarray(self.dep_b, dtype=np.int64),
+                        np.asarray(self.lat_a, dtype=np.float64), np.asarray(self.lat_b, dtype=np.float64),
+                        np.asarray(self.dur, dtype=np.float64), np.asarray(self.mem_delta, dtype=np.float64))
+        return self._np
+
     def run(self, seqs: Sequence[Sequence[int]], want_start: bool = False):
         """List-schedule encoded rank sequences. Returns (end, start or None, clock, peak, pos):
         per-action end times (-1 = never ran), per-rank finish time, peak memory, and how far each
-        rank got (``pos[r] < len(seqs[r])`` means deadlock). Raises _EncodeError on duplicates."""
+        rank got (``pos[r] < len(seqs[r])`` means deadlock). Raises _EncodeError on duplicates.
+
+        The pass runs in Python until the process has timed :data:`COMPILE_AFTER_ACTIONS`
+        actions, then compiled (:mod:`harness.schedule.kernel`); both give the same numbers, bit
+        for bit (tested), so this only decides where the time goes."""
+        global _python_actions_timed
+        if _python_actions_timed < COMPILE_AFTER_ACTIONS:
+            _python_actions_timed += self.num_actions
+            return self._run_interpreted(seqs, want_start)
+        num_ranks = len(seqs)
+        offsets = np.zeros(num_ranks + 1, dtype=np.int64)
+        np.cumsum([len(seq) for seq in seqs], out=offsets[1:])
+        flat = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(offsets[-1]))
+        end, start = np.empty(self.num_actions), np.empty(self.num_actions)
+        clock, peak = np.empty(num_ranks), np.empty(num_ranks)
+        pos = np.empty(num_ranks, dtype=np.int64)
+        from harness.schedule import kernel
+
+        status = kernel.list_schedule(flat, offsets, *self._arrays(), end, start, clock, peak, pos)
+        if status != kernel.OK:
+            raise _EncodeError(f"{self.actions[status].token()} appears more than once")
+        return (end.tolist(), start.tolist() if want_start else None, clock.tolist(), peak.tolist(),
+                pos.tolist())
+
+    def _run_interpreted(self, seqs: Sequence[Sequence[int]], want_start: bool):
+        """:meth:`run` in Python over the lists (the same pass as the kernel, same numbers)."""
         dep_a, dep_b, lat_a, lat_b = self.dep_a, self.dep_b, self.lat_a, self.lat_b
         dur, mem_delta = self.dur, self.mem_delta
         end = [-1.0] * self.num_actions

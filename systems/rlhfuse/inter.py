@@ -82,7 +82,7 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
                        probe_frac: float = 0.2) -> tuple[MigrationChoice, ParallelStrategy]:
     """Choose the shared inference layout (scored with streaming behind a probe migration at
     ``probe_frac``), then R_t for it over ``{0} U fracs`` (0 = stream without migrating)."""
-    from harness.planning.taskmodels.generation import simulate_generation
+    from harness.planning.taskmodels.generation import simulate_generation_each
     from harness.planning.estimate import representative_batch, streaming_inference_end_s
 
     s = gen.allocation.strategy
@@ -90,24 +90,25 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
     typical_context = int(ctx.workload.prompt_len.median + ctx.workload.output_len.median)
     bs_max = max_flat_batch_size(ctx.cost_model, actor, s.tp, s.pp, typical_context)
     batch = representative_batch(ctx)
+    probe_frac = pinned_frac if pinned_frac is not None else probe_frac
+    swept = (pinned_frac,) if pinned_frac is not None else (0.0,) + tuple(fracs)
+    # every threshold's generation in one sweep: they share the run that fixes their migration times
+    migs = {frac: migration_policy(ctx, gen, frac, kv_capacity_gb, transfer, bs_max) if frac > 0 else None
+            for frac in dict.fromkeys((probe_frac,) + swept)}
+    results = simulate_generation_each(ctx.cost_model, gen, [replace(base_policy, migration=m) for m in migs.values()],
+                                       actor, batch.prompt_lens, batch.output_lens, 0.0, kv_capacity_gb,
+                                       ctx.workload.max_gen_len)
+    generated = dict(zip(migs, results))
 
-    def generate(frac: float):
-        mig = migration_policy(ctx, gen, frac, kv_capacity_gb, transfer, bs_max) if frac > 0 else None
-        policy = replace(base_policy, migration=mig)
-        res = simulate_generation(ctx.cost_model, gen, policy, actor, batch.prompt_lens, batch.output_lens, 0.0,
-                                  kv_capacity_gb, ctx.workload.max_gen_len)
-        return mig, res
-
-    probe = generate(pinned_frac if pinned_frac is not None else probe_frac)[1]
+    probe = generated[probe_frac]
     scored = [(streaming_inference_end_s(ctx, probe, *make_inference(layout)), i) for i, layout in enumerate(inference_layouts)]
     layout = inference_layouts[min(scored)[1]]
     inference, moves = make_inference(layout)
     curve: dict[float, float] = {}
     best: tuple[float, MigrationPolicy] | None = None
-    for frac in (pinned_frac,) if pinned_frac is not None else (0.0,) + tuple(fracs):
-        mig, res = generate(frac)
-        t = streaming_inference_end_s(ctx, res, inference, moves)
+    for frac in swept:
+        t = streaming_inference_end_s(ctx, generated[frac], inference, moves)
         curve[frac] = t
         if best is None or t < best[0] - 1e-12:
-            best = (t, mig or MigrationPolicy(0.0, 0, transfer))
+            best = (t, migs[frac] or MigrationPolicy(0.0, 0, transfer))
     return MigrationChoice(best[1], bs_max, curve), layout

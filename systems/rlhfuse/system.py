@@ -211,10 +211,11 @@ class RLHFuse(System):
             tried += 1
             serial = serial_schedule(cand.pipes)
             cap = self._mem_cap(ctx, layouts, cand)
-            if simulate(serial, cand.costs, record_times=False).max_peak_memory > cap:
+            serial_result = simulate(serial, cand.costs, record_times=False)
+            if serial_result.max_peak_memory > cap:
                 continue  # not even serial 1F1B fits next to the resident states
             # quick score: the better of two greedy policies (the search later tries all of them)
-            quick = [simulate(serial, cand.costs, record_times=False).makespan]
+            quick = [serial_result.makespan]
             for policy in CANDIDATE_POLICIES:
                 try:
                     quick.append(simulate(greedy_schedule(cand.pipes, cand.costs, cap, policy=policy), cand.costs,

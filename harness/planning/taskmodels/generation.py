@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -309,14 +309,28 @@ def _migrate(cm: CostModel, model, instances: list[ContinuousInstance], num_targ
 def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, model, prompt_lens: np.ndarray,
                         output_lens: np.ndarray, start_s: float, kv_capacity_gb: float,
                         max_gen_len: int) -> GenerationResult:
+    return simulate_generation_each(cm, task, [policy], model, prompt_lens, output_lens, start_s, kv_capacity_gb,
+                                    max_gen_len)[0]
+
+
+def simulate_generation_each(cm: CostModel, task: Task, policies: list[GenerationPolicy], model,
+                             prompt_lens: np.ndarray, output_lens: np.ndarray, start_s: float,
+                             kv_capacity_gb: float, max_gen_len: int) -> list[GenerationResult]:
+    """``[simulate_generation(..., policy, ...) for policy in policies]`` for policies that differ
+    only in their migration (a planner sweeping the threshold): the unmigrated run, which fixes
+    each policy's migration time, is made once. Results of policies that do not migrate are one
+    shared object: read them, do not change them."""
+    if len({replace(p, migration=None) for p in policies}) > 1:
+        raise ValueError("simulate_generation_each: the policies differ in more than their migration")
     s = task.allocation.strategy
     kv_per_token_gb = cm.kv_cache_gb(model, 1, s.tp, s.pp)
     kv_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40
-    finishes: list[SampleRecord] = []
+    policy = policies[0]
     if policy.batching == "static":
+        finishes: list[SampleRecord] = []
         instances = _static(cm, model, task, policy, prompt_lens, output_lens, start_s, finishes)
         finishes.sort(key=lambda r: r.sample_id)
-        return GenerationResult(finishes, instances)
+        return [GenerationResult(finishes, instances)] * len(policies)
 
     def fresh():
         out: list[SampleRecord] = []
@@ -326,18 +340,25 @@ def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, mod
     instances, finishes = fresh()
     for inst in instances:
         inst.run()
-    result = GenerationResult(finishes, [i.result for i in instances])
-    mig = policy.migration
-    if mig is not None and s.dp > 1:
-        t_m = _migration_time([f.finish_s for f in finishes], len(prompt_lens),
-                              threshold(mig.threshold_frac, len(prompt_lens)))
-        if t_m is not None:
-            instances, finishes = fresh()  # replay up to the migration time (instances are independent)
-            for inst in instances:
-                inst.run(until_s=t_m)
-            moved, kept = _migrate(cm, model, instances, mig.num_tail_instances, mig.transfer)
-            for inst in instances:
-                inst.run()
-            result = GenerationResult(finishes, [i.result for i in instances], moved, kept, t_m)
-    result.samples.sort(key=lambda r: r.sample_id)
-    return result
+    unmigrated = GenerationResult(finishes, [i.result for i in instances])
+    finish_times = [f.finish_s for f in finishes]
+    unmigrated.samples.sort(key=lambda r: r.sample_id)
+    results = []
+    for policy in policies:
+        mig = policy.migration
+        t_m = None
+        if mig is not None and s.dp > 1:
+            t_m = _migration_time(finish_times, len(prompt_lens), threshold(mig.threshold_frac, len(prompt_lens)))
+        if t_m is None:
+            results.append(unmigrated)
+            continue
+        instances, finishes = fresh()  # replay up to the migration time (instances are independent)
+        for inst in instances:
+            inst.run(until_s=t_m)
+        moved, kept = _migrate(cm, model, instances, mig.num_tail_instances, mig.transfer)
+        for inst in instances:
+            inst.run()
+        result = GenerationResult(finishes, [i.result for i in instances], moved, kept, t_m)
+        result.samples.sort(key=lambda r: r.sample_id)
+        results.append(result)
+    return results

@@ -9,37 +9,16 @@ numba compiles them: :func:`resim`, the resumed list-scheduling pass of
 of the 65B/33B 16/8 shape with 64 micro-batches (3 072 actions) the re-timing loop in Python was
 79% of the search's time at about 1.5 ms a trial; everything else of the search stays in Python.
 
-numba is a dependency but optional at run time: without it (or with ``RLHFUSE_PURE_PYTHON=1``)
-:data:`AVAILABLE` is False and the same functions run interpreted (same results, much slower);
-:func:`interpreted` gives the interpreted version of a compiled one, which the tests compare
-move by move. Compiled code is cached next to this file (numba's ``cache=True``), so only the
-first process on a machine pays the compilation (a few seconds).
+numba is optional at run time (:mod:`harness.compiled`): without it the same functions run
+interpreted (same results, much slower); the tests compare both move by move.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-try:  # optional: the search runs without it, only slower
-    if os.environ.get("RLHFUSE_PURE_PYTHON"):
-        raise ImportError("RLHFUSE_PURE_PYTHON is set")
-    from numba import njit
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    AVAILABLE = False
-
-    def njit(*args, **kwargs):
-        def wrap(fn):
-            return fn
-        return wrap
+from harness.compiled import AVAILABLE, interpreted, njit  # noqa: F401 (re-exported for callers)
 
 DEADLOCK = -1.0  # returned when a rank is left blocked
-
-
-def interpreted(fn):
-    """The plain Python function behind a compiled one (itself when numba is absent)."""
-    return getattr(fn, "py_func", fn)
 
 
 @njit(cache=True)

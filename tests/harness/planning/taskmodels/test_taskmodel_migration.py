@@ -53,3 +53,28 @@ def test_every_sample_finishes_once_with_its_length(setup):
         res = _run(setup, MigrationPolicy(frac, 1, "kv"))
         assert [r.sample_id for r in res.samples] == [0, 1, 2, 3]
         assert [r.response_len for r in res.samples] == [2, 3, 10, 8]
+
+
+def test_threshold_sweep_equals_one_run_per_threshold(setup):
+    """``simulate_generation_each`` (one unmigrated run shared by every threshold) gives each
+    policy exactly what its own ``simulate_generation`` gives, migrating or not."""
+    from harness.planning.taskmodels.generation import simulate_generation_each
+
+    cm, model = setup
+    rng = np.random.default_rng(0)
+    prompts, outputs = rng.integers(2, 9, size=24), rng.integers(1, 40, size=24)
+    task = Task("gen", "generate", "actor", Allocation((0, 1, 2, 3), ParallelStrategy(dp=4)))
+    policies = [GenerationPolicy("continuous", max_batch_size=4, migration=None)] + [
+        GenerationPolicy("continuous", max_batch_size=4, migration=MigrationPolicy(frac, m, transfer))
+        for frac in (0.1, 0.25, 0.5, 0.9) for m, transfer in ((1, "kv"), (2, "tokens"))]
+    swept = simulate_generation_each(cm, task, policies, model, prompts, outputs, 0.0, 1.0, 48)
+    assert sum(r.migration_s is not None for r in swept) >= 6
+    for policy, got in zip(policies, swept):
+        alone = simulate_generation(cm, task, policy, model, prompts, outputs, 0.0, kv_capacity_gb=1.0, max_gen_len=48)
+        assert [(r.sample_id, r.finish_s) for r in got.samples] == [(r.sample_id, r.finish_s) for r in alone.samples]
+        assert (got.migrated_samples, got.tail_instances, got.migration_s) == \
+            (alone.migrated_samples, alone.tail_instances, alone.migration_s)
+        assert got.device_free_s() == alone.device_free_s()
+    with pytest.raises(ValueError, match="more than their migration"):
+        simulate_generation_each(cm, task, [policies[0], GenerationPolicy("continuous", max_batch_size=8)], model,
+                                 prompts, outputs, 0.0, 1.0, 48)
