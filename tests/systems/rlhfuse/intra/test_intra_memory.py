@@ -3,6 +3,7 @@ makespan fixed): trial moves agree with simulate, the phase never lengthens the 
 exceeds a given memory cap, and is deterministic for a seed and step budget."""
 import random
 
+import numpy as np
 import pytest
 
 from harness.schedule import Schedule, ScheduleError, sim_model, simulate, validate
@@ -78,21 +79,20 @@ def test_memory_search_keeps_makespan_lowers_peak_and_is_deterministic():
     assert a.best_peak < phase1.peak_memory  # the greedy start floods the ranks with forwards
 
 
-def test_memory_search_never_exceeds_a_cap(monkeypatch):
+def test_memory_search_never_exceeds_a_cap():
+    """Every order the memory phase steps through holds at most the cap (its trace records the
+    peak of the order each step starts from), and so does its result."""
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 8)
     cap = simulate(serial_schedule(pipes), costs).max_peak_memory
     low = greedy_schedule(pipes, costs, cap, policy="fifo", window=1.0)
     low_seqs = [model.encode(low.order[r], r) for r in low.ranks]
-    peaks = []
-    commit = OrderState.commit
-
-    def checked_commit(self):
-        commit(self)
-        peaks.append(self.max_peak())
-    monkeypatch.setattr(OrderState, "commit", checked_commit)
     target = simulate(low, costs).makespan
-    search = _memory_search(model, low_seqs, target, cap, 3, 2000)
-    assert peaks and max(peaks) <= cap + 1e-9
+    search = MemorySearch(model, chain_tails(model), target, cap, random.Random(3))
+    search.trace = np.full((2000, 3), np.nan)
+    search.run(low_seqs, 2000)
+    peaks = search.trace[:, 2]
+    assert not np.isnan(peaks).any() and len(set(search.trace[:, 0])) > 1  # every step ran, orders changed
+    assert peaks.max() <= cap + 1e-9
     assert search.best_peak <= cap + 1e-9
     res = simulate(_decode(model, low.ranks, search.best_seqs, pipes), costs)
     assert res.makespan <= target + 1e-9 and res.max_peak_memory <= cap + 1e-9
@@ -262,3 +262,45 @@ def test_memory_move_reach_must_be_a_positive_integer(reach):
     pipes = fused_pipes(4, 2, 4, 4)
     with pytest.raises(ValueError, match="memory_move_reach must be an integer >= 1"):
         search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), max_steps=10, memory_move_reach=reach)
+
+
+@pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: nothing compiled to compare")
+@pytest.mark.parametrize("stages,m,p2p,capped", [((4, 4), 6, 0.0, False), ((8, 4), 8, 0.1, True),
+                                                  ((4, 2), 5, 0.05, False)])
+def test_memory_kernel_compiled_and_interpreted_step_for_step(stages, m, p2p, capped):
+    """The memory phase's kernel compiled and interpreted: the same makespan, area above the cap
+    and peak at every step, the same best order, and two runs sharing the best peak."""
+    pipes, costs, start, model, seqs = _setup(*stages, m, m, p2p=p2p)
+    lb = lower_bound(pipes, costs)
+    phase1 = anneal_orders(model, seqs, lb, None, AnnealParams(seed=0, time_limit_s=None, max_steps=1500,
+                                                                memory_phase=False))
+    cap = simulate(serial_schedule(pipes), costs).max_peak_memory * 1.5 if capped else None
+    low = greedy_schedule(pipes, costs, cap, policy="fifo", window=1.0)
+    searches = []
+    for compiled in (True, False):
+        search = MemorySearch(model, chain_tails(model), phase1.makespan, cap, random.Random(5), compiled=compiled)
+        search.trace = np.full((1500, 3), np.nan)
+        first = search.run(phase1.seqs if not capped else [model.encode(low.order[r], r) for r in low.ranks], 1500)
+        trace = search.trace.copy()
+        second = search.run(phase1.seqs, 700)
+        searches.append((search.compiled, trace, search.trace[:700].copy(), first, second, search.best_seqs))
+    (c_flag, c_trace, c_trace2, c_first, c_second, c_best), (p_flag, p_trace, p_trace2, p_first, p_second, p_best) = searches
+    assert c_flag and not p_flag
+    steps = c_first.steps
+    assert steps > 0 and np.array_equal(c_trace[:steps], p_trace[:steps])
+    assert np.array_equal(c_trace2, p_trace2, equal_nan=True)
+    assert (c_first, c_second, c_best) == (p_first, p_second, p_best)
+
+
+def test_memory_search_under_a_time_limit_takes_the_same_steps_in_slices():
+    """A time limit runs the kernel in slices of steps with the clock read between them: with a
+    limit that never runs out, the same steps and result as one call."""
+    pipes, costs, start, model, seqs = _setup()
+    lb = lower_bound(pipes, costs)
+    phase1 = anneal_orders(model, seqs, lb, None, AnnealParams(seed=0, time_limit_s=None, max_steps=1500,
+                                                                memory_phase=False))
+    outs = []
+    for seconds in (None, 1e9):
+        search = MemorySearch(model, chain_tails(model), phase1.makespan, None, random.Random(2))
+        outs.append(search.run(phase1.seqs, 1000, seconds))
+    assert outs[0] == outs[1]
