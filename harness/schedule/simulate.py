@@ -24,6 +24,7 @@ annealer) that want to skip re-encoding.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -62,9 +63,17 @@ class SimResult:
 # call costs about 0.3 s (numba's start-up and its on-disk cache), what the Python pass spends on
 # roughly this many actions, so no process pays more than about twice the cheaper of the two
 # (the ski-rental bound): a planner that times a few small schedules never starts numba, the
-# fused-schedule search and the 4,096-GPU planners switch early.
+# 4,096-GPU planners switch early, and a process that has run another kernel (RLHFuse's fused
+# search) switches at once.
 COMPILE_AFTER_ACTIONS = 300_000
 _python_actions_timed = 0
+
+
+def _numba_warm() -> bool:
+    """Has this process run a compiled kernel already? (``harness.compiled`` imports numba, so it
+    is only asked if something imported it.)"""
+    compiled = sys.modules.get("harness.compiled")
+    return compiled is not None and compiled.warm()
 
 
 class _EncodeError(Exception):
@@ -206,10 +215,11 @@ class SimModel:
         rank got (``pos[r] < len(seqs[r])`` means deadlock). Raises _EncodeError on duplicates.
 
         The pass runs in Python until the process has timed :data:`COMPILE_AFTER_ACTIONS`
-        actions, then compiled (:mod:`harness.schedule.kernel`); both give the same numbers, bit
-        for bit (tested), so this only decides where the time goes."""
+        actions or has run another compiled kernel, then compiled (:mod:`harness.schedule.kernel`);
+        both give the same numbers, bit for bit (tested), so this only decides where the time
+        goes."""
         global _python_actions_timed
-        if _python_actions_timed < COMPILE_AFTER_ACTIONS:
+        if _python_actions_timed < COMPILE_AFTER_ACTIONS and not _numba_warm():
             _python_actions_timed += self.num_actions
             return self._run_interpreted(seqs, want_start)
         num_ranks = len(seqs)

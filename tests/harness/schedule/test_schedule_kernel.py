@@ -156,3 +156,15 @@ def test_simulate_gives_the_same_result_on_either_tier(monkeypatch, seed):
         monkeypatch.setattr(sim_module, "COMPILE_AFTER_ACTIONS", after)
         with pytest.raises(ScheduleError, match="appears more than once"):
             simulate(bad, costs)
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="numba is not installed: nothing compiled")
+def test_a_process_is_warm_once_a_kernel_ran():
+    """``harness.compiled.warm`` (which lets ``SimModel.run`` switch to its kernel at once) is true
+    after any compiled kernel has run in this process."""
+    from harness import compiled
+
+    model = _model(0)
+    seqs = _orders(model, random.Random(0))
+    _run(list_schedule, model, seqs)
+    assert list_schedule.signatures and compiled.warm()
