@@ -12,15 +12,13 @@ lives in :mod:`systems.rlhfuse.intra.incremental` (always agrees with
   only relabel micro-batches, so orders stay first-in first-out per stage and no step is wasted
   on it. With probability ``q_critical`` the swap is drawn from the ends of the blocks of a
   critical path (see ``OrderState.critical_swaps``: only those swaps can shorten the path),
-  otherwise uniformly over all adjacent pairs. Uniform swaps alone barely move a schedule of
-  thousands of actions: on 16+16 stages x 16+16 micro-batches they left the makespan where the
-  greedy start had it after 30 000 steps; mixing in critical swaps reaches the lower bound in
-  seconds.
+  otherwise uniformly over all adjacent pairs (uniform swaps alone barely move a schedule of
+  thousands of actions: docs/FUSED_SEARCH.md).
 - **Phase 1** (makespan): energy = makespan; Metropolis acceptance ``exp(-dE / T)`` with geometric
   cooling from ``T0`` to ``T1`` (both relative to the mean action time) over the phase's step or
   time budget, whichever runs out first; a step budget longer than ``phase1_cycle_steps`` is
-  spent in cooling cycles of that length, each a fresh try from the starting order. The uniform number ``u`` of the acceptance test is drawn
-  *before* the move is timed, so the move is accepted iff its makespan is at most
+  spent in cooling cycles of that length, each a fresh try from the starting order. The uniform
+  number ``u`` of the acceptance test is drawn *before* the move is timed, so the move is accepted iff its makespan is at most
   ``current - T ln u`` (the same law as Metropolis), and re-timing stops as soon as it proves the
   makespan will exceed that threshold. Stops early when the makespan reaches the lower bound.
 - **Phase 2** (memory, :class:`~systems.rlhfuse.intra.memory.MemorySearch`): with the makespan
@@ -29,8 +27,8 @@ lives in :mod:`systems.rlhfuse.intra.incremental` (always agrees with
   memory-capped greedy schedules, sharing the best peak). Every schedule it keeps has makespan
   <= ``T``, so the memory phase never lengthens the schedule.
 - **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``; phase 2 gets
-  the rest, including whatever phase 1 left unused (phase 1 stops at the lower bound, which it
-  usually reaches within a few thousand steps). A step is one trial move that was timed.
+  the rest, including whatever phase 1 left unused (phase 1 stops at the lower bound). A step is
+  one trial move that was timed.
 - **Determinism**: all randomness comes from ``random.Random(seed)``; with ``max_steps`` and no
   time limit the result is a pure function of the inputs. :func:`anneal_seeds` runs several seeds
   (in worker processes when ``num_workers > 1``), seed ``k`` from the ``k``-th of the given
@@ -91,8 +89,7 @@ class AnnealOutcome:
                                      # with a slack, its second part's is (1 + slack) x this)
     phase1_peak_memory: float = 0.0  # peak of phase 1's best order (the memory phase's start)
     memory_levels: int = 0           # how many times the memory phase lowered the peak
-    memory_start: int = -1           # the memory phase's start that gave the result (0: phase 1's
-                                     # best, k: memory_starts[k-1]; -1: phase 1's order was kept)
+    memory_start: int = -1           # 0: the memory phase's result was kept; -1: phase 1's order
     phase1_front: int = -1           # the lower-memory start whose capped run gave phase 1's
                                      # result (index into capped_starts; -1: the seed's own start)
     phase1_tries: int = 0            # lower-memory starts tried after the first run of phase 1
@@ -236,9 +233,8 @@ def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Rando
     first) whose peak is below the best order's, anneal the makespan under a hard cap at that
     peak, with ``front_try_frac`` of phase 1's budget each; an order that reaches the best
     makespan so far (or beats it) replaces the best. The memory phase then starts from an order
-    at the same makespan that holds less: on 33B/13B 8/4 with 64 micro-batches the makespan
-    phase's own order holds 12x the serial peak, the 1.5-window greedy start 1.8x, and both reach
-    the bound. Returns (best order, its makespan, steps used, index of the start, tries)."""
+    at the same makespan that holds less (docs/FUSED_SEARCH.md, phase 1). Returns (best order,
+    its makespan, steps used, index of the start, tries)."""
     peak = OrderState(model, best_seqs, mem_cap, tails).max_peak()
     steps_each = None if steps is None else max(1, int(steps * p.front_try_frac))
     secs_each = None if seconds is None else seconds * p.front_try_frac
@@ -274,10 +270,10 @@ def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Rand
     ``makespan``), and is then annealed back towards ``makespan`` under a hard cap at its peak
     (the slack should buy memory, not be given away at a peak the shorter schedule already had).
     It starts from phase 1's order, not from ``seqs``: the memory phase's best order at the
-    makespan is usually in a basin that the looser target does not get it out of (on 33B/13B 8/4
-    with 16 micro-batches and a 0.1% slack: 1.138x the serial peak from there, 1.013x from
-    phase 1's order). ``steps`` and ``seconds`` for the search, ``polish_steps`` (plus what the
-    search left) and ``polish_s`` for the shortening. Returns (order, steps used, levels lowered)."""
+    makespan is usually in a basin that the looser target does not get it out of
+    (docs/FUSED_SEARCH.md, "Time for memory"). ``steps`` and ``seconds`` for the search,
+    ``polish_steps`` (plus what the search left) and ``polish_s`` for the shortening. Returns
+    (order, steps used, levels lowered)."""
     peak = OrderState(model, seqs, mem_cap, tails).max_peak()
     search, used, _ = _memory_phase(model, tails, makespan * (1.0 + p.makespan_slack_frac), mem_cap, rng,
                                     p, [start], steps, seconds)
@@ -298,14 +294,11 @@ def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Rand
 
 def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
                   mem_cap: float | None = None, params: AnnealParams | None = None,
-                  memory_starts: Sequence[Sequence[Sequence[int]]] = (),
                   capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()) -> AnnealOutcome:
     """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank).
     Phase 1 anneals the makespan from ``seqs``, then tries the lower-memory ``capped_starts``
     (``(order, its peak)``, highest peak first) under hard caps at their peaks with what is left of
-    its budget (:func:`_lower_memory_cascade`). The memory phase starts from phase 1's best order,
-    then from each of ``memory_starts`` (further orders, e.g. low-memory ones; none by default),
-    splitting its budget evenly."""
+    its budget (:func:`_lower_memory_cascade`). The memory phase starts from phase 1's best order."""
     p = params or AnnealParams()
     t_begin = time.perf_counter()
     rng = random.Random(p.seed)
@@ -341,7 +334,7 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
         share = p.slack_at_target_frac if slack else 1.0
         phase1_seqs = best_seqs
         search, steps_2, memory_start = _memory_phase(
-            model, tails, target, mem_cap, rng, p, [best_seqs, *memory_starts],
+            model, tails, target, mem_cap, rng, p, [best_seqs],
             None if left_steps is None else int(left_steps * share),
             None if left_s is None else left_s * share)
         if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
@@ -368,25 +361,23 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
 
 
 def _worker(args) -> AnnealOutcome:
-    model, seqs, lower_bound, mem_cap, params, start_index, memory_starts, capped_starts = args
-    out = anneal_orders(model, seqs, lower_bound, mem_cap, params, memory_starts, capped_starts)
+    model, seqs, lower_bound, mem_cap, params, start_index, capped_starts = args
+    out = anneal_orders(model, seqs, lower_bound, mem_cap, params, capped_starts)
     out.start_index = start_index
     return out
 
 
 def anneal_seeds(model: SimModel, starts: Sequence[Sequence[Sequence[int]]], lower_bound: float,
                  mem_cap: float | None, seeds: Sequence[int], params: AnnealParams,
-                 num_workers: int = 1, memory_starts: Sequence[Sequence[Sequence[int]]] = (),
-                 capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()
+                 num_workers: int = 1, capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()
                  ) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
     """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (``num_workers``
-    processes when > 1), each with the same ``capped_starts`` for phase 1's lower-memory tries and
-    ``memory_starts`` for its memory phase; returns (best, all). Best = lowest makespan, then
+    processes when > 1), each with the same ``capped_starts`` for phase 1's lower-memory tries;
+    returns (best, all). Best = lowest makespan, then
     lowest peak memory, then lowest seed."""
-    lows = [[list(s) for s in start] for start in memory_starts]
     capped = [([list(s) for s in start], peak) for start, peak in capped_starts]
     jobs = [(model, [list(s) for s in starts[k % len(starts)]], lower_bound, mem_cap,
-             AnnealParams(**{**params.__dict__, "seed": seed}), k % len(starts), lows, capped)
+             AnnealParams(**{**params.__dict__, "seed": seed}), k % len(starts), capped)
             for k, seed in enumerate(seeds)]
     workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
     if workers == 1:

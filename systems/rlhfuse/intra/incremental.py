@@ -18,9 +18,7 @@ max over its in-edges of (predecessor end + latency).
   started strictly before that time ``t0`` keeps its times: each rank's actions before ``t0`` form
   a prefix of its list (found by bisection), and the list scheduler (the same worklist over ranks
   as ``SimModel.run``, blocked ranks woken by the action they wait on) resumes from those
-  prefixes. In a packed schedule a change moves almost everything after it, so resuming a plain
-  pass is cheaper than propagating changes action by action with a priority queue (tried first:
-  in a profile on 4096 actions it re-timed about 1.7x fewer actions at about 8x the cost each).
+  prefixes (cheaper on packed schedules than propagating change by change: docs/FUSED_SEARCH.md).
 - **Early abort**: a trial is given a ``threshold``; re-timing stops as soon as some action's new
   end plus the work still to come after it (the rest of its rank's list, or its chain of dependent
   work, whichever is longer) exceeds it, and the trial reports :data:`ABORTED`.
@@ -30,9 +28,7 @@ max over its in-edges of (predecessor end + latency).
   reaches ``v`` other than along the rank (that path runs through the edge ``seq[i-1] -> v`` the
   move removes). A DFS bounded by start times answers it before any timing
   (``kernel.move_closes_cycle``). It is the deadlock ``simulate`` would report as ScheduleError,
-  and the trial returns None. (Before, a general move was left to the resumed pass to find: a
-  rank left blocked. In the memory phase of the 65B/33B plan, 33,493 of 43,493 re-timings were
-  such deadlocks, each a full pass.)
+  and the trial returns None without re-timing anything.
 - **Kernels**: the resumed pass and the critical-path trace run in
   :mod:`systems.rlhfuse.intra.kernel` (compiled with numba when it is installed) over NumPy
   mirrors of the orders and times that this class keeps in step with its lists.
@@ -44,7 +40,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from itertools import accumulate
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -53,8 +49,6 @@ from systems.rlhfuse.intra import kernel
 
 _EPS = 1e-9
 ABORTED = float("inf")  # makespan reported for a trial move cut short by its threshold
-# gate(rank, first changed position, new prefix sums from there) -> threshold, or None to drop
-Gate = Callable[[int, int, list[float]], "float | None"]
 
 
 @lru_cache(maxsize=32)
@@ -243,15 +237,12 @@ class OrderState:
             return old_peak  # the old peak lies outside the changed range
         return max(max(pm[:lo], default=0.0), new_max, max(pm[hi:], default=0.0))
 
-    def try_swap(self, r: int, i: int, threshold: float = ABORTED,
-                 gate: Gate | None = None) -> tuple[float, float] | None:
+    def try_swap(self, r: int, i: int, threshold: float = ABORTED) -> tuple[float, float] | None:
         """Tentatively swap positions ``i, i+1`` of rank ``r``. Returns None (nothing changed) if
         the swap would deadlock or break the memory cap; otherwise ``(makespan, max peak)`` of
         the new order, where the makespan is :data:`ABORTED` as soon as re-timing proves it would
-        exceed ``threshold``. ``gate(r, lo, new_prefix)``, when given, sees the new prefix sums
-        before any timing and returns the threshold to use, or None to drop the trial (the
-        method then returns None). Follow with :meth:`commit` (not after an abort) or
-        :meth:`revert`."""
+        exceed ``threshold``. Follow with :meth:`commit` (not after an abort) or :meth:`revert`.
+        (The memory phase makes the same trials inside its kernel, ``memory.memory_anneal``.)"""
         seq = self.seqs[r]
         a, b = seq[i], seq[i + 1]
         if self.dep_a[b] == a or self.dep_b[b] == a:
@@ -260,10 +251,6 @@ class OrderState:
         new_vals = [(pm[i - 1] if i > 0 else 0.0) + self.delta[b]]
         if self.mem_cap is not None and new_vals[0] > self.mem_cap + _EPS:
             return None
-        if gate is not None:
-            threshold = gate(r, i, new_vals)
-            if threshold is None:
-                return None
         if self._closes_cycle(r, i, i + 1):
             return None
         t0 = float(self._a_start[a])
@@ -288,8 +275,7 @@ class OrderState:
             return i, [pm[k + 1] - d for k in range(i, j)] + [pm[j]]
         return j, [(pm[j - 1] if j > 0 else 0.0) + d] + [pm[k - 1] + d for k in range(j + 1, i + 1)]
 
-    def try_move(self, r: int, i: int, j: int, threshold: float = ABORTED,
-                 gate: Gate | None = None) -> tuple[float, float] | None:
+    def try_move(self, r: int, i: int, j: int, threshold: float = ABORTED) -> tuple[float, float] | None:
         """Tentatively move the action at position ``i`` of rank ``r`` to position ``j`` (the
         others keep their relative order). Same contract as :meth:`try_swap`."""
         if i == j:
@@ -311,10 +297,6 @@ class OrderState:
         lo, new_vals = self.move_prefix(r, i, j)
         if self.mem_cap is not None and max(new_vals) > self.mem_cap + _EPS:
             return None
-        if gate is not None:
-            threshold = gate(r, lo, new_vals)
-            if threshold is None:
-                return None
         if self._closes_cycle(r, i, j):
             return None
         t0 = float(self._a_start[seq[lo]])
@@ -337,14 +319,6 @@ class OrderState:
             if q != r and pk > out:
                 out = pk
         return out
-
-    def pending_rank_peak(self) -> tuple[int, float]:
-        """(rank, its new peak) of the trial move awaiting commit/revert."""
-        return self._pending[0], self._pending[4]
-
-    def pending_prefix(self) -> tuple[int, int, list[float]]:
-        """(rank, first position, new prefix sums from there) of the trial move."""
-        return self._pending[0], self._pending[1], self._pending[3]
 
     def commit(self) -> None:
         r, lo, hi, new_vals, rank_peak, makespan, _ = self._pending

@@ -161,14 +161,6 @@ def _encode(schedule: Schedule, costs: Mapping[str, PipeCosts]) -> list[list[int
 
 
 START_WINDOWS = (None, 1.5, 2.0, 3.0)
-# optional further starts of the memory phase (``low_memory_starts=True``): greedy schedules under
-# caps of these multiples of the serial 1F1B schedule's peak (1F1B-shaped interleavings that hold
-# at most what serial holds, and two looser ones that are usually shorter). Off by default: on the
-# Table 3 shapes the run from the makespan phase's order always gave the lower peak (see
-# docs/FUSED_SEARCH.md), so their share of the budget was better spent on that run.
-LOW_MEMORY_CAPS = (1.0, 1.25, 1.5)
-
-
 def _greedy_starts(pipes, costs, mem_cap, windows=START_WINDOWS, policies=POLICIES):
     for policy in policies:
         for window in windows:
@@ -189,24 +181,6 @@ def starting_points(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
             continue
         found.append((name, sched, simulate(sched, costs, record_times=False)))
     return sorted(found, key=lambda c: (c[2].makespan, c[2].max_peak_memory))
-
-
-def capped_greedy_starts(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
-                      mem_cap: float | None, serial_peak: float) -> list[tuple[str, Schedule, SimResult]]:
-    """Per cap in ``LOW_MEMORY_CAPS`` x ``serial_peak`` (never above ``mem_cap``): the shortest
-    greedy schedule under that cap (ties: lower peak), distinct schedules only, tightest cap first."""
-    out: list[tuple[str, Schedule, SimResult]] = []
-    for factor in LOW_MEMORY_CAPS:
-        cap = factor * serial_peak if mem_cap is None else min(mem_cap, factor * serial_peak)
-        best = None
-        for name, sched in _greedy_starts(pipes, costs, cap, windows=(None, 1.0, 1.5)):
-            sim = simulate(sched, costs, record_times=False)
-            if best is None or (sim.makespan, sim.max_peak_memory) < (best[2].makespan,
-                                                                     best[2].max_peak_memory):
-                best = (f"{name}/cap{factor:g}", sched, sim)
-        if best is not None and not any(best[1].order == o.order for _, o, _ in out):
-            out.append(best)
-    return out
 
 
 # phase 1's lower-memory starts (``memory_front``): greedy schedules over these policies x
@@ -250,18 +224,15 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           mem_cap: float | None = None, seed: int = 0,
                           time_limit_s: float | None = None, max_steps: int | None = None,
                           num_workers: int = 1, num_seeds: int | None = None,
-                          memory_phase: bool = True, low_memory_starts: bool = False,
+                          memory_phase: bool = True,
                           exact_effort: float = 0.0, exact_workers: int = 2,
                           makespan_slack_frac: float = 0.0,
                           memory_move_reach: int = MemoryParams.max_shift) -> FusedResult:
     """Search a fused schedule. ``num_seeds`` independent seeds ``seed, seed+1, ...`` (default:
     ``num_workers``) each get the full ``max_steps`` (default ``DEFAULT_MAX_STEPS`` when no
     ``time_limit_s`` is given either) / ``time_limit_s`` budget, whichever runs out first, and run
-    ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point,
-    and every seed's memory phase also starts from the low-memory starting points; the best result
-    wins (makespan, then peak memory, then lower seed). With ``low_memory_starts`` the memory phase
-    also starts from memory-capped greedy schedules (:func:`capped_greedy_starts`), splitting its
-    budget evenly. With ``exact_effort > 0`` the annealed best is then refined by constraint
+    ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point;
+    the best result wins (makespan, then peak memory, then lower seed). With ``exact_effort > 0`` the annealed best is then refined by constraint
     programming (:func:`_refine_exactly`): CP-SAT with that deterministic-time budget and an
     ``exact_workers``-thread portfolio (part of the result's inputs, like the seeds: the same
     number gives the same schedule on any machine). ``makespan_slack_frac`` trades time for
@@ -291,8 +262,6 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         raise ValueError(f"memory cap {mem_cap:g} is below the peak in-flight activation memory "
                          f"{serial_sim.max_peak_memory:g} that even the serial 1F1B schedule needs")
     starts = starting_points(pipes, costs, mem_cap, serial)
-    lows = (capped_greedy_starts(pipes, costs, mem_cap, serial_sim.max_peak_memory)
-            if memory_phase and low_memory_starts else [])
     front = (memory_front(pipes, costs, mem_cap, serial_sim.max_peak_memory, bound.value)
              if memory_phase else [])
     greedy_sim = next((sim for name, _, sim in starts if name == "larger"), serial_sim)
@@ -304,7 +273,6 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           memory=MemoryParams(max_shift=int(memory_move_reach)))
     best, _ = anneal_seeds(model, [_encode(s, costs) for _, s, _ in starts], bound.value, mem_cap,
                            seeds, params, num_workers,
-                           memory_starts=[_encode(s, costs) for _, s, _ in lows],
                            capped_starts=[(_encode(s, costs), sim.max_peak_memory) for _, s, sim in front])
     start_name, start, start_sim = starts[best.start_index]
     ranks = serial.ranks
@@ -330,8 +298,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     except ScheduleError:
         valid = False
     phase1_start = start_name if best.phase1_front < 0 else front[best.phase1_front][0]
-    memory_start = ("" if best.memory_start < 0 else "makespan phase" if best.memory_start == 0
-                    else lows[best.memory_start - 1][0])
+    memory_start = "" if best.memory_start < 0 else "makespan phase"
     return FusedResult(
         schedule=schedule, makespan=result.makespan, lower_bound=bound.value,
         serial_makespan=barrier_makespan, greedy_makespan=greedy_sim.makespan,
