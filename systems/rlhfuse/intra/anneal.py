@@ -18,14 +18,14 @@ lives in :mod:`systems.rlhfuse.intra.incremental` (always agrees with
   cooling from ``T0`` to ``T1`` (both relative to the mean action time) over the phase's step or
   time budget, whichever runs out first; a step budget longer than ``phase1_cycle_steps`` is
   spent in cooling cycles of that length, each a fresh try from the starting order. The uniform
-  number ``u`` of the acceptance test is drawn *before* the move is timed, so the move is accepted iff its makespan is at most
-  ``current - T ln u`` (the same law as Metropolis), and re-timing stops as soon as it proves the
-  makespan will exceed that threshold. Stops early when the makespan reaches the lower bound.
+  number ``u`` of the acceptance test is drawn *before* the move is timed, so the move is
+  accepted iff its makespan is at most ``current - T ln u`` (the same law as Metropolis), and
+  re-timing stops as soon as it proves the makespan will exceed that threshold. Stops early when
+  the makespan reaches the lower bound.
 - **Phase 2** (memory, :class:`~systems.rlhfuse.intra.memory.MemorySearch`): with the makespan
   fixed at phase 1's best ``T``, lower the peak activation memory under a cap of increasing
-  tightness, starting from phase 1's best order (and, if given, from further orders such as
-  memory-capped greedy schedules, sharing the best peak). Every schedule it keeps has makespan
-  <= ``T``, so the memory phase never lengthens the schedule.
+  tightness, starting from phase 1's best order. Every schedule it keeps has makespan <= ``T``,
+  so the memory phase never lengthens the schedule.
 - **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``; phase 2 gets
   the rest, including whatever phase 1 left unused (phase 1 stops at the lower bound). A step is
   one trial move that was timed.
@@ -192,24 +192,11 @@ def _phase_makespan(state: OrderState, rng: random.Random, budget: _Budget, lowe
 
 
 def _memory_phase(model: SimModel, tails: list[float], target: float, mem_cap: float | None,
-                  rng: random.Random, p: AnnealParams, starts: Sequence[Sequence[Sequence[int]]],
-                  steps: int | None, seconds: float | None) -> tuple[MemorySearch, int, int]:
-    """Run the memory search from each of ``starts`` in turn (sharing the best peak), splitting
-    the budget evenly; returns (search, steps used, index of the start that gave the best)."""
+                  rng: random.Random, p: AnnealParams, seqs: Sequence[Sequence[int]],
+                  steps: int | None, seconds: float | None) -> tuple[MemorySearch, int]:
+    """Run the memory search from ``seqs``; returns (search, steps used)."""
     search = MemorySearch(model, tails, target, mem_cap, rng, p.memory)
-    deadline = None if seconds is None else time.perf_counter() + seconds
-    used, best_from = 0, 0
-    for k, seqs in enumerate(starts):
-        share = None if steps is None else (steps - used) // (len(starts) - k)
-        secs = None if deadline is None else (deadline - time.perf_counter()) / (len(starts) - k)
-        before = search.best_peak
-        out = search.run(seqs, share, secs)
-        used += out.steps
-        if search.best_peak < before - _EPS:
-            best_from = k
-        if search.at_floor():
-            break
-    return search, used, best_from
+    return search, search.run(seqs, steps, seconds).steps
 
 
 def _anneal_under_peak(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
@@ -275,8 +262,8 @@ def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Rand
     ``polish_steps`` (plus what the search left) and ``polish_s`` for the shortening. Returns
     (order, steps used, levels lowered)."""
     peak = OrderState(model, seqs, mem_cap, tails).max_peak()
-    search, used, _ = _memory_phase(model, tails, makespan * (1.0 + p.makespan_slack_frac), mem_cap, rng,
-                                    p, [start], steps, seconds)
+    search, used = _memory_phase(model, tails, makespan * (1.0 + p.makespan_slack_frac), mem_cap, rng,
+                                 p, start, steps, seconds)
     if search.best_seqs is None or search.best_peak >= peak - _EPS:
         return seqs, used, 0
     out = search.best_seqs
@@ -333,15 +320,14 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
         # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
         share = p.slack_at_target_frac if slack else 1.0
         phase1_seqs = best_seqs
-        search, steps_2, memory_start = _memory_phase(
-            model, tails, target, mem_cap, rng, p, [best_seqs],
+        search, steps_2 = _memory_phase(
+            model, tails, target, mem_cap, rng, p, best_seqs,
             None if left_steps is None else int(left_steps * share),
             None if left_s is None else left_s * share)
         if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
             best_seqs = search.best_seqs
             levels = search.levels_total
-        else:
-            memory_start = -1
+            memory_start = 0
         if slack:
             polish = None if left_steps is None else int(left_steps * p.slack_polish_frac)
             polish_s = None if left_s is None else left_s * p.slack_polish_frac

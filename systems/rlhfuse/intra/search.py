@@ -161,6 +161,8 @@ def _encode(schedule: Schedule, costs: Mapping[str, PipeCosts]) -> list[list[int
 
 
 START_WINDOWS = (None, 1.5, 2.0, 3.0)
+
+
 def _greedy_starts(pipes, costs, mem_cap, windows=START_WINDOWS, policies=POLICIES):
     for policy in policies:
         for window in windows:
@@ -232,12 +234,13 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     ``num_workers``) each get the full ``max_steps`` (default ``DEFAULT_MAX_STEPS`` when no
     ``time_limit_s`` is given either) / ``time_limit_s`` budget, whichever runs out first, and run
     ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point;
-    the best result wins (makespan, then peak memory, then lower seed). With ``exact_effort > 0`` the annealed best is then refined by constraint
-    programming (:func:`_refine_exactly`): CP-SAT with that deterministic-time budget and an
-    ``exact_workers``-thread portfolio (part of the result's inputs, like the seeds: the same
-    number gives the same schedule on any machine). ``makespan_slack_frac`` trades time for
-    memory: the memory phase (and the exact refinement's) may return any order up to
-    ``(1 + makespan_slack_frac)`` x the makespan phase's best (0, the default: never longer).
+    the best result wins (makespan, then peak memory, then lower seed). With ``exact_effort > 0``
+    the annealed best is then refined by constraint programming (:func:`_refine_exactly`): CP-SAT
+    with that deterministic-time budget and an ``exact_workers``-thread portfolio (part of the
+    result's inputs, like the seeds: the same number gives the same schedule on any machine).
+    ``makespan_slack_frac`` trades time for memory: the memory phase (and the exact refinement's)
+    may return any order up to ``(1 + makespan_slack_frac)`` x the makespan phase's best (0, the
+    default: never longer).
     ``memory_move_reach`` is the longest shift of the memory phase's moves along a rank's list
     (``MemoryParams.max_shift``; docs/FUSED_SEARCH.md measures 64 against the default 8).
     Deterministic for a given step budget, effort and seeds (not under a time limit). Raises
