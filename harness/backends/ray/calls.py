@@ -78,6 +78,9 @@ class WorkerGroup:
         self.healthy = True
         self.num_calls = 0  # calls submitted so far (one per request sent, whatever its devices)
         self._count = threading.Lock()  # calls are submitted from the driver's thread and a stream's
+        # every submitted call not yet collected whole, from any thread: a worker's death is charged to
+        # the call it was running, which may be one another thread is waiting on (_running_when_died)
+        self._in_flight: dict[int, Call] = {}
 
     def start(self, request: Request, devices: Sequence[int] | None = None, mode: Dispatch = Dispatch.ONE_TO_ALL,
               shares: Sequence[Request] | dict[int, Request] | None = None) -> Call:
@@ -107,21 +110,27 @@ class WorkerGroup:
         with self._count:
             self.num_calls += 1
             seq = self.num_calls
-        return Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s, seq=seq)
+            call = Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s, seq=seq)
+            self._in_flight[seq] = call
+        return call
 
     def wait(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> list:
         """Results of ``refs`` (one per device, in order); raise WorkerFailedError on the first
         failure or when ``timeout_s`` passes, without waiting for the others."""
         return self.collect([self.submit(refs, devices, what, timeout_s)]).results
 
-    def _running_when_died(self, calls: list[Call], device: int, failed: Call) -> Call:
-        """The call the dead worker of ``device`` was running. A worker runs its calls in
+    def _running_when_died(self, device: int, failed: Call) -> Call:
+        """The call the dead worker of ``device`` was running, among every call in flight on it from
+        any thread (the death can surface first on a later call another thread waits on: a stream's
+        closing request queued behind the inference that died). A worker runs its calls in
         submission order, so it is the earliest one whose result on ``device`` is not a success: an
         earlier call can have finished on the worker with its result not yet collected here (a
         streamed generation step beside the inference that died). The death reaches every pending
         result within moments; a result still unknown after a second counts as not a success."""
         ray = self.ray
-        mine = sorted(((c, c.refs[j]) for c in calls if c.refs for j in c.left if c.devices[j] == device),
+        with self._count:
+            calls = list(self._in_flight.values())
+        mine = sorted(((c, c.refs[j]) for c in calls for j in list(c.left) if c.devices[j] == device),
                       key=lambda cr: cr[0].seq)
         if not mine:
             return failed
@@ -149,6 +158,8 @@ class WorkerGroup:
                     raise
             for call in calls:
                 if not call.left:
+                    with self._count:
+                        self._in_flight.pop(call.seq, None)
                     return call
             now = time.monotonic()
             first = min(calls, key=lambda c: c.deadline)
@@ -169,7 +180,7 @@ class WorkerGroup:
                     call.results[i] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     self.healthy = False
-                    call = self._running_when_died(calls, d, call)
+                    call = self._running_when_died(d, call)
                     raise WorkerFailedError(f"{call.what}: the worker of device {d} (pid {self.pid(d)}) died; the run "
                                             f"is aborted and the other workers are stopped. Ray: "
                                             f"{str(e).splitlines()[0]}") from None
