@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 from omegaconf import OmegaConf
 
 from harness.errors import ConfigError, PlanError
@@ -352,7 +353,19 @@ class EngineCosts:
         sync_s = model.num_layers * gen.host_syncs_per_layer * host_s_per_launch
         return max(gpu_s, host_s, self.gen_gather_s) + sync_s
 
-    def _kv_extra_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int, pp: int) -> float:
+    def _step_each(self, graph_s: np.ndarray, model: Any, kernels: str, launches: Optional[int],
+                   extra_gpu_s: Any) -> np.ndarray:
+        """:meth:`_step` of every step of a span at once: the same operations, elementwise."""
+        gen = self.engines.generation
+        gpu_s = (np.maximum(0.0, graph_s - self._graph_overhead_s) + extra_gpu_s) * gen.gpu_time_scale
+        if kernels == "graph":
+            return np.maximum(gpu_s + self._graph_overhead_s, self.gen_gather_s)
+        host_s_per_launch = self._host_s_per_launch * gen.host_time_scale
+        host_s = model.num_layers * (launches or self._default_launches) * host_s_per_launch
+        sync_s = model.num_layers * gen.host_syncs_per_layer * host_s_per_launch
+        return np.maximum(np.maximum(gpu_s, host_s), self.gen_gather_s) + sync_s
+
+    def _kv_extra_s(self, model: Any, batch_size: int, context_tokens_total: Any, tp: int, pp: int) -> Any:
         """GPU time of a decode step's KV-cache passes beyond the one our kernel profiles include: the
         bytes one device holds for one micro-batch's pass through every layer (the pipeline rule of
         :meth:`CalibratedCompute._pipelined_s`), at the streaming rate."""
@@ -383,11 +396,12 @@ class EngineCosts:
         key = (id(model), batch_size, context_tokens_total, num_steps, tp, pp, engine, launches_per_layer)
         hit = self._spans.get(key)
         if hit is None:
-            if self.engines.generation.kv_cache and batch_size > 0:  # the cost model's span, step by step
-                hit = tuple(self._step(g, model, engine, launches_per_layer, self._kv_extra_s(
-                    model, batch_size, context_tokens_total + j * batch_size, tp, pp))
-                    for j, g in enumerate(self.cm.decode_span_s(
-                        model, batch_size, context_tokens_total, num_steps, tp, pp, "graph")))
+            if self.engines.generation.kv_cache and batch_size > 0:  # the cost model's span, then the step rule
+                graph_s = np.asarray(self.cm.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp,
+                                                           "graph"))
+                contexts = context_tokens_total + np.arange(num_steps, dtype=np.int64) * batch_size
+                hit = tuple(self._step_each(graph_s, model, engine, launches_per_layer,
+                                            self._kv_extra_s(model, batch_size, contexts, tp, pp)).tolist())
             else:
                 hit = tuple(self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp,
                                                engine, launches_per_layer) for j in range(num_steps))

@@ -64,6 +64,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, _no_comm
 from harness.costmodel.llama import BF16_BYTES, ModelDims
 from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
@@ -205,6 +207,7 @@ class CalibratedCompute:
         # measured elementwise streaming rate: the 'add' law's seconds per byte at tp 1
         self.stream_s_per_byte = calibration.law("add", 1).c_byte
         self._linear = lru_cache(maxsize=65536)(self._linear_layer_s)
+        self._layer_terms = lru_cache(maxsize=1024)(self._layer_terms_uncached)
         self._head = lru_cache(maxsize=65536)(self._head_s)
         self._allreduces = lru_cache(maxsize=65536)(self._allreduces_uncached_s)
         if graph_step_overhead_s is None:
@@ -215,7 +218,43 @@ class CalibratedCompute:
 
     def _linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
         """One layer's linear and elementwise ops (every profiled op but the embedding; no rope
-        with learned positions)."""
+        with learned positions): the sum over ops of ``law.seconds(*_op_work(op, m))``, with the
+        parts that do not depend on ``m`` read from :meth:`_layer_terms` (the same operations in
+        the same order, so bit for bit the same sum; tested)."""
+        m = num_tokens
+        total = 0.0
+        for k, n, kn, per_token_bytes, floor, c0, c_flop, c_byte in self._layer_terms(d, int(tp)):
+            if per_token_bytes is None:  # a GEMM of (m x k) by (k x n)
+                total += max(floor, c0 + c_flop * (2.0 * m * k * n) + c_byte * (BF16_BYTES * (kn + m * k + m * n)))
+            else:  # an elementwise op over m tokens
+                total += max(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
+        return total
+
+    def _layer_terms_uncached(self, d: ModelDims, tp: int) -> tuple:
+        """Per op of a layer, what :func:`_op_work` and the op's law compute without the token
+        count: ``(k, n, k * n, None, floor, c0, c_flop, c_byte)`` for a GEMM, ``(None, None, None,
+        bytes per token, floor, ...)`` for an elementwise op; ``floor = f0 + f_w * width``."""
+        dims = _vidur_dims(d)
+        h, f, n_head, n_kv, up = dims
+        kv = max(1.0, float(int(n_kv // tp))) * (h / n_head)
+        gemm_shapes = {"attn_pre_proj": (h, h / tp + 2.0 * kv), "attn_post_proj": (h / tp, h),
+                       "mlp_up_proj": (h, up * f / tp), "mlp_down_proj": (f / tp, h)}
+        terms = []
+        for op in LAYER_OPS:
+            if op == "attn_rope" and d.learned_positions:
+                continue
+            law = self.cal.law(OP_CLASS[op], tp)
+            _, _, width = _op_work(op, dims, tp, 0.0)
+            floor = law.f0 + law.f_w * width
+            if op in gemm_shapes:
+                k, n = gemm_shapes[op]
+                terms.append((k, n, k * n, None, floor, law.c0, law.c_flop, law.c_byte))
+            else:
+                terms.append((None, None, None, width, floor, law.c0, law.c_flop, law.c_byte))
+        return tuple(terms)
+
+    def _linear_layer_reference_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
+        """:meth:`_linear_layer_s` op by op through :func:`_op_work` (the tests' reference)."""
         dims = _vidur_dims(d)
         total = 0.0
         for op in LAYER_OPS:
@@ -340,32 +379,43 @@ class CalibratedCompute:
         raise ValueError(f"generation engine must be one of {ENGINES}, not {engine!r}")
 
     def _decode_span_gpu_s(self, d: ModelDims, batch_size: int, context_tokens_total: float, num_steps: int,
-                           tp: int, pp: int) -> list[float]:
+                           tp: int, pp: int) -> np.ndarray:
         """GPU time of ``num_steps`` consecutive decode steps (contexts ``c, c + b, ...``) by the
         pipeline rule of :meth:`_pipelined_s` (one micro-batch per stage, up to ``pp``): the parts of
         a step that do not depend on the context (linear ops, head, all-reduces, pipeline hops) are
-        computed once, the attention core per step. ``batch_size`` must be positive."""
+        computed once, the attention core (:meth:`attention_s`, the same operations in the same
+        order, elementwise over the steps) for every step at once. ``batch_size`` must be positive."""
         num_mbs = min(pp, batch_size)
         mb = batch_size / num_mbs
         linear = self.linear_layer_s(d, tp, mb)
         head = self.head_s(d, tp, batch_size / num_mbs)
         comm = self._allreduces_s(d.num_layers, mb, d, tp)
-        hop = (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp) if pp > 1 else None
-        out = []
-        for j in range(num_steps):
-            total = context_tokens_total + j * batch_size
-            time_s = d.num_layers * (linear + self.attention_s(d, tp, mb, total / batch_size, total / num_mbs)) + head
-            time_s += comm
-            if hop is not None:
-                time_s += hop
-            out.append(time_s)
-        return out
+        total = context_tokens_total + np.arange(num_steps, dtype=np.int64) * batch_size
+        flops = 4.0 * d.hidden_size * (total / batch_size) * mb / tp
+        kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
+        q_out = 2.0 * mb * d.hidden_size / tp
+        nbytes = (2.0 * kv_local * (total / num_mbs) + q_out) * BF16_BYTES
+        attention = np.maximum(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte)
+        attention += self.cal.law("add", tp).f0
+        time_s = d.num_layers * (linear + attention) + head
+        time_s += comm
+        if pp > 1:
+            time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
+        return time_s
 
     def decode_step_gpu_s(self, model: Any, batch_size: int, context_tokens_total: float,
                           tp: int = 1, pp: int = 1) -> float:
         if batch_size <= 0:
             return 0.0
-        return self._decode_span_gpu_s(ModelDims.of(model), batch_size, context_tokens_total, 1, tp, pp)[0]
+        d = ModelDims.of(model)
+        num_mbs = min(pp, batch_size)  # one step by the rule of _decode_span_gpu_s, the scalar ops
+        mb = batch_size / num_mbs
+        attention = self.attention_s(d, tp, mb, context_tokens_total / batch_size, context_tokens_total / num_mbs)
+        time_s = d.num_layers * (self.linear_layer_s(d, tp, mb) + attention) + self.head_s(d, tp, batch_size / num_mbs)
+        time_s += self._allreduces_s(d.num_layers, mb, d, tp)
+        if pp > 1:
+            time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
+        return time_s
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
                       tp: int = 1, pp: int = 1, engine: str = "graph",
@@ -377,14 +427,19 @@ class CalibratedCompute:
 
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: float, num_steps: int,
                       tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: Optional[int] = None) -> list[float]:
+                      launches_per_layer: Optional[int] = None) -> np.ndarray:
         """:meth:`decode_step_s` of ``num_steps`` consecutive steps (contexts ``c, c + b, ...``),
         bit for bit, in one pass (:meth:`_decode_span_gpu_s`)."""
         if batch_size <= 0:
-            return [0.0] * num_steps
+            return np.zeros(num_steps)
         d = ModelDims.of(model)
-        return [self._with_engine(d, g, engine, launches_per_layer)
-                for g in self._decode_span_gpu_s(d, batch_size, context_tokens_total, num_steps, tp, pp)]
+        gpu_s = self._decode_span_gpu_s(d, batch_size, context_tokens_total, num_steps, tp, pp)
+        if engine == "graph":
+            return gpu_s + self.graph_step_overhead_s
+        if engine == "eager":
+            launches = launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
+            return np.maximum(gpu_s, d.num_layers * launches * EAGER_HOST_S_PER_LAUNCH)
+        raise ValueError(f"generation engine must be one of {ENGINES}, not {engine!r}")
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, engine: str = "graph",

@@ -32,7 +32,9 @@ each sample has in later passes when the policy pads to the longest of its round
 """
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -135,13 +137,13 @@ class ContinuousInstance:
             batch = len(self.running)
             self.result.peak_kv_tokens = max(self.result.peak_kv_tokens, self._target_total)
             num_steps, start = self._due[0][0] - self.steps, self.now
-            done_steps = 0
-            for dt in self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp,
-                                            self.engine, self.launches):
-                if self.now >= until_s:
-                    break
-                self.now += dt
-                done_steps += 1
+            span = self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp,
+                                         self.engine, self.launches)
+            # the clock after each step, added in order; a step starts only while the clock is before
+            # until_s (step times are non-negative, so the clocks are sorted and bisect finds the stop)
+            clocks = list(itertools.accumulate(span, initial=self.now))
+            done_steps = num_steps if until_s == math.inf else bisect.bisect_left(clocks, until_s, 0, num_steps)
+            self.now = clocks[done_steps]
             self._span(start, self.now, "decode")
             self.steps += done_steps
             self._context_total += done_steps * batch
