@@ -326,7 +326,9 @@ class EngineCosts:
             raise PlanError(f"engines with unresolved fitted constants {unresolved}: build them with "
                             f"harness.engines.select_engines or resolve()")
         # read once: the generation simulator calls the step methods ~1e5 times per iteration
-        from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH, GPT_FAST_LAUNCHES_PER_LAYER
+        from harness.costmodel.calibrated import (EAGER_HOST_S_PER_LAUNCH, GPT_FAST_LAUNCHES_PER_LAYER,
+                                                  SHORT_SPAN_STEPS)
+        self._short_span_steps = SHORT_SPAN_STEPS  # spans timed step by step below this, elementwise above
         self._graph_overhead_s = float(getattr(self.cm.compute, "graph_step_overhead_s", 0.0))
         # the roofline has no host model (as before issue 26)
         self._host_s_per_launch = EAGER_HOST_S_PER_LAUNCH if self.cm.calibration is not None else 0.0
@@ -396,7 +398,12 @@ class EngineCosts:
         key = (id(model), batch_size, context_tokens_total, num_steps, tp, pp, engine, launches_per_layer)
         hit = self._spans.get(key)
         if hit is None:
-            if self.engines.generation.kv_cache and batch_size > 0:  # the cost model's span, then the step rule
+            if self.engines.generation.kv_cache and batch_size > 0 and num_steps <= self._short_span_steps:
+                hit = tuple(self._step(g, model, engine, launches_per_layer, self._kv_extra_s(
+                    model, batch_size, context_tokens_total + j * batch_size, tp, pp))
+                    for j, g in enumerate(self.cm.decode_span_s(
+                        model, batch_size, context_tokens_total, num_steps, tp, pp, "graph")))
+            elif self.engines.generation.kv_cache and batch_size > 0:  # the cost model's span, then the step rule
                 graph_s = np.asarray(self.cm.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp,
                                                            "graph"))
                 contexts = context_tokens_total + np.arange(num_steps, dtype=np.int64) * batch_size

@@ -300,7 +300,7 @@ class CostModel:
         calibrated model times a span in one pass."""
         if self.profile is None and self.calibration is not None:
             return tuple(self.compute.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp,
-                                                    engine, launches_per_layer).tolist())
+                                                    engine, launches_per_layer))
         return tuple(self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, engine,
                                         launches_per_layer) for j in range(num_steps))
 

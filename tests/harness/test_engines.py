@@ -549,8 +549,9 @@ def test_a_decode_span_under_an_engine_is_its_steps_bit_for_bit(generation):
     ctx, plan, _ = planned([*DSCHAT, *PRIORS, f"engine.generation={generation}"])
     costs = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
     model = ctx.models.actor
-    for batch, tp, pp, kernels in ((8, 1, 1, "graph"), (8, 2, 2, "eager"), (33, 4, 1, "eager")):
-        span = costs.decode_span_s(model, batch, batch * 100, 40, tp, pp, kernels, 9)
+    for batch, tp, pp, kernels, num_steps in ((8, 1, 1, "graph", 40), (8, 2, 2, "eager", 40), (33, 4, 1, "eager", 40),
+                                              (8, 2, 2, "graph", 5), (33, 4, 1, "eager", 2)):  # short: step by step
+        span = costs.decode_span_s(model, batch, batch * 100, num_steps, tp, pp, kernels, 9)
         fresh = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
         assert span == tuple(fresh.decode_step_s(model, batch, batch * 100 + j * batch, tp, pp, kernels, 9)
-                             for j in range(40))
+                             for j in range(num_steps))
