@@ -5,8 +5,9 @@
     python benchmarks/planning_speed.py --models 13b --nodes 512 --batch 8192   # 4,096 GPUs, 8,192 samples
 
 Each system plans as ``python -m harness +system=<name> model=<pair>`` would (its default budgets,
-which are in steps: the plans are deterministic), in a fresh Python process per (system, model), so
-no cache of one plan speeds up the next. Timed by that process's CPU clock (``time.process_time``:
+which are in steps: the plans are deterministic; the runner's garbage-collector policy while
+planning, :mod:`harness.planning.collector`, where the tree has one), in a fresh Python process per
+(system, model), so no cache of one plan speeds up the next. Timed by that process's CPU clock (``time.process_time``:
 the planner's own work, whatever else runs on the machine; a system that plans in worker
 processes would need their CPU added, none does by default). The plan's samples/s is the
 simulator's, one iteration of the workload's first batch.
@@ -43,9 +44,14 @@ system, model, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
 run = run_config([f"+system={system}", f"model={model}", "logger=none", *extra])
 ctx = build_context(run)
 planner = get_class(run.system.impl)(run.system)
+try:  # plan as the tree's runner does (harness.runner.make_plan), collector policy included
+    from harness.planning.collector import full_collections_deferred as policy
+except ImportError:  # a tree from before the policy
+    from contextlib import nullcontext as policy
 start_cpu, start_wall = time.process_time(), time.perf_counter()
 try:
-    plan = planner.plan(ctx)
+    with policy():
+        plan = planner.plan(ctx)
     cpu_s, wall_s = time.process_time() - start_cpu, time.perf_counter() - start_wall
     trace = simulate_plan(ctx, plan)
 except PlanError as e:  # the system's defaults do not fit this setting: say so

@@ -18,6 +18,7 @@ from harness import metrics as mk
 from harness.app import compose
 from harness.runner import build_context
 from harness.backends.sim import SimBackend
+from harness.planning.collector import full_collections_deferred
 from harness.workload import make_batch
 from hydra.utils import get_class
 
@@ -27,7 +28,8 @@ def bench(system: str, model: str, iterations: int) -> None:
     run = OmegaConf.to_object(cfg)
     ctx = build_context(run)
     t0 = time.perf_counter()
-    plan = get_class(run.system.impl)(run.system).plan(ctx)
+    with full_collections_deferred():  # as the runner plans
+        plan = get_class(run.system.impl)(run.system).plan(ctx)
     plan_s = time.perf_counter() - t0
     backend = SimBackend(run.backend, ctx)
     backend.setup(plan)

@@ -27,6 +27,7 @@ from harness.engines import select_engines
 from harness.errors import ConfigError
 from harness.loggers import WandbLogger, resolve_mode
 from harness.discovery import discover_systems
+from harness.planning.collector import full_collections_deferred
 from harness.planning.memory import check_plan_memory
 from harness.plan import Plan
 from harness.progress import planning_progress
@@ -116,7 +117,8 @@ def make_plan(system: System, ctx: PlanContext) -> tuple[Plan, float, Any]:
     breaks the IR or does not fit in device memory raises here, before any backend work."""
     system.check_config()
     start = time.perf_counter()
-    plan = system.plan(ctx)
+    with full_collections_deferred():
+        plan = system.plan(ctx)
     plan_s = time.perf_counter() - start
     plan.validate(ctx.num_devices)
     check_tensor_parallel(plan, ctx.models)

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from harness.app import compose
 from harness.config import RunConfig
 from harness.plan import Plan
+from harness.planning.collector import full_collections_deferred
 from harness.runner import build_context
 from harness.system import PlanContext
 
@@ -27,7 +28,8 @@ def plan_for(overrides: list[str]) -> tuple[Plan, PlanContext, RunConfig]:
     """Compose, build the context and plan with the system named by ``+system=...``."""
     run = run_config(overrides)
     ctx = build_context(run)
-    return get_class(run.system.impl)(run.system).plan(ctx), ctx, run
+    with full_collections_deferred():  # as the runner plans (harness.runner.make_plan)
+        return get_class(run.system.impl)(run.system).plan(ctx), ctx, run
 
 
 def simulate_plan_metrics(plan: Plan, ctx: PlanContext, iteration: int = 0, backend=None):
