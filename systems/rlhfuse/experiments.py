@@ -24,19 +24,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness import results
+from harness.planning.taskmodels.passes import training_pipe_costs
 from harness.runner import build_context
 from harness.schedule import PipeCosts, Schedule, simulate
 from systems.rlhfuse.intra import fused_pipes, greedy_schedule, search_fused_schedule, serial_schedule
 from systems.rlhfuse.intra.search import paper_serial
-
-
-def _stage_costs(cm, model, num_stages: int, tokens: float, seq: float, tp: int, act_seq: float, mbs: int,
-                 recompute: str) -> tuple[tuple, tuple, float]:
-    layers = model.num_layers / num_stages
-    last = num_stages - 1
-    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=s == last) for s in range(num_stages))
-    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=s == last) for s in range(num_stages))
-    return fwd, bwd, cm.activation_gb(model, mbs, act_seq, tp, layers, recompute)
 
 
 def _fused_layout(pp_a: int, pp_c: int, m_a: int):
@@ -50,17 +42,12 @@ def _fused_layout(pp_a: int, pp_c: int, m_a: int):
 
 def fused_layout_costs(ctx, actor_name: str, critic_name: str, pp_a: int, pp_c: int, m_a: int, tp: int):
     """Fused layout (``_fused_layout``) with per-stage costs from the cost model."""
-    cm, w = ctx.cost_model, ctx.workload
-    actor, critic = ctx.model("actor"), ctx.model("critic")
+    w = ctx.workload
     seq = float(w.prompt_len.median + w.output_len.median)
-    tokens = w.micro_batch_size * seq
     pipes, m_c = _fused_layout(pp_a, pp_c, m_a)
-    costs = {}
-    for name, pipe in pipes.items():
-        model = actor if pipe.model == "actor" else critic
-        fwd, bwd, act = _stage_costs(cm, model, pipe.num_stages, tokens, seq, tp, seq, w.micro_batch_size,
-                                     w.activation_recompute)
-        costs[name] = PipeCosts(fwd, bwd, (act,) * pipe.num_stages, 0.0)
+    costs = {name: training_pipe_costs(ctx.cost_model, ctx.model(pipe.model), pipe.num_stages, tp, w.micro_batch_size,
+                                       seq, seq, w.activation_recompute)
+             for name, pipe in pipes.items()}
     return pipes, costs, m_c
 
 

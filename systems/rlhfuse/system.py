@@ -43,9 +43,9 @@ from harness.planning.assembler import assemble_ppo_plan, needs_movement
 from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checked
 from harness.planning.memory import MemoryNeed, MemoryShortfall, NoLayoutFits
 from harness.planning.strategies import divisors, smallest_requirement, tp_splits_heads
-from harness.planning.taskmodels.passes import grad_sync_s
+from harness.planning.taskmodels.passes import grad_sync_s, training_pipe_costs
 from harness.planning.workflow import full_mesh
-from harness.schedule import PipeCosts, ScheduleError, simulate
+from harness.schedule import ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
 from systems.rlhfuse.base import LAYOUT_KEYS, RLHFuseBaseConfig, layout_search
 from systems.rlhfuse.inter import choose_inter_stage
@@ -339,18 +339,11 @@ class RLHFuse(System):
                     pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
                     costs = {}
                     for name, pipe in pipes.items():
-                        model, s = (actor, sa) if pipe.model == "actor" else (critic, sc)
-                        layers = model.num_layers / pipe.num_stages
-                        last = pipe.num_stages - 1
-                        fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last)
-                                    for st in range(pipe.num_stages))
-                        bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last)
-                                    for st in range(pipe.num_stages))
-                        # activation memory at the longest sequence, as the memory check counts it
-                        act = cm.activation_gb(model, w.micro_batch_size, layouts.seq_max, tp, layers,
-                                               w.activation_recompute)
+                        model = actor if pipe.model == "actor" else critic
                         p2p = cm.p2p_s(tokens * model.hidden_size * 2 / tp, 0, tp) if pipe.num_stages > 1 else 0.0
-                        costs[name] = PipeCosts(fwd, bwd, (act,) * pipe.num_stages, p2p)
+                        # activation memory at the longest sequence, as the memory check counts it
+                        costs[name] = training_pipe_costs(cm, model, pipe.num_stages, tp, w.micro_batch_size, seq,
+                                                          layouts.seq_max, w.activation_recompute, p2p)
                     cand = FusedCandidate(sa, sc, pipes, costs, math.inf)
                     act_need = max(c.activation[0] for c in costs.values())
                     if self._mem_cap(ctx, layouts, cand) < 2 * act_need:

@@ -16,7 +16,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -91,6 +91,23 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
     return PassResult(spans, end, [])
 
 
+def training_pipe_costs(cm: CostModel, model, num_stages: int, tp: int, micro_batch_size: int, seq: float,
+                        activation_seq: float, recompute: str, p2p_s: float = 0.0) -> PipeCosts:
+    """The one builder of a training pipe's :class:`PipeCosts` from the cost model (the plan's
+    stages here, RLHFuse's fused-layout candidates and its experiments): per stage of
+    ``model.num_layers / num_stages`` layers, forward and backward seconds of one micro-batch of
+    ``micro_batch_size`` sequences of ``seq`` tokens (the LM or value head on the last stage),
+    activation GB per in-flight micro-batch at ``activation_seq`` tokens a sequence, and
+    ``p2p_s`` per pipeline hop. No ZeRO-3 gathers (:func:`_pipe_costs` adds them)."""
+    tokens = micro_batch_size * seq
+    layers = model.num_layers / num_stages
+    last = num_stages - 1
+    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last) for st in range(num_stages))
+    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last) for st in range(num_stages))
+    act = cm.activation_gb(model, micro_batch_size, activation_seq, tp, layers, recompute)
+    return PipeCosts(fwd, bwd, (act,) * num_stages, p2p_s)
+
+
 def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: float,
                 recompute: str) -> tuple[dict, dict]:
     """Per-pipe PipeCosts for the schedule (ZeRO-3 gathers overlapped: max(compute, comm)) and the
@@ -101,26 +118,21 @@ def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: fl
         task = _task_of_pipe(plan, stage, pipe.model)
         s = task.allocation.strategy
         model = getattr(models, pipe.model)
-        layers = model.num_layers / pipe.num_stages
-        last = pipe.num_stages - 1
-        fwd_c = tuple(cm.forward_s(model, tokens, seq, s.tp, layers, include_head=st == last)
-                      for st in range(pipe.num_stages))
-        bwd_c = tuple(cm.backward_s(model, tokens, seq, s.tp, layers, include_head=st == last)
-                      for st in range(pipe.num_stages))
-        fwd, bwd = fwd_c, bwd_c
-        gather = _zero3_gather_s(cm, model, task, layers)
-        if gather:
-            stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9 * layers / model.num_layers
-            scatter = cm.reduce_scatter_s(stage_bytes, list(task.allocation.mesh))
-            fwd = tuple(max(f, gather) for f in fwd_c)
-            bwd = tuple(max(b, gather + scatter) for b in bwd_c)
-        act = cm.activation_gb(model, stage.micro_batch_size, seq, s.tp, layers, recompute)
         p2p = 0.0
         if pipe.num_stages > 1:
             a, b = task.allocation.device(0, 0, 0), task.allocation.device(0, 1, 0)
             p2p = cm.p2p_s(tokens * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
-        costs[pipe.name] = PipeCosts(fwd, bwd, (act,) * pipe.num_stages, p2p)
-        compute_only[pipe.name] = (fwd_c, bwd_c)
+        pure = training_pipe_costs(cm, model, pipe.num_stages, s.tp, stage.micro_batch_size, seq, seq, recompute, p2p)
+        layers = model.num_layers / pipe.num_stages
+        gather = _zero3_gather_s(cm, model, task, layers)
+        if gather:
+            stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9 * layers / model.num_layers
+            scatter = cm.reduce_scatter_s(stage_bytes, list(task.allocation.mesh))
+            costs[pipe.name] = replace(pure, fwd=tuple(max(f, gather) for f in pure.fwd),
+                                       bwd=tuple(max(b, gather + scatter) for b in pure.bwd))
+        else:
+            costs[pipe.name] = pure
+        compute_only[pipe.name] = (pure.fwd, pure.bwd)
     return costs, compute_only
 
 
