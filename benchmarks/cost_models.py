@@ -23,7 +23,7 @@ from harness.testing import plan_for
 SYSTEMS = ("deepspeed_chat", "realhf_heuristic", "realhf", "rlhfuse_base", "rlhfuse", "interleaved",
            "disaggregated")
 PAIRS = ("13b_33b", "33b_13b", "33b_65b", "65b_33b")
-BUDGETS = {"rlhfuse": ["system.fuse_max_steps=2000"], "realhf": ["system.max_steps=50"]}
+BUDGETS = {"rlhfuse": ["system.fused_search.max_steps=2000"], "realhf": ["system.max_steps=50"]}
 STAGES = (("gen", "timing_s/gen"), ("gen+inf", mk.GEN_INFERENCE_TIME), ("train", mk.TRAIN_TIME),
           ("step", mk.STEP_TIME))
 

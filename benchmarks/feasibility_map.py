@@ -24,7 +24,7 @@ from harness.testing import plan_for
 SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse", "realhf", "realhf_heuristic", "interleaved",
            "disaggregated", "colocated")
 PAIRS = ("13b_33b", "33b_13b", "33b_65b", "65b_33b")
-SMALL_BUDGETS = {"rlhfuse": ["system.fuse_max_steps=500"], "realhf": ["system.max_steps=20"]}
+SMALL_BUDGETS = {"rlhfuse": ["system.fused_search.max_steps=500"], "realhf": ["system.max_steps=20"]}
 
 
 def reason(message: str) -> str:

@@ -53,7 +53,7 @@ from omegaconf import OmegaConf
 from harness.app import compose
 from harness.runner import build_context
 from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
-from systems.rlhfuse.intra import MemoryParams, search_fused_schedule
+from systems.rlhfuse.intra import FusedSearchConfig, MemoryParams, search_fused_schedule
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
 DEFAULT_ACTION_STEPS = 7e9
@@ -133,11 +133,11 @@ def main() -> None:
             actions = sum(2 * pipe.num_stages * pipe.num_mbs for pipe in pipes.values())
             steps = None if args.time_limit else (args.max_steps or round(args.action_steps / (actions + STEP_OVERHEAD_ACTIONS)))
             t0, cpu0 = time.perf_counter(), _cpu_s()
-            res = search_fused_schedule(pipes, costs, seed=args.seed, time_limit_s=args.time_limit,
-                                        max_steps=steps, num_workers=args.workers, num_seeds=args.seeds,
-                                        exact_effort=args.exact_effort, exact_workers=args.exact_workers,
-                                        makespan_slack_frac=args.makespan_slack,
-                                        memory_move_reach=args.memory_move_reach)
+            config = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, max_steps=steps,
+                                       num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
+                                       exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack,
+                                       memory_move_reach=args.memory_move_reach)
+            res = search_fused_schedule(pipes, costs, None, config)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
             target = memory_target(m)
             # at the lower bound, or at a makespan the exact refinement proved optimal

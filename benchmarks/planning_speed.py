@@ -63,8 +63,13 @@ print(json.dumps({"plan_cpu_s": cpu_s, "plan_wall_s": wall_s,
 
 WARM_UP = r"""
 from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
+try:
+    from systems.rlhfuse.intra import FusedSearchConfig
+    options = {"config": FusedSearchConfig(max_steps=200)}
+except ImportError:  # a tree from before the typed search config
+    options = {"max_steps": 200}
 pipes = fused_pipes(4, 2, 4, 4)
-search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), max_steps=200)
+search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), **options)
 """
 
 

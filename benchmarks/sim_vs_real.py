@@ -42,7 +42,7 @@ from harness.workload import make_batch
 LONG_TAIL = ["workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "workload.global_batch_size=16",
              "workload.output_len.sigma=1.0", "workload.max_gen_len=24", "workload.output_len.max=24", "seed=1"]
 # RLHFuse: one generation instance per device (so the long tail can migrate), a pinned migration threshold
-PER_SYSTEM = {"rlhfuse": lambda devices: ["system.fuse_max_steps=200", "system.migration_frac=0.25",
+PER_SYSTEM = {"rlhfuse": lambda devices: ["system.fused_search.max_steps=200", "system.migration_frac=0.25",
                                           f"system.layouts.gen=dp{devices}tp1pp1"]}
 
 

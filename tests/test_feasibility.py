@@ -37,7 +37,7 @@ SMALLEST = {  # system: smallest nodes per pair, in the order of PAIRS
     "disaggregated": (4, 4, 4, 4),
     "colocated": (2, 2, 4, 4),
 }
-SMALL_BUDGETS = {"rlhfuse": ["system.fuse_max_steps=100"], "realhf": ["system.max_steps=20"]}
+SMALL_BUDGETS = {"rlhfuse": ["system.fused_search.max_steps=100"], "realhf": ["system.max_steps=20"]}
 
 
 def overrides(system: str, pair: str, nodes: int) -> list[str]:

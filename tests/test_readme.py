@@ -30,7 +30,7 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 BOOKKEEPING = "logger=none logger.progress_bar=false"
 SIM_SHORT = "backend.num_iterations=2 backend.num_warmup_iterations=1"  # 2 simulated iterations, not 5
-FUSE_SHORT = "system.fuse_max_steps=200"  # the fused-schedule search's step budget (default 20000)
+FUSE_SHORT = "system.fused_search.max_steps=200"  # the fused-schedule search's step budget (default 20000)
 RAY_SHORT = "backend.num_iterations=1 backend.num_warmup_iterations=0"
 TINY_FIGURES = ("-o logger=none -o model=tiny -o workload=tiny -o workload.global_batch_size=16 "
                 "-o workload.max_gen_len=16 -o cluster=h100_8x -o cluster.num_nodes=1")
@@ -116,11 +116,11 @@ SPECS: dict[str, Spec] = {
     "python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
     "cluster.gpus_per_node=4": tiny(RAY_SHORT),
     "python -m harness +system=rlhfuse model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
-    "cluster.gpus_per_node=4 system.fuse_max_steps=200": tiny(RAY_SHORT),
+    "cluster.gpus_per_node=4 system.fused_search.max_steps=200": tiny(RAY_SHORT),
     "python -m harness +system=deepspeed_chat model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
     "cluster.gpus_per_node=4": tiny(RAY_SHORT),
     "python -m harness +system=rlhfuse model=smollm2_135m workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
-    "cluster.gpus_per_node=1 system.fuse_max_steps=200": Spec(skip="needs a GPU"),
+    "cluster.gpus_per_node=1 system.fused_search.max_steps=200": Spec(skip="needs a GPU"),
     # a Ray cluster started from the command line, joined with backend.address=auto
     "ray start --head --num-cpus=4": Spec(bookkeeping=False),
     "RAY_AUTH_MODE=token python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x "

@@ -9,7 +9,7 @@ MODELS = ["tiny", "tiny2", "7b", "13b", "33b", "65b", "70b", "13b_33b", "33b_13b
 PAPER_PAIRS = ["13b_33b", "33b_13b", "33b_65b", "65b_33b"]
 # Searches get small deterministic budgets here; their quality is checked in their own tests.
 FAST = {"realhf": ["system.max_steps=5"],
-        "rlhfuse": ["system.fuse_max_steps=50", "system.migration_frac=0.2"],
+        "rlhfuse": ["system.fused_search.max_steps=50", "system.migration_frac=0.2"],
         "disaggregated": ["system.gen_nodes=8"]}  # the split search has its own tests
 CASES = [(s, m) for s in ("deepspeed_chat", "rlhfuse_base", "realhf_heuristic", "realhf") for m in MODELS] + \
         [("rlhfuse", m) for m in ["tiny", "13b", *PAPER_PAIRS]] + \

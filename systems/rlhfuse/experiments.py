@@ -28,6 +28,7 @@ from harness.planning.taskmodels.passes import training_pipe_costs
 from harness.runner import build_context
 from harness.schedule import PipeCosts, Schedule, simulate
 from systems.rlhfuse.intra import fused_pipes, greedy_schedule, search_fused_schedule, serial_schedule
+from systems.rlhfuse.intra.config import FusedSearchConfig
 from systems.rlhfuse.intra.search import paper_serial
 
 
@@ -98,8 +99,8 @@ def table3_schedules(cfg: DictConfig) -> Path:
             no_barrier = simulate(serial_schedule(pipes), costs, record_times=False)
             cap = _memory_cap(params, serial_peak)
             greedy = simulate(greedy_schedule(pipes, costs, cap), costs, record_times=False)
-            fused = search_fused_schedule(pipes, costs, mem_cap=cap, seed=params.seed, num_workers=1,
-                                          **search_budget(params, pipes))
+            fused = search_fused_schedule(pipes, costs, cap, FusedSearchConfig(seed=params.seed,
+                                                                               **search_budget(params, pipes)))
             plus_makespan, plus_peak = _one_f_one_b_plus(ctx, case.pp_actor, case.pp_critic, m_a, m_c, params.tp)
             out.append({
                 "pair": f"{case.actor}/{case.critic}", "pp_actor": case.pp_actor, "pp_critic": case.pp_critic,
@@ -174,8 +175,8 @@ def fig10_schedule(cfg: DictConfig) -> Path:
     ctx = build_context(OmegaConf.to_object(_with_models(cfg, "65b", "33b")))
     pipes, costs, _ = fused_layout_costs(ctx, "65b", "33b", 16, 8, params.microbatches, params.tp)
     serial_peak = paper_serial(pipes, costs)[1]
-    fused = search_fused_schedule(pipes, costs, mem_cap=_memory_cap(params, serial_peak), seed=params.seed,
-                                  **search_budget(params, pipes))
+    fused = search_fused_schedule(pipes, costs, _memory_cap(params, serial_peak),
+                                  FusedSearchConfig(seed=params.seed, **search_budget(params, pipes)))
     rows, mem = [], []
     for label, sched in (("fused", fused.schedule), ("serial_1f1b", serial_schedule(pipes))):
         a, m = _timeline(sched, costs, label)

@@ -29,7 +29,7 @@ from math import lcm
 
 from harness.schedule import ascii_grid, simulate, to_csv
 from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
-from systems.rlhfuse.intra.search import DEFAULT_MAX_STEPS
+from systems.rlhfuse.intra.config import DEFAULT_MAX_STEPS, FusedSearchConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,11 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         bwd1, bwd2 = args.bwd if args.bwd is not None else (None, None)
         costs = fused_costs(pipes, args.fwd[0], args.fwd[1], bwd1, bwd2, args.mem[0], args.mem[1],
                             p2p=args.p2p)
-        result = search_fused_schedule(pipes, costs, mem_cap=args.mem_cap, seed=args.seed,
-                                       time_limit_s=args.time_limit, max_steps=args.max_steps,
-                                       num_workers=args.workers, num_seeds=args.seeds,
-                                       exact_effort=args.exact_effort, exact_workers=args.exact_workers,
-                                       makespan_slack_frac=args.makespan_slack)
+        config = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, max_steps=args.max_steps,
+                                   num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
+                                   exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack)
+        result = search_fused_schedule(pipes, costs, args.mem_cap, config)
     except ValueError as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2

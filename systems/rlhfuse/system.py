@@ -33,7 +33,7 @@ their execution, by the simulator (and later the real backend) from that data.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from harness.errors import ConfigError, PlanError
@@ -49,6 +49,7 @@ from harness.schedule import ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
 from systems.rlhfuse.base import LAYOUT_KEYS, RLHFuseBaseConfig, layout_search
 from systems.rlhfuse.inter import choose_inter_stage
+from systems.rlhfuse.intra.config import FusedSearchConfig
 
 
 # Greedy policies used to score candidate fused layouts (the chosen layout's search tries all).
@@ -63,18 +64,10 @@ class RLHFuseConfig(RLHFuseBaseConfig):
     intra_stage: bool = True  # section 5: fused actor+critic pipeline schedule
     migration_frac: Optional[float] = None  # R_t / batch; None = chosen by simulation over 5%..95%
     migration_transfer: str = "kv"  # kv | tokens (re-prefill on arrival)
-    fuse_seed: int = 0
-    # Annealing budget of the fused schedule: steps by default (same config and seed => same plan);
-    # a wall-clock limit (here or the run's planning_budget_s) replaces the step budget when set.
-    fuse_max_steps: Optional[int] = 20000
-    fuse_time_limit_s: Optional[float] = None
-    fuse_workers: int = 1  # independent annealing seeds in parallel
-    # CP-SAT refinement of the annealed schedule (deterministic-time budget; 0 = off): lowers the
-    # peak where annealing is stuck and proves bounds; seconds to minutes per plan, so off by default
-    fuse_exact_effort: float = 0.0
-    # time for memory: the fused schedule may be up to this fraction longer than the shortest found
-    # if that lowers its peak activation memory (0 = never; docs/FUSED_SEARCH.md has the trade-off)
-    fuse_makespan_slack_frac: float = 0.0
+    # the fused schedule's search (systems/rlhfuse/intra/config.py): a step budget by default (same
+    # config and seed => same plan); a wall-clock limit (its time_limit_s or the run's
+    # planning_budget_s) replaces it when set
+    fused_search: FusedSearchConfig = field(default_factory=lambda: FusedSearchConfig(max_steps=20000))
 
 
 @dataclass
@@ -99,8 +92,10 @@ class RLHFuse(System):
             raise ConfigError(f"system.migration_transfer={cfg.migration_transfer!r}; use kv or tokens")
         if cfg.migration_frac is not None and not 0.0 <= cfg.migration_frac < 1.0:
             raise ConfigError(f"system.migration_frac={cfg.migration_frac} must be in [0, 1)")
-        if not cfg.fuse_makespan_slack_frac >= 0.0:
-            raise ConfigError(f"system.fuse_makespan_slack_frac={cfg.fuse_makespan_slack_frac} must be >= 0")
+        try:
+            cfg.fused_search.check()
+        except ValueError as e:
+            raise ConfigError(f"system.fused_search.{e}") from None
         if cfg.migration_frac is not None and not cfg.inter_stage:
             raise ConfigError(f"system.migration_frac={cfg.migration_frac} has no effect with system.inter_stage=false "
                               f"(long-tail migration is part of inter-stage fusion); drop it or enable inter_stage")
@@ -236,16 +231,14 @@ class RLHFuse(System):
             notes["fused/fallback"] = (f"no fused actor+critic layout fits among {tried} candidates; "
                                        f"separate 1F1B stages")
             return layouts.training_stages()
-        time_limit_s = ctx.wall_clock_budget_s(self.cfg.fuse_time_limit_s)
+        search = self.cfg.fused_search
+        time_limit_s = ctx.wall_clock_budget_s(search.time_limit_s)
         ctx.report(f"rlhfuse: fused schedule of {best.actor} + {best.critic} (of {tried} layouts), quick estimate "
-                   f"{best.estimate_s:.4g} s; annealing {self.cfg.fuse_max_steps} steps" if time_limit_s is None else
+                   f"{best.estimate_s:.4g} s; annealing {search.step_budget} steps" if time_limit_s is None else
                    f"rlhfuse: fused schedule of {best.actor} + {best.critic}, annealing for {time_limit_s:g} s")
-        result = search_fused_schedule(best.pipes, best.costs, mem_cap=self._mem_cap(ctx, layouts, best),
-                                       seed=self.cfg.fuse_seed, time_limit_s=time_limit_s,
-                                       max_steps=self.cfg.fuse_max_steps if time_limit_s is None else None,
-                                       num_workers=self.cfg.fuse_workers,
-                                       exact_effort=self.cfg.fuse_exact_effort,
-                                       makespan_slack_frac=self.cfg.fuse_makespan_slack_frac)
+        if time_limit_s is not None:  # the wall clock replaces the step budget
+            search = replace(search, time_limit_s=time_limit_s, max_steps=None)
+        result = search_fused_schedule(best.pipes, best.costs, self._mem_cap(ctx, layouts, best), search)
         # the fused stage's states and activation peak replace the base training layouts' in the ledger
         peak = simulate(result.schedule, best.costs, record_times=False).max_peak_memory
         layouts.ledger.commit("training", self._fused_need(ctx, best, peak))
@@ -262,8 +255,8 @@ class RLHFuse(System):
                       "fused/bubble_frac": round(result.bubble_frac, 4),
                       "fused/serial_bubble_frac": round(self._serial_bubble(best), 4),
                       "fused/search_s": round(result.search_s, 2)})
-        if result.makespan_slack_frac > 0:  # the time given up for memory, against the shortest found
-            notes.update({"fused/makespan_slack_frac": result.makespan_slack_frac,
+        if search.makespan_slack_frac > 0:  # the time given up for memory, against the shortest found
+            notes.update({"fused/makespan_slack_frac": search.makespan_slack_frac,
                           "fused/phase1_makespan_s": round(result.phase1_makespan, 6)})
         return [TrainingStage(("update_actor", "update_critic"), result.schedule,
                               w.global_batch_size // w.mini_batch_size, w.micro_batch_size)]

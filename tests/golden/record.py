@@ -21,7 +21,7 @@ SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse", "realhf", "realhf_heuris
            "disaggregated")
 MODELS = ("13b", "65b_33b")
 # Step budgets instead of wall-clock budgets, so the searches are deterministic.
-DETERMINISTIC = {"rlhfuse": ["system.fuse_max_steps=2000"], "realhf": ["system.max_steps=200"]}
+DETERMINISTIC = {"rlhfuse": ["system.fused_search.max_steps=2000"], "realhf": ["system.max_steps=200"]}
 # Behaviour added after the golden files were recorded (issue 12), switched off for the comparison:
 # DeepSpeed-Chat generating as its reference implementation does.
 BEFORE_ISSUE_12 = {"deepspeed_chat": [f"engine.generation={HERE / 'engine_before_issue12.yaml'}"]}

@@ -46,7 +46,7 @@ REFUSED = {
     "prompt_over_context": (constant_prompt(6000), "workload.prompt_len.max=6000"),
     "infinite_tflops": (["cluster.gpu.peak_bf16_tflops=inf"], "cluster.gpu.peak_bf16_tflops=inf"),
     "negative_budget": (["planning_budget_s=-1"], "planning_budget_s=-1"),
-    "negative_steps": (["system.fuse_max_steps=-1"], "system.fuse_max_steps=-1"),
+    "negative_steps": (["system.fused_search.max_steps=-1"], "system.fused_search.max_steps=-1"),
     "option_without_effect": (["system.migration_frac=0.3", "system.inter_stage=false", "system.intra_stage=false"],
                               "system.migration_frac=0.3 has no effect with system.inter_stage=false"),
     "warmup_not_below_iterations": (["backend.num_iterations=2", "backend.num_warmup_iterations=2"],
@@ -120,11 +120,11 @@ def test_context_boundary():
 @pytest.mark.parametrize("value,ok", [(0, True), (2.5, True), (-0.001, False), (math.inf, False), (math.nan, False)])
 def test_amounts_by_name(value, ok):
     run = run_config([])
-    run.system.fuse_makespan_slack_frac = value
+    run.system.fused_search.makespan_slack_frac = value
     if ok:
         cons.check_option_ranges(run.system, "system")
     else:
-        with pytest.raises(ConfigError, match="system.fuse_makespan_slack_frac"):
+        with pytest.raises(ConfigError, match="system.fused_search.makespan_slack_frac"):
             cons.check_option_ranges(run.system, "system")
 
 

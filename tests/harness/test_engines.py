@@ -48,7 +48,7 @@ DSCHAT = ["+system=deepspeed_chat", "model=7b", "cluster=a800_8x", "cluster.num_
           "workload.output_len.max=256", *QUIET]
 # RLHFuse with inter-stage fusion and a pinned migration threshold (so the plan migrates the long tail).
 RLHFUSE = ["+system=rlhfuse", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
-           "system.fuse_max_steps=50", "system.migration_frac=0.25", *QUIET]
+           "system.fused_search.max_steps=50", "system.migration_frac=0.25", *QUIET]
 COLOCATED = ["+system=colocated", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", *QUIET]
 PRIORS = ["engine.fitted=false"]
 

@@ -11,22 +11,26 @@ memory under a tightening cap), and reported against a lower bound and the seria
 - :mod:`.memory` -- the memory phase (lower the peak with the makespan fixed);
 - :mod:`.anneal` -- the two-phase simulated annealing, one or several seeds;
 - :mod:`.exact` -- the optional exact refinement by constraint programming (CP-SAT) and its proofs;
+- :mod:`.config` -- :class:`FusedSearchConfig`, the search's options (``system.fused_search``);
 - :mod:`.search` -- :func:`search_fused_schedule`, everything above end to end.
 """
-from systems.rlhfuse.intra.anneal import AnnealOutcome, AnnealParams, anneal_orders, anneal_seeds
-from systems.rlhfuse.intra.bounds import LowerBound, lower_bound, lower_bound_terms
-from systems.rlhfuse.intra.greedy import greedy_schedule, model_priority
-from systems.rlhfuse.intra.incremental import OrderState
-from systems.rlhfuse.intra.memory import MemoryOutcome, MemoryParams, MemorySearch
-from systems.rlhfuse.intra.pipes import (fused_costs, fused_pipes, model_index, model_labels,
-                                         pipe_names, serial_schedule)
-from systems.rlhfuse.intra.search import FusedResult, search_fused_schedule
+import importlib
 
-__all__ = [
-    "fused_pipes", "fused_costs", "serial_schedule", "pipe_names", "model_index", "model_labels",
-    "greedy_schedule", "model_priority",
-    "LowerBound", "lower_bound", "lower_bound_terms",
-    "OrderState", "MemorySearch", "MemoryParams", "MemoryOutcome",
-    "AnnealParams", "AnnealOutcome", "anneal_orders", "anneal_seeds",
-    "FusedResult", "search_fused_schedule",
-]
+# name -> submodule, imported on first use (PEP 562): the system's config imports FusedSearchConfig
+# without loading the search and its compiled kernels
+_EXPORTS = {
+    "fused_pipes": "pipes", "fused_costs": "pipes", "serial_schedule": "pipes", "pipe_names": "pipes",
+    "model_index": "pipes", "model_labels": "pipes",
+    "greedy_schedule": "greedy", "model_priority": "greedy",
+    "LowerBound": "bounds", "lower_bound": "bounds", "lower_bound_terms": "bounds",
+    "OrderState": "incremental", "MemorySearch": "memory", "MemoryParams": "memory", "MemoryOutcome": "memory",
+    "AnnealParams": "anneal", "AnnealOutcome": "anneal", "anneal_orders": "anneal", "anneal_seeds": "anneal",
+    "FusedSearchConfig": "config", "FusedResult": "search", "search_fused_schedule": "search",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, SimResult, sim_model,
                               simulate, validate)
 from systems.rlhfuse.intra.anneal import AnnealParams, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms
+from systems.rlhfuse.intra.config import FusedSearchConfig
 from systems.rlhfuse.intra.greedy import POLICIES, greedy_schedule
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 from systems.rlhfuse.intra.memory import MemoryParams
@@ -52,7 +53,7 @@ class FusedResult:
     serial_no_barrier_makespan: float = 0.0
     serial_no_barrier_peak_memory: float = 0.0
     bound_terms: dict[str, float] = field(default_factory=dict)
-    seeds: list[int] = field(default_factory=list)
+    config: FusedSearchConfig = field(default_factory=FusedSearchConfig)  # as run (max_steps resolved)
     best_seed: int = 0
     best_start: str = ""
     start_makespan: float = 0.0
@@ -66,14 +67,7 @@ class FusedResult:
     phase1_start: str = ""      # the start whose run gave phase 1's result (best seed): the
                                 # seed's own, or a lower-memory greedy start run under its cap
     phase1_tries: int = 0       # lower-memory starts phase 1 tried (best seed)
-    max_steps: int | None = None  # the budget per seed
-    time_limit_s: float | None = None
-    num_workers: int = 1
-    makespan_slack_frac: float = 0.0   # the makespan the memory phase may give up (0: none)
-    memory_move_reach: int = MemoryParams.max_shift  # longest shift of the memory phase's moves
-    # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when given an effort:
-    exact_effort: float = 0.0          # its budget (CP-SAT deterministic time)
-    exact_workers: int = 0             # its portfolio's threads
+    # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when config.exact_effort > 0:
     exact_effort_used: float = 0.0
     exact_s: float = 0.0               # its wall time (part of ``search_s``)
     exact_makespan_status: str = ""    # "" (not run: the makespan was at the bound), OPTIMAL, ...
@@ -126,10 +120,7 @@ class FusedResult:
                                              if self.serial_peak_memory > 0 else 1.0),
             "memory_levels": self.memory_levels, "memory_start": self.memory_start,
             "phase1_start": self.phase1_start, "phase1_tries": self.phase1_tries,
-            "seeds": list(self.seeds), "max_steps": self.max_steps,
-            "time_limit_s": self.time_limit_s, "num_workers": self.num_workers,
-            "makespan_slack_frac": self.makespan_slack_frac, "memory_move_reach": self.memory_move_reach,
-            "exact_effort": self.exact_effort, "exact_workers": self.exact_workers,
+            **asdict(self.config), "seeds": self.config.seeds,
             "exact_effort_used": self.exact_effort_used,
             "exact_s": self.exact_s, "exact_makespan_status": self.exact_makespan_status,
             "exact_memory_status": self.exact_memory_status,
@@ -219,44 +210,26 @@ def memory_front(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], 
     return front[::-1]
 
 
-DEFAULT_MAX_STEPS = 100_000  # per seed, when neither a step nor a time budget is given
-
-
 def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
-                          mem_cap: float | None = None, seed: int = 0,
-                          time_limit_s: float | None = None, max_steps: int | None = None,
-                          num_workers: int = 1, num_seeds: int | None = None,
-                          memory_phase: bool = True,
-                          exact_effort: float = 0.0, exact_workers: int = 2,
-                          makespan_slack_frac: float = 0.0,
-                          memory_move_reach: int = MemoryParams.max_shift) -> FusedResult:
-    """Search a fused schedule. ``num_seeds`` independent seeds ``seed, seed+1, ...`` (default:
-    ``num_workers``) each get the full ``max_steps`` (default ``DEFAULT_MAX_STEPS`` when no
-    ``time_limit_s`` is given either) / ``time_limit_s`` budget, whichever runs out first, and run
+                          mem_cap: float | None = None, config: FusedSearchConfig | None = None) -> FusedResult:
+    """Search a fused schedule under ``config`` (:class:`FusedSearchConfig`, default: its defaults).
+    Its seeds ``seed, seed+1, ...`` (``num_seeds``, default ``num_workers``) each get the full step
+    budget (``step_budget``) or ``time_limit_s``, whichever runs out first, and run
     ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point;
     the best result wins (makespan, then peak memory, then lower seed). With ``exact_effort > 0``
     the annealed best is then refined by constraint programming (:func:`_refine_exactly`): CP-SAT
     with that deterministic-time budget and an ``exact_workers``-thread portfolio (part of the
     result's inputs, like the seeds: the same number gives the same schedule on any machine).
     ``makespan_slack_frac`` trades time for memory: the memory phase (and the exact refinement's)
-    may return any order up to ``(1 + makespan_slack_frac)`` x the makespan phase's best (0, the
-    default: never longer).
-    ``memory_move_reach`` is the longest shift of the memory phase's moves along a rank's list
-    (``MemoryParams.max_shift``; docs/FUSED_SEARCH.md measures 64 against the default 8).
+    may return any order up to ``(1 + makespan_slack_frac)`` x the makespan phase's best.
     Deterministic for a given step budget, effort and seeds (not under a time limit). Raises
-    ValueError if ``mem_cap`` is below the serial schedule's peak memory, or on a negative effort
-    or slack, or a reach below 1."""
+    ValueError if ``mem_cap`` is below the serial schedule's peak memory, or on an option out of
+    range (:meth:`FusedSearchConfig.check`)."""
     t_begin = time.perf_counter()
-    if exact_effort < 0:
-        raise ValueError(f"exact_effort must be >= 0, got {exact_effort}")
-    if exact_workers < 1:
-        raise ValueError(f"exact_workers must be >= 1, got {exact_workers}")
-    if not makespan_slack_frac >= 0:
-        raise ValueError(f"makespan_slack_frac must be >= 0, got {makespan_slack_frac}")
-    if int(memory_move_reach) != memory_move_reach or memory_move_reach < 1:
-        raise ValueError(f"memory_move_reach must be an integer >= 1, got {memory_move_reach}")
-    if max_steps is None and time_limit_s is None:
-        max_steps = DEFAULT_MAX_STEPS
+    cfg = config or FusedSearchConfig()
+    cfg.check()
+    cfg = replace(cfg, max_steps=cfg.step_budget)
+    max_steps, time_limit_s, makespan_slack_frac = cfg.max_steps, cfg.time_limit_s, cfg.makespan_slack_frac
     pipes = dict(pipes)
     bound: LowerBound = lower_bound_terms(pipes, costs)
     serial = serial_schedule(pipes)
@@ -266,20 +239,19 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                          f"{serial_sim.max_peak_memory:g} that even the serial 1F1B schedule needs")
     starts = starting_points(pipes, costs, mem_cap, serial)
     front = (memory_front(pipes, costs, mem_cap, serial_sim.max_peak_memory, bound.value)
-             if memory_phase else [])
+             if cfg.memory_phase else [])
     greedy_sim = next((sim for name, _, sim in starts if name == "larger"), serial_sim)
     barrier_makespan, barrier_peak = paper_serial(pipes, costs)
     model = sim_model(serial, costs)
-    seeds = [seed + k for k in range(num_seeds or max(1, num_workers))]
-    params = AnnealParams(seed=seed, time_limit_s=time_limit_s, max_steps=max_steps,
-                          memory_phase=memory_phase, makespan_slack_frac=makespan_slack_frac,
-                          memory=MemoryParams(max_shift=int(memory_move_reach)))
+    params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
+                          memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
+                          memory=MemoryParams(max_shift=int(cfg.memory_move_reach)))
     best, _ = anneal_seeds(model, [_encode(s, costs) for _, s, _ in starts], bound.value, mem_cap,
-                           seeds, params, num_workers,
+                           cfg.seeds, params, cfg.num_workers,
                            capped_starts=[(_encode(s, costs), sim.max_peak_memory) for _, s, sim in front])
     start_name, start, start_sim = starts[best.start_index]
     ranks = serial.ranks
-    exact = _refine_exactly(model, best.seqs, bound.value, mem_cap, exact_effort, exact_workers, seed,
+    exact = _refine_exactly(model, best.seqs, bound.value, mem_cap, cfg.exact_effort, cfg.exact_workers, cfg.seed,
                             None if time_limit_s is None else
                             max(0.0, time_limit_s - (time.perf_counter() - t_begin)),
                             best.phase1_makespan, makespan_slack_frac)
@@ -309,16 +281,12 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         serial_no_barrier_makespan=serial_sim.makespan, serial_no_barrier_peak_memory=serial_sim.max_peak_memory,
         bubble_frac=result.bubble_frac, search_s=time.perf_counter() - t_begin, valid=valid,
         steps=best.steps, greedy_peak_memory=greedy_sim.max_peak_memory,
-        bound_terms=bound.terms(), seeds=seeds, best_seed=best.seed, best_start=start_name,
+        bound_terms=bound.terms(), config=cfg, best_seed=best.seed, best_start=start_name,
         start_makespan=start_sim.makespan, steps_memory=best.steps_memory,
         steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0,
         phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory,
         memory_levels=best.memory_levels,
         memory_start=memory_start, phase1_start=phase1_start, phase1_tries=best.phase1_tries,
-        max_steps=max_steps, time_limit_s=time_limit_s,
-        num_workers=num_workers, makespan_slack_frac=makespan_slack_frac,
-        memory_move_reach=int(memory_move_reach),
-        exact_effort=exact_effort, exact_workers=exact_workers,
         annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
         **({"makespan_bound": bound.value} if exact is None else exact.fields(bound.value)))
 

@@ -21,7 +21,7 @@ def fits(plan, ctx):
 
 @pytest.mark.parametrize("system,extra", [
     ("rlhfuse_base", []), ("interleaved", []),
-    ("rlhfuse", ["system.fuse_max_steps=100", "system.migration_frac=0.2"])])
+    ("rlhfuse", ["system.fused_search.max_steps=100", "system.migration_frac=0.2"])])
 def test_13b_fits_on_one_node(system, extra):
     plan, ctx, _ = plan_for([f"+system={system}", *ONE_NODE_13B, *extra])
     fits(plan, ctx)
@@ -30,7 +30,7 @@ def test_13b_fits_on_one_node(system, extra):
 def test_rlhfuse_fused_stage_and_shared_layout_fit_together():
     """On two nodes the fused stage's activation peak and the shared inference layout's weights used
     to be chosen apart and overflow together (update_actor 72.8 of 72 GB)."""
-    plan, ctx, _ = plan_for(["+system=rlhfuse", "model=13b_33b", "cluster.num_nodes=2", "system.fuse_max_steps=200"])
+    plan, ctx, _ = plan_for(["+system=rlhfuse", "model=13b_33b", "cluster.num_nodes=2", "system.fused_search.max_steps=200"])
     report = fits(plan, ctx)
     assert "fused/actor" in plan.notes and "inference/shared_layout" in plan.notes
     assert report.task_peak_gb["update_actor"] <= ctx.cost_model.hbm_capacity_gb

@@ -211,7 +211,7 @@ def test_the_scheduler_driven_by_predicted_times_follows_its_rule(system):
 
     from harness.testing import plan_for
     plan, ctx, _ = plan_for([f"+system={system}", "model=tiny", "workload=tiny", "cluster=h100_8x", "logger=none",
-                             "system.fuse_max_steps=50" if system == "rlhfuse" else "seed=0"])
+                             "system.fused_search.max_steps=50" if system == "rlhfuse" else "seed=0"])
     labels = [u.label for u in execution_units(plan)]
     rng = random.Random(system)
     for trial in range(30):

@@ -69,7 +69,7 @@ def table3_schedules():
     from harness.app import compose
     from harness.runner import build_context
     from systems.rlhfuse.experiments import fused_layout_costs
-    from systems.rlhfuse.intra import search_fused_schedule
+    from systems.rlhfuse.intra import FusedSearchConfig, search_fused_schedule
 
     out = {}
     for actor, critic, pp_a, pp_c in TABLE3:
@@ -78,7 +78,7 @@ def table3_schedules():
                                                          f"llama@model.reward={critic}"])))
         for m in TABLE3_MICROBATCHES:
             pipes, costs, _ = fused_layout_costs(ctx, actor, critic, pp_a, pp_c, m, 8)
-            result = search_fused_schedule(pipes, costs, seed=0, max_steps=300)
+            result = search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=0, max_steps=300))
             out[(actor, critic, pp_a, pp_c, m)] = result.schedule
     return out
 

@@ -66,11 +66,12 @@ def test_list_order_peak_memory_is_simulates_peak(p, m):
 
 
 def test_list_order_peak_memory_of_fused_schedules():
-    from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
+    from systems.rlhfuse.intra import FusedSearchConfig, fused_costs, fused_pipes, search_fused_schedule
 
     pipes = fused_pipes(4, 2, 4, 4)
     for seed in range(3):
-        schedule = search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), max_steps=50, seed=seed).schedule
+        schedule = search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), config=FusedSearchConfig(max_steps=50,
+                                                                                                       seed=seed)).schedule
         costs = _uneven_costs(schedule.pipes.values(), seed)
         assert list_order_peak_memory(schedule, costs) == simulate(schedule, costs).peak_memory
 

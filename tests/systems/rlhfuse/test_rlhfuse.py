@@ -7,7 +7,7 @@ from harness import metrics as mk
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.testing import simulate_iterations
 
-SMALL = ["model=7b", "cluster.num_nodes=2", "system.fuse_max_steps=300"]
+SMALL = ["model=7b", "cluster.num_nodes=2", "system.fused_search.max_steps=300"]
 
 
 def _simulate(overrides, iterations=1):
@@ -83,13 +83,27 @@ def test_makespan_slack_reaches_the_search_and_is_checked():
     from harness.errors import ConfigError
     from harness.testing import plan_for
 
-    with pytest.raises(ConfigError, match=r"system\.fuse_makespan_slack_frac=-0\.1: must be a finite number >= 0"):
-        plan_for(["+system=rlhfuse", *SMALL, "system.fuse_makespan_slack_frac=-0.1"])
+    with pytest.raises(ConfigError, match=r"system\.fused_search\.makespan_slack_frac=-0\.1: must be a finite number >= 0"):
+        plan_for(["+system=rlhfuse", *SMALL, "system.fused_search.makespan_slack_frac=-0.1"])
     plan, _, _ = plan_for(["+system=rlhfuse", *SMALL, "system.inter_stage=false",
-                           "system.fuse_makespan_slack_frac=0.05"])
+                           "system.fused_search.makespan_slack_frac=0.05"])
     notes = plan.notes
     assert notes["fused/makespan_slack_frac"] == 0.05
     assert notes["fused/lower_bound_s"] <= notes["fused/phase1_makespan_s"] + 1e-12
     assert notes["fused/makespan_s"] <= notes["fused/phase1_makespan_s"] * 1.05 + 2e-6  # notes are rounded
     plain, _, _ = plan_for(["+system=rlhfuse", *SMALL, "system.inter_stage=false"])
     assert "fused/makespan_slack_frac" not in plain.notes  # the default plan's notes are unchanged
+
+
+@pytest.mark.parametrize("option,message", [
+    ("memory_move_reach=0", r"system\.fused_search\.memory_move_reach must be an integer >= 1, got 0"),
+    ("exact_workers=0", r"system\.fused_search\.exact_workers must be an integer >= 1, got 0"),
+])
+def test_fused_search_options_out_of_range_are_refused_before_planning(option, message):
+    """``system.fused_search`` is one typed config (systems/rlhfuse/intra/config.py), checked by the
+    system before any planning, each refusal naming its key."""
+    from harness.errors import ConfigError
+    from harness.testing import plan_for
+
+    with pytest.raises(ConfigError, match=message):
+        plan_for(["+system=rlhfuse", *SMALL, f"system.fused_search.{option}"])

@@ -47,7 +47,7 @@ RUNS = {
     "interleaved": ["+system=interleaved", "cluster.gpus_per_node=4"],
     # RLHFuse's intra-stage fusion: actor and critic train in one fused pipeline on shared ranks
     "rlhfuse_fused": ["+system=rlhfuse", "cluster.gpus_per_node=4", "system.inter_stage=false",
-                      "system.fuse_max_steps=200"],
+                      "system.fused_search.max_steps=200"],
 }
 # A long-tailed workload (16 samples, heavy tail), where RLHFuse's long-tail migration has work to
 # do: both fusions on, four generation instances, R_t = 25% of the batch.
@@ -55,7 +55,7 @@ RUNS = {
 LONG_TAIL = ["cluster.gpus_per_node=4", "workload.global_batch_size=16", "workload.output_len.sigma=1.0",
              "workload.max_gen_len=24", "workload.output_len.max=24", "seed=1"]
 RUNS.update({
-    "rlhfuse_both": ["+system=rlhfuse", *LONG_TAIL, "system.fuse_max_steps=200", "system.migration_frac=0.25",
+    "rlhfuse_both": ["+system=rlhfuse", *LONG_TAIL, "system.fused_search.max_steps=200", "system.migration_frac=0.25",
                      "system.layouts.gen=dp4tp1pp1", "backend.num_iterations=3"],
     "rlhfuse_base_long_tail": ["+system=rlhfuse_base", *LONG_TAIL, "backend.num_iterations=3"],
     "deepspeed_chat_long_tail": ["+system=deepspeed_chat", *LONG_TAIL, "backend.num_iterations=3",

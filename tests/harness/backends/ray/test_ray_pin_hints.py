@@ -33,7 +33,7 @@ def test_colocated_refusal_names_system_layout_and_the_suggestion_runs():
 
 
 def test_rlhfuse_refusals_name_the_task_key():
-    for system, extra in (("rlhfuse_base", []), ("rlhfuse", ["system.fuse_max_steps=200"])):
+    for system, extra in (("rlhfuse_base", []), ("rlhfuse", ["system.fused_search.max_steps=200"])):
         _, why = refusals(f"+system={system}", "system.layouts.gen=dp2tp1pp2", *extra)
         assert any(w.endswith("(pin a layout it executes: system.layouts.gen=dp2tp2pp1)") for w in why), why
 

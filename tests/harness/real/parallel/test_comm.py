@@ -82,10 +82,11 @@ def _wrong_payloads(schedule: Schedule, in_order: bool) -> int:
 
 
 def _searched(num_stages: int, num_mbs: int) -> Schedule:
-    from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
+    from systems.rlhfuse.intra import FusedSearchConfig, fused_costs, fused_pipes, search_fused_schedule
 
     pipes = fused_pipes(num_stages, num_stages, num_mbs, num_mbs)
-    return search_fused_schedule(pipes, fused_costs(pipes, 1.0, 1.0), seed=0, max_steps=2000).schedule
+    return search_fused_schedule(pipes, fused_costs(pipes, 1.0, 1.0), config=FusedSearchConfig(seed=0,
+                                                                                               max_steps=2000)).schedule
 
 
 @pytest.mark.parametrize("num_stages", [4, 8])

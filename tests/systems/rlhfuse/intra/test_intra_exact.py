@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from harness.schedule import Schedule, ScheduleError, sim_model, simulate, validate
-from systems.rlhfuse.intra import fused_costs, fused_pipes, greedy_schedule, search_fused_schedule
+from systems.rlhfuse.intra import (FusedSearchConfig, fused_costs, fused_pipes, greedy_schedule,
+                                   search_fused_schedule)
 from systems.rlhfuse.intra.exact import refine
 
 REL = 1e-9
@@ -111,16 +112,18 @@ def test_makespan_slack_gives_the_least_peak_within_it(case):
         trades += least < min(pk for _, mk, pk in every if mk <= best_makespan * (1 + REL)) * (1 - REL)
         # the whole search with the refinement: the shortest makespan proven, then the least peak
         # within the slack above it, proven
-        res = search_fused_schedule(pipes, costs, seed=0, max_steps=3000, makespan_slack_frac=slack,
-                                    exact_effort=5.0)
-        assert res.valid and res.makespan_slack_frac == slack
+        res = search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=0, max_steps=3000,
+                                                                           makespan_slack_frac=slack,
+                                                                           exact_effort=5.0))
+        assert res.valid and res.config.makespan_slack_frac == slack
         assert res.makespan_bound == pytest.approx(best_makespan, rel=1e-6)
         assert res.makespan <= level * (1 + REL)
         assert res.peak_memory == pytest.approx(least, rel=1e-9)
         assert least * (1 - 0.011) <= res.peak_bound <= least * (1 + REL)
         # annealing alone (which stops above the optimum on this layout): within the slack above
         # its own makespan phase, never above its peak
-        alone = search_fused_schedule(pipes, costs, seed=0, max_steps=3000, makespan_slack_frac=slack)
+        alone = search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=0, max_steps=3000,
+                                                                             makespan_slack_frac=slack))
         assert alone.valid
         assert alone.makespan <= alone.phase1_makespan * (1 + slack) * (1 + REL)
         assert alone.peak_memory <= alone.phase1_peak_memory * (1 + REL)
@@ -131,7 +134,7 @@ def test_makespan_slack_gives_the_least_peak_within_it(case):
     with pytest.raises(ValueError, match="max_makespan applies"):
         refine(model, fastest[0], "makespan", budget=1.0, max_makespan=best_makespan)
     with pytest.raises(ValueError, match="makespan_slack_frac"):
-        search_fused_schedule(pipes, costs, max_steps=10, makespan_slack_frac=-0.1)
+        search_fused_schedule(pipes, costs, config=FusedSearchConfig(max_steps=10, makespan_slack_frac=-0.1))
 
 
 def test_refinement_is_never_worse_and_respects_the_cap():
@@ -171,17 +174,17 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="budget"):
         refine(model, seqs, "memory", budget=0.0)
     with pytest.raises(ValueError, match="exact_effort"):
-        search_fused_schedule(pipes, costs, max_steps=10, exact_effort=-1.0)
+        search_fused_schedule(pipes, costs, config=FusedSearchConfig(max_steps=10, exact_effort=-1.0))
     with pytest.raises(ValueError, match="exact_workers"):
-        search_fused_schedule(pipes, costs, max_steps=10, exact_effort=1.0, exact_workers=0)
+        search_fused_schedule(pipes, costs, config=FusedSearchConfig(max_steps=10, exact_effort=1.0, exact_workers=0))
 
 
 def test_search_with_exact_refinement_is_deterministic_and_no_worse():
     pipes = fused_pipes(4, 2, 6, 6)
     costs = fused_costs(pipes, 1.0, 0.55, mem1=1.0, mem2=0.8, p2p=0.03)
-    plain = search_fused_schedule(pipes, costs, seed=1, max_steps=600)
-    runs = [search_fused_schedule(pipes, costs, seed=1, max_steps=600, exact_effort=0.4,
-                                  exact_workers=2, num_workers=w, num_seeds=1)
+    plain = search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=1, max_steps=600))
+    runs = [search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=1, max_steps=600, exact_effort=0.4,
+                                                                         exact_workers=2, num_workers=w, num_seeds=1))
             for w in (1, 1, 2)]
     for r in runs:
         assert r.valid

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from harness.schedule import Schedule, ScheduleError, sim_model, simulate, validate
-from systems.rlhfuse.intra import (MemorySearch, OrderState, fused_costs, fused_pipes,
-                                   greedy_schedule, lower_bound, search_fused_schedule,
-                                   serial_schedule)
+from systems.rlhfuse.intra import (FusedSearchConfig, MemorySearch, OrderState, fused_costs, fused_pipes,
+                                   greedy_schedule, lower_bound, search_fused_schedule, serial_schedule)
 from systems.rlhfuse.intra.anneal import AnnealParams, anneal_orders
 from systems.rlhfuse.intra import anneal as anneal_module
 from systems.rlhfuse.intra import kernel
@@ -103,7 +102,7 @@ def test_two_phases_never_lengthen_and_respect_the_cap(stages, m, cap):
     pipes = fused_pipes(*stages, m, m)
     costs = fused_costs(pipes, 1.0, 0.5, mem1=1.0, mem2=0.6)
     mem_cap = simulate(serial_schedule(pipes), costs).max_peak_memory if cap else None
-    res = search_fused_schedule(pipes, costs, max_steps=4000, mem_cap=mem_cap)
+    res = search_fused_schedule(pipes, costs, mem_cap=mem_cap, config=FusedSearchConfig(max_steps=4000))
     validate(res.schedule)
     assert res.valid
     assert res.makespan <= res.phase1_makespan * (1 + 1e-9)
@@ -117,7 +116,8 @@ def test_two_phases_never_lengthen_and_respect_the_cap(stages, m, cap):
 def test_same_seed_and_steps_give_the_same_schedule_with_any_worker_count():
     pipes = fused_pipes(8, 4, 8, 8)
     costs = fused_costs(pipes, 1.0, 0.9, mem1=1.0, mem2=1.1)
-    runs = [search_fused_schedule(pipes, costs, seed=3, max_steps=2500, num_seeds=2, num_workers=w)
+    runs = [search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=3, max_steps=2500, num_seeds=2,
+                                                                         num_workers=w))
             for w in (1, 1, 2)]
     assert runs[0].schedule.order == runs[1].schedule.order == runs[2].schedule.order
     assert runs[0].best_seed == runs[2].best_seed
@@ -125,11 +125,11 @@ def test_same_seed_and_steps_give_the_same_schedule_with_any_worker_count():
 
 
 def test_default_budget_is_steps(monkeypatch):
-    from systems.rlhfuse.intra import search
-    monkeypatch.setattr(search, "DEFAULT_MAX_STEPS", 300)
+    from systems.rlhfuse.intra import config as search_config
+    monkeypatch.setattr(search_config, "DEFAULT_MAX_STEPS", 300)
     pipes = fused_pipes(2, 2, 2, 2)
     res = search_fused_schedule(pipes, fused_costs(pipes, 1.0, 1.0))
-    assert res.time_limit_s is None and res.max_steps == 300 and res.steps <= 300
+    assert res.config.time_limit_s is None and res.config.max_steps == 300 and res.steps <= 300
 
 
 def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespan():
@@ -190,11 +190,12 @@ def test_slack_part_keeps_only_lower_peaks_and_shortens_them():
 def test_slack_search_stays_within_its_slack_and_is_deterministic(slack):
     pipes = fused_pipes(8, 4, 8, 8)
     costs = fused_costs(pipes, 1.0, 0.9, mem1=1.0, mem2=1.1)
-    runs = [search_fused_schedule(pipes, costs, seed=3, max_steps=3000, num_seeds=2, num_workers=w,
-                                  makespan_slack_frac=slack) for w in (1, 2)]
+    runs = [search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=3, max_steps=3000, num_seeds=2,
+                                                                         num_workers=w,
+                                                                         makespan_slack_frac=slack)) for w in (1, 2)]
     assert runs[0].schedule.order == runs[1].schedule.order
     res = runs[0]
-    assert res.valid and res.makespan_slack_frac == slack
+    assert res.valid and res.config.makespan_slack_frac == slack
     assert res.makespan <= res.phase1_makespan * (1 + slack) * (1 + 1e-9)
     assert res.peak_memory <= res.phase1_peak_memory * (1 + 1e-9)
 
@@ -232,7 +233,7 @@ def test_compiled_and_python_passes_give_the_same_search(monkeypatch, stages, m,
     results = {}
     for compiled in (True, False):
         monkeypatch.setattr(kernel, "AVAILABLE", compiled)
-        results[compiled] = search_fused_schedule(pipes, costs, seed=2, max_steps=3000)
+        results[compiled] = search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=2, max_steps=3000))
     assert results[True].schedule.order == results[False].schedule.order
     assert results[True].peak_memory == results[False].peak_memory
 
@@ -248,20 +249,23 @@ def test_memory_move_reach_reaches_the_memory_phase_and_is_deterministic(monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(anneal_module, "MemorySearch", spy)
-    res = search_fused_schedule(pipes, costs, seed=1, max_steps=2000, memory_move_reach=64)
-    assert seen and set(seen) == {64} and res.memory_move_reach == 64 and res.valid
+    res = search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=1, max_steps=2000, memory_move_reach=64))
+    assert seen and set(seen) == {64} and res.config.memory_move_reach == 64 and res.valid
     monkeypatch.undo()
-    runs = [search_fused_schedule(pipes, costs, seed=1, max_steps=2000, num_seeds=2, num_workers=w,
-                                  memory_move_reach=64) for w in (1, 2)]
+    runs = [search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=1, max_steps=2000, num_seeds=2,
+                                                                         num_workers=w,
+                                                                         memory_move_reach=64)) for w in (1, 2)]
     assert runs[0].schedule.order == runs[1].schedule.order
-    assert search_fused_schedule(pipes, costs, seed=1, max_steps=200).memory_move_reach == 8  # the default
+    assert search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=1,
+                                                                        max_steps=200)).config.memory_move_reach == 8
 
 
 @pytest.mark.parametrize("reach", [0, -3, 2.5])
 def test_memory_move_reach_must_be_a_positive_integer(reach):
     pipes = fused_pipes(4, 2, 4, 4)
     with pytest.raises(ValueError, match="memory_move_reach must be an integer >= 1"):
-        search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), max_steps=10, memory_move_reach=reach)
+        search_fused_schedule(pipes, fused_costs(pipes, 1.0, 0.5), config=FusedSearchConfig(max_steps=10,
+                                                                                            memory_move_reach=reach))
 
 
 @pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: nothing compiled to compare")

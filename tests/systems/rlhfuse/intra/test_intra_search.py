@@ -3,15 +3,15 @@ exact optimum of two identical models in opposite directions."""
 import pytest
 
 from harness.schedule import simulate, validate
-from systems.rlhfuse.intra import (fused_costs, fused_pipes, lower_bound, search_fused_schedule,
+from systems.rlhfuse.intra import (FusedSearchConfig, fused_costs, fused_pipes, lower_bound, search_fused_schedule,
                                    serial_schedule)
 
 GRID = [((n1, n2), m) for n1, n2 in [(2, 2), (4, 2), (4, 4), (8, 4)] for m in (1, 2, 4, 8)]
 STEPS = 1500
 
 
-def _search(pipes, costs, **kw):
-    return search_fused_schedule(pipes, costs, time_limit_s=None, max_steps=STEPS, **kw)
+def _search(pipes, costs, mem_cap=None, **options):
+    return search_fused_schedule(pipes, costs, mem_cap, FusedSearchConfig(max_steps=STEPS, **options))
 
 
 @pytest.mark.parametrize("stages,m", GRID)
@@ -66,7 +66,7 @@ def test_same_seed_same_schedule_and_parallel_is_deterministic():
 def test_time_limit_stops_the_search():
     pipes = fused_pipes(8, 8, 16, 16)
     costs = fused_costs(pipes, 1.0, 1.0)
-    res = search_fused_schedule(pipes, costs, time_limit_s=0.5)
+    res = search_fused_schedule(pipes, costs, config=FusedSearchConfig(time_limit_s=0.5))
     assert res.valid and res.search_s < 5.0
 
 
@@ -119,7 +119,7 @@ def test_bidirectional_identical_models_reach_the_optimum(p, m, expected):
     pipes, costs = _equal_models(p, m)
     lb = lower_bound(pipes, costs)
     assert lb == max(6 * m + 3 * ((p - 1) // 2), 3 * (m + p - 1))
-    res = search_fused_schedule(pipes, costs, time_limit_s=None, max_steps=20_000)
+    res = search_fused_schedule(pipes, costs, config=FusedSearchConfig(time_limit_s=None, max_steps=20_000))
     assert res.makespan == expected
     assert res.bubble_frac == pytest.approx(1 - 6 * m / expected)
     if p % 2 == 0 and (p == 2 or m >= p // 2 + 1):

@@ -1,0 +1,56 @@
+"""The fused-schedule search's options as one typed config (RLHFuse section 5; issue 29 item 1).
+
+:class:`FusedSearchConfig` is what :func:`systems.rlhfuse.intra.search_fused_schedule` takes and
+what an RLHFuse run holds as ``system.fused_search`` (``conf/system/rlhfuse.yaml``): the budget
+per seed (trial moves, so the same config gives the same schedule; or a wall-clock limit), the
+seeds and the processes that anneal them, the memory phase and the reach of its moves, the
+makespan the memory phase may give up for memory, and the exact (CP-SAT) refinement.
+:meth:`FusedSearchConfig.check` refuses a value out of range before any search starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+DEFAULT_MAX_STEPS = 100_000  # per seed, when neither a step nor a time budget is given
+DEFAULT_MEMORY_MOVE_REACH = 8  # longest shift of a memory-phase move (docs/FUSED_SEARCH.md measures 64)
+
+
+@dataclass
+class FusedSearchConfig:
+    seed: int = 0  # seeds seed, seed + 1, ...; seed + k anneals from the k-th best start
+    max_steps: Optional[int] = None  # trial moves per seed; None: DEFAULT_MAX_STEPS unless time_limit_s
+    time_limit_s: Optional[float] = None  # wall clock per seed, whichever budget ends first (not deterministic)
+    num_workers: int = 1  # seeds annealed at once, one process each
+    num_seeds: Optional[int] = None  # None: num_workers
+    memory_phase: bool = True  # after the makespan phase, lower the peak at that makespan
+    memory_move_reach: int = DEFAULT_MEMORY_MOVE_REACH
+    makespan_slack_frac: float = 0.0  # the memory phase may return up to this much longer (0: never)
+    exact_effort: float = 0.0  # CP-SAT refinement's deterministic-time budget (0: off)
+    exact_workers: int = 2  # its portfolio's threads (an input, like the seeds)
+
+    def check(self) -> None:
+        """ValueError naming the first option out of range."""
+        for name in ("max_steps", "num_seeds"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {value}")
+        for name in ("time_limit_s", "exact_effort", "makespan_slack_frac"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name in ("num_workers", "exact_workers", "memory_move_reach"):
+            value = getattr(self, name)
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value}")
+
+    @property
+    def step_budget(self) -> Optional[int]:
+        """Trial moves per seed: ``max_steps``, or ``DEFAULT_MAX_STEPS`` when no budget is given."""
+        if self.max_steps is None and self.time_limit_s is None:
+            return DEFAULT_MAX_STEPS
+        return self.max_steps
+
+    @property
+    def seeds(self) -> list[int]:
+        return [self.seed + k for k in range(self.num_seeds or max(1, self.num_workers))]
