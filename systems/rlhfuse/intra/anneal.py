@@ -95,11 +95,29 @@ class AnnealOutcome:
     phase1_tries: int = 0            # lower-memory starts tried after the first run of phase 1
 
 
-class _Budget:
-    """Step and wall-clock budget of one phase; ``frac()`` is the share used so far."""
+@dataclass(frozen=True)
+class Budget:
+    """Trial moves and wall-clock seconds a part of the search may use (None: no bound in that
+    unit); parts are cut from the whole by :meth:`scaled` and :meth:`less`."""
+    steps: int | None
+    seconds: float | None
 
-    def __init__(self, steps: int | None, seconds: float | None):
-        self.steps, self.seconds, self.t_start = steps, seconds, time.perf_counter()
+    def scaled(self, frac: float, whole=int) -> Budget:
+        """``frac`` of this budget, its steps made whole by ``whole``."""
+        return Budget(None if self.steps is None else whole(self.steps * frac),
+                      None if self.seconds is None else self.seconds * frac)
+
+    def less(self, steps: int | None = 0, seconds: float | None = 0.0) -> Budget:
+        """What is left after ``steps`` trial moves and ``seconds`` (None counts as 0)."""
+        return Budget(None if self.steps is None else self.steps - (steps or 0),
+                      None if self.seconds is None else self.seconds - (seconds or 0.0))
+
+
+class _Meter:
+    """A budget being spent from now on; ``frac()`` is the share used so far."""
+
+    def __init__(self, budget: Budget):
+        self.steps, self.seconds, self.t_start = budget.steps, budget.seconds, time.perf_counter()
 
     def frac(self, step: int) -> float:
         f = 0.0
@@ -149,7 +167,7 @@ class _Proposer:
         return None
 
 
-def _phase_makespan(state: OrderState, rng: random.Random, budget: _Budget, lower_bound: float,
+def _phase_makespan(state: OrderState, rng: random.Random, budget: _Meter, lower_bound: float,
                     temps: tuple[float, float], q: float, cls: list[int],
                     cycle: int | None) -> tuple[list[list[int]], float, int]:
     """Anneal the makespan. With a step budget longer than ``cycle`` steps, cooling runs in cycles
@@ -193,15 +211,15 @@ def _phase_makespan(state: OrderState, rng: random.Random, budget: _Budget, lowe
 
 def _memory_phase(model: SimModel, tails: list[float], target: float, mem_cap: float | None,
                   rng: random.Random, p: AnnealParams, seqs: Sequence[Sequence[int]],
-                  steps: int | None, seconds: float | None) -> tuple[MemorySearch, int]:
+                  budget: Budget) -> tuple[MemorySearch, int]:
     """Run the memory search from ``seqs``; returns (search, steps used)."""
     search = MemorySearch(model, tails, target, mem_cap, rng, p.memory)
-    return search, search.run(seqs, steps, seconds).steps
+    return search, search.run(seqs, budget.steps, budget.seconds).steps
 
 
 def _anneal_under_peak(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
                        temps: tuple[float, float], cls: list[int], mem_cap: float | None,
-                       seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: _Budget
+                       seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: _Meter
                        ) -> tuple[list[list[int]], float, int]:
     """Anneal the makespan of ``seqs`` towards ``goal`` under a hard cap at ``peak`` (and
     ``mem_cap``): a shorter order that holds no more. Returns (best order, its makespan, steps)."""
@@ -213,8 +231,7 @@ def _anneal_under_peak(model: SimModel, tails: list[float], rng: random.Random, 
 def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
                           temps: tuple[float, float], cls: list[int], mem_cap: float | None,
                           best_seqs: list[list[int]], best: float,
-                          capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]],
-                          steps: int | None, seconds: float | None
+                          capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]], budget: Budget
                           ) -> tuple[list[list[int]], float, int, int, int]:
     """Phase 1, second part: from each of ``capped_starts`` (orders with their peak, highest peak
     first) whose peak is below the best order's, anneal the makespan under a hard cap at that
@@ -223,21 +240,18 @@ def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Rando
     at the same makespan that holds less (docs/FUSED_SEARCH.md, phase 1). Returns (best order,
     its makespan, steps used, index of the start, tries)."""
     peak = OrderState(model, best_seqs, mem_cap, tails).max_peak()
-    steps_each = None if steps is None else max(1, int(steps * p.front_try_frac))
-    secs_each = None if seconds is None else seconds * p.front_try_frac
-    deadline = None if seconds is None else time.perf_counter() + seconds
+    each = budget.scaled(p.front_try_frac, lambda steps: max(1, int(steps)))
+    deadline = _Meter(budget)
     used, front, tries = 0, -1, 0
     for k, (seqs, start_peak) in enumerate(capped_starts):
         if start_peak >= peak - _EPS * max(1.0, peak):
             continue
-        if steps is not None and steps - used <= 0:
+        if deadline.frac(used) >= 1.0:
             break
-        if deadline is not None and time.perf_counter() >= deadline:
-            break
-        budget = _Budget(None if steps is None else min(steps_each, steps - used), secs_each)
+        left = None if budget.steps is None else min(each.steps, budget.steps - used)
         # stop as soon as the best makespan so far is matched: equal makespan, less memory
         seqs_k, makespan_k, used_k = _anneal_under_peak(model, tails, rng, p, temps, cls, mem_cap, seqs,
-                                                        start_peak, best, budget)
+                                                        start_peak, best, _Meter(Budget(left, each.seconds)))
         used += used_k
         tries += 1
         if makespan_k <= best + _EPS * max(1.0, abs(best)):
@@ -248,9 +262,8 @@ def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Rando
 
 def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
                            temps: tuple[float, float], cls: list[int], mem_cap: float | None,
-                           seqs: list[list[int]], start: list[list[int]], makespan: float, steps: int | None,
-                           polish_steps: int | None, seconds: float | None, polish_s: float | None
-                           ) -> tuple[list[list[int]], int, int]:
+                           seqs: list[list[int]], start: list[list[int]], makespan: float, budget: Budget,
+                           polish: Budget) -> tuple[list[list[int]], int, int]:
     """The memory phase's second part under a makespan slack: from ``start`` (phase 1's order)
     lower the peak with the makespan allowed up to ``(1 + makespan_slack_frac) x makespan``; an
     order found there is kept only if it holds less than ``seqs`` (the best order at phase 1's
@@ -258,21 +271,20 @@ def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Rand
     (the slack should buy memory, not be given away at a peak the shorter schedule already had).
     It starts from phase 1's order, not from ``seqs``: the memory phase's best order at the
     makespan is usually in a basin that the looser target does not get it out of
-    (docs/FUSED_SEARCH.md, "Time for memory"). ``steps`` and ``seconds`` for the search,
-    ``polish_steps`` (plus what the search left) and ``polish_s`` for the shortening. Returns
-    (order, steps used, levels lowered)."""
+    (docs/FUSED_SEARCH.md, "Time for memory"). ``budget`` for the search, ``polish`` (plus the
+    steps the search left) for the shortening. Returns (order, steps used, levels lowered)."""
     peak = OrderState(model, seqs, mem_cap, tails).max_peak()
     search, used = _memory_phase(model, tails, makespan * (1.0 + p.makespan_slack_frac), mem_cap, rng,
-                                 p, start, steps, seconds)
+                                 p, start, budget)
     if search.best_seqs is None or search.best_peak >= peak - _EPS:
         return seqs, used, 0
     out = search.best_seqs
     state = OrderState(model, out, mem_cap, tails)
     longer, peak = state.makespan(), state.max_peak()
-    left = None if steps is None else steps + polish_steps - used
+    left = None if budget.steps is None else budget.steps + polish.steps - used
     if longer > makespan + _EPS * max(1.0, makespan) and (left is None or left > 0):
         shorter_seqs, shorter, polished = _anneal_under_peak(model, tails, rng, p, temps, cls, mem_cap, out,
-                                                             peak, makespan, _Budget(left, polish_s))
+                                                             peak, makespan, _Meter(Budget(left, polish.seconds)))
         used += polished
         if shorter < longer - _EPS * max(1.0, longer):
             out = shorter_seqs
@@ -296,18 +308,19 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
                              phase1_makespan=state.makespan(), phase1_peak_memory=state.max_peak())
     mean_dur = sum(model.dur) / max(len(model.dur), 1) or 1.0
     temps = (p.t0_rel * mean_dur, p.t1_rel * mean_dur)
-    frac1 = p.phase1_frac if p.memory_phase else 1.0
-    steps1 = None if p.max_steps is None else int(round(p.max_steps * frac1))
-    secs1 = None if p.time_limit_s is None else p.time_limit_s * frac1
+    total = Budget(p.max_steps, p.time_limit_s)
+    first = total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
+
+    def elapsed() -> float:
+        return time.perf_counter() - t_begin
+
     cls = action_classes(model)
-    best_seqs, best, steps_1 = _phase_makespan(state, rng, _Budget(steps1, secs1), lower_bound,
+    best_seqs, best, steps_1 = _phase_makespan(state, rng, _Meter(first), lower_bound,
                                                temps, p.q_critical, cls, p.phase1_cycle_steps)
     front, tries = -1, 0
     if capped_starts:
-        left1 = None if steps1 is None else steps1 - steps_1
-        left1_s = None if secs1 is None else secs1 - (time.perf_counter() - t_begin)
         best_seqs, best, used, front, tries = _lower_memory_cascade(
-            model, tails, rng, p, temps, cls, mem_cap, best_seqs, best, capped_starts, left1, left1_s)
+            model, tails, rng, p, temps, cls, mem_cap, best_seqs, best, capped_starts, first.less(steps_1, elapsed()))
         steps_1 += used
     phase1 = OrderState(model, best_seqs, mem_cap, tails)
     phase1_peak = phase1.max_peak()
@@ -315,27 +328,20 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
     slack = p.makespan_slack_frac > 0
     steps_2, levels, memory_start = 0, 0, -1
     if p.memory_phase:
-        left_steps = None if p.max_steps is None else p.max_steps - steps_1
-        left_s = None if p.time_limit_s is None else p.time_limit_s - (time.perf_counter() - t_begin)
+        left = total.less(steps_1, elapsed())
         # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
-        share = p.slack_at_target_frac if slack else 1.0
         phase1_seqs = best_seqs
-        search, steps_2 = _memory_phase(
-            model, tails, target, mem_cap, rng, p, best_seqs,
-            None if left_steps is None else int(left_steps * share),
-            None if left_s is None else left_s * share)
+        search, steps_2 = _memory_phase(model, tails, target, mem_cap, rng, p, best_seqs,
+                                        left.scaled(p.slack_at_target_frac if slack else 1.0))
         if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
             best_seqs = search.best_seqs
             levels = search.levels_total
             memory_start = 0
         if slack:
-            polish = None if left_steps is None else int(left_steps * p.slack_polish_frac)
-            polish_s = None if left_s is None else left_s * p.slack_polish_frac
+            polish = left.scaled(p.slack_polish_frac)
             best_seqs, used, more = _trade_time_for_memory(
                 model, tails, rng, p, temps, cls, mem_cap, best_seqs, phase1_seqs, target,
-                None if left_steps is None else left_steps - steps_2 - polish, polish,
-                None if left_s is None else p.time_limit_s - (time.perf_counter() - t_begin) - polish_s,
-                polish_s)
+                total.less(steps_1 + steps_2, elapsed()).less(polish.steps, polish.seconds), polish)
             steps_2 += used
             levels += more
     final = OrderState(model, best_seqs, mem_cap, tails)

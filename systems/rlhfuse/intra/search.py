@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, SimResult, sim_model,
                               simulate, validate)
@@ -97,40 +97,20 @@ class FusedResult:
         return self.makespan / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
 
     def summary(self) -> dict:
-        """JSON-able numbers (no schedule)."""
-        return {
-            "makespan": self.makespan, "lower_bound": self.lower_bound,
-            "gap_to_lower_bound_frac": self.gap_to_lower_bound_frac,
-            "serial_makespan": self.serial_makespan, "greedy_makespan": self.greedy_makespan,
-            "speedup_vs_serial": self.serial_makespan / self.makespan if self.makespan > 0 else 1.0,
-            "serial_no_barrier_makespan": self.serial_no_barrier_makespan,
-            "speedup_vs_serial_no_barrier": (self.serial_no_barrier_makespan / self.makespan
-                                             if self.makespan > 0 else 1.0),
-            "peak_memory": self.peak_memory, "serial_peak_memory": self.serial_peak_memory,
-            "serial_no_barrier_peak_memory": self.serial_no_barrier_peak_memory,
-            "greedy_peak_memory": self.greedy_peak_memory, "bubble_frac": self.bubble_frac,
-            "search_s": self.search_s, "valid": self.valid, "steps": self.steps,
-            "best_seed": self.best_seed, "best_start": self.best_start,
-            "start_makespan": self.start_makespan, "steps_memory": self.steps_memory,
-            "steps_per_s": self.steps_per_s, "lower_bound_terms": dict(self.bound_terms),
-            "makespan_vs_lower_bound": self.makespan_vs_lower_bound,
-            "peak_memory_vs_serial": self.peak_memory_vs_serial,
-            "phase1_makespan": self.phase1_makespan, "phase1_peak_memory": self.phase1_peak_memory,
-            "phase1_peak_memory_vs_serial": (self.phase1_peak_memory / self.serial_peak_memory
-                                             if self.serial_peak_memory > 0 else 1.0),
-            "memory_levels": self.memory_levels, "memory_start": self.memory_start,
-            "phase1_start": self.phase1_start, "phase1_tries": self.phase1_tries,
-            **asdict(self.config), "seeds": self.config.seeds,
-            "exact_effort_used": self.exact_effort_used,
-            "exact_s": self.exact_s, "exact_makespan_status": self.exact_makespan_status,
-            "exact_memory_status": self.exact_memory_status,
-            "annealed_makespan": self.annealed_makespan,
-            "annealed_peak_memory": self.annealed_peak_memory,
-            "makespan_bound": self.makespan_bound, "makespan_optimal": self.makespan_optimal,
-            "peak_bound": self.peak_bound,
-            "peak_bound_vs_serial": (self.peak_bound / self.serial_peak_memory
-                                     if self.serial_peak_memory > 0 else 0.0),
-        }
+        """JSON-able numbers (no schedule): every field, the options it ran with, and the ratios."""
+        def ratio(a: float, b: float, default: float) -> float:
+            return a / b if b > 0 else default
+
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("schedule", "config")}
+        out["lower_bound_terms"] = dict(out.pop("bound_terms"))
+        return {**out, **asdict(self.config), "seeds": self.config.seeds,
+                "gap_to_lower_bound_frac": self.gap_to_lower_bound_frac,
+                "makespan_vs_lower_bound": self.makespan_vs_lower_bound, "makespan_optimal": self.makespan_optimal,
+                "speedup_vs_serial": ratio(self.serial_makespan, self.makespan, 1.0),
+                "speedup_vs_serial_no_barrier": ratio(self.serial_no_barrier_makespan, self.makespan, 1.0),
+                "peak_memory_vs_serial": self.peak_memory_vs_serial,
+                "phase1_peak_memory_vs_serial": ratio(self.phase1_peak_memory, self.serial_peak_memory, 1.0),
+                "peak_bound_vs_serial": ratio(self.peak_bound, self.serial_peak_memory, 0.0)}
 
 
 def paper_serial(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]) -> tuple[float, float]:

@@ -165,7 +165,7 @@ def test_slack_part_keeps_only_lower_peaks_and_shortens_them():
     """The memory phase's part under a makespan slack: from an order at phase 1's makespan it keeps
     an order only if it holds less, within the slack, and anneals it back towards that makespan
     under a hard cap at its peak; with no step budget it returns its input."""
-    from systems.rlhfuse.intra.anneal import _trade_time_for_memory, action_classes
+    from systems.rlhfuse.intra.anneal import Budget, _trade_time_for_memory, action_classes
 
     pipes, costs, start, model, seqs = _setup(4, 4, 6, 6, policy="critical_path")
     tails = chain_tails(model)
@@ -175,14 +175,15 @@ def test_slack_part_keeps_only_lower_peaks_and_shortens_them():
     for slack in (0.02, 0.2):
         p = AnnealParams(makespan_slack_frac=slack)
         out, used, levels = _trade_time_for_memory(model, tails, random.Random(0), p, temps, action_classes(model),
-                                                   None, seqs, seqs, before.makespan(), 3000, 1000, None, None)
+                                                   None, seqs, seqs, before.makespan(), Budget(3000, None),
+                                                   Budget(1000, None))
         after = simulate(_decode(model, start.ranks, out, pipes), costs)
         assert 0 < used <= 4000 and levels > 0
         assert after.max_peak_memory < before.max_peak() - 1e-9
         assert after.makespan <= before.makespan() * (1 + slack) * (1 + 1e-9)
     same, used, levels = _trade_time_for_memory(model, tails, random.Random(0), AnnealParams(makespan_slack_frac=0.2),
                                                 temps, action_classes(model), None, seqs, seqs, before.makespan(),
-                                                0, 0, None, None)
+                                                Budget(0, None), Budget(0, None))
     assert same == seqs and used == 0 and levels == 0
 
 
