@@ -167,189 +167,186 @@ class _Proposer:
         return None
 
 
-def _phase_makespan(state: OrderState, rng: random.Random, budget: _Meter, lower_bound: float,
-                    temps: tuple[float, float], q: float, cls: list[int],
-                    cycle: int | None) -> tuple[list[list[int]], float, int]:
-    """Anneal the makespan. With a step budget longer than ``cycle`` steps, cooling runs in cycles
-    of ``cycle`` steps, each a fresh try from the starting order (a long budget then buys more
-    tries, not a slower cooling that wanders hot for most of it); the best over all is kept."""
-    t0, t1 = temps
-    proposer = _Proposer(state, rng, q, cls)
-    cur = state.makespan()
-    best, best_seqs, step = cur, state.snapshot(), 0
-    target = lower_bound + _EPS * max(1.0, abs(lower_bound))
-    cycling = cycle is not None and budget.steps is not None and budget.steps > cycle
-    cycle_start, first = 0, state.snapshot()
-    while best > target:
-        frac = budget.frac(step)
-        if frac >= 1.0:
-            break
-        if cycling:
-            if step - cycle_start >= cycle:  # cooled down above the bound: another try
-                cycle_start = step
-                state = OrderState(state.model, first, state.mem_cap, state.tail)
-                proposer = _Proposer(state, rng, q, cls)
-                cur = state.makespan()
-            frac = (step - cycle_start) / cycle
-        step += 1
-        temp = t0 * (t1 / t0) ** frac
-        threshold = cur - temp * math.log(1.0 - rng.random())  # accept iff makespan <= this
-        out = proposer.propose(threshold)
-        if out is None:
-            continue
-        new = out[0]
-        if new <= threshold:
-            state.commit()
-            proposer.changed()
-            cur = new
-            if new < best - _EPS:
-                best, best_seqs = new, state.snapshot()
-        else:
-            state.revert()
-    return best_seqs, best, step
+class SeedSearch:
+    """One seed's search, its phases as methods over what they all read: the encoded schedule
+    (``model``), its chain tails, the cap, the seed's random stream, the parameters, the
+    temperatures and the action classes."""
 
+    def __init__(self, model: SimModel, lower_bound: float, mem_cap: float | None, p: AnnealParams):
+        self.model, self.lower_bound, self.mem_cap, self.p = model, lower_bound, mem_cap, p
+        self.rng = random.Random(p.seed)
+        self.tails = chain_tails(model)
+        mean_dur = sum(model.dur) / max(len(model.dur), 1) or 1.0
+        self.temps = (p.t0_rel * mean_dur, p.t1_rel * mean_dur)
+        self.cls = action_classes(model)
+        self.t_begin = time.perf_counter()
 
-def _memory_phase(model: SimModel, tails: list[float], target: float, mem_cap: float | None,
-                  rng: random.Random, p: AnnealParams, seqs: Sequence[Sequence[int]],
-                  budget: Budget) -> tuple[MemorySearch, int]:
-    """Run the memory search from ``seqs``; returns (search, steps used)."""
-    search = MemorySearch(model, tails, target, mem_cap, rng, p.memory)
-    return search, search.run(seqs, budget.steps, budget.seconds).steps
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_begin
 
+    def state(self, seqs: Sequence[Sequence[int]], cap: float | None = None) -> OrderState:
+        return OrderState(self.model, seqs, self.mem_cap if cap is None else cap, self.tails)
 
-def _anneal_under_peak(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
-                       temps: tuple[float, float], cls: list[int], mem_cap: float | None,
-                       seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: _Meter
-                       ) -> tuple[list[list[int]], float, int]:
-    """Anneal the makespan of ``seqs`` towards ``goal`` under a hard cap at ``peak`` (and
-    ``mem_cap``): a shorter order that holds no more. Returns (best order, its makespan, steps)."""
-    cap = peak if mem_cap is None else min(peak, mem_cap)
-    state = OrderState(model, seqs, cap + _EPS * max(1.0, cap), tails)
-    return _phase_makespan(state, rng, budget, goal, temps, p.q_critical, cls, p.phase1_cycle_steps)
+    def makespan_phase(self, state: OrderState, budget: _Meter, goal: float) -> tuple[list[list[int]], float, int]:
+        """Anneal the makespan towards ``goal``. With a step budget longer than
+        ``phase1_cycle_steps``, cooling runs in cycles of that many steps, each a fresh try from
+        the starting order (a long budget then buys more tries, not a slower cooling that wanders
+        hot for most of it); the best over all is kept. Returns (best order, its makespan, steps)."""
+        rng, (t0, t1), cycle = self.rng, self.temps, self.p.phase1_cycle_steps
+        proposer = _Proposer(state, rng, self.p.q_critical, self.cls)
+        cur = state.makespan()
+        best, best_seqs, step = cur, state.snapshot(), 0
+        target = goal + _EPS * max(1.0, abs(goal))
+        cycling = cycle is not None and budget.steps is not None and budget.steps > cycle
+        cycle_start, first = 0, state.snapshot()
+        while best > target:
+            frac = budget.frac(step)
+            if frac >= 1.0:
+                break
+            if cycling:
+                if step - cycle_start >= cycle:  # cooled down above the bound: another try
+                    cycle_start = step
+                    state = OrderState(state.model, first, state.mem_cap, state.tail)
+                    proposer = _Proposer(state, rng, self.p.q_critical, self.cls)
+                    cur = state.makespan()
+                frac = (step - cycle_start) / cycle
+            step += 1
+            temp = t0 * (t1 / t0) ** frac
+            threshold = cur - temp * math.log(1.0 - rng.random())  # accept iff makespan <= this
+            out = proposer.propose(threshold)
+            if out is None:
+                continue
+            new = out[0]
+            if new <= threshold:
+                state.commit()
+                proposer.changed()
+                cur = new
+                if new < best - _EPS:
+                    best, best_seqs = new, state.snapshot()
+            else:
+                state.revert()
+        return best_seqs, best, step
 
+    def memory_phase(self, target: float, seqs: Sequence[Sequence[int]], budget: Budget) -> tuple[MemorySearch, int]:
+        """Run the memory search from ``seqs`` at makespan ``target``; returns (search, steps used)."""
+        search = MemorySearch(self.model, self.tails, target, self.mem_cap, self.rng, self.p.memory)
+        return search, search.run(seqs, budget.steps, budget.seconds).steps
 
-def _lower_memory_cascade(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
-                          temps: tuple[float, float], cls: list[int], mem_cap: float | None,
-                          best_seqs: list[list[int]], best: float,
-                          capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]], budget: Budget
-                          ) -> tuple[list[list[int]], float, int, int, int]:
-    """Phase 1, second part: from each of ``capped_starts`` (orders with their peak, highest peak
-    first) whose peak is below the best order's, anneal the makespan under a hard cap at that
-    peak, with ``front_try_frac`` of phase 1's budget each; an order that reaches the best
-    makespan so far (or beats it) replaces the best. The memory phase then starts from an order
-    at the same makespan that holds less (docs/FUSED_SEARCH.md, phase 1). Returns (best order,
-    its makespan, steps used, index of the start, tries)."""
-    peak = OrderState(model, best_seqs, mem_cap, tails).max_peak()
-    each = budget.scaled(p.front_try_frac, lambda steps: max(1, int(steps)))
-    deadline = _Meter(budget)
-    used, front, tries = 0, -1, 0
-    for k, (seqs, start_peak) in enumerate(capped_starts):
-        if start_peak >= peak - _EPS * max(1.0, peak):
-            continue
-        if deadline.frac(used) >= 1.0:
-            break
-        left = None if budget.steps is None else min(each.steps, budget.steps - used)
-        # stop as soon as the best makespan so far is matched: equal makespan, less memory
-        seqs_k, makespan_k, used_k = _anneal_under_peak(model, tails, rng, p, temps, cls, mem_cap, seqs,
-                                                        start_peak, best, _Meter(Budget(left, each.seconds)))
-        used += used_k
-        tries += 1
-        if makespan_k <= best + _EPS * max(1.0, abs(best)):
-            best_seqs, best, front = seqs_k, min(best, makespan_k), k
-            peak = OrderState(model, seqs_k, mem_cap, tails).max_peak()
-    return best_seqs, best, used, front, tries
+    def under_peak(self, seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: _Meter
+                   ) -> tuple[list[list[int]], float, int]:
+        """Anneal the makespan of ``seqs`` towards ``goal`` under a hard cap at ``peak`` (and the
+        cap): a shorter order that holds no more. Returns (best order, its makespan, steps)."""
+        cap = peak if self.mem_cap is None else min(peak, self.mem_cap)
+        return self.makespan_phase(self.state(seqs, cap + _EPS * max(1.0, cap)), budget, goal)
 
+    def lower_memory_starts(self, best_seqs: list[list[int]], best: float,
+                            capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]], budget: Budget
+                            ) -> tuple[list[list[int]], float, int, int, int]:
+        """Phase 1, second part: from each of ``capped_starts`` (orders with their peak, highest
+        peak first) whose peak is below the best order's, anneal the makespan under a hard cap at
+        that peak, with ``front_try_frac`` of phase 1's budget each; an order that reaches the best
+        makespan so far (or beats it) replaces the best. The memory phase then starts from an order
+        at the same makespan that holds less (docs/FUSED_SEARCH.md, phase 1). Returns (best order,
+        its makespan, steps used, index of the start, tries)."""
+        peak = self.state(best_seqs).max_peak()
+        each = budget.scaled(self.p.front_try_frac, lambda steps: max(1, int(steps)))
+        deadline = _Meter(budget)
+        used, front, tries = 0, -1, 0
+        for k, (seqs, start_peak) in enumerate(capped_starts):
+            if start_peak >= peak - _EPS * max(1.0, peak):
+                continue
+            if deadline.frac(used) >= 1.0:
+                break
+            left = None if budget.steps is None else min(each.steps, budget.steps - used)
+            # stop as soon as the best makespan so far is matched: equal makespan, less memory
+            seqs_k, makespan_k, used_k = self.under_peak(seqs, start_peak, best, _Meter(Budget(left, each.seconds)))
+            used += used_k
+            tries += 1
+            if makespan_k <= best + _EPS * max(1.0, abs(best)):
+                best_seqs, best, front = seqs_k, min(best, makespan_k), k
+                peak = self.state(seqs_k).max_peak()
+        return best_seqs, best, used, front, tries
 
-def _trade_time_for_memory(model: SimModel, tails: list[float], rng: random.Random, p: AnnealParams,
-                           temps: tuple[float, float], cls: list[int], mem_cap: float | None,
-                           seqs: list[list[int]], start: list[list[int]], makespan: float, budget: Budget,
-                           polish: Budget) -> tuple[list[list[int]], int, int]:
-    """The memory phase's second part under a makespan slack: from ``start`` (phase 1's order)
-    lower the peak with the makespan allowed up to ``(1 + makespan_slack_frac) x makespan``; an
-    order found there is kept only if it holds less than ``seqs`` (the best order at phase 1's
-    ``makespan``), and is then annealed back towards ``makespan`` under a hard cap at its peak
-    (the slack should buy memory, not be given away at a peak the shorter schedule already had).
-    It starts from phase 1's order, not from ``seqs``: the memory phase's best order at the
-    makespan is usually in a basin that the looser target does not get it out of
-    (docs/FUSED_SEARCH.md, "Time for memory"). ``budget`` for the search, ``polish`` (plus the
-    steps the search left) for the shortening. Returns (order, steps used, levels lowered)."""
-    peak = OrderState(model, seqs, mem_cap, tails).max_peak()
-    search, used = _memory_phase(model, tails, makespan * (1.0 + p.makespan_slack_frac), mem_cap, rng,
-                                 p, start, budget)
-    if search.best_seqs is None or search.best_peak >= peak - _EPS:
-        return seqs, used, 0
-    out = search.best_seqs
-    state = OrderState(model, out, mem_cap, tails)
-    longer, peak = state.makespan(), state.max_peak()
-    left = None if budget.steps is None else budget.steps + polish.steps - used
-    if longer > makespan + _EPS * max(1.0, makespan) and (left is None or left > 0):
-        shorter_seqs, shorter, polished = _anneal_under_peak(model, tails, rng, p, temps, cls, mem_cap, out,
-                                                             peak, makespan, _Meter(Budget(left, polish.seconds)))
-        used += polished
-        if shorter < longer - _EPS * max(1.0, longer):
-            out = shorter_seqs
-    return out, used, search.levels_total
+    def trade_time_for_memory(self, seqs: list[list[int]], start: list[list[int]], makespan: float,
+                              budget: Budget, polish: Budget) -> tuple[list[list[int]], int, int]:
+        """The memory phase's second part under a makespan slack: from ``start`` (phase 1's order)
+        lower the peak with the makespan allowed up to ``(1 + makespan_slack_frac) x makespan``; an
+        order found there is kept only if it holds less than ``seqs`` (the best order at phase 1's
+        ``makespan``), and is then annealed back towards ``makespan`` under a hard cap at its peak
+        (the slack should buy memory, not be given away at a peak the shorter schedule already
+        had). It starts from phase 1's order, not from ``seqs``: the memory phase's best order at
+        the makespan is usually in a basin that the looser target does not get it out of
+        (docs/FUSED_SEARCH.md, "Time for memory"). ``budget`` for the search, ``polish`` (plus the
+        steps the search left) for the shortening. Returns (order, steps used, levels lowered)."""
+        peak = self.state(seqs).max_peak()
+        search, used = self.memory_phase(makespan * (1.0 + self.p.makespan_slack_frac), start, budget)
+        if search.best_seqs is None or search.best_peak >= peak - _EPS:
+            return seqs, used, 0
+        out = search.best_seqs
+        state = self.state(out)
+        longer, peak = state.makespan(), state.max_peak()
+        left = None if budget.steps is None else budget.steps + polish.steps - used
+        if longer > makespan + _EPS * max(1.0, makespan) and (left is None or left > 0):
+            shorter_seqs, shorter, polished = self.under_peak(out, peak, makespan, _Meter(Budget(left, polish.seconds)))
+            used += polished
+            if shorter < longer - _EPS * max(1.0, longer):
+                out = shorter_seqs
+        return out, used, search.levels_total
+
+    def run(self, seqs: Sequence[Sequence[int]],
+            capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()) -> AnnealOutcome:
+        """Phase 1 anneals the makespan from ``seqs``, then tries the lower-memory ``capped_starts``
+        (``(order, its peak)``, highest peak first) under hard caps at their peaks with what is left
+        of its budget (:meth:`lower_memory_starts`). The memory phase starts from phase 1's best."""
+        p = self.p
+        state = self.state(seqs)
+        if not any(len(s) > 1 for s in state.seqs):
+            return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0,
+                                 phase1_makespan=state.makespan(), phase1_peak_memory=state.max_peak())
+        total = Budget(p.max_steps, p.time_limit_s)
+        first = total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
+        best_seqs, best, steps_1 = self.makespan_phase(state, _Meter(first), self.lower_bound)
+        front, tries = -1, 0
+        if capped_starts:
+            best_seqs, best, used, front, tries = self.lower_memory_starts(
+                best_seqs, best, capped_starts, first.less(steps_1, self.elapsed()))
+            steps_1 += used
+        phase1 = self.state(best_seqs)
+        phase1_peak = phase1.max_peak()
+        target = phase1.makespan()
+        slack = p.makespan_slack_frac > 0
+        steps_2, levels, memory_start = 0, 0, -1
+        if p.memory_phase:
+            left = total.less(steps_1, self.elapsed())
+            # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
+            phase1_seqs = best_seqs
+            search, steps_2 = self.memory_phase(target, best_seqs,
+                                                left.scaled(p.slack_at_target_frac if slack else 1.0))
+            if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
+                best_seqs = search.best_seqs
+                levels = search.levels_total
+                memory_start = 0
+            if slack:
+                polish = left.scaled(p.slack_polish_frac)
+                best_seqs, used, more = self.trade_time_for_memory(
+                    best_seqs, phase1_seqs, target,
+                    total.less(steps_1 + steps_2, self.elapsed()).less(polish.steps, polish.seconds), polish)
+                steps_2 += used
+                levels += more
+        final = self.state(best_seqs)
+        return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
+                             steps_2, p.seed, self.elapsed(),
+                             phase1_makespan=phase1.makespan(), phase1_peak_memory=phase1_peak,
+                             memory_levels=levels,
+                             memory_start=memory_start, phase1_front=front, phase1_tries=tries)
 
 
 def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
                   mem_cap: float | None = None, params: AnnealParams | None = None,
                   capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()) -> AnnealOutcome:
-    """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank).
-    Phase 1 anneals the makespan from ``seqs``, then tries the lower-memory ``capped_starts``
-    (``(order, its peak)``, highest peak first) under hard caps at their peaks with what is left of
-    its budget (:func:`_lower_memory_cascade`). The memory phase starts from phase 1's best order."""
-    p = params or AnnealParams()
-    t_begin = time.perf_counter()
-    rng = random.Random(p.seed)
-    tails = chain_tails(model)
-    state = OrderState(model, seqs, mem_cap, tails)
-    if not any(len(s) > 1 for s in state.seqs):
-        return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0,
-                             phase1_makespan=state.makespan(), phase1_peak_memory=state.max_peak())
-    mean_dur = sum(model.dur) / max(len(model.dur), 1) or 1.0
-    temps = (p.t0_rel * mean_dur, p.t1_rel * mean_dur)
-    total = Budget(p.max_steps, p.time_limit_s)
-    first = total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
-
-    def elapsed() -> float:
-        return time.perf_counter() - t_begin
-
-    cls = action_classes(model)
-    best_seqs, best, steps_1 = _phase_makespan(state, rng, _Meter(first), lower_bound,
-                                               temps, p.q_critical, cls, p.phase1_cycle_steps)
-    front, tries = -1, 0
-    if capped_starts:
-        best_seqs, best, used, front, tries = _lower_memory_cascade(
-            model, tails, rng, p, temps, cls, mem_cap, best_seqs, best, capped_starts, first.less(steps_1, elapsed()))
-        steps_1 += used
-    phase1 = OrderState(model, best_seqs, mem_cap, tails)
-    phase1_peak = phase1.max_peak()
-    target = phase1.makespan()
-    slack = p.makespan_slack_frac > 0
-    steps_2, levels, memory_start = 0, 0, -1
-    if p.memory_phase:
-        left = total.less(steps_1, elapsed())
-        # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
-        phase1_seqs = best_seqs
-        search, steps_2 = _memory_phase(model, tails, target, mem_cap, rng, p, best_seqs,
-                                        left.scaled(p.slack_at_target_frac if slack else 1.0))
-        if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
-            best_seqs = search.best_seqs
-            levels = search.levels_total
-            memory_start = 0
-        if slack:
-            polish = left.scaled(p.slack_polish_frac)
-            best_seqs, used, more = _trade_time_for_memory(
-                model, tails, rng, p, temps, cls, mem_cap, best_seqs, phase1_seqs, target,
-                total.less(steps_1 + steps_2, elapsed()).less(polish.steps, polish.seconds), polish)
-            steps_2 += used
-            levels += more
-    final = OrderState(model, best_seqs, mem_cap, tails)
-    return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
-                         steps_2, p.seed, time.perf_counter() - t_begin,
-                         phase1_makespan=phase1.makespan(), phase1_peak_memory=phase1_peak,
-                         memory_levels=levels,
-                         memory_start=memory_start, phase1_front=front, phase1_tries=tries)
+    """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank):
+    :meth:`SeedSearch.run`."""
+    return SeedSearch(model, lower_bound, mem_cap, params or AnnealParams()).run(seqs, capped_starts)
 
 
 def _worker(args) -> AnnealOutcome:

@@ -171,7 +171,7 @@ def memory_front(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], 
                  serial_peak: float, lower_bound: float) -> list[tuple[str, Schedule, SimResult]]:
     """Greedy schedules on the (peak memory, makespan) Pareto front, highest peak (= shortest)
     first, those within ``FRONT_MAX_GAP`` of ``lower_bound`` only: phase 1 tries them under hard
-    caps at their peaks after its first run (``anneal._lower_memory_cascade``). A greedy pass per
+    caps at their peaks after its first run (``anneal.SeedSearch.lower_memory_starts``). A greedy pass per
     policy x window x cap (``FRONT_*``: 32 passes); caps above ``mem_cap`` are clipped to it."""
     found: list[tuple[str, Schedule, SimResult]] = []
     for factor in FRONT_CAPS:

@@ -165,25 +165,20 @@ def test_slack_part_keeps_only_lower_peaks_and_shortens_them():
     """The memory phase's part under a makespan slack: from an order at phase 1's makespan it keeps
     an order only if it holds less, within the slack, and anneals it back towards that makespan
     under a hard cap at its peak; with no step budget it returns its input."""
-    from systems.rlhfuse.intra.anneal import Budget, _trade_time_for_memory, action_classes
+    from systems.rlhfuse.intra.anneal import Budget, SeedSearch
 
     pipes, costs, start, model, seqs = _setup(4, 4, 6, 6, policy="critical_path")
-    tails = chain_tails(model)
-    before = OrderState(model, seqs, None, tails)
-    mean = sum(model.dur) / len(model.dur)
-    temps = (mean, 0.02 * mean)
+    before = OrderState(model, seqs, None, chain_tails(model))
     for slack in (0.02, 0.2):
-        p = AnnealParams(makespan_slack_frac=slack)
-        out, used, levels = _trade_time_for_memory(model, tails, random.Random(0), p, temps, action_classes(model),
-                                                   None, seqs, seqs, before.makespan(), Budget(3000, None),
-                                                   Budget(1000, None))
+        search = SeedSearch(model, 0.0, None, AnnealParams(makespan_slack_frac=slack))
+        out, used, levels = search.trade_time_for_memory(seqs, seqs, before.makespan(), Budget(3000, None),
+                                                         Budget(1000, None))
         after = simulate(_decode(model, start.ranks, out, pipes), costs)
         assert 0 < used <= 4000 and levels > 0
         assert after.max_peak_memory < before.max_peak() - 1e-9
         assert after.makespan <= before.makespan() * (1 + slack) * (1 + 1e-9)
-    same, used, levels = _trade_time_for_memory(model, tails, random.Random(0), AnnealParams(makespan_slack_frac=0.2),
-                                                temps, action_classes(model), None, seqs, seqs, before.makespan(),
-                                                Budget(0, None), Budget(0, None))
+    search = SeedSearch(model, 0.0, None, AnnealParams(makespan_slack_frac=0.2))
+    same, used, levels = search.trade_time_for_memory(seqs, seqs, before.makespan(), Budget(0, None), Budget(0, None))
     assert same == seqs and used == 0 and levels == 0
 
 
