@@ -84,14 +84,15 @@ class AnnealOutcome:
     steps_memory: int
     seed: int
     elapsed_s: float
-    start_index: int = 0
+    start: str = ""                  # label of the seed's starting order
     phase1_makespan: float = 0.0     # makespan of phase 1's best order (the memory phase's target;
                                      # with a slack, its second part's is (1 + slack) x this)
     phase1_peak_memory: float = 0.0  # peak of phase 1's best order (the memory phase's start)
     memory_levels: int = 0           # how many times the memory phase lowered the peak
-    memory_start: int = -1           # 0: the memory phase's result was kept; -1: phase 1's order
-    phase1_front: int = -1           # the lower-memory start whose capped run gave phase 1's
-                                     # result (index into capped_starts; -1: the seed's own start)
+    memory_start: str = ""           # "makespan phase": the memory phase's result (from phase 1's
+                                     # order) was kept; "": phase 1's order was
+    phase1_start: str = ""           # label of the start whose run gave phase 1's result: the
+                                     # seed's own, or a lower-memory start run under its cap
     phase1_tries: int = 0            # lower-memory starts tried after the first run of phase 1
 
 
@@ -240,19 +241,19 @@ class SeedSearch:
         return self.makespan_phase(self.state(seqs, cap + _EPS * max(1.0, cap)), budget, goal)
 
     def lower_memory_starts(self, best_seqs: list[list[int]], best: float,
-                            capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]], budget: Budget
-                            ) -> tuple[list[list[int]], float, int, int, int]:
-        """Phase 1, second part: from each of ``capped_starts`` (orders with their peak, highest
-        peak first) whose peak is below the best order's, anneal the makespan under a hard cap at
+                            capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]], budget: Budget
+                            ) -> tuple[list[list[int]], float, int, str, int]:
+        """Phase 1, second part: from each of ``capped_starts`` (labelled orders with their peak,
+        highest peak first) whose peak is below the best order's, anneal the makespan under a hard cap at
         that peak, with ``front_try_frac`` of phase 1's budget each; an order that reaches the best
         makespan so far (or beats it) replaces the best. The memory phase then starts from an order
         at the same makespan that holds less (docs/FUSED_SEARCH.md, phase 1). Returns (best order,
-        its makespan, steps used, index of the start, tries)."""
+        its makespan, steps used, label of the start that gave it or "", tries)."""
         peak = self.state(best_seqs).max_peak()
         each = budget.scaled(self.p.front_try_frac, lambda steps: max(1, int(steps)))
         deadline = _Meter(budget)
-        used, front, tries = 0, -1, 0
-        for k, (seqs, start_peak) in enumerate(capped_starts):
+        used, front, tries = 0, "", 0
+        for label, seqs, start_peak in capped_starts:
             if start_peak >= peak - _EPS * max(1.0, peak):
                 continue
             if deadline.frac(used) >= 1.0:
@@ -263,7 +264,7 @@ class SeedSearch:
             used += used_k
             tries += 1
             if makespan_k <= best + _EPS * max(1.0, abs(best)):
-                best_seqs, best, front = seqs_k, min(best, makespan_k), k
+                best_seqs, best, front = seqs_k, min(best, makespan_k), label
                 peak = self.state(seqs_k).max_peak()
         return best_seqs, best, used, front, tries
 
@@ -294,19 +295,22 @@ class SeedSearch:
         return out, used, search.levels_total
 
     def run(self, seqs: Sequence[Sequence[int]],
-            capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()) -> AnnealOutcome:
-        """Phase 1 anneals the makespan from ``seqs``, then tries the lower-memory ``capped_starts``
-        (``(order, its peak)``, highest peak first) under hard caps at their peaks with what is left
-        of its budget (:meth:`lower_memory_starts`). The memory phase starts from phase 1's best."""
+            capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]] = (), label: str = ""
+            ) -> AnnealOutcome:
+        """Phase 1 anneals the makespan from ``seqs`` (the start called ``label``), then tries the
+        lower-memory ``capped_starts`` (``(label, order, its peak)``, highest peak first) under hard
+        caps at their peaks with what is left of its budget (:meth:`lower_memory_starts`). The
+        memory phase starts from phase 1's best."""
         p = self.p
         state = self.state(seqs)
         if not any(len(s) > 1 for s in state.seqs):
-            return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0,
-                                 phase1_makespan=state.makespan(), phase1_peak_memory=state.max_peak())
+            return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0, label,
+                                 phase1_makespan=state.makespan(), phase1_peak_memory=state.max_peak(),
+                                 phase1_start=label)
         total = Budget(p.max_steps, p.time_limit_s)
         first = total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
         best_seqs, best, steps_1 = self.makespan_phase(state, _Meter(first), self.lower_bound)
-        front, tries = -1, 0
+        front, tries = "", 0
         if capped_starts:
             best_seqs, best, used, front, tries = self.lower_memory_starts(
                 best_seqs, best, capped_starts, first.less(steps_1, self.elapsed()))
@@ -315,7 +319,7 @@ class SeedSearch:
         phase1_peak = phase1.max_peak()
         target = phase1.makespan()
         slack = p.makespan_slack_frac > 0
-        steps_2, levels, memory_start = 0, 0, -1
+        steps_2, levels, memory_start = 0, 0, ""
         if p.memory_phase:
             left = total.less(steps_1, self.elapsed())
             # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
@@ -325,7 +329,7 @@ class SeedSearch:
             if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
                 best_seqs = search.best_seqs
                 levels = search.levels_total
-                memory_start = 0
+                memory_start = "makespan phase"
             if slack:
                 polish = left.scaled(p.slack_polish_frac)
                 best_seqs, used, more = self.trade_time_for_memory(
@@ -335,38 +339,37 @@ class SeedSearch:
                 levels += more
         final = self.state(best_seqs)
         return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
-                             steps_2, p.seed, self.elapsed(),
+                             steps_2, p.seed, self.elapsed(), label,
                              phase1_makespan=phase1.makespan(), phase1_peak_memory=phase1_peak,
                              memory_levels=levels,
-                             memory_start=memory_start, phase1_front=front, phase1_tries=tries)
+                             memory_start=memory_start, phase1_start=front or label, phase1_tries=tries)
 
 
 def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
                   mem_cap: float | None = None, params: AnnealParams | None = None,
-                  capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()) -> AnnealOutcome:
+                  capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]] = (),
+                  label: str = "") -> AnnealOutcome:
     """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank):
     :meth:`SeedSearch.run`."""
-    return SeedSearch(model, lower_bound, mem_cap, params or AnnealParams()).run(seqs, capped_starts)
+    return SeedSearch(model, lower_bound, mem_cap, params or AnnealParams()).run(seqs, capped_starts, label)
 
 
 def _worker(args) -> AnnealOutcome:
-    model, seqs, lower_bound, mem_cap, params, start_index, capped_starts = args
-    out = anneal_orders(model, seqs, lower_bound, mem_cap, params, capped_starts)
-    out.start_index = start_index
-    return out
+    model, (label, seqs), lower_bound, mem_cap, params, capped_starts = args
+    return anneal_orders(model, seqs, lower_bound, mem_cap, params, capped_starts, label)
 
 
-def anneal_seeds(model: SimModel, starts: Sequence[Sequence[Sequence[int]]], lower_bound: float,
-                 mem_cap: float | None, seeds: Sequence[int], params: AnnealParams,
-                 num_workers: int = 1, capped_starts: Sequence[tuple[Sequence[Sequence[int]], float]] = ()
+def anneal_seeds(model: SimModel, starts: Sequence[tuple[str, Sequence[Sequence[int]]]], lower_bound: float,
+                 mem_cap: float | None, seeds: Sequence[int], params: AnnealParams, num_workers: int = 1,
+                 capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]] = ()
                  ) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
-    """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (``num_workers``
-    processes when > 1), each with the same ``capped_starts`` for phase 1's lower-memory tries;
-    returns (best, all). Best = lowest makespan, then
-    lowest peak memory, then lowest seed."""
-    capped = [([list(s) for s in start], peak) for start, peak in capped_starts]
-    jobs = [(model, [list(s) for s in starts[k % len(starts)]], lower_bound, mem_cap,
-             AnnealParams(**{**params.__dict__, "seed": seed}), k % len(starts), capped)
+    """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (labelled orders;
+    ``num_workers`` processes when > 1), each with the same labelled ``capped_starts`` for phase
+    1's lower-memory tries; returns (best, all). Best = lowest makespan, then lowest peak memory,
+    then lowest seed."""
+    capped = [(label, [list(s) for s in start], peak) for label, start, peak in capped_starts]
+    jobs = [(model, (starts[k % len(starts)][0], [list(s) for s in starts[k % len(starts)][1]]), lower_bound,
+             mem_cap, AnnealParams(**{**params.__dict__, "seed": seed}), capped)
             for k, seed in enumerate(seeds)]
     workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
     if workers == 1:

@@ -226,10 +226,10 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
                           memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
                           memory=MemoryParams(max_shift=int(cfg.memory_move_reach)))
-    best, _ = anneal_seeds(model, [_encode(s, costs) for _, s, _ in starts], bound.value, mem_cap,
+    best, _ = anneal_seeds(model, [(name, _encode(s, costs)) for name, s, _ in starts], bound.value, mem_cap,
                            cfg.seeds, params, cfg.num_workers,
-                           capped_starts=[(_encode(s, costs), sim.max_peak_memory) for _, s, sim in front])
-    start_name, start, start_sim = starts[best.start_index]
+                           capped_starts=[(name, _encode(s, costs), sim.max_peak_memory) for name, s, sim in front])
+    start_name, start, start_sim = next(entry for entry in starts if entry[0] == best.start)
     ranks = serial.ranks
     exact = _refine_exactly(model, best.seqs, bound.value, mem_cap, cfg.exact_effort, cfg.exact_workers, cfg.seed,
                             None if time_limit_s is None else
@@ -252,8 +252,6 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         valid = mem_cap is None or result.max_peak_memory <= mem_cap + 1e-9
     except ScheduleError:
         valid = False
-    phase1_start = start_name if best.phase1_front < 0 else front[best.phase1_front][0]
-    memory_start = "" if best.memory_start < 0 else "makespan phase"
     return FusedResult(
         schedule=schedule, makespan=result.makespan, lower_bound=bound.value,
         serial_makespan=barrier_makespan, greedy_makespan=greedy_sim.makespan,
@@ -266,7 +264,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0,
         phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory,
         memory_levels=best.memory_levels,
-        memory_start=memory_start, phase1_start=phase1_start, phase1_tries=best.phase1_tries,
+        memory_start=best.memory_start, phase1_start=best.phase1_start, phase1_tries=best.phase1_tries,
         annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
         **({"makespan_bound": bound.value} if exact is None else exact.fields(bound.value)))
 

@@ -167,12 +167,12 @@ def test_anneal_is_deterministic_and_improves():
 def test_parallel_seeds_equal_serial_seeds():
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 6)
     other = greedy_schedule(pipes, costs, policy="alternate")
-    starts = [seqs, [model.encode(other.order[r], r) for r in other.ranks]]
+    starts = [("greedy", seqs), ("alternate", [model.encode(other.order[r], r) for r in other.ranks])]
     params = AnnealParams(time_limit_s=None, max_steps=1500)
     lb = lower_bound(pipes, costs)
     one, all_one = anneal_seeds(model, starts, lb, None, [3, 4, 5], params, num_workers=1)
     two, all_two = anneal_seeds(model, starts, lb, None, [3, 4, 5], params, num_workers=2)
     assert [o.seqs for o in all_one] == [o.seqs for o in all_two]
     assert (one.seed, one.seqs) == (two.seed, two.seqs)
-    assert [o.start_index for o in all_one] == [0, 1, 0]
+    assert [o.start for o in all_one] == ["greedy", "alternate", "greedy"]
     assert one == min(all_one, key=lambda o: (round(o.makespan, 9), o.peak_memory, o.seed))

@@ -148,17 +148,17 @@ def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespa
     serial_seqs = [model.encode(serial.order[r], r) for r in start.ranks]
     serial_sim = simulate(serial, costs)
     assert serial_sim.makespan > plain.makespan and serial_sim.max_peak_memory < plain.peak_memory
-    capped = [(serial_seqs, serial_sim.max_peak_memory), (low_seqs, low_peak)]
+    capped = [("serial", serial_seqs, serial_sim.max_peak_memory), ("low", low_seqs, low_peak)]
     params = AnnealParams(seed=1, time_limit_s=None, max_steps=3000, memory_phase=False,
                           front_try_frac=1e-3)  # 3 steps for the serial order: it cannot get there
-    out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped)
-    assert out.phase1_front == 1 and out.phase1_tries == 2
+    out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped, label="own")
+    assert out.phase1_start == "low" and out.phase1_tries == 2 and out.start == "own"
     assert out.makespan == pytest.approx(plain.makespan) and out.peak_memory == pytest.approx(low_peak)
     res = simulate(_decode(model, start.ranks, out.seqs, pipes), costs)
     assert res.makespan == pytest.approx(plain.makespan) and res.max_peak_memory == pytest.approx(low_peak)
     # no lower-memory start at the makespan: phase 1's own order stays
-    out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped[:1])
-    assert out.phase1_front == -1 and out.peak_memory == pytest.approx(plain.peak_memory)
+    out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped[:1], label="own")
+    assert out.phase1_start == "own" and out.peak_memory == pytest.approx(plain.peak_memory)
 
 
 def test_slack_part_keeps_only_lower_peaks_and_shortens_them():
