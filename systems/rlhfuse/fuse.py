@@ -111,6 +111,8 @@ def _table(summary: dict) -> str:
         ("bubble", f"{100 * summary['bubble_frac']:.1f}%"),
         ("search", f"{summary['search_s']:.1f} s, {summary['steps']} steps "
                    f"({summary['steps_memory']} in the memory phase), start {summary['best_start']}"),
+        ("peak bound", f"no schedule at most this long holds less than {summary['peak_lower_bound']:g} "
+                       f"({summary['peak_lower_bound_vs_serial']:.3f}x serial)"),
         ("valid", str(summary["valid"])),
     ]
     if summary["makespan_slack_frac"] > 0:

@@ -28,9 +28,19 @@ Terms (the bound is their maximum):
     to). This is what makes the fused bound exceed (c): a middle rank of a bidirectional pipeline
     waits for the first activations to arrive from both ends and must leave time for the
     gradients to drain to both ends.
+
+**Peak memory** (:func:`peak_lower_bound`): a rank holds a micro-batch's activation of stage ``s``
+from the end of ``F(s, m)`` to the start of ``B(s, m)`` at least, and that gap is at least
+``gap(p, s) = sum_{k>s} (F_k + B_k) + 2 * hops`` (the forward must reach the last stage and the
+gradient come back, ``hops`` the rank changes on the way). Over a schedule of makespan ``T``, the
+rank's held memory, averaged over the part of ``[0, T]`` in which it can hold anything (after its
+earliest forward can end, before its last backward's ``tail``), is at most its peak; so
+``peak >= sum_{(p, s) on the rank} M * act_s * gap(p, s) / window``, and ``peak >= act_s`` of
+every stage it runs. The largest over ranks holds for every schedule no longer than ``T``.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -93,3 +103,30 @@ def lower_bound_terms(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCos
 def lower_bound(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]) -> float:
     """A makespan no valid schedule of ``pipes`` under ``costs`` can beat."""
     return lower_bound_terms(pipes, costs).value
+
+
+def peak_lower_bound(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], makespan: float) -> float:
+    """A peak activation memory below which no valid schedule of ``pipes`` lasting at most
+    ``makespan`` can stay (module docstring, "Peak memory")."""
+    held: dict[int, float] = {}   # per rank: the least memory x time it must hold
+    opens: dict[int, float] = {}  # per rank: the earliest a forward of it can end
+    closes: dict[int, float] = {}  # per rank: the least time after its last backward
+    single: dict[int, float] = {}
+    for name, pipe in pipes.items():
+        cost = costs[name]
+        heads, tails = head_tail(pipe, cost)
+        ranks = pipe.stage_to_rank
+        gap = 0.0
+        for s in range(pipe.num_stages - 1, -1, -1):
+            rank = ranks[s]
+            held[rank] = held.get(rank, 0.0) + pipe.num_mbs * cost.activation[s] * gap
+            opens[rank] = min(opens.get(rank, math.inf), heads[s] + cost.fwd[s])
+            closes[rank] = min(closes.get(rank, math.inf), tails[s])
+            single[rank] = max(single.get(rank, 0.0), cost.activation[s])
+            if s > 0:
+                gap += cost.fwd[s] + cost.bwd[s] + (2.0 * cost.p2p if ranks[s] != ranks[s - 1] else 0.0)
+    out = 0.0
+    for rank, area in held.items():
+        window = makespan - opens[rank] - closes[rank]
+        out = max(out, single[rank], area / window if window > 0 else 0.0)
+    return out

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, SimResult, sim_model,
                               simulate, validate)
 from systems.rlhfuse.intra.anneal import AnnealParams, anneal_seeds
-from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms
+from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms, peak_lower_bound
 from systems.rlhfuse.intra.config import FusedSearchConfig
 from systems.rlhfuse.intra.greedy import POLICIES, greedy_schedule
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
@@ -76,6 +76,9 @@ class FusedResult:
     annealed_peak_memory: float = 0.0
     makespan_bound: float = 0.0        # proven: no schedule is shorter (>= lower_bound)
     peak_bound: float = 0.0            # proven: no schedule this short holds less (0: none proven)
+    # the best lower bound on the peak of any schedule at most this long: the closed form
+    # (bounds.peak_lower_bound) or the exact refinement's proof, whichever is higher
+    peak_lower_bound: float = 0.0
 
     @property
     def makespan_optimal(self) -> bool:
@@ -110,7 +113,8 @@ class FusedResult:
                 "speedup_vs_serial_no_barrier": ratio(self.serial_no_barrier_makespan, self.makespan, 1.0),
                 "peak_memory_vs_serial": self.peak_memory_vs_serial,
                 "phase1_peak_memory_vs_serial": ratio(self.phase1_peak_memory, self.serial_peak_memory, 1.0),
-                "peak_bound_vs_serial": ratio(self.peak_bound, self.serial_peak_memory, 0.0)}
+                "peak_bound_vs_serial": ratio(self.peak_bound, self.serial_peak_memory, 0.0),
+                "peak_lower_bound_vs_serial": ratio(self.peak_lower_bound, self.serial_peak_memory, 0.0)}
 
 
 def paper_serial(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]) -> tuple[float, float]:
@@ -266,6 +270,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         memory_levels=best.memory_levels,
         memory_start=best.memory_start, phase1_start=best.phase1_start, phase1_tries=best.phase1_tries,
         annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
+        peak_lower_bound=max(peak_lower_bound(pipes, costs, result.makespan),
+                             0.0 if exact is None else exact.peak_bound),
         **({"makespan_bound": bound.value} if exact is None else exact.fields(bound.value)))
 
 
