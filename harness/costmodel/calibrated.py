@@ -256,17 +256,6 @@ class CalibratedCompute:
                 terms.append((None, None, None, width, floor, law.c0, law.c_flop, law.c_byte))
         return tuple(terms)
 
-    def _linear_layer_reference_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
-        """:meth:`_linear_layer_s` op by op through :func:`_op_work` (the tests' reference)."""
-        dims = _vidur_dims(d)
-        total = 0.0
-        for op in LAYER_OPS:
-            if op == "attn_rope" and d.learned_positions:
-                continue
-            flops, nbytes, width = _op_work(op, dims, tp, num_tokens)
-            total += self.cal.law(OP_CLASS[op], tp).seconds(flops, nbytes, width)
-        return total
-
     def linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
         if num_tokens <= 0:
             return 0.0
