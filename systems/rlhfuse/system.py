@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from harness.errors import ConfigError, PlanError
+from harness.errors import ConfigError
 from harness.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
                           WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan, needs_movement
