@@ -35,7 +35,8 @@ and the columns it proves (``proven``: the makespan's proven bound over the lowe
 when the makespan is proven optimal; ``peak >=`` also rises where CP-SAT proves more). ``peak >=``
 is printed on every row: no schedule that short holds less, by the closed-form bound
 (``bounds.peak_lower_bound``) or the refinement's proof, whichever is higher; a missed target
-above which that bound lies is printed as ``unreachable``: no schedule that short meets it. Off by default: with 2e9 work units and effort 10 a row took 33-111 s here; it decides
+above which that bound lies is printed as ``unreachable``: no schedule that short meets it. The
+refinement is off by default: with 2e9 work units and effort 10 a row took 33-111 s here; it decides
 more rows (met or proven unreachable), but the halved annealing budget costs some of the
 32-64-micro-batch rows (docs/FUSED_SEARCH.md). ``--costs flexfusion`` runs the same shapes with
 the paper authors' own integer stage costs (``systems.rlhfuse.experiments.FLEXFUSION_COSTS``),

@@ -44,6 +44,7 @@ import numpy as np
 
 from harness.schedule import SimModel
 from systems.rlhfuse.intra import kernel
+from systems.rlhfuse.intra.config import DEFAULT_MEMORY_MOVE_REACH
 from systems.rlhfuse.intra.incremental import OrderState
 
 _EPS = 1e-9
@@ -64,7 +65,7 @@ class MemoryParams:
     q_memory: float = 0.5   # share of memory-targeted proposals while some rank is over the cap
     q_critical: float = 0.25  # share of critical-path swaps while the makespan is above target
     q_move: float = 0.8     # share of moves (vs adjacent swaps) among memory-targeted and uniform
-    max_shift: int = 8      # longest distance a move carries an action
+    max_shift: int = DEFAULT_MEMORY_MOVE_REACH  # longest distance a move carries an action
     cap_step: float = 0.5   # next cap = best peak - cap_step * smallest activation
     rung_steps: int = 10_000  # cooling from t0 to t1 restarts at every new level (and after this)
 
