@@ -8,6 +8,7 @@ memory under a tightening cap), and reported against a lower bound and the seria
 - :mod:`.greedy` -- the greedy list scheduler (the search's starting point);
 - :mod:`.bounds` -- the makespan lower bound and its terms;
 - :mod:`.incremental` -- re-timing of swaps and moves from where they change (agrees with ``simulate``);
+- :mod:`.loop` -- the annealing loop of both objectives (a compiled kernel);
 - :mod:`.memory` -- the memory phase (lower the peak with the makespan fixed);
 - :mod:`.anneal` -- the two-phase simulated annealing, one or several seeds;
 - :mod:`.exact` -- the optional exact refinement by constraint programming (CP-SAT) and its proofs;

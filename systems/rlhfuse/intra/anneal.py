@@ -2,9 +2,10 @@
 NSDI'25, arXiv 2409.13221, section 5: minimise the latency, then, with the latency fixed, the peak
 memory).
 
-This module owns the search loop of one seed and the fan-out over seeds; the timing it scores with
-lives in :mod:`systems.rlhfuse.intra.incremental` (always agrees with
-``harness.schedule.simulate``), the memory phase in :mod:`systems.rlhfuse.intra.memory`.
+This module owns the phases of one seed's search (:class:`SeedSearch`) and the fan-out over
+seeds; both phases run the one annealing loop of :mod:`systems.rlhfuse.intra.loop` (its timing,
+:mod:`systems.rlhfuse.intra.incremental`, always agrees with ``harness.schedule.simulate``), the
+memory phase through :mod:`systems.rlhfuse.intra.memory`.
 
 - **Neighbourhood** (as in the paper): swap two adjacent actions on one rank. A proposal that
   would deadlock or break the activation-memory cap is discarded and another one drawn. Two
@@ -14,14 +15,14 @@ lives in :mod:`systems.rlhfuse.intra.incremental` (always agrees with
   critical path (see ``OrderState.critical_swaps``: only those swaps can shorten the path),
   otherwise uniformly over all adjacent pairs (uniform swaps alone barely move a schedule of
   thousands of actions: docs/FUSED_SEARCH.md).
-- **Phase 1** (makespan): energy = makespan; Metropolis acceptance ``exp(-dE / T)`` with geometric
-  cooling from ``T0`` to ``T1`` (both relative to the mean action time) over the phase's step or
-  time budget, whichever runs out first; a step budget longer than ``phase1_cycle_steps`` is
-  spent in cooling cycles of that length, each a fresh try from the starting order. The uniform
-  number ``u`` of the acceptance test is drawn *before* the move is timed, so the move is
-  accepted iff its makespan is at most ``current - T ln u`` (the same law as Metropolis), and
-  re-timing stops as soon as it proves the makespan will exceed that threshold. Stops early when
-  the makespan reaches the lower bound.
+- **Phase 1** (makespan, the loop's MAKESPAN objective): energy = makespan; Metropolis acceptance
+  ``exp(-dE / T)`` with geometric cooling from ``T0`` to ``T1`` (both relative to the mean action
+  time) over the phase's step or time budget, whichever runs out first; a step budget longer than
+  ``phase1_cycle_steps`` is spent in cooling cycles of that length, each a fresh try from the
+  starting order. The uniform number ``u`` of the acceptance test is drawn *before* the move is
+  timed, so the move is accepted iff its makespan is at most ``current - T ln u`` (the same law as
+  Metropolis), and re-timing stops as soon as it proves the makespan will exceed that threshold.
+  Stops early when the makespan reaches the lower bound.
 - **Phase 2** (memory, :class:`~systems.rlhfuse.intra.memory.MemorySearch`): with the makespan
   fixed at phase 1's best ``T``, lower the peak activation memory under a cap of increasing
   tightness, starting from phase 1's best order. Every schedule it keeps has makespan <= ``T``,
@@ -37,7 +38,6 @@ lives in :mod:`systems.rlhfuse.intra.incremental` (always agrees with
 """
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import random
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from harness.schedule import SimModel
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
+from systems.rlhfuse.intra import loop
 from systems.rlhfuse.intra.memory import MemoryParams, MemorySearch
 
 _EPS = 1e-9
@@ -113,59 +114,10 @@ class Budget:
         return Budget(None if self.steps is None else self.steps - (steps or 0),
                       None if self.seconds is None else self.seconds - (seconds or 0.0))
 
-
-class _Meter:
-    """A budget being spent from now on; ``frac()`` is the share used so far."""
-
-    def __init__(self, budget: Budget):
-        self.steps, self.seconds, self.t_start = budget.steps, budget.seconds, time.perf_counter()
-
-    def frac(self, step: int) -> float:
-        f = 0.0
-        if self.steps is not None:
-            f = step / self.steps if self.steps > 0 else 1.0
-        if self.seconds is not None:
-            f = max(f, (time.perf_counter() - self.t_start) / self.seconds if self.seconds > 0 else 1.0)
-        return f
-
-
-def action_classes(model: SimModel) -> list[int]:
-    """Per action: an id of its (pipe, kind). Two actions of one class never trade places."""
-    names: dict[tuple[str, str], int] = {}
-    return [names.setdefault((a.pipe, a.kind), len(names)) for a in model.actions]
-
-
-class _Proposer:
-    """Draws valid adjacent swaps of two different classes: with probability ``q`` one at the end
-    of a critical path's rank block, else a uniform one."""
-
-    def __init__(self, state: OrderState, rng: random.Random, q: float, cls: list[int]):
-        self.state, self.rng, self.q, self.cls = state, rng, q, cls
-        self.ranks = [r for r, s in enumerate(state.seqs) if len(s) > 1]
-        self.targeted: list[tuple[int, int]] | None = None
-
-    def changed(self) -> None:
-        self.targeted = None
-
-    def propose(self, threshold: float):
-        state, rng, seqs, cls = self.state, self.rng, self.state.seqs, self.cls
-        for _ in range(MAX_DRAWS):
-            if rng.random() < self.q:
-                if self.targeted is None:
-                    self.targeted = state.critical_swaps(rng)
-                if not self.targeted:
-                    continue
-                r, i = self.targeted[rng.randrange(len(self.targeted))]
-            else:
-                r = self.ranks[rng.randrange(len(self.ranks))]
-                i = rng.randrange(len(seqs[r]) - 1)
-            seq = seqs[r]
-            if cls[seq[i]] == cls[seq[i + 1]]:
-                continue
-            out = state.try_swap(r, i, threshold)
-            if out is not None:
-                return out
-        return None
+    def spent(self, steps: int, seconds: float) -> bool:
+        """Is the budget used up after ``steps`` trial moves and ``seconds``?"""
+        return (self.steps is not None and steps >= self.steps) or (self.seconds is not None and
+                                                                     seconds >= self.seconds)
 
 
 class SeedSearch:
@@ -179,7 +131,7 @@ class SeedSearch:
         self.tails = chain_tails(model)
         mean_dur = sum(model.dur) / max(len(model.dur), 1) or 1.0
         self.temps = (p.t0_rel * mean_dur, p.t1_rel * mean_dur)
-        self.cls = action_classes(model)
+        self.cls = loop.action_classes(model)
         self.t_begin = time.perf_counter()
 
     def elapsed(self) -> float:
@@ -188,52 +140,38 @@ class SeedSearch:
     def state(self, seqs: Sequence[Sequence[int]], cap: float | None = None) -> OrderState:
         return OrderState(self.model, seqs, self.mem_cap if cap is None else cap, self.tails)
 
-    def makespan_phase(self, state: OrderState, budget: _Meter, goal: float) -> tuple[list[list[int]], float, int]:
-        """Anneal the makespan towards ``goal``. With a step budget longer than
-        ``phase1_cycle_steps``, cooling runs in cycles of that many steps, each a fresh try from
-        the starting order (a long budget then buys more tries, not a slower cooling that wanders
-        hot for most of it); the best over all is kept. Returns (best order, its makespan, steps)."""
-        rng, (t0, t1), cycle = self.rng, self.temps, self.p.phase1_cycle_steps
-        proposer = _Proposer(state, rng, self.p.q_critical, self.cls)
-        cur = state.makespan()
-        best, best_seqs, step = cur, state.snapshot(), 0
-        target = goal + _EPS * max(1.0, abs(goal))
+    def makespan_phase(self, state: OrderState, budget: Budget, goal: float) -> tuple[list[list[int]], float, int]:
+        """Anneal the makespan of ``state`` towards ``goal`` (the loop's MAKESPAN objective). With a
+        step budget longer than ``phase1_cycle_steps``, cooling runs in cycles of that many steps,
+        each a fresh try from the starting order (a long budget then buys more tries, not a slower
+        cooling that wanders hot for most of it); the best over all is kept. Returns (best order,
+        its makespan, steps)."""
+        p, (t0, t1), cycle = self.p, self.temps, self.p.phase1_cycle_steps
         cycling = cycle is not None and budget.steps is not None and budget.steps > cycle
-        cycle_start, first = 0, state.snapshot()
-        while best > target:
-            frac = budget.frac(step)
-            if frac >= 1.0:
+        rung = cycle if cycling else 2**62 if budget.steps is None else max(1, budget.steps)
+        first, best, best_seqs, step = state.snapshot(), state.makespan(), None, 0
+        rs, t_start = loop.mt_state(self.rng), time.perf_counter()
+        while True:
+            run = loop.Loop(state, self.cls, loop.MAKESPAN, rs, (t0, t1, 0.0, p.q_critical, 0.0, 0.0, 0.0),
+                            (1, rung, MAX_DRAWS),
+                            {loop.F_TOL: goal + _EPS * max(1.0, abs(goal)), loop.F_BEST_MAKESPAN: best}, step)
+            out = run.run(budget.steps, None if budget.seconds is None else
+                          budget.seconds - (time.perf_counter() - t_start), time_cools=not cycling)
+            step = run.step
+            if run.best_seqs() is not None:
+                best, best_seqs = float(run.fs[loop.F_BEST_MAKESPAN]), run.best_seqs()
+            if out != loop.CYCLE_END:
                 break
-            if cycling:
-                if step - cycle_start >= cycle:  # cooled down above the bound: another try
-                    cycle_start = step
-                    state = OrderState(state.model, first, state.mem_cap, state.tail)
-                    proposer = _Proposer(state, rng, self.p.q_critical, self.cls)
-                    cur = state.makespan()
-                frac = (step - cycle_start) / cycle
-            step += 1
-            temp = t0 * (t1 / t0) ** frac
-            threshold = cur - temp * math.log(1.0 - rng.random())  # accept iff makespan <= this
-            out = proposer.propose(threshold)
-            if out is None:
-                continue
-            new = out[0]
-            if new <= threshold:
-                state.commit()
-                proposer.changed()
-                cur = new
-                if new < best - _EPS:
-                    best, best_seqs = new, state.snapshot()
-            else:
-                state.revert()
-        return best_seqs, best, step
+            state = self.state(first, state.mem_cap)  # cooled down above the bound: another try
+        loop.mt_restore(self.rng, rs)
+        return best_seqs or first, best, step
 
     def memory_phase(self, target: float, seqs: Sequence[Sequence[int]], budget: Budget) -> tuple[MemorySearch, int]:
         """Run the memory search from ``seqs`` at makespan ``target``; returns (search, steps used)."""
         search = MemorySearch(self.model, self.tails, target, self.mem_cap, self.rng, self.p.memory)
         return search, search.run(seqs, budget.steps, budget.seconds).steps
 
-    def under_peak(self, seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: _Meter
+    def under_peak(self, seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: Budget
                    ) -> tuple[list[list[int]], float, int]:
         """Anneal the makespan of ``seqs`` towards ``goal`` under a hard cap at ``peak`` (and the
         cap): a shorter order that holds no more. Returns (best order, its makespan, steps)."""
@@ -251,16 +189,15 @@ class SeedSearch:
         its makespan, steps used, label of the start that gave it or "", tries)."""
         peak = self.state(best_seqs).max_peak()
         each = budget.scaled(self.p.front_try_frac, lambda steps: max(1, int(steps)))
-        deadline = _Meter(budget)
-        used, front, tries = 0, "", 0
+        used, front, tries, t_start = 0, "", 0, time.perf_counter()
         for label, seqs, start_peak in capped_starts:
             if start_peak >= peak - _EPS * max(1.0, peak):
                 continue
-            if deadline.frac(used) >= 1.0:
+            if budget.spent(used, time.perf_counter() - t_start):
                 break
             left = None if budget.steps is None else min(each.steps, budget.steps - used)
             # stop as soon as the best makespan so far is matched: equal makespan, less memory
-            seqs_k, makespan_k, used_k = self.under_peak(seqs, start_peak, best, _Meter(Budget(left, each.seconds)))
+            seqs_k, makespan_k, used_k = self.under_peak(seqs, start_peak, best, Budget(left, each.seconds))
             used += used_k
             tries += 1
             if makespan_k <= best + _EPS * max(1.0, abs(best)):
@@ -288,7 +225,7 @@ class SeedSearch:
         longer, peak = state.makespan(), state.max_peak()
         left = None if budget.steps is None else budget.steps + polish.steps - used
         if longer > makespan + _EPS * max(1.0, makespan) and (left is None or left > 0):
-            shorter_seqs, shorter, polished = self.under_peak(out, peak, makespan, _Meter(Budget(left, polish.seconds)))
+            shorter_seqs, shorter, polished = self.under_peak(out, peak, makespan, Budget(left, polish.seconds))
             used += polished
             if shorter < longer - _EPS * max(1.0, longer):
                 out = shorter_seqs
@@ -309,7 +246,7 @@ class SeedSearch:
                                  phase1_start=label)
         total = Budget(p.max_steps, p.time_limit_s)
         first = total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
-        best_seqs, best, steps_1 = self.makespan_phase(state, _Meter(first), self.lower_bound)
+        best_seqs, best, steps_1 = self.makespan_phase(state, first, self.lower_bound)
         front, tries = "", 0
         if capped_starts:
             best_seqs, best, used, front, tries = self.lower_memory_starts(

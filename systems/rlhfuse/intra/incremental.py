@@ -242,7 +242,7 @@ class OrderState:
         the swap would deadlock or break the memory cap; otherwise ``(makespan, max peak)`` of
         the new order, where the makespan is :data:`ABORTED` as soon as re-timing proves it would
         exceed ``threshold``. Follow with :meth:`commit` (not after an abort) or :meth:`revert`.
-        (The memory phase makes the same trials inside its kernel, ``memory.memory_anneal``.)"""
+        (The annealing loop makes the same trials inside its kernel, ``loop.anneal_loop``.)"""
         seq = self.seqs[r]
         a, b = seq[i], seq[i + 1]
         if self.dep_a[b] == a or self.dep_b[b] == a:

@@ -1,0 +1,96 @@
+"""The fused search's annealing loop (RLHFuse section 5), objective MAKESPAN: its generator is
+Python's, compiled and interpreted runs take the same steps, the best order it reports is what
+``simulate`` times, a hard cap holds at every step, and cooling cycles end where they should.
+(The MEMORY objective is tested through ``MemorySearch`` in test_intra_memory.py.)"""
+import random
+
+import numpy as np
+import pytest
+
+from harness.schedule import sim_model, simulate
+from systems.rlhfuse.intra import OrderState, fused_costs, fused_pipes, greedy_schedule, loop
+from systems.rlhfuse.intra import kernel
+
+
+def _setup(n1=8, n2=4, m=8, p2p=0.1):
+    pipes = fused_pipes(n1, n2, m, m)
+    costs = fused_costs(pipes, 1.0, 0.6, mem1=1.0, mem2=0.5, p2p=p2p)
+    start = greedy_schedule(pipes, costs, policy="larger")
+    model = sim_model(start, costs)
+    return pipes, costs, start, model, [model.encode(start.order[r], r) for r in start.ranks]
+
+
+def _makespan_loop(model, seqs, rng, cap=None, rung=2**62, compiled=None, step=0):
+    mean = sum(model.dur) / model.num_actions
+    return loop.Loop(OrderState(model, seqs, cap), loop.action_classes(model), loop.MAKESPAN, loop.mt_state(rng),
+                     (1.0 * mean, 0.02 * mean, 0.0, 0.8, 0.0, 0.0, 0.0), (1, rung, 1000),
+                     {loop.F_TOL: 0.0, loop.F_BEST_MAKESPAN: OrderState(model, seqs).makespan()}, step,
+                     compiled=compiled)
+
+
+@pytest.mark.parametrize("form", ["compiled", "interpreted"])
+def test_generator_gives_the_numbers_of_pythons_random(form):
+    """MT19937 in the loop: random() and randrange(n) as random.Random gives them (n at the edges
+    of powers of two, where the rejection loop decides), and the stream goes on in the Random."""
+    uniform, below = loop._uniform, loop._below
+    if form == "interpreted":
+        uniform, below = kernel.interpreted(uniform), kernel.interpreted(below)
+    ref = random.Random(11)
+    ref.random()  # a state in the middle of a block of 624 words
+    rs = loop.mt_state(ref)
+    sizes = [1, 2, 3, 4, 5, 7, 8, 9, 255, 256, 257, 1000, 2**31 - 2, 2**31 - 1, 2**32 - 1] * 60
+    ours = [(uniform(rs), below(rs, n)) for n in sizes]
+    theirs_rng = random.Random(11)
+    theirs_rng.random()
+    assert ours == [(theirs_rng.random(), theirs_rng.randrange(n)) for n in sizes]
+    loop.mt_restore(ref, rs)
+    assert [ref.random() for _ in range(5)] == [theirs_rng.random() for _ in range(5)]
+
+
+@pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: nothing compiled to compare")
+@pytest.mark.parametrize("capped", [False, True])
+def test_makespan_objective_compiled_and_interpreted_step_for_step(capped):
+    pipes, costs, start, model, seqs = _setup()
+    cap = simulate(start, costs).max_peak_memory if capped else None
+    runs = []
+    for compiled in (True, False):
+        rng = random.Random(3)
+        run = _makespan_loop(model, seqs, rng, cap, compiled=compiled)
+        trace = np.full((800, 3), np.nan)
+        out = run.run(800, trace=trace)
+        runs.append((run.compiled, out, run.step, trace, run.best_seqs(), float(run.fs[loop.F_BEST_MAKESPAN]),
+                     run.rs.tolist()))
+    (c_flag, *compiled), (p_flag, *interpreted) = runs
+    assert c_flag and not p_flag
+    assert np.array_equal(compiled[2], interpreted[2], equal_nan=True)
+    assert compiled[:2] + compiled[3:] == interpreted[:2] + interpreted[3:]
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_makespan_objective_best_is_what_simulate_times_and_cap_holds(capped):
+    """The best order's recorded makespan is simulate's; it is no longer than the start; with a
+    hard cap (the start's peak) every step's order holds at most the cap."""
+    pipes, costs, start, model, seqs = _setup(4, 4, 6, 0.05)
+    sim = simulate(start, costs)
+    cap = sim.max_peak_memory if capped else None
+    run = _makespan_loop(model, seqs, random.Random(1), cap)
+    trace = np.full((3000, 3), np.nan)
+    assert run.run(3000, trace=trace) == loop.STOPPED and run.step == 3000
+    best = run.best_seqs()
+    assert best is not None, "3000 steps from the greedy start found nothing shorter"
+    decoded = {r: [model.actions[v] for v in s] for r, s in zip(start.ranks, best)}
+    timed = simulate(type(start)(pipes, decoded), costs)
+    assert timed.makespan == pytest.approx(run.fs[loop.F_BEST_MAKESPAN], rel=1e-12)
+    assert timed.makespan < sim.makespan
+    assert np.nanmin(trace[:, 0]) >= timed.makespan - 1e-9
+    if capped:
+        assert np.nanmax(trace[:, 2]) <= cap + 1e-9 and timed.max_peak_memory <= cap + 1e-9
+
+
+def test_cooling_cycle_ends_at_its_rung_and_a_goal_ends_the_run():
+    pipes, costs, start, model, seqs = _setup(4, 2, 4, 0.0)
+    run = _makespan_loop(model, seqs, random.Random(0), rung=50, step=120)
+    assert run.run(1000) == loop.CYCLE_END and run.step == 170
+    reached = _makespan_loop(model, seqs, random.Random(0))
+    reached.fs[loop.F_TOL] = OrderState(model, seqs).makespan()  # the start is already at the goal
+    assert reached.run(1000) == loop.DONE and reached.step == 0
