@@ -3,9 +3,12 @@ annealer (NSDI'25, arXiv 2409.13221, section 5).
 
 This module owns :class:`OrderState`: a schedule in the encoded form of
 ``harness.schedule.simulate.SimModel`` (per-rank lists of action ids) together with every
-action's start/end time and each rank's running activation memory, and the two moves the
-annealer makes: swap two adjacent actions on one rank (:meth:`OrderState.try_swap`), and move one
-action to another position on its rank (:meth:`OrderState.try_move`).
+action's start/end time and each rank's running activation memory, as the NumPy arrays the
+kernels work on, and the two moves the annealer makes: swap two adjacent actions on one rank
+(:meth:`OrderState.try_swap`), and move one action to another position on its rank
+(:meth:`OrderState.try_move`). A trial move runs the annealing loop's own trial and commit
+kernels (``loop._try``, ``loop._commit``), so the tests that check these methods against
+``simulate`` check the moves the search makes.
 
 Timing is ``simulate``'s list-scheduling rule, so a state always agrees with
 ``harness.schedule.simulate`` (the tests check this after long random walks). View the schedule as
@@ -30,8 +33,7 @@ max over its in-edges of (predecessor end + latency).
   (``kernel.move_closes_cycle``). It is the deadlock ``simulate`` would report as ScheduleError,
   and the trial returns None without re-timing anything.
 - **Kernels**: the resumed pass and the critical-path trace run in
-  :mod:`systems.rlhfuse.intra.kernel` (compiled with numba when it is installed) over NumPy
-  mirrors of the orders and times that this class keeps in step with its lists.
+  :mod:`systems.rlhfuse.intra.kernel` (compiled with numba when it is installed).
 - **Memory**: a rank's activation profile depends only on its list order; a swap changes one
   prefix sum (after position ``i``), a move the prefix sums between its two positions, so the cap
   test and the new peak need no timing at all.
@@ -45,7 +47,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from harness.schedule import ScheduleError, SimModel
-from systems.rlhfuse.intra import kernel
+from systems.rlhfuse.intra import kernel, loop
 
 _EPS = 1e-9
 ABORTED = float("inf")  # makespan reported for a trial move cut short by its threshold
@@ -77,282 +79,129 @@ def chain_tails(model: SimModel) -> list[float]:
     return tail
 
 
-def _profile(seq: Sequence[int], delta: Sequence[float]) -> list[float]:
-    run, out = 0.0, []
-    for v in seq:
-        run += delta[v]
-        out.append(run)
-    return out
-
-
 class OrderState:
-    """Per-rank orders (encoded ids) with cached timing and memory; supports trial moves."""
+    """Per-rank orders (encoded ids) with their timing and memory profiles, as the kernels' arrays;
+    supports trial moves. The annealing loop (``loop.Loop``) works on the same arrays in place,
+    so a state is current after a run."""
 
     def __init__(self, model: SimModel, seqs: Sequence[Sequence[int]], mem_cap: float | None = None,
                  tails: list[float] | None = None, compiled: bool | None = None):
-        """``compiled``: run the kernels of :mod:`systems.rlhfuse.intra.kernel` compiled (default:
-        whenever numba is available) or interpreted (same results, for tests and machines
-        without numba)."""
-        self.model = model
-        self.mem_cap = mem_cap
-        self.seqs = [list(s) for s in seqs]
-        n = model.num_actions
-        self.dur, self.delta = model.dur, model.mem_delta
-        self.dep_a, self.dep_b, self.lat_a, self.lat_b = model.dep_a, model.dep_b, model.lat_a, model.lat_b
-        succ: list[list[int]] = [[] for _ in range(n)]
-        for v in range(n):
-            for d in (self.dep_a[v], self.dep_b[v]):
-                if d >= 0:
-                    succ[d].append(v)
-        self.dsucc = [tuple(s) for s in succ]
+        """``compiled``: run the kernels compiled (default: whenever numba is available) or
+        interpreted (same results, for tests and machines without numba). Raises ScheduleError
+        if the orders deadlock."""
+        self.model, self.mem_cap, self.delta = model, mem_cap, model.mem_delta
         self.tail = chain_tails(model) if tails is None else tails
-        self.rank_of = [-1] * n
-        self.pos = [-1] * n
-        for r, seq in enumerate(self.seqs):
-            for i, v in enumerate(seq):
-                self.rank_of[v], self.pos[v] = r, i
-        self.retime()
-        self.prefix: list[list[float]] = [_profile(seq, self.delta) for seq in self.seqs]
-        self.peak: list[float] = [max(pm, default=0.0) for pm in self.prefix]
-        self._pending: tuple | None = None
         self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
-        self._resim_fn = kernel.resim if self.compiled else kernel.interpreted(kernel.resim)
-        self._crit_fn = (kernel.critical_swaps if self.compiled
-                         else kernel.interpreted(kernel.critical_swaps))
-        self._cycle_fn = (kernel.move_closes_cycle if self.compiled
-                          else kernel.interpreted(kernel.move_closes_cycle))
-        self._init_arrays()
-
-    def _init_arrays(self) -> None:
-        """NumPy state of the kernels: orders (padded 2-D), each rank's work up to and including
-        each position and in total, positions, times and scratch; kept in step with the lists by
-        the trial moves, :meth:`commit` and :meth:`revert`."""
-        seqs, n, R, dur = self.seqs, self.model.num_actions, len(self.seqs), self.dur
-        width = max((len(s) for s in seqs), default=0)
-        self._a_seq = np.full((R, max(width, 1)), -1, dtype=np.int64)
-        self._a_cum = np.zeros((R, max(width, 1)), dtype=np.float64)
+        seqs = [list(s) for s in seqs]
+        end, start, _, _, done = model.run(seqs, want_start=True)
+        if any(p < len(s) for p, s in zip(done, seqs)):
+            raise ScheduleError("order deadlocks")
+        n, R, dur = model.num_actions, len(seqs), model.dur
+        L = max(max((len(s) for s in seqs), default=0), 1)
+        self._a_seq, self._a_cum, self._pm = np.full((R, L), -1, dtype=np.int64), np.zeros((R, L)), np.zeros((R, L))
+        self._a_rank_of, self._a_pos = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
         for q, seq in enumerate(seqs):
             self._a_seq[q, :len(seq)] = seq
             self._a_cum[q, :len(seq)] = list(accumulate(dur[v] for v in seq))
+            self._pm[q, :len(seq)] = list(accumulate(self.delta[v] for v in seq))
+            ids = np.asarray(seq, dtype=np.int64)
+            self._a_rank_of[ids], self._a_pos[ids] = q, np.arange(len(seq))
         self._a_len = np.array([len(s) for s in seqs], dtype=np.int64)
+        self._peak = np.array([max(self._pm[q, :len(s)], default=0.0) for q, s in enumerate(seqs)])
         self._a_total = np.array([sum(dur[v] for v in seq) for seq in seqs], dtype=np.float64)
         self._a_static = tuple(np.array(x, dtype=t) for x, t in (
-            (self.dep_a, np.int64), (self.dep_b, np.int64), (self.lat_a, np.float64),
-            (self.lat_b, np.float64), (self.dur, np.float64), (self.tail, np.float64)))
-        self._a_start = np.array(self.start, dtype=np.float64)
-        self._a_end = np.array(self.end, dtype=np.float64)
-        self._a_ss, self._a_se = np.empty(n), np.empty(n)
-        self._a_waiter = np.full(n, -1, dtype=np.int64)
-        self._a_next = np.full(R, -1, dtype=np.int64)
-        self._a_blocked = np.zeros(max(n, 1), dtype=np.int64)
-        self._a_firsts = np.zeros(R, dtype=np.int64)
-        self._a_clock, self._a_left = np.zeros(R), np.zeros(R)
-        self._a_ready = np.zeros(max(R, 1), dtype=np.int64)
-        self._a_rank_of = np.array(self.rank_of, dtype=np.int64)
+            (model.dep_a, np.int64), (model.dep_b, np.int64), (model.lat_a, np.float64),
+            (model.lat_b, np.float64), (dur, np.float64), (self.tail, np.float64)))
+        self._a_start, self._a_end = np.array(start, dtype=np.float64), np.array(end, dtype=np.float64)
         # dependants of every action, compressed rows (the deadlock DFS), and its visit stamps
+        succ: list[list[int]] = [[] for _ in range(n)]
+        for v in range(n):
+            for d in (model.dep_a[v], model.dep_b[v]):
+                if d >= 0:
+                    succ[d].append(v)
         self._a_succ_ptr = np.zeros(n + 1, dtype=np.int64)
-        self._a_succ_ptr[1:] = np.cumsum([len(s) for s in self.dsucc])
-        self._a_succ_idx = np.array([w for s in self.dsucc for w in s], dtype=np.int64)
-        self._a_mark = np.full(max(n, 1), -1, dtype=np.int64)
-        self._a_stack = np.zeros(max(n, 1), dtype=np.int64)
-        self._epoch = 0
-        self._a_pos = np.array(self.pos, dtype=np.int64)
+        self._a_succ_ptr[1:] = np.cumsum([len(s) for s in succ])
+        self._a_succ_idx = np.array([w for s in succ for w in s], dtype=np.int64)
+        self._a_mark, self._a_stack = np.full(max(n, 1), -1, dtype=np.int64), np.zeros(max(n, 1), dtype=np.int64)
         self._a_out = np.zeros((2 * n + 2, 2), dtype=np.int64)  # critical-path swaps
+        self.order = (self._a_seq, self._a_len, self._a_rank_of, self._a_pos, self._a_start, self._a_end)
+        # (the trial kernels read no action classes: only the loop's proposals do)
+        self.graph = (*self._a_static, np.zeros(0, dtype=np.int64), np.asarray(self.delta, dtype=np.float64))
+        self.work = (self._a_total, self._a_cum, self._a_succ_ptr, self._a_succ_idx)
+        self.scratch = (np.empty(n), np.empty(n), self._a_mark, self._a_stack, np.full(n, -1, dtype=np.int64),
+                        np.full(R, -1, dtype=np.int64), np.zeros(max(n, 1), dtype=np.int64),
+                        np.zeros(R, dtype=np.int64), np.zeros(R), np.zeros(R), np.zeros(max(R, 1), dtype=np.int64))
+        # the trial kernels' scalars: energy = makespan (target 0, unit 1), no area term, the hard cap
+        self.fs, self.st = np.zeros(loop.NUM_F), np.zeros(loop.NUM_S, dtype=np.int64)
+        self.fs[[loop.F_UNIT, loop.F_MEAN, loop.F_CAP, loop.F_CAPMAX]] = [
+            1.0, 1.0, np.inf, np.inf if mem_cap is None else mem_cap]
+        self._over_at, self._over_rk = np.full((R, L), -1, dtype=np.int64), np.zeros((1, 2), dtype=np.int64)
+        self._nv = np.zeros(L + 1)
+        self._pending = False
 
-    @property
-    def cum(self) -> list[list[float]]:
-        """Per rank, the work done up to and including each position (what the kernels read)."""
-        return [self._a_cum[q, :len(seq)].tolist() for q, seq in enumerate(self.seqs)]
+    # ---- whole-schedule quantities (lists made from the arrays) ------------------------------
+    def _rows(self, a: np.ndarray) -> list[list]:
+        return [row[:n].tolist() for row, n in zip(a, self._a_len)]
 
-    def _mirror_move(self, r: int, i: int, j: int) -> None:
-        """Apply "the action at ``i`` of rank ``r`` goes to ``j``" to the 2-D order mirror."""
-        row = self._a_seq[r]
-        v = row[i]
-        if j > i:
-            row[i:j] = row[i + 1:j + 1].copy()
-        else:
-            row[j + 1:i + 1] = row[j:i].copy()
-        row[j] = v
-
-    def _resim(self, r: int, lo: int, t0: float, threshold: float) -> float | None:
-        """Re-time everything that started at or after ``t0`` (rank ``r`` from position ``lo``)
-        into the scratch arrays (``kernel.resim``). Returns the new makespan, ABORTED, or None on
-        deadlock."""
-        dep_a, dep_b, lat_a, lat_b, dur, tail = self._a_static
-        out = self._resim_fn(self._a_seq, self._a_len, r, lo, t0, threshold, self._a_start, self._a_end,
-                             self._a_se, self._a_ss, dep_a, dep_b, lat_a, lat_b, dur, tail,
-                             self._a_total, self._a_cum, self._a_waiter, self._a_next, self._a_blocked,
-                             self._a_firsts, self._a_clock, self._a_left, self._a_ready)
-        return None if out == kernel.DEADLOCK else float(out)
-
-    # ---- whole-schedule quantities -------------------------------------------------------
-    def retime(self) -> None:
-        """Full list-scheduling pass (``SimModel.run``); raises ScheduleError on deadlock."""
-        end, start, _, _, pos = self.model.run(self.seqs, want_start=True)
-        if any(p < len(s) for p, s in zip(pos, self.seqs)):
-            raise ScheduleError("order deadlocks")
-        self._start_list, self._end_list = start, end
-
-    @property
-    def start(self) -> list[float]:
-        """Start time of every action, as a list (made from the array when read after a commit; the
-        trial moves read the few entries they need from the array itself)."""
-        if self._start_list is None:
-            self._start_list = self._a_start.tolist()
-        return self._start_list
-
-    @property
-    def end(self) -> list[float]:
-        if self._end_list is None:
-            self._end_list = self._a_end.tolist()
-        return self._end_list
+    seqs = property(lambda self: self._rows(self._a_seq), doc="Per rank, the order (action ids).")
+    prefix = property(lambda self: self._rows(self._pm), doc="Per rank, the memory held after each position.")
+    cum = property(lambda self: self._rows(self._a_cum), doc="Per rank, the work done up to each position.")
+    start = property(lambda self: self._a_start.tolist(), doc="Start time of every action.")
+    end = property(lambda self: self._a_end.tolist(), doc="End time of every action.")
+    pos = property(lambda self: self._a_pos.tolist(), doc="Position of every action on its rank.")
+    peak = property(lambda self: self._peak.tolist(), doc="Per rank, the peak activation memory.")
 
     def makespan(self) -> float:
-        end = self.end
-        return max((end[s[-1]] for s in self.seqs if s), default=0.0)
+        return max((float(self._a_end[row[n - 1]]) for row, n in zip(self._a_seq, self._a_len) if n), default=0.0)
 
     def max_peak(self) -> float:
-        return max(self.peak, default=0.0)
+        return float(self._peak.max(initial=0.0))
 
     def snapshot(self) -> list[list[int]]:
-        return [list(s) for s in self.seqs]
+        return self.seqs
 
-    # ---- trial moves ---------------------------------------------------------------------
+    # ---- trial moves (the loop's kernels) ------------------------------------------------------
+    def _fn(self, fn):
+        return fn if self.compiled else kernel.interpreted(fn)
+
     def _closes_cycle(self, r: int, i: int, j: int) -> bool:
         """Would moving position ``i`` of rank ``r`` to ``j`` deadlock? (module docstring)"""
-        self._epoch += 1
-        return bool(self._cycle_fn(self._a_seq, self._a_len, self._a_rank_of, self._a_pos, self._a_start,
-                                   self._a_succ_ptr, self._a_succ_idx, r, i, j, self._a_mark, self._epoch,
-                                   self._a_stack))
+        self.st[loop.S_EPOCH] += 1
+        return bool(self._fn(kernel.move_closes_cycle)(
+            self._a_seq, self._a_len, self._a_rank_of, self._a_pos, self._a_start, self._a_succ_ptr,
+            self._a_succ_idx, r, i, j, self._a_mark, self.st[loop.S_EPOCH], self._a_stack))
 
-    def _peak_after(self, r: int, lo: int, new_vals: list[float]) -> float:
-        """Rank ``r``'s peak if its prefix sums ``lo .. lo+len(new_vals)-1`` became ``new_vals``."""
-        pm = self.prefix[r]
-        hi = lo + len(new_vals)
-        old_peak = self.peak[r]
-        new_max = max(new_vals, default=0.0)
-        if new_max >= old_peak:
-            return new_max
-        if max(pm[lo:hi], default=0.0) < old_peak:
-            return old_peak  # the old peak lies outside the changed range
-        return max(max(pm[:lo], default=0.0), new_max, max(pm[hi:], default=0.0))
+    def _trial(self, kind: int, r: int, i: int, j: int, threshold: float) -> tuple[float, float] | None:
+        self.fs[loop.F_LIMIT] = threshold
+        if not self._fn(loop._try)(kind, r, i, j, self.order, self.graph, self.work, self._pm, self._peak, self._nv,
+                                   self.scratch, self.fs, self.st):
+            return None
+        self._pending = True
+        others = np.delete(self._peak, r)
+        return float(self.fs[loop.F_TRIAL_MAKESPAN]), max(float(self.fs[loop.F_RANK_PEAK]), others.max(initial=0.0))
 
     def try_swap(self, r: int, i: int, threshold: float = ABORTED) -> tuple[float, float] | None:
         """Tentatively swap positions ``i, i+1`` of rank ``r``. Returns None (nothing changed) if
         the swap would deadlock or break the memory cap; otherwise ``(makespan, max peak)`` of
         the new order, where the makespan is :data:`ABORTED` as soon as re-timing proves it would
-        exceed ``threshold``. Follow with :meth:`commit` (not after an abort) or :meth:`revert`.
-        (The annealing loop makes the same trials inside its kernel, ``loop.anneal_loop``.)"""
-        seq = self.seqs[r]
-        a, b = seq[i], seq[i + 1]
-        if self.dep_a[b] == a or self.dep_b[b] == a:
-            return None
-        pm = self.prefix[r]
-        new_vals = [(pm[i - 1] if i > 0 else 0.0) + self.delta[b]]
-        if self.mem_cap is not None and new_vals[0] > self.mem_cap + _EPS:
-            return None
-        if self._closes_cycle(r, i, i + 1):
-            return None
-        t0 = float(self._a_start[a])
-        seq[i], seq[i + 1] = b, a
-        self._a_seq[r, i], self._a_seq[r, i + 1] = b, a
-        makespan = self._resim(r, i, t0, threshold)
-        if makespan is None:  # cannot happen after the DFS above, but never leave a bad order
-            seq[i], seq[i + 1] = a, b
-            self._a_seq[r, i], self._a_seq[r, i + 1] = a, b
-            return None
-        rank_peak = self._peak_after(r, i, new_vals)
-        # pending: rank, first changed position, last changed position, new prefix sums from
-        # the first, the rank's new peak, the new makespan, the move (None for a swap)
-        self._pending = (r, i, i + 1, new_vals, rank_peak, makespan, None)
-        return makespan, self._max_peak_with(r, rank_peak)
-
-    def move_prefix(self, r: int, i: int, j: int) -> tuple[int, list[float]]:
-        """(first changed position, new prefix sums from there) if the action at position ``i``
-        of rank ``r`` moved to position ``j``: no timing, nothing changed."""
-        pm, d = self.prefix[r], self.delta[self.seqs[r][i]]
-        if j > i:
-            return i, [pm[k + 1] - d for k in range(i, j)] + [pm[j]]
-        return j, [(pm[j - 1] if j > 0 else 0.0) + d] + [pm[k - 1] + d for k in range(j + 1, i + 1)]
+        exceed ``threshold``. Follow with :meth:`commit` (not after an abort) or :meth:`revert`."""
+        return self._trial(loop.SWAP, r, i, i + 1, threshold)
 
     def try_move(self, r: int, i: int, j: int, threshold: float = ABORTED) -> tuple[float, float] | None:
         """Tentatively move the action at position ``i`` of rank ``r`` to position ``j`` (the
         others keep their relative order). Same contract as :meth:`try_swap`."""
-        if i == j:
-            return None
-        seq = self.seqs[r]
-        v = seq[i]
-        dep_a, dep_b = self.dep_a, self.dep_b
-        if j < i:   # moving earlier: it may not pass its own dependency
-            da, db = dep_a[v], dep_b[v]
-            for k in range(j, i):
-                w = seq[k]
-                if w == da or w == db:
-                    return None
-        else:       # moving later: nothing it passes may depend on it
-            for k in range(i + 1, j + 1):
-                w = seq[k]
-                if dep_a[w] == v or dep_b[w] == v:
-                    return None
-        lo, new_vals = self.move_prefix(r, i, j)
-        if self.mem_cap is not None and max(new_vals) > self.mem_cap + _EPS:
-            return None
-        if self._closes_cycle(r, i, j):
-            return None
-        t0 = float(self._a_start[seq[lo]])
-        del seq[i]
-        seq.insert(j, v)
-        self._mirror_move(r, i, j)
-        makespan = self._resim(r, lo, t0, threshold)
-        if makespan is None:
-            del seq[j]
-            seq.insert(i, v)
-            self._mirror_move(r, j, i)
-            return None
-        rank_peak = self._peak_after(r, lo, new_vals)
-        self._pending = (r, lo, lo + len(new_vals) - 1, new_vals, rank_peak, makespan, (i, j))
-        return makespan, self._max_peak_with(r, rank_peak)
-
-    def _max_peak_with(self, r: int, rank_peak: float) -> float:
-        out = rank_peak
-        for q, pk in enumerate(self.peak):
-            if q != r and pk > out:
-                out = pk
-        return out
+        return None if i == j else self._trial(loop.MOVE, r, i, j, threshold)
 
     def commit(self) -> None:
-        r, lo, hi, new_vals, rank_peak, makespan, _ = self._pending
-        if makespan == ABORTED:
+        if self.fs[loop.F_TRIAL_MAKESPAN] == ABORTED:
             raise RuntimeError("cannot commit a trial move that was cut short")
-        self._a_start, self._a_ss = self._a_ss, self._a_start
-        self._a_end, self._a_se = self._a_se, self._a_end
-        self._start_list = self._end_list = None  # lists made again from the arrays when read
-        seq, pos, dur = self.seqs[r], self.pos, self.dur
-        self.prefix[r][lo:lo + len(new_vals)] = new_vals
-        self.peak[r] = rank_peak
-        run = float(self._a_cum[r, lo - 1]) if lo > 0 else 0.0
-        work = []
-        for k in range(lo, hi + 1):
-            v = seq[k]
-            pos[v] = k
-            run += dur[v]
-            work.append(run)
-        self._a_cum[r, lo:hi + 1] = work
-        self._a_pos[seq[lo:hi + 1]] = np.arange(lo, hi + 1)
-        self._pending = None
+        self._fn(loop._commit)(self.order, self.graph, self.work, self.scratch, self._pm, self._peak, self._over_at,
+                               self._over_rk, self._nv, self.fs, self.st)
+        self._pending = False
 
     def revert(self) -> None:
-        r, lo, _, _, _, _, move = self._pending
-        seq = self.seqs[r]
-        if move is None:
-            seq[lo], seq[lo + 1] = seq[lo + 1], seq[lo]
-            row = self._a_seq[r]
-            row[lo], row[lo + 1] = row[lo + 1], row[lo]
-        else:
-            i, j = move
-            seq.insert(i, seq.pop(j))
-            self._mirror_move(r, j, i)
-        self._pending = None
+        loop._shift(self._a_seq, self.st[loop.S_R], self.st[loop.S_J], self.st[loop.S_I])
+        self._pending = False
 
     # ---- critical path ---------------------------------------------------------------------
     def critical_swaps(self, rng) -> list[tuple[int, int]]:
@@ -364,6 +213,6 @@ class OrderState:
         makespan."""
         seed = rng.randrange(1, kernel.LEHMER_MODULUS)
         dep_a, dep_b, lat_a, lat_b, _, _ = self._a_static
-        count = self._crit_fn(seed, self._a_seq, self._a_len, self._a_rank_of, self._a_pos,
-                              self._a_start, self._a_end, dep_a, dep_b, lat_a, lat_b, self._a_out)
+        count = self._fn(kernel.critical_swaps)(seed, self._a_seq, self._a_len, self._a_rank_of, self._a_pos,
+                                                self._a_start, self._a_end, dep_a, dep_b, lat_a, lat_b, self._a_out)
         return [(r, p) for r, p in self._a_out[:count].tolist()]

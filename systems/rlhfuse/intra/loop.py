@@ -41,20 +41,24 @@ import time
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from systems.rlhfuse.intra import kernel
-from systems.rlhfuse.intra.incremental import OrderState
+
+if TYPE_CHECKING:
+    from systems.rlhfuse.intra.incremental import OrderState
 
 _EPS = 1e-9
 _M1, _A1, _M2, _A2 = 2147483563, 40014, 2147483399, 40692  # L'Ecuyer (1988)
 L_ECUYER = (_M1, _M2)  # the moduli its two states are below
-_NONE, _SWAP, _MOVE = 0, 1, 2
+NONE, SWAP, MOVE = 0, 1, 2  # proposal kinds
 MAKESPAN, MEMORY = 0, 1  # objectives
 STOPPED, DONE, CYCLE_END = 0, 1, 2  # what ``anneal_loop`` returns
 # slots of the kernel's float state ``fs``, integer state ``st`` and integer parameters ``par_i``
 (F_TARGET, F_TOL, F_UNIT, F_MEAN, F_CAPMAX, F_FLOOR, F_CAP, F_AREA, F_MAKESPAN, F_ENERGY, F_BEST_PEAK,
- F_BEST_MAKESPAN, F_TRIAL_AREA, F_LIMIT, F_RANK_PEAK, F_TRIAL_MAKESPAN, F_TIME_FRAC) = range(17)
+ F_BEST_MAKESPAN, F_TRIAL_AREA, F_LIMIT, F_RANK_PEAK, F_TRIAL_MAKESPAN, F_TIME_FRAC) = range(NUM_F := 17)
 (S_STEP, S_RUNG_START, S_NUM_OVER, S_LEVELS, S_CRIT, S_EPOCH, S_STARTED, S_R, S_LO, S_HI, S_COUNT,
- S_KIND, S_I, S_J, S_HAS_BEST, S_NUM_RANKS) = range(16)
+ S_KIND, S_I, S_J, S_HAS_BEST, S_NUM_RANKS) = range(NUM_S := 16)
 I_MAX_SHIFT, I_RUNG, I_MAX_DRAWS, I_OBJECTIVE = range(4)
 
 
@@ -176,7 +180,7 @@ def _record(seq2d, lens, pm2d, peak, best2d, over_at, over_rk, cap_step, fs, st)
 
 @kernel.njit(cache=True)
 def _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs, st):
-    """One proposal: (kind, rank, i, j) with kind _NONE (dropped), _SWAP (i, i+1) or _MOVE (i to j)."""
+    """One proposal: (kind, rank, i, j) with kind NONE (dropped), SWAP (i, i+1) or MOVE (i to j)."""
     seq2d, lens, rank_of, pos, start, end = order
     dep_a, dep_b, lat_a, lat_b, dur, tail, cls, delta = graph
     q_memory, q_critical, q_move = par_f[2], par_f[3], par_f[4]
@@ -188,27 +192,27 @@ def _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs,
         n = lens[r]
         if _uniform(rs) >= q_move:
             if k + 1 < n and delta[seq2d[r, k + 1]] < delta[seq2d[r, k]]:
-                return _SWAP, r, k, k + 1
-            return _NONE, 0, 0, 0
+                return SWAP, r, k, k + 1
+            return NONE, 0, 0, 0
         if _uniform(rs) < 0.5:  # the nearest forward at or before k, later
             f = k
             while f >= 0 and delta[seq2d[r, f]] <= 0:
                 f -= 1
             if f < 0:
-                return _NONE, 0, 0, 0
+                return NONE, 0, 0, 0
             j = min(n - 1, k + 1 + _below(rs, max_shift))
             if j <= f or not _fifo_ok(seq2d, cls, r, f, j):
-                return _NONE, 0, 0, 0
-            return _MOVE, r, f, j
+                return NONE, 0, 0, 0
+            return MOVE, r, f, j
         b = k + 1  # the next backward after k, earlier
         while b < n and delta[seq2d[r, b]] >= 0:
             b += 1
         if b >= n:
-            return _NONE, 0, 0, 0
+            return NONE, 0, 0, 0
         j = max(0, k - _below(rs, max_shift))
         if not _fifo_ok(seq2d, cls, r, b, j):
-            return _NONE, 0, 0, 0
-        return _MOVE, r, b, j
+            return NONE, 0, 0, 0
+        return MOVE, r, b, j
     if (par_i[I_OBJECTIVE] == MAKESPAN or fs[F_MAKESPAN] > fs[F_TOL]) and x < q_memory + q_critical:
         # an end of a critical block
         if st[S_CRIT] < 0:
@@ -216,12 +220,12 @@ def _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs,
             st[S_CRIT] = kernel.critical_swaps(seed, seq2d, lens, rank_of, pos, start, end, dep_a, dep_b,
                                                lat_a, lat_b, crit_out)
         if st[S_CRIT] == 0:
-            return _NONE, 0, 0, 0
+            return NONE, 0, 0, 0
         idx = _below(rs, st[S_CRIT])
         r, i = crit_out[idx, 0], crit_out[idx, 1]
         if cls[seq2d[r, i]] == cls[seq2d[r, i + 1]]:
-            return _NONE, 0, 0, 0
-        return _SWAP, r, i, i + 1
+            return NONE, 0, 0, 0
+        return SWAP, r, i, i + 1
     r = ranks[_below(rs, st[S_NUM_RANKS])]  # uniform
     n = lens[r]
     if q_move > 0 and _uniform(rs) < q_move:
@@ -229,12 +233,12 @@ def _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs,
         shift = 1 + _below(rs, max_shift)
         j = i + shift if _uniform(rs) < 0.5 else i - shift
         if j < 0 or j >= n or not _fifo_ok(seq2d, cls, r, i, j):
-            return _NONE, 0, 0, 0
-        return _MOVE, r, i, j
+            return NONE, 0, 0, 0
+        return MOVE, r, i, j
     i = _below(rs, n - 1)
     if cls[seq2d[r, i]] == cls[seq2d[r, i + 1]]:
-        return _NONE, 0, 0, 0
-    return _SWAP, r, i, i + 1
+        return NONE, 0, 0, 0
+    return SWAP, r, i, i + 1
 
 
 @kernel.njit(cache=True)
@@ -248,7 +252,7 @@ def _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
     total, cum2d, succ_ptr, succ_idx = work
     ss, se, mark, stack, waiter, next_waiter, blocked, firsts, clock, left, ready = scratch
     v = seq2d[r, i]
-    if kind == _SWAP:
+    if kind == SWAP:
         b = seq2d[r, i + 1]
         if dep_a[b] == v or dep_b[b] == v:
             return False
@@ -415,7 +419,7 @@ def anneal_loop(order, graph, work, scratch, pm2d, peak, best2d, over_at, over_r
         timed = False
         for _ in range(par_i[I_MAX_DRAWS]):
             kind, r, i, j = _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs, st)
-            if kind != _NONE and _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
+            if kind != NONE and _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
                 timed = True
                 break
         if not timed:
@@ -456,41 +460,32 @@ def mt_restore(rng: random.Random, rs: np.ndarray) -> None:
 
 
 class Loop:
-    """One run of :func:`anneal_loop` from ``state``: ``objective`` (MAKESPAN or MEMORY), the
-    generator ``rs``, the float parameters ``(t0, t1, q_memory, q_critical, q_move, cap_step,
-    accept_tol)``, the integer ones ``(max_shift, rung, max_draws)`` and the float state slots
-    ``fs`` given by name (``F_TARGET``, ...; the makespan's defaults make the energy the
-    makespan). ``step``: the step count it goes on from. ``compiled``: run the kernel compiled (default:
-    whenever numba is available) or interpreted (the same steps)."""
+    """One run of :func:`anneal_loop` on ``state``'s arrays (changed in place: the state holds the
+    loop's current order after a run): ``objective`` (MAKESPAN or MEMORY), the generator ``rs``,
+    the float parameters ``(t0, t1, q_memory, q_critical, q_move, cap_step, accept_tol)``, the
+    integer ones ``(max_shift, rung, max_draws)`` and the float state slots ``fs`` given by name
+    (``F_TARGET``, ...; the makespan's defaults make the energy the makespan). ``step``: the step
+    count it goes on from. ``compiled``: run the kernel compiled (default: whenever numba is
+    available) or interpreted (the same steps)."""
 
     def __init__(self, state: OrderState, cls: np.ndarray, objective: int, rs: np.ndarray,
                  par_f: tuple, par_i: tuple, fs: dict[int, float], step: int = 0, compiled: bool | None = None):
-        self.state, R, L = state, *state._a_seq.shape
-        dep_a, dep_b, lat_a, lat_b, dur, tail = state._a_static
-        pm2d = np.zeros((R, L))
-        for r, pm in enumerate(state.prefix):
-            pm2d[r, :len(pm)] = pm
-        self.ranks = np.array([r for r, s in enumerate(state.seqs) if len(s) > 1], dtype=np.int64)
-        self.fs, self.st = np.zeros(17), np.zeros(16, dtype=np.int64)
+        self.state, (R, L) = state, state._a_seq.shape
+        self.ranks = np.array([r for r, n in enumerate(state._a_len) if n > 1], dtype=np.int64)
+        self.fs, self.st = np.zeros(NUM_F), np.zeros(NUM_S, dtype=np.int64)
         self.fs[[F_UNIT, F_MEAN, F_CAPMAX, F_BEST_PEAK, F_BEST_MAKESPAN, F_MAKESPAN]] = [
             1.0, 1.0, math.inf if state.mem_cap is None else state.mem_cap, math.inf, math.inf, state.makespan()]
         for slot, value in fs.items():
             self.fs[slot] = value
-        self.st[S_CRIT], self.st[S_EPOCH], self.st[S_NUM_RANKS] = -1, state._epoch, len(self.ranks)
+        self.st[S_CRIT], self.st[S_EPOCH], self.st[S_NUM_RANKS] = -1, state.st[S_EPOCH], len(self.ranks)
         self.st[S_STEP] = self.st[S_RUNG_START] = step
         self.rs, self.best2d = rs, np.zeros_like(state._a_seq)
-        self.args = (
-            (state._a_seq, state._a_len, state._a_rank_of, state._a_pos, state._a_start, state._a_end),
-            (dep_a, dep_b, lat_a, lat_b, dur, tail, cls, np.asarray(state.delta, dtype=np.float64)),
-            (state._a_total, state._a_cum, state._a_succ_ptr, state._a_succ_idx),
-            (state._a_ss, state._a_se, state._a_mark, state._a_stack, state._a_waiter, state._a_next,
-             state._a_blocked, state._a_firsts, state._a_clock, state._a_left, state._a_ready),
-            pm2d, np.array(state.peak, dtype=np.float64), self.best2d, np.full((R, L), -1, dtype=np.int64),
-            np.zeros((R * L + 1, 2), dtype=np.int64), self.ranks, state._a_out, np.zeros(L + 1), rs,
-            np.array(par_f, dtype=np.float64), np.array([*par_i, objective], dtype=np.int64), self.fs, self.st)
-        compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
-        self.compiled = compiled
-        self.fn = anneal_loop if compiled else kernel.interpreted(anneal_loop)
+        self.args = (state.order, (*state.graph[:6], cls, state.graph[7]), state.work, state.scratch, state._pm,
+                     state._peak, self.best2d, np.full((R, L), -1, dtype=np.int64),
+                     np.zeros((R * L + 1, 2), dtype=np.int64), self.ranks, state._a_out, np.zeros(L + 1), rs,
+                     np.array(par_f, dtype=np.float64), np.array([*par_i, objective], dtype=np.int64), self.fs, self.st)
+        self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
+        self.fn = anneal_loop if self.compiled else kernel.interpreted(anneal_loop)
 
     @property
     def step(self) -> int:
@@ -505,16 +500,15 @@ class Loop:
         stop = 2**62 if steps is None else steps
         deadline = None if seconds is None else time.perf_counter() + seconds
         trace = np.zeros((0, 3)) if trace is None else trace
-        while True:
-            if deadline is not None:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    return STOPPED
-                if time_cools:
-                    self.fs[F_TIME_FRAC] = 1.0 - left / seconds
+        out = STOPPED
+        while deadline is None or time.perf_counter() < deadline:
+            if deadline is not None and time_cools:
+                self.fs[F_TIME_FRAC] = 1.0 - (deadline - time.perf_counter()) / seconds
             out = self.fn(*self.args, min(stop, self.step + 64) if deadline is not None else stop, trace)
             if out != STOPPED or self.step >= stop:
-                return out
+                break
+        self.state.st[S_EPOCH] = self.st[S_EPOCH]  # the state's own deadlock tests go on from here
+        return out
 
     def best_seqs(self) -> list[list[int]] | None:
         """The best order the run recorded (None: none)."""
