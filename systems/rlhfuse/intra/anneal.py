@@ -7,22 +7,14 @@ seeds; both phases run the one annealing loop of :mod:`systems.rlhfuse.intra.loo
 :mod:`systems.rlhfuse.intra.incremental`, always agrees with ``harness.schedule.simulate``), the
 memory phase through :mod:`systems.rlhfuse.intra.memory`.
 
-- **Neighbourhood** (as in the paper): swap two adjacent actions on one rank. A proposal that
-  would deadlock or break the activation-memory cap is discarded and another one drawn. Two
-  actions of the same pipe and kind (two forwards of one stage) never trade places: that would
-  only relabel micro-batches, so orders stay first-in first-out per stage and no step is wasted
-  on it. With probability ``q_critical`` the swap is drawn from the ends of the blocks of a
-  critical path (see ``OrderState.critical_swaps``: only those swaps can shorten the path),
-  otherwise uniformly over all adjacent pairs (uniform swaps alone barely move a schedule of
-  thousands of actions: docs/FUSED_SEARCH.md).
-- **Phase 1** (makespan, the loop's MAKESPAN objective): energy = makespan; Metropolis acceptance
-  ``exp(-dE / T)`` with geometric cooling from ``T0`` to ``T1`` (both relative to the mean action
-  time) over the phase's step or time budget, whichever runs out first; a step budget longer than
-  ``phase1_cycle_steps`` is spent in cooling cycles of that length, each a fresh try from the
-  starting order. The uniform number ``u`` of the acceptance test is drawn *before* the move is
-  timed, so the move is accepted iff its makespan is at most ``current - T ln u`` (the same law as
-  Metropolis), and re-timing stops as soon as it proves the makespan will exceed that threshold.
-  Stops early when the makespan reaches the lower bound.
+- **Phase 1** (makespan, the loop's MAKESPAN objective): the paper's neighbourhood, swaps of two
+  adjacent actions on one rank, drawn with probability ``q_critical`` from the ends of the blocks
+  of a critical path (only those can shorten it; uniform swaps alone barely move a schedule of
+  thousands of actions: docs/FUSED_SEARCH.md), else uniformly; Metropolis acceptance with
+  geometric cooling from ``T0`` to ``T1`` (relative to the mean action time) over the phase's
+  step or time budget; a step budget longer than ``phase1_cycle_steps`` is spent in cooling
+  cycles of that length, each a fresh try from the starting order. Stops early at the lower
+  bound. Then the lower-memory starts (:meth:`SeedSearch.lower_memory_starts`).
 - **Phase 2** (memory, :class:`~systems.rlhfuse.intra.memory.MemorySearch`): with the makespan
   fixed at phase 1's best ``T``, lower the peak activation memory under a cap of increasing
   tightness, starting from phase 1's best order. Every schedule it keeps has makespan <= ``T``,

@@ -44,6 +44,7 @@ peak any schedule at that makespan can have.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
@@ -114,34 +115,11 @@ class _Scaled:
         return int(math.floor(memory / self.mem_unit + 1e-6))
 
     def retime(self, model: SimModel, seqs: Sequence[Sequence[int]]) -> list[int]:
-        """Integer start time of every action when the ranks run ``seqs`` in order (list
-        scheduling, as ``simulate``, in integers). Raises ValueError if the order deadlocks."""
-        start = [-1] * model.num_actions
-        end = [-1] * model.num_actions
-        pos = [0] * len(seqs)
-        clock = [0] * len(seqs)
-        left = sum(len(s) for s in seqs)
-        while left:
-            progressed = False
-            for r, seq in enumerate(seqs):
-                while pos[r] < len(seq):
-                    a = seq[pos[r]]
-                    t = clock[r]
-                    da, db = model.dep_a[a], model.dep_b[a]
-                    if (da >= 0 and end[da] < 0) or (db >= 0 and end[db] < 0):
-                        break
-                    if da >= 0:
-                        t = max(t, end[da] + self.lat_a[a])
-                    if db >= 0:
-                        t = max(t, end[db] + self.lat_b[a])
-                    start[a], end[a] = t, t + self.dur[a]
-                    clock[r] = end[a]
-                    pos[r] += 1
-                    left -= 1
-                    progressed = True
-            if not progressed:
-                raise ValueError("the order deadlocks")
-        return start
+        """Integer start time of every action when the ranks run ``seqs`` in order: ``simulate``'s
+        list scheduling over the integer durations and latencies (exact in floats)."""
+        whole = copy.copy(model)
+        whole.dur, whole.lat_a, whole.lat_b, whole._np = self.dur, self.lat_a, self.lat_b, None
+        return [int(t) for t in whole.run(seqs, want_start=True)[1]]
 
 
 def _build(cp_model, model: SimModel, scaled: _Scaled, seqs: Sequence[Sequence[int]], horizon: int,

@@ -4,34 +4,30 @@ minimise the peak memory").
 
 This module owns :func:`anneal_loop`, one kernel (compiled with numba; its plain Python form is
 the fallback, and the tests compare the two step by step) that anneals per-rank orders towards
-either objective, and :class:`Loop`, which packs an
-:class:`~systems.rlhfuse.intra.incremental.OrderState` into the kernel's arrays, runs it within a
-budget and reads the best order back. Its drivers are the makespan phase
+either objective, and :class:`Loop`, which runs it on an
+:class:`~systems.rlhfuse.intra.incremental.OrderState`'s arrays within a budget and reads the best
+order back. Its drivers are the makespan phase
 (``anneal.SeedSearch.makespan_phase``) and the memory phase (:class:`~systems.rlhfuse.intra.memory.MemorySearch`).
 
 - **Step**: draw ``u`` and set the acceptance limit ``energy - T ln u`` (Metropolis acceptance,
   with the uniform number drawn before the move is timed, so that the memory term rules a move
   out before any timing and re-timing aborts as soon as the limit is broken); draw proposals until
-  one passes the checks and is timed (``MAX_DRAWS`` at most: an empty step); keep it iff its
-  energy is within the limit.
-- **Energy**: MAKESPAN: the makespan. MEMORY: the makespan's excess over the target, in mean
-  action times, plus the area above the memory cap, in smallest activations
-  (:mod:`~systems.rlhfuse.intra.memory` explains the cap ladder).
-- **Proposals** keep micro-batches first-in first-out per pipe and stage (two actions of one
-  (pipe, kind) class never trade places). MAKESPAN: with probability ``q_critical`` a swap at an
-  end of a block of a critical path (only those can shorten it: the N5 neighbourhood of Nowicki
-  and Smutnicki), else a uniform adjacent swap. MEMORY adds memory-targeted moves at positions
-  over the cap, and moves of up to ``max_shift`` positions.
-- **Checks before timing**: dependencies on the rank, the hard memory cap, the energy limit, and
-  deadlock (``kernel.move_closes_cycle``); timing is ``kernel.resim`` (agrees with ``simulate``).
+  one passes the checks (dependencies on the rank, the hard cap, the energy limit, deadlock:
+  ``kernel.move_closes_cycle``) and is timed (``kernel.resim``); keep it iff its energy is within
+  the limit. ``max_draws`` proposals without a timed one make an empty step.
+- **Objectives**: MAKESPAN (energy: the makespan; proposals: with probability ``q_critical`` a
+  swap at an end of a block of a critical path, else a uniform adjacent swap; ``anneal.py``) and
+  MEMORY (energy: the makespan's excess over the target plus the area above a cap that drops at
+  every level reached; memory-targeted moves added; ``memory.py``). No proposal lets two actions
+  of one (pipe, kind) class trade places: orders stay first-in first-out per stage.
 - **Temperature**: geometric from ``t0`` to ``t1`` over a rung of steps. MEMORY: a new rung at
   every level and after ``rung_steps``. MAKESPAN: the rung is the cooling cycle; at its end the
   kernel returns and the driver starts the next cycle from the first order.
 - **Random numbers**: MAKESPAN: MT19937, continued from the phase's ``random.Random`` and handed
   back to it (the numbers ``random()`` and ``randrange()`` give, so the phase makes the moves it
-  made when it was interpreted Python); MEMORY: L'Ecuyer's combined multiplicative generator
-  (CACM 31(6), 1988) seeded from it. Both are exact integer arithmetic in both forms; budgets
-  are counted in trial moves, so a run is a pure function of its inputs.
+  made when it was a Python loop); MEMORY: L'Ecuyer's combined multiplicative generator (CACM
+  31(6), 1988) seeded from it. Both are exact integer arithmetic in both forms; budgets are
+  counted in trial moves, so a run is a pure function of its inputs.
 """
 from __future__ import annotations
 
@@ -165,10 +161,7 @@ def _energy(makespan, area, fs):
 @kernel.njit(cache=True)
 def _record(seq2d, lens, pm2d, peak, best2d, over_at, over_rk, cap_step, fs, st):
     """The state is feasible at the cap: keep it if it holds less than the best, and lower the cap."""
-    pk = 0.0
-    for q in range(peak.shape[0]):
-        if peak[q] > pk:
-            pk = peak[q]
+    pk = max(0.0, peak.max())
     if pk < fs[F_BEST_PEAK] - _EPS:
         if fs[F_BEST_PEAK] < np.inf:  # the first record is where the phase starts
             st[S_LEVELS] += 1

@@ -83,10 +83,6 @@ class MemorySearch:
         self.levels_total = 0  # times the best peak was lowered, over all runs
         self.trace: np.ndarray = np.zeros((0, 3))  # give it rows to record (makespan, area, peak) per step
 
-    def at_floor(self) -> bool:
-        """Is the best peak already the trivial bound (the largest single activation)?"""
-        return self.best_peak <= self.floor + _EPS
-
     def run(self, seqs: Sequence[Sequence[int]], steps: int | None,
             seconds: float | None = None) -> MemoryOutcome:
         """Anneal from ``seqs`` for ``steps`` trial moves and/or ``seconds`` (whichever runs out

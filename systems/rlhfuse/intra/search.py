@@ -48,8 +48,7 @@ class FusedResult:
     valid: bool
     steps: int
     greedy_peak_memory: float = 0.0
-    # serial 1F1B without the barrier: each rank runs its actor 1F1B list, then its critic list,
-    # so a rank the actor has finished with starts the critic early (our earlier reference)
+    # serial 1F1B without the barrier: each rank runs its actor's 1F1B list, then its critic's
     serial_no_barrier_makespan: float = 0.0
     serial_no_barrier_peak_memory: float = 0.0
     bound_terms: dict[str, float] = field(default_factory=dict)
