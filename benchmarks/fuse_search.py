@@ -96,6 +96,9 @@ def main() -> None:
                    help="longest shift of the memory phase's moves along a rank's list "
                         f"(default {MemoryParams.max_shift}; docs/FUSED_SEARCH.md, \"Against FlexFusion\", "
                         "measures 64)")
+    p.add_argument("--memory-cap-step", type=float, default=MemoryParams.cap_step,
+                   help="the memory phase's next cap, in smallest activations below its best peak "
+                        f"(default {MemoryParams.cap_step:g}; docs/FUSED_SEARCH.md, \"The cap step\")")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
     p.add_argument("--seed", type=int, default=0)
@@ -108,11 +111,14 @@ def main() -> None:
         p.error(f"--makespan-slack must be >= 0, got {args.makespan_slack:g}")
     if args.memory_move_reach < 1:
         p.error(f"--memory-move-reach must be >= 1, got {args.memory_move_reach}")
+    if not 0 < args.memory_cap_step < float("inf"):
+        p.error(f"--memory-cap-step must be > 0, got {args.memory_cap_step}")
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
               else f"{args.action_steps:g} work units (steps x (actions + {STEP_OVERHEAD_ACTIONS}))") + " per seed"
     print(f"# {budget}, {args.seeds or args.workers} seed(s) on {args.workers} worker(s), "
           f"exact refinement effort {args.exact_effort:g} on {args.exact_workers} threads, "
           f"makespan slack {args.makespan_slack:g}, memory move reach {args.memory_move_reach}, "
+          f"memory cap step {args.memory_cap_step:g}, "
           f"{args.costs} costs, "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'proven':>8}{'peak/serial':>13}{'annealed':>10}"
@@ -138,7 +144,8 @@ def main() -> None:
             config = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, max_steps=steps,
                                        num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
                                        exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack,
-                                       memory_move_reach=args.memory_move_reach)
+                                       memory_move_reach=args.memory_move_reach,
+                                       memory_cap_step=args.memory_cap_step)
             res = search_fused_schedule(pipes, costs, None, config)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
             target = memory_target(m)

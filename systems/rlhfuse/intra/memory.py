@@ -14,8 +14,10 @@ tightness**:
   touches, and unlike the peak it says how much of the profile still has to come down, and where.
   Both constraints are soft while annealing.
 - **Ladder**: whenever the energy reaches 0 the state is a schedule with makespan <= ``T`` and
-  peak <= cap: it is recorded, and the cap drops to its peak minus ``cap_step`` smallest
-  activations, so the search always works on the next level down.
+  peak <= cap: it is recorded, and the cap drops to just below its peak (``cap_step`` of the
+  smallest activation), so the search always works on the next level down. Just below, not an
+  activation below: where the models' activations differ, distinct peaks can be much closer than
+  one activation, and a cap that skips them finds none (docs/FUSED_SEARCH.md, "The cap step").
 - **Moves** (each keeps micro-batches first-in first-out per pipe and stage): *memory-targeted*
   ones pick a position where a rank is over the cap and lower it (swap the action there with a
   following one that holds less, move the nearest earlier forward later, or the next backward
@@ -34,7 +36,7 @@ import numpy as np
 
 from harness.schedule import SimModel
 from systems.rlhfuse.intra import kernel, loop
-from systems.rlhfuse.intra.config import DEFAULT_MEMORY_MOVE_REACH
+from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEP, DEFAULT_MEMORY_MOVE_REACH
 from systems.rlhfuse.intra.incremental import OrderState
 
 _EPS = 1e-9
@@ -49,7 +51,7 @@ class MemoryParams:
     q_critical: float = 0.25  # share of critical-path swaps while the makespan is above target
     q_move: float = 0.8     # share of moves (vs adjacent swaps) among memory-targeted and uniform
     max_shift: int = DEFAULT_MEMORY_MOVE_REACH  # longest distance a move carries an action
-    cap_step: float = 0.5   # next cap = best peak - cap_step * smallest activation
+    cap_step: float = DEFAULT_MEMORY_CAP_STEP  # next cap = best peak - cap_step * smallest activation
     rung_steps: int = 10_000  # cooling from t0 to t1 restarts at every new level (and after this)
 
 

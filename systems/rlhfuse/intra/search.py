@@ -228,7 +228,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     model = sim_model(serial, costs)
     params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
                           memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
-                          memory=MemoryParams(max_shift=int(cfg.memory_move_reach)))
+                          memory=MemoryParams(max_shift=int(cfg.memory_move_reach), cap_step=float(cfg.memory_cap_step)))
     best, _ = anneal_seeds(model, [(name, _encode(s, costs)) for name, s, _ in starts], bound.value, mem_cap,
                            cfg.seeds, params, cfg.num_workers,
                            capped_starts=[(name, _encode(s, costs), sim.max_peak_memory) for name, s, sim in front])

@@ -94,3 +94,19 @@ def test_cooling_cycle_ends_at_its_rung_and_a_goal_ends_the_run():
     reached = _makespan_loop(model, seqs, random.Random(0))
     reached.fs[loop.F_TOL] = OrderState(model, seqs).makespan()  # the start is already at the goal
     assert reached.run(1000) == loop.DONE and reached.step == 0
+
+
+@pytest.mark.parametrize("cap_step", [0.5, 0.005])
+def test_memory_ladder_puts_the_next_cap_cap_step_activations_below_the_best_peak(cap_step):
+    """MEMORY objective: an order at its own makespan is feasible at its own peak, so the loop
+    records it at once and works on a cap ``cap_step`` smallest activations below it."""
+    pipes, costs, start, model, seqs = _setup(4, 4, 6, 0.0)
+    state = OrderState(model, seqs)
+    peak, unit = state.max_peak(), min(d for d in model.mem_delta if d > 0)
+    run = loop.Loop(state, loop.action_classes(model), loop.MEMORY, np.array([1, 1], dtype=np.int64),
+                    (2.0, 0.02, 0.5, 0.25, 0.8, cap_step, 1e-9), (8, 10_000, 256),
+                    {loop.F_TARGET: state.makespan(), loop.F_TOL: state.makespan() * (1 + 1e-9), loop.F_UNIT: unit,
+                     loop.F_FLOOR: max(model.mem_delta)})
+    assert run.run(0) == loop.STOPPED
+    assert run.best_seqs() == seqs and run.fs[loop.F_BEST_PEAK] == peak
+    assert run.fs[loop.F_CAP] == pytest.approx(peak - cap_step * unit, abs=1e-12)
