@@ -5,10 +5,9 @@ This module owns the loops that every trial move runs, written over NumPy arrays
 numba compiles them: :func:`resim`, the resumed list-scheduling pass of
 :class:`~systems.rlhfuse.intra.incremental.OrderState` (read that docstring for the algorithm),
 :func:`move_closes_cycle`, the deadlock test of a swap or move before any timing, and
-:func:`critical_swaps`, the critical-path trace that proposes the makespan moves. In a profile
-of the 65B/33B 16/8 shape with 64 micro-batches (3 072 actions) the re-timing loop in Python was
-79% of the search's time at about 1.5 ms a trial. The annealing loop of both phases is a kernel
-of its own (:func:`systems.rlhfuse.intra.loop.anneal_loop`) that calls these.
+:func:`critical_swaps`, the critical-path trace that proposes the makespan moves (why they are
+compiled, measured: docs/FUSED_SEARCH.md, "Compiled kernels"). The annealing loop of both phases
+is a kernel of its own (:func:`systems.rlhfuse.intra.loop.anneal_loop`) that calls these.
 
 numba is optional at run time (:mod:`harness.compiled`): without it the same functions run
 interpreted (same results, much slower); the tests compare both move by move.

@@ -37,12 +37,7 @@ import time
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
 from systems.rlhfuse.intra import kernel
-
-if TYPE_CHECKING:
-    from systems.rlhfuse.intra.incremental import OrderState
 
 _EPS = 1e-9
 _M1, _A1, _M2, _A2 = 2147483563, 40014, 2147483399, 40692  # L'Ecuyer (1988)
@@ -453,15 +448,15 @@ def mt_restore(rng: random.Random, rs: np.ndarray) -> None:
 
 
 class Loop:
-    """One run of :func:`anneal_loop` on ``state``'s arrays (changed in place: the state holds the
-    loop's current order after a run): ``objective`` (MAKESPAN or MEMORY), the generator ``rs``,
-    the float parameters ``(t0, t1, q_memory, q_critical, q_move, cap_step, accept_tol)``, the
-    integer ones ``(max_shift, rung, max_draws)`` and the float state slots ``fs`` given by name
-    (``F_TARGET``, ...; the makespan's defaults make the energy the makespan). ``step``: the step
-    count it goes on from. ``compiled``: run the kernel compiled (default: whenever numba is
-    available) or interpreted (the same steps)."""
+    """One run of :func:`anneal_loop` on the arrays of ``state`` (an ``incremental.OrderState``,
+    changed in place: it holds the loop's current order after a run): ``objective`` (MAKESPAN or
+    MEMORY), the generator ``rs``, the float parameters ``(t0, t1, q_memory, q_critical, q_move,
+    cap_step, accept_tol)``, the integer ones ``(max_shift, rung, max_draws)`` and the float
+    state slots ``fs`` given by name (``F_TARGET``, ...; the makespan's defaults make the energy
+    the makespan). ``step``: the step count it goes on from. ``compiled``: run the kernel
+    compiled (default: whenever numba is available) or interpreted (the same steps)."""
 
-    def __init__(self, state: OrderState, cls: np.ndarray, objective: int, rs: np.ndarray,
+    def __init__(self, state, cls: np.ndarray, objective: int, rs: np.ndarray,
                  par_f: tuple, par_i: tuple, fs: dict[int, float], step: int = 0, compiled: bool | None = None):
         self.state, (R, L) = state, state._a_seq.shape
         self.ranks = np.array([r for r, n in enumerate(state._a_len) if n > 1], dtype=np.int64)
