@@ -19,16 +19,15 @@ machine is shared) and its steps (trial moves per seed), with no memory cap, and
 (peak <= 1.0x serial with 8-16 micro-batches, <= 1.3x with 32-64) at the lower bound.
 
 Budget: a trial move costs a fixed part plus a part proportional to the schedule (the schedule
-is re-timed from the first changed action on). With the memory phase compiled (issue 29) the
-fixed part is about 4 microseconds here (the makespan phase's Python around its kernels; the
-memory phase has none) and the proportional part about 6.5 ns per action, so by default every
-row gets the same budget of *work units*, ``--action-steps`` per seed, a step costing
-``actions + STEP_OVERHEAD_ACTIONS`` units: ``action_steps / (actions + 600)`` steps, printed per
-row. The default, 7e9, is sized from a run at 4e9 units and 1024 (the constants of the
-interpreted memory phase; 10-25 s a row, docs/FUSED_SEARCH.md) so that with 2 seeds on 2 workers
-each row takes about 60 s of the idle 2-core machine, the greedy starting points (computed once
-in the parent) included: the issue's "60 s on 2
-cores". ``--max-steps`` gives every row the same step count instead. With a
+is re-timed from the first changed action on). With both phases in one compiled loop (issue 29)
+the fixed part is about 1.4 microseconds here and the proportional part about 5.8 ns per action
+(fitted to the default run's rows of 384 and 4 096 actions, 2026-11-27), so by default every row
+gets the same budget of *work units*, ``--action-steps`` per seed, a step costing
+``actions + STEP_OVERHEAD_ACTIONS`` units: ``action_steps / (actions + 250)`` steps, printed per
+row. The default, 1e10, is sized so that with 2 seeds on 2 workers each row takes about 60 s of
+the idle 2-core machine, the greedy starting points (computed once in the parent) included: the
+issue's "60 s on 2 cores" (7e9 units at ``actions + 600`` took 25-41 s a row once the makespan
+phase was compiled). ``--max-steps`` gives every row the same step count instead. With a
 step budget every number but the wall time is deterministic (and the same with or without numba,
 only slower without). ``--exact-effort E`` adds the exact (CP-SAT) refinement after annealing
 and the columns it proves (``proven``: the makespan's proven bound over the lower bound, ``opt``
@@ -58,9 +57,9 @@ from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_co
 from systems.rlhfuse.intra import FusedSearchConfig, MemoryParams, search_fused_schedule
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
-DEFAULT_ACTION_STEPS = 7e9
+DEFAULT_ACTION_STEPS = 1e10
 DEFAULT_EXACT_EFFORT = 0.0  # CP-SAT deterministic time of the exact refinement (off: see the docstring)
-STEP_OVERHEAD_ACTIONS = 600  # the fixed cost of a step, in actions re-timed (see the docstring)
+STEP_OVERHEAD_ACTIONS = 250  # the fixed cost of a step, in actions re-timed (see the docstring)
 
 
 def _cpu_s() -> float:
