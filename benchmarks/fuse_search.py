@@ -34,7 +34,10 @@ and the columns it proves (``proven``: the makespan's proven bound over the lowe
 when the makespan is proven optimal; ``peak >=`` also rises where CP-SAT proves more). ``peak >=``
 is printed on every row: no schedule that short holds less, by the closed-form bound
 (``bounds.peak_lower_bound``) or the refinement's proof, whichever is higher; a missed target
-above which that bound lies is printed as ``unreachable``: no schedule that short meets it. The
+above which that bound lies is printed as ``unreachable``: no schedule that short meets it.
+``gap`` is issue 29's restated target: ``least`` where the peak is proven the least at its
+makespan (the refinement proved it optimal, to its integer rounding, or the peak meets the
+bound), else the peak over the best bound. The
 refinement is off by default: with 2e9 work units and effort 10 a row took 33-111 s here; it decides
 more rows (met or proven unreachable), but the halved annealing budget costs some of the
 32-64-micro-batch rows (docs/FUSED_SEARCH.md). ``--costs flexfusion`` runs the same shapes with
@@ -121,9 +124,9 @@ def main() -> None:
           f"{args.costs} costs, "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'proven':>8}{'peak/serial':>13}{'annealed':>10}"
-          f"{'peak >=':>9}{'phase-1 peak':>14}"
+          f"{'peak >=':>9}{'gap':>7}{'phase-1 peak':>14}"
           f"{'vs serial':>11}{'wall s':>8}{'cpu s':>7}{'actions':>9}{'steps':>9}  target")
-    met = rows = traded = 0
+    met = rows = traded = least = 0
     for actor, critic, pp_a, pp_c in CASES:
         if args.pairs and f"{actor}/{critic}" not in args.pairs:
             continue
@@ -162,14 +165,20 @@ def main() -> None:
                 verdict = (f"{'within' if fits else 'above'} {target:g}x at "
                            f"+{100 * res.gap_to_lower_bound_frac:.2f}% over the bound")
             proven = "opt" if res.makespan_optimal else f"{res.makespan_bound / res.lower_bound:.4f}"
+            # issue 29's target: the least peak provable at this makespan; else how far from the bound
+            at_least = (res.exact_memory_status == "OPTIMAL"  # to the refinement's integer rounding
+                        or res.peak_memory <= res.peak_lower_bound * (1 + 1e-9))
+            least += at_least
+            gap = "least" if at_least else f"{res.peak_memory / res.peak_lower_bound:.3f}"
             print(f"{actor}/{critic:<5}{pp_a:>4}/{pp_c:<2}{m:>4}{res.makespan_vs_lower_bound:>13.4f}{proven:>8}"
                   f"{res.peak_memory_vs_serial:>13.3f}{res.annealed_peak_memory / res.serial_peak_memory:>10.3f}"
-                  f"{res.peak_lower_bound / res.serial_peak_memory:>9.3f}"
+                  f"{res.peak_lower_bound / res.serial_peak_memory:>9.3f}{gap:>7}"
                   f"{res.phase1_peak_memory / res.serial_peak_memory:>14.3f}"
                   f"{res.serial_makespan / res.makespan:>10.3f}x{wall:>8.1f}{cpu:>7.0f}{actions:>9}{res.steps:>9}  {verdict}"
                   f"  [{res.phase1_start}]",
                   flush=True)
-    print(f"# memory target met at the optimal makespan on {met} of {rows} configurations"
+    print(f"# peak proven least at its makespan on {least} of {rows} configurations; "
+          f"memory target met at the optimal makespan on {met} of {rows} configurations"
           + (f"; within it at a longer makespan on {traded} more" if args.makespan_slack > 0 else ""))
 
 

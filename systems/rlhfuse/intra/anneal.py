@@ -57,11 +57,8 @@ class AnnealParams:
     q_critical: float = 0.8
     phase1_cycle_steps: int | None = 20_000  # cooling cycle of phase 1 under long step budgets
     front_try_frac: float = 0.125  # share of phase 1's budget for each lower-memory start tried
-    # the memory phase may lengthen the schedule up to (1 + this) x phase 1's best makespan (0: never)
-    makespan_slack_frac: float = 0.0
-    # with a slack: share of the memory phase's budget kept to shorten the slack part's result again
-    # under a hard cap at its peak (_trade_time_for_memory)
-    slack_polish_frac: float = 0.125
+    makespan_slack_frac: float = 0.0  # the memory phase may return up to (1 + this) x phase 1's best
+    slack_polish_frac: float = 0.125  # with a slack: share kept to shorten its result (trade_time_for_memory)
     slack_at_target_frac: float = 0.375  # with a slack: share of the memory phase run at phase 1's makespan
     memory_phase: bool = True
     memory: MemoryParams = field(default_factory=MemoryParams)
@@ -78,14 +75,11 @@ class AnnealOutcome:
     seed: int
     elapsed_s: float
     start: str = ""                  # label of the seed's starting order
-    phase1_makespan: float = 0.0     # makespan of phase 1's best order (the memory phase's target;
-                                     # with a slack, its second part's is (1 + slack) x this)
+    phase1_makespan: float = 0.0     # makespan of phase 1's best order (the memory phase's target)
     phase1_peak_memory: float = 0.0  # peak of phase 1's best order (the memory phase's start)
     memory_levels: int = 0           # how many times the memory phase lowered the peak
-    memory_start: str = ""           # "makespan phase": the memory phase's result (from phase 1's
-                                     # order) was kept; "": phase 1's order was
-    phase1_start: str = ""           # label of the start whose run gave phase 1's result: the
-                                     # seed's own, or a lower-memory start run under its cap
+    memory_start: str = ""           # "makespan phase": the memory phase's result was kept; "": phase 1's
+    phase1_start: str = ""           # the start whose run gave phase 1's result (own, or a lower-memory one)
     phase1_tries: int = 0            # lower-memory starts tried after the first run of phase 1
 
 

@@ -58,13 +58,11 @@ class FusedResult:
     start_makespan: float = 0.0
     steps_memory: int = 0       # of ``steps``, those spent in the memory phase
     steps_per_s: float = 0.0    # annealing steps (trial moves) per second, best seed
-    phase1_makespan: float = 0.0     # the makespan phase's result (the memory phase keeps it,
-                                     # or stays within makespan_slack_frac above it)
+    phase1_makespan: float = 0.0     # the makespan phase's result (kept, or within the slack above it)
     phase1_peak_memory: float = 0.0  # peak of the makespan phase's result (memory phase start)
     memory_levels: int = 0      # times the memory phase lowered the peak (best seed)
     memory_start: str = ""      # the memory phase's starting order that gave the result
-    phase1_start: str = ""      # the start whose run gave phase 1's result (best seed): the
-                                # seed's own, or a lower-memory greedy start run under its cap
+    phase1_start: str = ""      # the start whose run gave phase 1's result (own, or a lower-memory one)
     phase1_tries: int = 0       # lower-memory starts phase 1 tried (best seed)
     # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when config.exact_effort > 0:
     exact_effort_used: float = 0.0
@@ -228,16 +226,16 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     model = sim_model(serial, costs)
     params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
                           memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
-                          memory=MemoryParams(max_shift=int(cfg.memory_move_reach), cap_step=float(cfg.memory_cap_step)))
+                          memory=MemoryParams(max_shift=int(cfg.memory_move_reach), cap_step=cfg.memory_cap_step))
     best, _ = anneal_seeds(model, [(name, _encode(s, costs)) for name, s, _ in starts], bound.value, mem_cap,
                            cfg.seeds, params, cfg.num_workers,
                            capped_starts=[(name, _encode(s, costs), sim.max_peak_memory) for name, s, sim in front])
     start_name, start, start_sim = next(entry for entry in starts if entry[0] == best.start)
     ranks = serial.ranks
-    exact = _refine_exactly(model, best.seqs, bound.value, mem_cap, cfg.exact_effort, cfg.exact_workers, cfg.seed,
-                            None if time_limit_s is None else
-                            max(0.0, time_limit_s - (time.perf_counter() - t_begin)),
-                            best.phase1_makespan, makespan_slack_frac)
+    exact, proofs = _refine_exactly(model, best.seqs, bound.value, mem_cap, cfg.exact_effort, cfg.exact_workers,
+                                    cfg.seed, None if time_limit_s is None else
+                                    max(0.0, time_limit_s - (time.perf_counter() - t_begin)),
+                                    best.phase1_makespan, makespan_slack_frac)
     seqs = best.seqs if exact is None else exact.seqs
     schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(ranks, seqs)})
     tol = 1e-9 * max(1.0, start_sim.makespan)  # incremental and full timing differ in the last bits
@@ -270,32 +268,13 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         memory_start=best.memory_start, phase1_start=best.phase1_start, phase1_tries=best.phase1_tries,
         annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
         peak_lower_bound=max(peak_lower_bound(pipes, costs, result.makespan),
-                             0.0 if exact is None else exact.peak_bound),
-        **({"makespan_bound": bound.value} if exact is None else exact.fields(bound.value)))
-
-
-@dataclass
-class _Exact:
-    """What the exact refinement found (see :func:`_refine_exactly`)."""
-    seqs: list[list[int]]
-    makespan: float
-    peak_memory: float
-    makespan_status: str
-    memory_status: str
-    makespan_bound: float
-    peak_bound: float
-    effort_used: float
-    wall_s: float
-
-    def fields(self, lower_bound: float) -> dict:
-        return {"exact_makespan_status": self.makespan_status, "exact_memory_status": self.memory_status,
-                "makespan_bound": max(lower_bound, self.makespan_bound), "peak_bound": self.peak_bound,
-                "exact_effort_used": self.effort_used, "exact_s": self.wall_s}
+                             0.0 if exact is None else exact.bound),
+        **({"makespan_bound": bound.value} if exact is None else proofs))
 
 
 def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effort: float,
                     num_workers: int, seed: int, time_left_s: float | None,
-                    reference_makespan: float = 0.0, makespan_slack_frac: float = 0.0) -> _Exact | None:
+                    reference_makespan: float = 0.0, makespan_slack_frac: float = 0.0) -> tuple:
     """The exact refinement (:mod:`systems.rlhfuse.intra.exact`) of the annealed best order, with
     the search's two objectives in turn: if its makespan is above the lower bound, CP-SAT
     minimises the makespan (which may also prove it optimal); then, with the makespan fixed, the
@@ -305,9 +284,10 @@ def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effo
     within the slack above the shorter of the two, from the lower-peak order of those that fit.
     Deterministic (the solver's interleaved search and deterministic time) unless
     ``time_left_s`` is given (the search's time limit: then its parallel search runs until either
-    runs out). None when ``effort`` is 0."""
+    runs out). Returns its last step's ``ExactOutcome`` (the refined order) and the result's
+    fields it proves, or ``(None, {})`` when ``effort`` is 0."""
     if effort <= 0:
-        return None
+        return None, {}
     from systems.rlhfuse.intra.exact import refine  # OR-tools is only loaded when asked for
 
     deterministic = time_left_s is None
@@ -337,5 +317,6 @@ def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effo
     time_left = None if time_left_s is None else max(1e-3, time_left_s - (time.perf_counter() - t0))
     mem = refine(model, seqs, "memory", max(1e-3, effort - used), mem_cap, num_workers, seed,
                  deterministic, time_left, max_makespan=limit)
-    return _Exact(mem.seqs, mem.makespan, mem.peak_memory, makespan_status, mem.status,
-                  makespan_bound, mem.bound, used + mem.deterministic_time, time.perf_counter() - t0)
+    return mem, {"exact_makespan_status": makespan_status, "exact_memory_status": mem.status,
+                 "makespan_bound": max(lower_bound, makespan_bound), "peak_bound": mem.bound,
+                 "exact_effort_used": used + mem.deterministic_time, "exact_s": time.perf_counter() - t0}
