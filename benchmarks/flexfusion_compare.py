@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fuse_search import DEFAULT_ACTION_STEPS, STEP_OVERHEAD_ACTIONS  # the same budget as that benchmark
+from fuse_search import DEFAULT_ACTION_STEPS, work_budget  # the same budget as that benchmark
 from systems.rlhfuse.experiments import FLEXFUSION_COSTS, flexfusion_layout_costs
 from systems.rlhfuse.intra import FusedSearchConfig, search_fused_schedule
 
@@ -73,11 +73,9 @@ def main() -> None:
                 continue
             for m in args.microbatches:
                 pipes, costs, m_c = flexfusion_layout_costs(pp_a, pp_c, m)
-                actions = sum(2 * pipe.num_stages * pipe.num_mbs for pipe in pipes.values())
                 t0 = time.perf_counter()
                 ours = search_fused_schedule(pipes, costs, None, FusedSearchConfig(
-                    max_steps=round(args.action_steps / (actions + STEP_OVERHEAD_ACTIONS)),
-                    num_workers=args.workers))
+                    max_steps=work_budget(pipes, args.action_steps)[1], num_workers=args.workers))
                 wall = time.perf_counter() - t0
                 fwd_a, fwd_c, act_a, act_c = FLEXFUSION_COSTS[(pp_a, pp_c)]
                 out = subprocess.run([str(binary), *map(str, (pp_a, pp_c, m, m_c, fwd_a, fwd_c, act_a, act_c,

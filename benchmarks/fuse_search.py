@@ -71,6 +71,12 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def work_budget(pipes, action_steps: float) -> tuple[int, int]:
+    """(actions of the fused schedule, steps per seed that ``action_steps`` work units buy)."""
+    actions = sum(2 * pipe.num_stages * pipe.num_mbs for pipe in pipes.values())
+    return actions, round(action_steps / (actions + STEP_OVERHEAD_ACTIONS))
+
+
 def memory_target(num_microbatches: int) -> float:
     """Issue 13: no more than serial's peak with 8-16 micro-batches, at most 1.3x with 32-64."""
     return 1.0 if num_microbatches <= 16 else 1.3
@@ -140,8 +146,8 @@ def main() -> None:
                 pipes, costs, _ = fused_layout_costs(ctx, actor, critic, pp_a, pp_c, m, args.tp)
             else:
                 pipes, costs, _ = flexfusion_layout_costs(pp_a, pp_c, m)
-            actions = sum(2 * pipe.num_stages * pipe.num_mbs for pipe in pipes.values())
-            steps = None if args.time_limit else (args.max_steps or round(args.action_steps / (actions + STEP_OVERHEAD_ACTIONS)))
+            actions, row_budget = work_budget(pipes, args.action_steps)
+            steps = None if args.time_limit else (args.max_steps or row_budget)
             t0, cpu0 = time.perf_counter(), _cpu_s()
             config = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, max_steps=steps,
                                        num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,

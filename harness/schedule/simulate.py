@@ -24,6 +24,7 @@ annealer) that want to skip re-encoding.
 """
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -198,6 +199,13 @@ class SimModel:
                 continue
             if ranks[s] != rank:
                 raise _EncodeError(f"{a.token()} is on rank {rank} but its stage lives on rank {ranks[s]}")
+        return out
+
+    def with_times(self, dur: Sequence[float], lat_a: Sequence[float], lat_b: Sequence[float]) -> SimModel:
+        """The same actions and dependencies with other durations and latencies (per action id),
+        e.g. the exact refinement's integer ones; the structure lists stay shared."""
+        out = copy.copy(self)
+        out.dur, out.lat_a, out.lat_b, out._np = list(dur), list(lat_a), list(lat_b), None
         return out
 
     def _arrays(self) -> tuple[np.ndarray, ...]:

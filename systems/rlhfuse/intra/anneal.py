@@ -143,9 +143,9 @@ class SeedSearch:
                             {loop.F_TOL: goal + _EPS * max(1.0, abs(goal)), loop.F_BEST_MAKESPAN: best}, step)
             out = run.run(budget.steps, None if budget.seconds is None else
                           budget.seconds - (time.perf_counter() - t_start), time_cools=not cycling)
-            step = run.step
-            if run.best_seqs() is not None:
-                best, best_seqs = float(run.fs[loop.F_BEST_MAKESPAN]), run.best_seqs()
+            step, found = run.step, run.best_seqs()
+            if found is not None:
+                best, best_seqs = float(run.fs[loop.F_BEST_MAKESPAN]), found
             if out != loop.CYCLE_END:
                 break
             state = self.state(first, state.mem_cap)  # cooled down above the bound: another try

@@ -44,7 +44,6 @@ peak any schedule at that makespan can have.
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Sequence
@@ -117,9 +116,7 @@ class _Scaled:
     def retime(self, model: SimModel, seqs: Sequence[Sequence[int]]) -> list[int]:
         """Integer start time of every action when the ranks run ``seqs`` in order: ``simulate``'s
         list scheduling over the integer durations and latencies (exact in floats)."""
-        whole = copy.copy(model)
-        whole.dur, whole.lat_a, whole.lat_b, whole._np = self.dur, self.lat_a, self.lat_b, None
-        return [int(t) for t in whole.run(seqs, want_start=True)[1]]
+        return [int(t) for t in model.with_times(self.dur, self.lat_a, self.lat_b).run(seqs, want_start=True)[1]]
 
 
 def _build(cp_model, model: SimModel, scaled: _Scaled, seqs: Sequence[Sequence[int]], horizon: int,

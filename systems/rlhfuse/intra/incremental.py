@@ -193,6 +193,8 @@ class OrderState:
         return None if i == j else self._trial(loop.MOVE, r, i, j, threshold)
 
     def commit(self) -> None:
+        if not self._pending:
+            raise RuntimeError("no trial move to commit")
         if self.fs[loop.F_TRIAL_MAKESPAN] == ABORTED:
             raise RuntimeError("cannot commit a trial move that was cut short")
         self._fn(loop._commit)(self.order, self.graph, self.work, self.scratch, self._pm, self._peak, self._over_at,
@@ -200,6 +202,8 @@ class OrderState:
         self._pending = False
 
     def revert(self) -> None:
+        if not self._pending:
+            raise RuntimeError("no trial move to revert")
         loop._shift(self._a_seq, self.st[loop.S_R], self.st[loop.S_J], self.st[loop.S_I])
         self._pending = False
 

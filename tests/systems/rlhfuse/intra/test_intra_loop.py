@@ -110,3 +110,15 @@ def test_memory_ladder_puts_the_next_cap_cap_step_activations_below_the_best_pea
     assert run.run(0) == loop.STOPPED
     assert run.best_seqs() == seqs and run.fs[loop.F_BEST_PEAK] == peak
     assert run.fs[loop.F_CAP] == pytest.approx(peak - cap_step * unit, abs=1e-12)
+
+
+def test_commit_and_revert_need_a_pending_trial():
+    pipes, costs, start, model, seqs = _setup(4, 2, 4, 0.0)
+    state = OrderState(model, seqs)
+    with pytest.raises(RuntimeError, match="no trial move to commit"):
+        state.commit()
+    assert any(state.try_swap(r, i) is not None for r in range(len(seqs)) for i in range(len(seqs[r]) - 1))
+    state.revert()
+    with pytest.raises(RuntimeError, match="no trial move to revert"):
+        state.revert()
+    assert state.seqs == seqs
