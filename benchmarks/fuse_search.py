@@ -58,6 +58,7 @@ from harness.app import compose
 from harness.runner import build_context
 from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
 from systems.rlhfuse.intra import FusedSearchConfig, MemoryParams, search_fused_schedule
+from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
 DEFAULT_ACTION_STEPS = 1e10
@@ -104,9 +105,10 @@ def main() -> None:
                    help="longest shift of the memory phase's moves along a rank's list "
                         f"(default {MemoryParams.max_shift}; docs/FUSED_SEARCH.md, \"Against FlexFusion\", "
                         "measures 64)")
-    p.add_argument("--memory-cap-step", type=float, default=MemoryParams.cap_step,
-                   help="the memory phase's next cap, in smallest activations below its best peak "
-                        f"(default {MemoryParams.cap_step:g}; docs/FUSED_SEARCH.md, \"The cap step\")")
+    p.add_argument("--memory-cap-steps", type=float, nargs="+", default=list(DEFAULT_MEMORY_CAP_STEPS),
+                   help="the memory phase's cap, in smallest activations below its best peak; seed k "
+                        f"runs the (k mod n)-th (default {' '.join(f'{s:g}' for s in DEFAULT_MEMORY_CAP_STEPS)}; "
+                        "docs/FUSED_SEARCH.md, \"The cap step\")")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
     p.add_argument("--seed", type=int, default=0)
@@ -119,14 +121,14 @@ def main() -> None:
         p.error(f"--makespan-slack must be >= 0, got {args.makespan_slack:g}")
     if args.memory_move_reach < 1:
         p.error(f"--memory-move-reach must be >= 1, got {args.memory_move_reach}")
-    if not 0 < args.memory_cap_step < float("inf"):
-        p.error(f"--memory-cap-step must be > 0, got {args.memory_cap_step}")
+    if not all(0 < s < float("inf") for s in args.memory_cap_steps):
+        p.error(f"--memory-cap-steps must be > 0, got {args.memory_cap_steps}")
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
               else f"{args.action_steps:g} work units (steps x (actions + {STEP_OVERHEAD_ACTIONS}))") + " per seed"
     print(f"# {budget}, {args.seeds or args.workers} seed(s) on {args.workers} worker(s), "
           f"exact refinement effort {args.exact_effort:g} on {args.exact_workers} threads, "
           f"makespan slack {args.makespan_slack:g}, memory move reach {args.memory_move_reach}, "
-          f"memory cap step {args.memory_cap_step:g}, "
+          f"memory cap steps {' '.join(f'{s:g}' for s in args.memory_cap_steps)}, "
           f"{args.costs} costs, "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'proven':>8}{'peak/serial':>13}{'annealed':>10}"
@@ -153,7 +155,7 @@ def main() -> None:
                                        num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
                                        exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack,
                                        memory_move_reach=args.memory_move_reach,
-                                       memory_cap_step=args.memory_cap_step)
+                                       memory_cap_steps=args.memory_cap_steps)
             res = search_fused_schedule(pipes, costs, None, config)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
             target = memory_target(m)

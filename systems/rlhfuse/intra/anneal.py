@@ -35,12 +35,12 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness.schedule import SimModel
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 from systems.rlhfuse.intra import loop
-from systems.rlhfuse.intra.memory import MemoryParams, MemorySearch
+from systems.rlhfuse.intra.memory import DEFAULT_MEMORY_CAP_STEPS, MemoryParams, MemorySearch
 
 _EPS = 1e-9
 MAX_DRAWS = 1000  # proposals tried per step before the step is counted as a rejected one
@@ -62,6 +62,7 @@ class AnnealParams:
     slack_at_target_frac: float = 0.375  # with a slack: share of the memory phase run at phase 1's makespan
     memory_phase: bool = True
     memory: MemoryParams = field(default_factory=MemoryParams)
+    memory_cap_steps: tuple[float, ...] = DEFAULT_MEMORY_CAP_STEPS  # by seed (anneal_seeds)
 
 
 @dataclass
@@ -288,11 +289,13 @@ def anneal_seeds(model: SimModel, starts: Sequence[tuple[str, Sequence[Sequence[
                  ) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
     """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (labelled orders;
     ``num_workers`` processes when > 1), each with the same labelled ``capped_starts`` for phase
-    1's lower-memory tries; returns (best, all). Best = lowest makespan, then lowest peak memory,
-    then lowest seed."""
+    1's lower-memory tries and its memory phase's cap step the ``k``-th of ``params.memory_cap_steps``
+    (cycling; docs/FUSED_SEARCH.md, "The cap step"); returns (best, all). Best = lowest makespan,
+    then lowest peak memory, then lowest seed."""
     capped = [(label, [list(s) for s in start], peak) for label, start, peak in capped_starts]
-    jobs = [(model, (starts[k % len(starts)][0], [list(s) for s in starts[k % len(starts)][1]]), lower_bound,
-             mem_cap, AnnealParams(**{**params.__dict__, "seed": seed}), capped)
+    caps = params.memory_cap_steps
+    jobs = [(model, (starts[k % len(starts)][0], [list(s) for s in starts[k % len(starts)][1]]), lower_bound, mem_cap,
+             replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)])), capped)
             for k, seed in enumerate(seeds)]
     workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
     if workers == 1:

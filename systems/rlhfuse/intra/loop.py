@@ -155,7 +155,8 @@ def _energy(makespan, area, fs):
 
 @kernel.njit(cache=True)
 def _record(seq2d, lens, pm2d, peak, best2d, over_at, over_rk, cap_step, fs, st):
-    """The state is feasible at the cap: keep it if it holds less than the best, and lower the cap."""
+    """The state is at the target makespan and under the cap or the best peak: keep it if it
+    holds less than the best, and put the cap ``cap_step`` below the best."""
     pk = max(0.0, peak.max())
     if pk < fs[F_BEST_PEAK] - _EPS:
         if fs[F_BEST_PEAK] < np.inf:  # the first record is where the phase starts
@@ -423,7 +424,7 @@ def anneal_loop(order, graph, work, scratch, pm2d, peak, best2d, over_at, over_r
                 fs[F_BEST_MAKESPAN] = makespan
                 best2d[:, :] = seq2d
                 st[S_HAS_BEST] = 1
-        elif makespan <= fs[F_TOL] and st[S_NUM_OVER] == 0:
+        elif makespan <= fs[F_TOL] and (st[S_NUM_OVER] == 0 or peak.max() < fs[F_BEST_PEAK] - _EPS):
             _record(seq2d, lens, pm2d, peak, best2d, over_at, over_rk, cap_step, fs, st)
             st[S_RUNG_START] = st[S_STEP]
             fs[F_ENERGY] = _energy(makespan, fs[F_AREA], fs)

@@ -13,11 +13,10 @@ tightness**:
   the cap, in units of the smallest activation. The area changes only at the positions a move
   touches, and unlike the peak it says how much of the profile still has to come down, and where.
   Both constraints are soft while annealing.
-- **Ladder**: whenever the energy reaches 0 the state is a schedule with makespan <= ``T`` and
-  peak <= cap: it is recorded, and the cap drops to just below its peak (``cap_step`` of the
-  smallest activation), so the search always works on the next level down. Just below, not an
-  activation below: where the models' activations differ, distinct peaks can be much closer than
-  one activation, and a cap that skips them finds none (docs/FUSED_SEARCH.md, "The cap step").
+- **Ladder**: every order reached with makespan <= ``T`` and a peak below the best is recorded,
+  under the cap or not, and the cap drops to ``cap_step`` smallest activations below the new best:
+  recording keeps levels closer than a cap step, and the cap's distance sets how much a position
+  at the best peak costs (docs/FUSED_SEARCH.md, "The cap step").
 - **Moves** (each keeps micro-batches first-in first-out per pipe and stage): *memory-targeted*
   ones pick a position where a rank is over the cap and lower it (swap the action there with a
   following one that holds less, move the nearest earlier forward later, or the next backward
@@ -36,7 +35,7 @@ import numpy as np
 
 from harness.schedule import SimModel
 from systems.rlhfuse.intra import kernel, loop
-from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEP, DEFAULT_MEMORY_MOVE_REACH
+from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS, DEFAULT_MEMORY_MOVE_REACH
 from systems.rlhfuse.intra.incremental import OrderState
 
 _EPS = 1e-9
@@ -51,7 +50,7 @@ class MemoryParams:
     q_critical: float = 0.25  # share of critical-path swaps while the makespan is above target
     q_move: float = 0.8     # share of moves (vs adjacent swaps) among memory-targeted and uniform
     max_shift: int = DEFAULT_MEMORY_MOVE_REACH  # longest distance a move carries an action
-    cap_step: float = DEFAULT_MEMORY_CAP_STEP  # next cap = best peak - cap_step * smallest activation
+    cap_step: float = DEFAULT_MEMORY_CAP_STEPS[0]  # the cap = best peak - cap_step * smallest activation
     rung_steps: int = 10_000  # cooling from t0 to t1 restarts at every new level (and after this)
 
 
@@ -72,8 +71,7 @@ class MemorySearch:
 
     def __init__(self, model: SimModel, tails: list[float], target: float, mem_cap: float | None,
                  rng: random.Random, params: MemoryParams | None = None, compiled: bool | None = None):
-        self.model, self.tails, self.target, self.mem_cap = model, tails, target, mem_cap
-        self.rng = rng
+        self.model, self.tails, self.target, self.mem_cap, self.rng = model, tails, target, mem_cap, rng
         self.p = params or MemoryParams()
         self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
         self.unit = min((d for d in model.mem_delta if d > 0), default=1.0)

@@ -7,10 +7,8 @@ paper's greedy schedule (larger model first) and a small portfolio of other gree
 (``greedy.POLICIES`` x in-flight windows), ranks these starting points by (makespan, peak
 memory), anneals seed ``k`` from the ``k``-th best in two phases (makespan first; then, with the
 makespan fixed, peak activation memory: :mod:`systems.rlhfuse.intra.memory`), and reports the
-result against the lower bound and the serial baseline's peak. The portfolio is cheap (one
-list-scheduling pass each) and matters: on two equal 16-stage models the paper's greedy order
-starts at 151 (bound 117) and annealing from it stalls, while starts that keep both pipelines
-moving are annealed to the bound in seconds.
+result against the lower bound and the serial baseline's peak. Why a portfolio of starts:
+docs/FUSED_SEARCH.md.
 
 Budgets are steps (trial moves) per seed by default, so the same seed and steps give the same
 schedule, with or without worker processes; a wall-clock limit is an option.
@@ -159,9 +157,8 @@ def starting_points(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
 
 # phase 1's lower-memory starts (``memory_front``): greedy schedules over these policies x
 # in-flight windows x caps of these multiples of the serial 1F1B peak (None: uncapped), of which
-# the Pareto front in (peak, makespan) with makespan within FRONT_MAX_GAP of the lower bound.
-# Two policies: over every policy, the orders phase 1 kept on the Table 3 shapes came from these
-# (critical_path on 14 of 16 rows, larger on 1), and the capped passes are the expensive ones.
+# the Pareto front in (peak, makespan) with makespan within FRONT_MAX_GAP of the lower bound
+# (why these two policies: docs/FUSED_SEARCH.md, "Reading it").
 FRONT_POLICIES = ("critical_path", "larger")
 FRONT_WINDOWS = (None, 1.0, 1.5, 2.0)
 FRONT_CAPS = (None, 1.3, 1.6, 2.0)
@@ -226,18 +223,18 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     model = sim_model(serial, costs)
     params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
                           memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
-                          memory=MemoryParams(max_shift=int(cfg.memory_move_reach), cap_step=cfg.memory_cap_step))
+                          memory=MemoryParams(max_shift=int(cfg.memory_move_reach)),
+                          memory_cap_steps=tuple(float(s) for s in cfg.memory_cap_steps))
     best, _ = anneal_seeds(model, [(name, _encode(s, costs)) for name, s, _ in starts], bound.value, mem_cap,
                            cfg.seeds, params, cfg.num_workers,
                            capped_starts=[(name, _encode(s, costs), sim.max_peak_memory) for name, s, sim in front])
     start_name, start, start_sim = next(entry for entry in starts if entry[0] == best.start)
-    ranks = serial.ranks
     exact, proofs = _refine_exactly(model, best.seqs, bound.value, mem_cap, cfg.exact_effort, cfg.exact_workers,
                                     cfg.seed, None if time_limit_s is None else
                                     max(0.0, time_limit_s - (time.perf_counter() - t_begin)),
                                     best.phase1_makespan, makespan_slack_frac)
     seqs = best.seqs if exact is None else exact.seqs
-    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(ranks, seqs)})
+    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(serial.ranks, seqs)})
     tol = 1e-9 * max(1.0, start_sim.makespan)  # incremental and full timing differ in the last bits
     final_makespan = best.makespan if exact is None else exact.makespan
     final_peak = best.peak_memory if exact is None else exact.peak_memory

@@ -112,6 +112,32 @@ def test_memory_ladder_puts_the_next_cap_cap_step_activations_below_the_best_pea
     assert run.fs[loop.F_CAP] == pytest.approx(peak - cap_step * unit, abs=1e-12)
 
 
+@pytest.mark.parametrize("form", ["compiled", "interpreted"])
+def test_memory_ladder_records_every_lower_peak_at_the_target_even_above_the_cap(form):
+    """MEMORY objective: the record and the cap are apart. With the cap 12 smallest activations
+    below the best (below anything the walk reaches), every lower peak at the target makespan is
+    still recorded: the best is the least peak the walk visited there. (Before 2026-11-27 only
+    orders under the cap were; this walk then records nothing.)"""
+    pipes, costs, start, model, seqs = _setup(4, 4, 6, 0.0)
+    state = OrderState(model, seqs)
+    first, target, unit = state.max_peak(), state.makespan(), min(d for d in model.mem_delta if d > 0)
+    tol, steps = target * (1 + 1e-9), 3000
+    trace = np.zeros((steps, 3))
+    run = loop.Loop(state, loop.action_classes(model), loop.MEMORY, np.array([5, 7], dtype=np.int64),
+                    (2.0, 0.02, 0.5, 0.25, 0.8, 12.0, 1e-9), (8, 500, 256),
+                    {loop.F_TARGET: target, loop.F_TOL: tol, loop.F_UNIT: unit, loop.F_FLOOR: max(model.mem_delta)},
+                    compiled=form == "compiled")
+    run.run(steps, trace=trace)
+    visited = [peak for makespan, _, peak in trace[:run.step] if makespan <= tol]
+    visited += [state.max_peak()] if state.makespan() <= tol else []
+    best = run.fs[loop.F_BEST_PEAK]
+    assert best < first - 1e-9 and run.st[loop.S_LEVELS] >= 1
+    assert best == pytest.approx(min(visited), abs=1e-12)
+    assert min(visited) > run.fs[loop.F_CAP] + 1e-9  # never under the cap: recorded above it
+    again = OrderState(model, run.best_seqs())
+    assert again.max_peak() == pytest.approx(best, abs=1e-12) and again.makespan() <= tol
+
+
 def test_commit_and_revert_need_a_pending_trial():
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 0.0)
     state = OrderState(model, seqs)
