@@ -183,7 +183,7 @@ def main() -> None:
                   f"{res.peak_lower_bound / res.serial_peak_memory:>9.3f}{gap:>7}"
                   f"{res.phase1_peak_memory / res.serial_peak_memory:>14.3f}"
                   f"{res.serial_makespan / res.makespan:>10.3f}x{wall:>8.1f}{cpu:>7.0f}{actions:>9}{res.steps:>9}  {verdict}"
-                  f"  [{res.phase1_start}]",
+                  f"  [{res.origin}]",
                   flush=True)
     print(f"# peak proven least at its makespan on {least} of {rows} configurations; "
           f"memory target met at the optimal makespan on {met} of {rows} configurations"

@@ -2,34 +2,28 @@
 NSDI'25, arXiv 2409.13221, section 5: minimise the latency, then, with the latency fixed, the peak
 memory).
 
-This module owns the phases of one seed's search (:class:`SeedSearch`) and the fan-out over
-seeds; both phases run the one annealing loop of :mod:`systems.rlhfuse.intra.loop` (its timing,
-:mod:`systems.rlhfuse.intra.incremental`, always agrees with ``harness.schedule.simulate``), the
-memory phase through :mod:`systems.rlhfuse.intra.memory`.
+This module owns one seed's search: its context (:class:`SearchContext`: what every phase reads,
+and a budget that phases take shares of and book what they spent against), its phases as objects
+that take a :class:`Candidate` and return one tagged with its origin, the order they run in
+(:func:`anneal_orders`), and the fan-out over seeds (:func:`anneal_seeds`). Both phases run the
+one annealing loop of :mod:`systems.rlhfuse.intra.loop`, whose timing always agrees with
+``harness.schedule.simulate``.
 
-- **Phase 1** (makespan, the loop's MAKESPAN objective): the paper's neighbourhood, swaps of two
-  adjacent actions on one rank, drawn with probability ``q_critical`` from the ends of the blocks
-  of a critical path (only those can shorten it; uniform swaps alone barely move a schedule of
-  thousands of actions: docs/FUSED_SEARCH.md), else uniformly; Metropolis acceptance with
-  geometric cooling from ``T0`` to ``T1`` (relative to the mean action time) over the phase's
-  step or time budget; a step budget longer than ``phase1_cycle_steps`` is spent in cooling
-  cycles of that length, each a fresh try from the starting order. Stops early at the lower
-  bound. Then the lower-memory starts (:meth:`SeedSearch.lower_memory_starts`).
-- **Phase 2** (memory, :class:`~systems.rlhfuse.intra.memory.MemorySearch`): with the makespan
-  fixed at phase 1's best ``T``, lower the peak activation memory under a cap of increasing
-  tightness, starting from phase 1's best order. Every schedule it keeps has makespan <= ``T``,
-  so the memory phase never lengthens the schedule.
+- **Phase 1** (:class:`MakespanPhase`): the paper's neighbourhood, swaps of two adjacent actions
+  on one rank, drawn with probability ``q_critical`` from the ends of the blocks of a critical
+  path (only those can shorten it: docs/FUSED_SEARCH.md), else uniformly; Metropolis acceptance,
+  geometric cooling from ``T0`` to ``T1`` (relative to the mean action time); stops at the lower
+  bound. Then :class:`LowerMemoryStarts`.
+- **Phase 2** (:class:`MemoryPhase`, :mod:`systems.rlhfuse.intra.memory`): with the makespan fixed
+  at phase 1's best ``T``, the lowest peak at makespan <= ``T``; with a slack, :class:`TimeForMemory`.
 - **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``; phase 2 gets
-  the rest, including whatever phase 1 left unused (phase 1 stops at the lower bound). A step is
-  one trial move that was timed.
+  the rest, including what phase 1 left. A step is one trial move that was timed.
 - **Determinism**: all randomness comes from ``random.Random(seed)``; with ``max_steps`` and no
-  time limit the result is a pure function of the inputs. :func:`anneal_seeds` runs several seeds
-  (in worker processes when ``num_workers > 1``), seed ``k`` from the ``k``-th of the given
-  starting orders (cycling), and keeps the best by (makespan, peak memory, seed), which stays
-  deterministic given (starts, seeds, max_steps) whatever the number of workers.
+  time limit the result is a pure function of the inputs, whatever the number of workers.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import random
@@ -58,7 +52,7 @@ class AnnealParams:
     phase1_cycle_steps: int | None = 20_000  # cooling cycle of phase 1 under long step budgets
     front_try_frac: float = 0.125  # share of phase 1's budget for each lower-memory start tried
     makespan_slack_frac: float = 0.0  # the memory phase may return up to (1 + this) x phase 1's best
-    slack_polish_frac: float = 0.125  # with a slack: share kept to shorten its result (trade_time_for_memory)
+    slack_polish_frac: float = 0.125  # with a slack: share kept to shorten its result (TimeForMemory)
     slack_at_target_frac: float = 0.375  # with a slack: share of the memory phase run at phase 1's makespan
     memory_phase: bool = True
     memory: MemoryParams = field(default_factory=MemoryParams)
@@ -79,8 +73,7 @@ class AnnealOutcome:
     phase1_makespan: float = 0.0     # makespan of phase 1's best order (the memory phase's target)
     phase1_peak_memory: float = 0.0  # peak of phase 1's best order (the memory phase's start)
     memory_levels: int = 0           # how many times the memory phase lowered the peak
-    memory_start: str = ""           # "makespan phase": the memory phase's result was kept; "": phase 1's
-    phase1_start: str = ""           # the start whose run gave phase 1's result (own, or a lower-memory one)
+    origin: str = ""                 # the start phase 1's result came from, then each phase ("a > b")
     phase1_tries: int = 0            # lower-memory starts tried after the first run of phase 1
 
 
@@ -101,45 +94,74 @@ class Budget:
         return Budget(None if self.steps is None else self.steps - (steps or 0),
                       None if self.seconds is None else self.seconds - (seconds or 0.0))
 
-    def spent(self, steps: int, seconds: float) -> bool:
-        """Is the budget used up after ``steps`` trial moves and ``seconds``?"""
-        return (self.steps is not None and steps >= self.steps) or (self.seconds is not None and
-                                                                     seconds >= self.seconds)
+    @property
+    def used_up(self) -> bool:
+        return any(left is not None and left <= 0 for left in (self.steps, self.seconds))
 
 
-class SeedSearch:
-    """One seed's search, its phases as methods over what they all read: the encoded schedule
-    (``model``), its chain tails, the cap, the seed's random stream, the parameters, the
-    temperatures and the action classes."""
+@dataclass(frozen=True)
+class Candidate:
+    """An order a phase returns: per-rank action ids, makespan, peak, ``origin`` (the start's label,
+    then each phase that produced it), trial moves spent and memory levels lowered."""
+    seqs: list[list[int]]
+    makespan: float
+    peak: float
+    origin: tuple[str, ...]
+    steps: int = 0
+    levels: int = 0
+
+
+class SearchContext:
+    """What every phase of one seed's search reads (the encoded schedule, its chain tails, the lower
+    bound, the cap, the seed's random stream, parameters, temperatures, action classes) and its
+    budget: phases get shares of the whole (``total``) or of what is left (:meth:`left`), and
+    what they return is booked (:meth:`spend`)."""
 
     def __init__(self, model: SimModel, lower_bound: float, mem_cap: float | None, p: AnnealParams):
         self.model, self.lower_bound, self.mem_cap, self.p = model, lower_bound, mem_cap, p
-        self.rng = random.Random(p.seed)
-        self.tails = chain_tails(model)
+        self.rng, self.tails, self.cls = random.Random(p.seed), chain_tails(model), loop.action_classes(model)
         mean_dur = sum(model.dur) / max(len(model.dur), 1) or 1.0
         self.temps = (p.t0_rel * mean_dur, p.t1_rel * mean_dur)
-        self.cls = loop.action_classes(model)
-        self.t_begin = time.perf_counter()
+        self.total, self.used, self.t_begin = Budget(p.max_steps, p.time_limit_s), 0, time.perf_counter()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_begin
 
+    def left(self) -> Budget:
+        return self.total.less(self.used, self.elapsed())
+
+    def spend(self, found: Candidate) -> Candidate:
+        self.used += found.steps
+        return found
+
     def state(self, seqs: Sequence[Sequence[int]], cap: float | None = None) -> OrderState:
         return OrderState(self.model, seqs, self.mem_cap if cap is None else cap, self.tails)
 
-    def makespan_phase(self, state: OrderState, budget: Budget, goal: float) -> tuple[list[list[int]], float, int]:
-        """Anneal the makespan of ``state`` towards ``goal`` (the loop's MAKESPAN objective). With a
-        step budget longer than ``phase1_cycle_steps``, cooling runs in cycles of that many steps,
-        each a fresh try from the starting order (a long budget then buys more tries, not a slower
-        cooling that wanders hot for most of it); the best over all is kept. Returns (best order,
-        its makespan, steps)."""
-        p, (t0, t1), cycle = self.p, self.temps, self.p.phase1_cycle_steps
+    def candidate(self, seqs: Sequence[Sequence[int]], origin: tuple[str, ...], steps=0, levels=0) -> Candidate:
+        state = self.state(seqs)
+        return Candidate([list(s) for s in seqs], state.makespan(), state.max_peak(), origin, steps, levels)
+
+
+class MakespanPhase:
+    """Phase 1's annealing: the makespan towards ``goal`` (the loop's MAKESPAN objective) under the
+    search's cap, and with ``peak`` under a hard cap there too. A step budget longer than
+    ``phase1_cycle_steps`` is spent in cooling cycles of that length, each a fresh try from the
+    start (more tries, not a slower cooling); the best over all is returned."""
+    name = "makespan"
+
+    def __init__(self, goal: float, peak: float | None = None):
+        self.goal, self.peak = goal, peak
+
+    def run(self, ctx: SearchContext, start: Candidate, budget: Budget) -> Candidate:
+        p, (t0, t1), cycle, goal = ctx.p, ctx.temps, ctx.p.phase1_cycle_steps, self.goal
+        cap = None if self.peak is None else self.peak if ctx.mem_cap is None else min(self.peak, ctx.mem_cap)
+        state = ctx.state(start.seqs, None if cap is None else cap + _EPS * max(1.0, cap))
         cycling = cycle is not None and budget.steps is not None and budget.steps > cycle
         rung = cycle if cycling else 2**62 if budget.steps is None else max(1, budget.steps)
         first, best, best_seqs, step = state.snapshot(), state.makespan(), None, 0
-        rs, t_start = loop.mt_state(self.rng), time.perf_counter()
+        rs, t_start = loop.mt_state(ctx.rng), time.perf_counter()
         while True:
-            run = loop.Loop(state, self.cls, loop.MAKESPAN, rs, (t0, t1, 0.0, p.q_critical, 0.0, 0.0, 0.0),
+            run = loop.Loop(state, ctx.cls, loop.MAKESPAN, rs, (t0, t1, 0.0, p.q_critical, 0.0, 0.0, 0.0),
                             (1, rung, MAX_DRAWS),
                             {loop.F_TOL: goal + _EPS * max(1.0, abs(goal)), loop.F_BEST_MAKESPAN: best}, step)
             out = run.run(budget.steps, None if budget.seconds is None else
@@ -149,133 +171,115 @@ class SeedSearch:
                 best, best_seqs = float(run.fs[loop.F_BEST_MAKESPAN]), found
             if out != loop.CYCLE_END:
                 break
-            state = self.state(first, state.mem_cap)  # cooled down above the bound: another try
-        loop.mt_restore(self.rng, rs)
-        return best_seqs or first, best, step
+            state = ctx.state(first, state.mem_cap)  # cooled down above the bound: another try
+        loop.mt_restore(ctx.rng, rs)
+        seqs = best_seqs or first
+        return Candidate(seqs, best, ctx.state(seqs).max_peak(), start.origin + (self.name,), step)
 
-    def memory_phase(self, target: float, seqs: Sequence[Sequence[int]], budget: Budget) -> tuple[MemorySearch, int]:
-        """Run the memory search from ``seqs`` at makespan ``target``; returns (search, steps used)."""
-        search = MemorySearch(self.model, self.tails, target, self.mem_cap, self.rng, self.p.memory)
-        return search, search.run(seqs, budget.steps, budget.seconds).steps
 
-    def under_peak(self, seqs: Sequence[Sequence[int]], peak: float, goal: float, budget: Budget
-                   ) -> tuple[list[list[int]], float, int]:
-        """Anneal the makespan of ``seqs`` towards ``goal`` under a hard cap at ``peak`` (and the
-        cap): a shorter order that holds no more. Returns (best order, its makespan, steps)."""
-        cap = peak if self.mem_cap is None else min(peak, self.mem_cap)
-        return self.makespan_phase(self.state(seqs, cap + _EPS * max(1.0, cap)), budget, goal)
+class LowerMemoryStarts:
+    """Phase 1, second part: each of ``capped_starts`` (labelled orders with their peak, highest
+    first) that holds less than the best is annealed under a hard cap at its peak with
+    ``front_try_frac`` of phase 1's budget, and replaces the best if it reaches its makespan, so
+    the memory phase starts lower (docs/FUSED_SEARCH.md, phase 1). ``tries``: how many ran."""
 
-    def lower_memory_starts(self, best_seqs: list[list[int]], best: float,
-                            capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]], budget: Budget
-                            ) -> tuple[list[list[int]], float, int, str, int]:
-        """Phase 1, second part: from each of ``capped_starts`` (labelled orders with their peak,
-        highest peak first) whose peak is below the best order's, anneal the makespan under a hard cap at
-        that peak, with ``front_try_frac`` of phase 1's budget each; an order that reaches the best
-        makespan so far (or beats it) replaces the best. The memory phase then starts from an order
-        at the same makespan that holds less (docs/FUSED_SEARCH.md, phase 1). Returns (best order,
-        its makespan, steps used, label of the start that gave it or "", tries)."""
-        peak = self.state(best_seqs).max_peak()
-        each = budget.scaled(self.p.front_try_frac, lambda steps: max(1, int(steps)))
-        used, front, tries, t_start = 0, "", 0, time.perf_counter()
-        for label, seqs, start_peak in capped_starts:
-            if start_peak >= peak - _EPS * max(1.0, peak):
+    def __init__(self, capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]]):
+        self.capped_starts, self.tries = capped_starts, 0
+
+    def run(self, ctx: SearchContext, best: Candidate, budget: Budget) -> Candidate:
+        each = budget.scaled(ctx.p.front_try_frac, lambda steps: max(1, int(steps)))
+        used, t_start = 0, time.perf_counter()
+        for label, seqs, start_peak in self.capped_starts:
+            if start_peak >= best.peak - _EPS * max(1.0, best.peak):
                 continue
-            if budget.spent(used, time.perf_counter() - t_start):
+            if budget.less(used, time.perf_counter() - t_start).used_up:
                 break
             left = None if budget.steps is None else min(each.steps, budget.steps - used)
-            # stop as soon as the best makespan so far is matched: equal makespan, less memory
-            seqs_k, makespan_k, used_k = self.under_peak(seqs, start_peak, best, Budget(left, each.seconds))
-            used += used_k
-            tries += 1
-            if makespan_k <= best + _EPS * max(1.0, abs(best)):
-                best_seqs, best, front = seqs_k, min(best, makespan_k), label
-                peak = self.state(seqs_k).max_peak()
-        return best_seqs, best, used, front, tries
+            found = MakespanPhase(best.makespan, start_peak).run(  # stops once it matches the best's makespan
+                ctx, Candidate([list(s) for s in seqs], math.nan, start_peak, (label,)), Budget(left, each.seconds))
+            used, self.tries = used + found.steps, self.tries + 1
+            if found.makespan <= best.makespan + _EPS * max(1.0, abs(best.makespan)):
+                best = replace(found, makespan=min(best.makespan, found.makespan))
+        return replace(best, steps=used)
 
-    def trade_time_for_memory(self, seqs: list[list[int]], start: list[list[int]], makespan: float,
-                              budget: Budget, polish: Budget) -> tuple[list[list[int]], int, int]:
-        """The memory phase's second part under a makespan slack: from ``start`` (phase 1's order)
-        lower the peak with the makespan allowed up to ``(1 + makespan_slack_frac) x makespan``; an
-        order found there is kept only if it holds less than ``seqs`` (the best order at phase 1's
-        ``makespan``), and is then annealed back towards ``makespan`` under a hard cap at its peak
-        (the slack should buy memory, not be given away at a peak the shorter schedule already
-        had). It starts from phase 1's order, not from ``seqs``: the memory phase's best order at
-        the makespan is usually in a basin that the looser target does not get it out of
-        (docs/FUSED_SEARCH.md, "Time for memory"). ``budget`` for the search, ``polish`` (plus the
-        steps the search left) for the shortening. Returns (order, steps used, levels lowered)."""
-        peak = self.state(seqs).max_peak()
-        search, used = self.memory_phase(makespan * (1.0 + self.p.makespan_slack_frac), start, budget)
-        if search.best_seqs is None or search.best_peak >= peak - _EPS:
-            return seqs, used, 0
-        out = search.best_seqs
-        state = self.state(out)
-        longer, peak = state.makespan(), state.max_peak()
-        left = None if budget.steps is None else budget.steps + polish.steps - used
-        if longer > makespan + _EPS * max(1.0, makespan) and (left is None or left > 0):
-            shorter_seqs, shorter, polished = self.under_peak(out, peak, makespan, Budget(left, polish.seconds))
-            used += polished
-            if shorter < longer - _EPS * max(1.0, longer):
-                out = shorter_seqs
-        return out, used, search.levels_total
 
-    def run(self, seqs: Sequence[Sequence[int]],
-            capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]] = (), label: str = ""
-            ) -> AnnealOutcome:
-        """Phase 1 anneals the makespan from ``seqs`` (the start called ``label``), then tries the
-        lower-memory ``capped_starts`` (``(label, order, its peak)``, highest peak first) under hard
-        caps at their peaks with what is left of its budget (:meth:`lower_memory_starts`). The
-        memory phase starts from phase 1's best."""
-        p = self.p
-        state = self.state(seqs)
-        if not any(len(s) > 1 for s in state.seqs):
-            return AnnealOutcome(state.snapshot(), state.makespan(), state.max_peak(), 0, 0, 0, p.seed, 0.0, label,
-                                 phase1_makespan=state.makespan(), phase1_peak_memory=state.max_peak(),
-                                 phase1_start=label)
-        total = Budget(p.max_steps, p.time_limit_s)
-        first = total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
-        best_seqs, best, steps_1 = self.makespan_phase(state, first, self.lower_bound)
-        front, tries = "", 0
-        if capped_starts:
-            best_seqs, best, used, front, tries = self.lower_memory_starts(
-                best_seqs, best, capped_starts, first.less(steps_1, self.elapsed()))
-            steps_1 += used
-        phase1 = self.state(best_seqs)
-        phase1_peak = phase1.max_peak()
-        target = phase1.makespan()
-        slack = p.makespan_slack_frac > 0
-        steps_2, levels, memory_start = 0, 0, ""
-        if p.memory_phase:
-            left = total.less(steps_1, self.elapsed())
-            # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
-            phase1_seqs = best_seqs
-            search, steps_2 = self.memory_phase(target, best_seqs,
-                                                left.scaled(p.slack_at_target_frac if slack else 1.0))
-            if search.best_seqs is not None and search.best_peak < phase1_peak - _EPS:
-                best_seqs = search.best_seqs
-                levels = search.levels_total
-                memory_start = "makespan phase"
-            if slack:
-                polish = left.scaled(p.slack_polish_frac)
-                best_seqs, used, more = self.trade_time_for_memory(
-                    best_seqs, phase1_seqs, target,
-                    total.less(steps_1 + steps_2, self.elapsed()).less(polish.steps, polish.seconds), polish)
-                steps_2 += used
-                levels += more
-        final = self.state(best_seqs)
-        return AnnealOutcome(best_seqs, final.makespan(), final.max_peak(), steps_1 + steps_2, steps_1,
-                             steps_2, p.seed, self.elapsed(), label,
-                             phase1_makespan=phase1.makespan(), phase1_peak_memory=phase1_peak,
-                             memory_levels=levels,
-                             memory_start=memory_start, phase1_start=front or label, phase1_tries=tries)
+class MemoryPhase:
+    """Phase 2: from an order, the lowest peak at makespan <= ``target`` (the search's best order,
+    or the start if it kept none); whether it replaces its start is the caller's choice."""
+    name = "memory"
+
+    def __init__(self, target: float):
+        self.target = target
+
+    def run(self, ctx: SearchContext, start: Candidate, budget: Budget) -> Candidate:
+        search = MemorySearch(ctx.model, ctx.tails, self.target, ctx.mem_cap, ctx.rng, ctx.p.memory)
+        steps = search.run(start.seqs, budget.steps, budget.seconds).steps
+        if search.best_seqs is None:
+            return replace(start, steps=steps, levels=0)
+        return Candidate(search.best_seqs, search.best_makespan, search.best_peak, start.origin + (self.name,), steps,
+                         search.levels_total)
+
+
+class TimeForMemory:
+    """The memory phase's second part under a makespan slack: from ``start`` (phase 1's order, not
+    the best: docs/FUSED_SEARCH.md, "Time for memory"), the lowest peak at makespan <= ``(1 +
+    makespan_slack_frac) x makespan``, kept only if below the best's and then annealed back
+    towards ``makespan`` under a hard cap at its peak (the slack buys memory, not idle time)."""
+    name = "time for memory"
+
+    def __init__(self, start: Candidate, makespan: float):
+        self.start, self.makespan = start, makespan
+
+    def run(self, ctx: SearchContext, best: Candidate, budget: Budget, polish: Budget) -> Candidate:
+        """``budget`` for the search, ``polish`` (plus the steps the search left) for the
+        shortening; the returned candidate's steps are both parts'."""
+        found = MemoryPhase(self.makespan * (1.0 + ctx.p.makespan_slack_frac)).run(ctx, self.start, budget)
+        if found.peak >= best.peak - _EPS:
+            return replace(best, steps=found.steps, levels=0)
+        out = ctx.candidate(found.seqs, self.start.origin + (self.name,), found.steps, found.levels)
+        left = None if budget.steps is None else budget.steps + polish.steps - found.steps
+        if out.makespan > self.makespan + _EPS * max(1.0, self.makespan) and (left is None or left > 0):
+            shorter = MakespanPhase(self.makespan, out.peak).run(ctx, out, Budget(left, polish.seconds))
+            if shorter.makespan < out.makespan - _EPS * max(1.0, out.makespan):
+                return replace(shorter, origin=out.origin, steps=out.steps + shorter.steps, levels=out.levels)
+            return replace(out, steps=out.steps + shorter.steps)
+        return out
 
 
 def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
                   mem_cap: float | None = None, params: AnnealParams | None = None,
                   capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]] = (),
                   label: str = "") -> AnnealOutcome:
-    """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank):
-    :meth:`SeedSearch.run`."""
-    return SeedSearch(model, lower_bound, mem_cap, params or AnnealParams()).run(seqs, capped_starts, label)
+    """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank, the
+    start called ``label``; ``capped_starts``: :class:`LowerMemoryStarts`) through the phases."""
+    p = params or AnnealParams()
+    ctx = SearchContext(model, lower_bound, mem_cap, p)
+    best = ctx.candidate(seqs, (label,))
+    if not any(len(s) > 1 for s in best.seqs):
+        return AnnealOutcome(best.seqs, best.makespan, best.peak, 0, 0, 0, p.seed, 0.0, label,
+                             phase1_makespan=best.makespan, phase1_peak_memory=best.peak, origin=label)
+    first = ctx.total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
+    best = ctx.spend(MakespanPhase(lower_bound).run(ctx, best, first))
+    fronts = LowerMemoryStarts(capped_starts)
+    best = ctx.spend(fronts.run(ctx, best, first.less(ctx.used, ctx.elapsed())))
+    phase1 = ctx.candidate(best.seqs, best.origin)
+    steps_1, slack = ctx.used, p.makespan_slack_frac > 0
+    if p.memory_phase:
+        left = ctx.left()
+        # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
+        found = ctx.spend(MemoryPhase(phase1.makespan).run(ctx, phase1, left.scaled(p.slack_at_target_frac
+                                                                                     if slack else 1.0)))
+        best = ctx.candidate(found.seqs, found.origin, levels=found.levels) if found.peak < phase1.peak - _EPS \
+            else phase1
+        if slack:
+            polish = left.scaled(p.slack_polish_frac)
+            traded = ctx.spend(TimeForMemory(phase1, phase1.makespan).run(
+                ctx, best, ctx.left().less(polish.steps, polish.seconds), polish))
+            best = replace(ctx.candidate(traded.seqs, traded.origin), levels=best.levels + traded.levels)
+    final = ctx.candidate(best.seqs, best.origin)
+    return AnnealOutcome(final.seqs, final.makespan, final.peak, ctx.used, steps_1, ctx.used - steps_1, p.seed,
+                         ctx.elapsed(), label, phase1_makespan=phase1.makespan, phase1_peak_memory=phase1.peak,
+                         memory_levels=best.levels, origin=" > ".join(final.origin), phase1_tries=fronts.tries)
 
 
 def _worker(args) -> AnnealOutcome:

@@ -7,7 +7,7 @@ the fallback, and the tests compare the two step by step) that anneals per-rank 
 either objective, and :class:`Loop`, which runs it on an
 :class:`~systems.rlhfuse.intra.incremental.OrderState`'s arrays within a budget and reads the best
 order back. Its drivers are the makespan phase
-(``anneal.SeedSearch.makespan_phase``) and the memory phase (:class:`~systems.rlhfuse.intra.memory.MemorySearch`).
+(``anneal.MakespanPhase``) and the memory phase (:class:`~systems.rlhfuse.intra.memory.MemorySearch`).
 
 - **Step**: draw ``u`` and set the acceptance limit ``energy - T ln u`` (Metropolis acceptance,
   with the uniform number drawn before the move is timed, so that the memory term rules a move

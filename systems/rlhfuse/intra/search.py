@@ -46,8 +46,7 @@ class FusedResult:
     valid: bool
     steps: int
     greedy_peak_memory: float = 0.0
-    # serial 1F1B without the barrier: each rank runs its actor's 1F1B list, then its critic's
-    serial_no_barrier_makespan: float = 0.0
+    serial_no_barrier_makespan: float = 0.0  # each rank its actor's 1F1B list, then its critic's
     serial_no_barrier_peak_memory: float = 0.0
     bound_terms: dict[str, float] = field(default_factory=dict)
     config: FusedSearchConfig = field(default_factory=FusedSearchConfig)  # as run (max_steps resolved)
@@ -59,8 +58,7 @@ class FusedResult:
     phase1_makespan: float = 0.0     # the makespan phase's result (kept, or within the slack above it)
     phase1_peak_memory: float = 0.0  # peak of the makespan phase's result (memory phase start)
     memory_levels: int = 0      # times the memory phase lowered the peak (best seed)
-    memory_start: str = ""      # the memory phase's starting order that gave the result
-    phase1_start: str = ""      # the start whose run gave phase 1's result (own, or a lower-memory one)
+    origin: str = ""            # the start phase 1's result came from (own, or a lower-memory one), then each phase
     phase1_tries: int = 0       # lower-memory starts phase 1 tried (best seed)
     # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when config.exact_effort > 0:
     exact_effort_used: float = 0.0
@@ -71,9 +69,7 @@ class FusedResult:
     annealed_peak_memory: float = 0.0
     makespan_bound: float = 0.0        # proven: no schedule is shorter (>= lower_bound)
     peak_bound: float = 0.0            # proven: no schedule this short holds less (0: none proven)
-    # the best lower bound on the peak of any schedule at most this long: the closed form
-    # (bounds.peak_lower_bound) or the exact refinement's proof, whichever is higher
-    peak_lower_bound: float = 0.0
+    peak_lower_bound: float = 0.0  # of any schedule this short: the closed form's or the proof's, if higher
 
     @property
     def makespan_optimal(self) -> bool:
@@ -169,7 +165,7 @@ def memory_front(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], 
                  serial_peak: float, lower_bound: float) -> list[tuple[str, Schedule, SimResult]]:
     """Greedy schedules on the (peak memory, makespan) Pareto front, highest peak (= shortest)
     first, those within ``FRONT_MAX_GAP`` of ``lower_bound`` only: phase 1 tries them under hard
-    caps at their peaks after its first run (``anneal.SeedSearch.lower_memory_starts``). A greedy pass per
+    caps at their peaks after its first run (``anneal.LowerMemoryStarts``). A greedy pass per
     policy x window x cap (``FRONT_*``: 32 passes); caps above ``mem_cap`` are clipped to it."""
     found: list[tuple[str, Schedule, SimResult]] = []
     for factor in FRONT_CAPS:
@@ -262,7 +258,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0,
         phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory,
         memory_levels=best.memory_levels,
-        memory_start=best.memory_start, phase1_start=best.phase1_start, phase1_tries=best.phase1_tries,
+        origin=best.origin + ("" if exact is None else " > exact"),
+        phase1_tries=best.phase1_tries,
         annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
         peak_lower_bound=max(peak_lower_bound(pipes, costs, result.makespan),
                              0.0 if exact is None else exact.bound),

@@ -152,34 +152,37 @@ def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespa
     params = AnnealParams(seed=1, time_limit_s=None, max_steps=3000, memory_phase=False,
                           front_try_frac=1e-3)  # 3 steps for the serial order: it cannot get there
     out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped, label="own")
-    assert out.phase1_start == "low" and out.phase1_tries == 2 and out.start == "own"
+    assert out.origin.startswith("low > makespan") and out.phase1_tries == 2 and out.start == "own"
     assert out.makespan == pytest.approx(plain.makespan) and out.peak_memory == pytest.approx(low_peak)
     res = simulate(_decode(model, start.ranks, out.seqs, pipes), costs)
     assert res.makespan == pytest.approx(plain.makespan) and res.max_peak_memory == pytest.approx(low_peak)
     # no lower-memory start at the makespan: phase 1's own order stays
     out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped[:1], label="own")
-    assert out.phase1_start == "own" and out.peak_memory == pytest.approx(plain.peak_memory)
+    assert out.origin.startswith("own > makespan") and out.peak_memory == pytest.approx(plain.peak_memory)
 
 
 def test_slack_part_keeps_only_lower_peaks_and_shortens_them():
     """The memory phase's part under a makespan slack: from an order at phase 1's makespan it keeps
     an order only if it holds less, within the slack, and anneals it back towards that makespan
-    under a hard cap at its peak; with no step budget it returns its input."""
-    from systems.rlhfuse.intra.anneal import Budget, SeedSearch
+    under a hard cap at its peak, tagging it with its origin; with no step budget it returns its
+    input."""
+    from systems.rlhfuse.intra.anneal import Budget, SearchContext, TimeForMemory
 
     pipes, costs, start, model, seqs = _setup(4, 4, 6, 6, policy="critical_path")
     before = OrderState(model, seqs, None, chain_tails(model))
     for slack in (0.02, 0.2):
-        search = SeedSearch(model, 0.0, None, AnnealParams(makespan_slack_frac=slack))
-        out, used, levels = search.trade_time_for_memory(seqs, seqs, before.makespan(), Budget(3000, None),
-                                                         Budget(1000, None))
-        after = simulate(_decode(model, start.ranks, out, pipes), costs)
-        assert 0 < used <= 4000 and levels > 0
+        ctx = SearchContext(model, 0.0, None, AnnealParams(makespan_slack_frac=slack))
+        own = ctx.candidate(seqs, ("own", "makespan"))
+        out = TimeForMemory(own, own.makespan).run(ctx, own, Budget(3000, None), Budget(1000, None))
+        after = simulate(_decode(model, start.ranks, out.seqs, pipes), costs)
+        assert 0 < out.steps <= 4000 and out.levels > 0 and out.origin == ("own", "makespan", "time for memory")
+        assert after.max_peak_memory == pytest.approx(out.peak) and after.makespan == pytest.approx(out.makespan)
         assert after.max_peak_memory < before.max_peak() - 1e-9
         assert after.makespan <= before.makespan() * (1 + slack) * (1 + 1e-9)
-    search = SeedSearch(model, 0.0, None, AnnealParams(makespan_slack_frac=0.2))
-    same, used, levels = search.trade_time_for_memory(seqs, seqs, before.makespan(), Budget(0, None), Budget(0, None))
-    assert same == seqs and used == 0 and levels == 0
+    ctx = SearchContext(model, 0.0, None, AnnealParams(makespan_slack_frac=0.2))
+    own = ctx.candidate(seqs, ("own",))
+    same = TimeForMemory(own, own.makespan).run(ctx, own, Budget(0, None), Budget(0, None))
+    assert same.seqs == seqs and same.steps == 0 and same.levels == 0 and same.origin == ("own",)
 
 
 @pytest.mark.parametrize("slack", [0.01, 0.1])
