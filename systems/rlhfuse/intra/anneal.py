@@ -262,24 +262,23 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
     best = ctx.spend(MakespanPhase(lower_bound).run(ctx, best, first))
     fronts = LowerMemoryStarts(capped_starts)
     best = ctx.spend(fronts.run(ctx, best, first.less(ctx.used, ctx.elapsed())))
-    phase1 = ctx.candidate(best.seqs, best.origin)
+    best = phase1 = ctx.candidate(best.seqs, best.origin)  # timed in full: the memory phase's target
     steps_1, slack = ctx.used, p.makespan_slack_frac > 0
     if p.memory_phase:
         left = ctx.left()
         # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
         found = ctx.spend(MemoryPhase(phase1.makespan).run(ctx, phase1, left.scaled(p.slack_at_target_frac
                                                                                      if slack else 1.0)))
-        best = ctx.candidate(found.seqs, found.origin, levels=found.levels) if found.peak < phase1.peak - _EPS \
-            else phase1
+        if found.peak < phase1.peak - _EPS:
+            best = ctx.candidate(found.seqs, found.origin, levels=found.levels)
         if slack:
             polish = left.scaled(p.slack_polish_frac)
             traded = ctx.spend(TimeForMemory(phase1, phase1.makespan).run(
                 ctx, best, ctx.left().less(polish.steps, polish.seconds), polish))
             best = replace(ctx.candidate(traded.seqs, traded.origin), levels=best.levels + traded.levels)
-    final = ctx.candidate(best.seqs, best.origin)
-    return AnnealOutcome(final.seqs, final.makespan, final.peak, ctx.used, steps_1, ctx.used - steps_1, p.seed,
+    return AnnealOutcome(best.seqs, best.makespan, best.peak, ctx.used, steps_1, ctx.used - steps_1, p.seed,
                          ctx.elapsed(), label, phase1_makespan=phase1.makespan, phase1_peak_memory=phase1.peak,
-                         memory_levels=best.levels, origin=" > ".join(final.origin), phase1_tries=fronts.tries)
+                         memory_levels=best.levels, origin=" > ".join(best.origin), phase1_tries=fronts.tries)
 
 
 def _worker(args) -> AnnealOutcome:
