@@ -3,6 +3,11 @@
     python benchmarks/sim_vs_real.py                       # rlhfuse_base vs rlhfuse, long-tailed tiny workload
     python benchmarks/sim_vs_real.py --systems rlhfuse --iterations 4 --devices 4
     python benchmarks/sim_vs_real.py --device cuda --devices 1 --model smollm2_135m   # on a GPU (issue 27, item 6)
+    python benchmarks/sim_vs_real.py --device cuda --devices 1 --model opt_1_3b_350m \
+        --override workload.global_batch_size=64 workload.max_gen_len=128 workload.output_len.max=128
+
+``--override`` takes further Hydra overrides; one whose key the benchmark already sets replaces it
+(e.g. ``model.actor.checkpoint=null`` for random weights of the same shape).
 
 For every system: plan once, then run the *same plan* on the same batches with the simulator
 (the cluster's GPU cost model) and for real on CPU Ray workers (gloo), and print
@@ -58,14 +63,23 @@ def overlaps(win: dict[str, tuple[float, float]], min_frac: float = 0.02) -> set
             if min(win[a][1], win[b][1]) - max(win[a][0], win[b][0]) > min_frac * step}
 
 
+def with_overrides(base: list[str], extra: list[str]) -> list[str]:
+    """``base`` then ``extra``, where an ``extra`` override replaces the ``base`` one of the same key
+    (Hydra refuses two values for one key)."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in extra}
+    return [o for o in base if o.split("=", 1)[0].lstrip("+~") not in keys] + list(extra)
+
+
 def run_both(system: str, devices: int, iterations: int, stream_rounds: str = "to_next_finish",
-             model: str = "tiny", device: str = "cpu") -> tuple[Plan, list[StepTrace], list[StepTrace], list[float]]:
+             model: str = "tiny", device: str = "cpu", extra: tuple[str, ...] = ()
+             ) -> tuple[Plan, list[StepTrace], list[StepTrace], list[float]]:
     from harness.backends.ray import RayBackend
 
-    overrides = [f"+system={system}", f"model={model}", *LONG_TAIL, f"cluster.gpus_per_node={devices}", "backend=ray",
-                 f"backend.options.device={device}",
-                 "backend.options.digest=false", f"backend.options.stream_rounds={stream_rounds}",
-                 *PER_SYSTEM.get(system, lambda devices: [])(devices)]
+    overrides = with_overrides(
+        [f"+system={system}", f"model={model}", *LONG_TAIL, f"cluster.gpus_per_node={devices}", "backend=ray",
+         f"backend.options.device={device}",
+         "backend.options.digest=false", f"backend.options.stream_rounds={stream_rounds}",
+         *PER_SYSTEM.get(system, lambda devices: [])(devices)], list(extra))
     plan, ctx, run = plan_for(overrides)
     memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
     batches = [make_batch(ctx.workload, ctx.seed, it) for it in range(iterations)]
@@ -130,11 +144,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--stream-rounds", nargs="+", default=["one_step", "to_next_finish"],
                         help="backend.options.stream_rounds settings to run a streaming plan with")
+    parser.add_argument("--override", nargs="*", default=[],
+                        help="further Hydra overrides (one for a key set above replaces it)")
     args = parser.parse_args()
     rows, stages = {}, {}
     for system in args.systems:
         for rounds in args.stream_rounds:
-            plan, sim, real, wall = run_both(system, args.devices, args.iterations, rounds, args.model, args.device)
+            plan, sim, real, wall = run_both(system, args.devices, args.iterations, rounds, args.model, args.device,
+                                             tuple(args.override))
             streams = any(t.stream_from is not None for t in plan.tasks)
             label = f"{system}:{rounds}" if streams else system
             report(label, plan, sim[-1], real[-1])

@@ -11,7 +11,12 @@ available, else CPU in fp32) and write ``DIR/<device slug>/<model>/mlp.csv`` (de
 ``data/profiles/local``) in Vidur's format, readable with
 ``measured.load_compute(root=DIR)``.
 
-Prints three tables of ``|model / measured - 1|`` (median, p90, max over rows; ``ratio`` is the
+``python -m harness.calibrate compare --local data/profiles/local [--gpu h100]``: our own
+profile rows (``profile`` on a GPU) against the Vidur rows of the same shapes (models matched by
+their dimensions, then tp, num_tokens and op): per op class and token range, and per layer, the
+median of ``ours / Vidur`` (``ratio``) and ``|ours / Vidur - 1|`` (docs/GPU.md shows an H100 run).
+
+``report`` prints three tables of ``|model / measured - 1|`` (median, p90, max over rows; ``ratio`` is the
 median of ``model / measured``, > 1 when the model is slow):
 
 1. ``layer``: :class:`~harness.costmodel.CostModel` (``conf/cluster/<gpu>_8x.yaml``, defaults
@@ -286,6 +291,43 @@ def profile(model: str, num_tokens: Sequence[int], out: Path | str, device: str 
     return path, text
 
 
+TOKEN_RANGES = ((1, 64), (128, 1024), (2048, 1 << 30))
+
+
+def compare(local_root: Path | str, gpu: str = "h100", root: Path | str = ms.PROFILE_DIR
+            ) -> tuple[pd.DataFrame, str]:
+    """Rows of ``ours / Vidur`` per (op class, token range) and per layer (all ops but the
+    embedding), over every (shape, tp, num_tokens, op) both tables measured; duplicate
+    measurements are averaged first. Shapes match on every dimension but ``vocab_size`` (Vidur's
+    files pad it to 32768; it sizes only the embedding table, whose lookup reads ``num_tokens``
+    rows). Raises ValueError when no row of ``local_root`` has a Vidur counterpart."""
+    keys = [*(c for c in ms.DIM_COLUMNS if c != "vocab_size"), "tp", "num_tokens", "op", "op_class"]
+    ours = ms.load_compute(root=local_root).groupby(keys + ["gpu", "model"], as_index=False)["time_s"].mean()
+    theirs = ms.load_compute(gpu, root).groupby(keys + ["model"], as_index=False)["time_s"].mean()
+    both = ours.merge(theirs, on=keys, suffixes=("_ours", "_vidur"))
+    if both.empty:
+        raise ValueError(f"no profile row under {local_root} has a {gpu} Vidur row of the same model "
+                         f"dimensions (vocab_size aside), tp and num_tokens")
+    both["ratio"] = both["time_s_ours"] / both["time_s_vidur"]
+    device = ", ".join(sorted(both["gpu"].unique()))
+    rows = []
+    for lo, hi in TOKEN_RANGES:
+        part = both[(both["num_tokens"] >= lo) & (both["num_tokens"] <= hi)]
+        group = f"tokens {lo}-{hi}" if hi < (1 << 30) else f"tokens >= {lo}"
+        for op_class, cls in part.groupby("op_class"):
+            rows.append(_stats_row("op class", device, op_class, group, cls["ratio"]))
+    layer = (both[both["op"].isin(ms.LAYER_OPS)]
+             .groupby(["model_vidur", "tp", "num_tokens"], as_index=False)[["time_s_ours", "time_s_vidur"]].sum())
+    layer["ratio"] = layer["time_s_ours"] / layer["time_s_vidur"]
+    for tp, part in layer.groupby("tp"):
+        rows.append(_stats_row("layer", device, "layer", f"tp{tp}", part["ratio"]))
+    rows.append(_stats_row("layer", device, "layer", "all", layer["ratio"]))
+    models = ", ".join(f"{a} = {b}" for a, b in sorted(set(zip(both["model_ours"], both["model_vidur"]))))
+    header = (f"# ours ({device}, {local_root}) vs Vidur {gpu}: {len(both)} (shape, tp, num_tokens, op) rows; "
+              f"{models}\n# ratio: median of ours / Vidur; median, p90, max: of |ours / Vidur - 1|")
+    return pd.DataFrame(rows), header
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -307,6 +349,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prof.add_argument("--warmup", type=int, default=5)
     prof.add_argument("--out", default=None,
                       help="output root (default data/profiles/local)")
+    cmp_ = sub.add_parser("compare", help="our own profile rows against Vidur's of the same shapes")
+    cmp_.add_argument("--local", required=True, help="root that `profile --out` wrote to")
+    cmp_.add_argument("--gpu", choices=sorted(CLUSTERS), default="h100")
+    cmp_.add_argument("--profiles", default=str(ms.PROFILE_DIR), help=argparse.SUPPRESS)
     fit = sub.add_parser("fit", help="fit the calibrated model's data/profiles/fitted/<gpu>.json")
     fit.add_argument("--gpu", choices=sorted(CLUSTERS), nargs="+", default=sorted(CLUSTERS))
     fit.add_argument("--profiles", default=str(ms.PROFILE_DIR),
@@ -330,6 +376,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           device=args.device, tp=args.tp, repeats=args.repeats,
                           warmup=args.warmup, threads=args.threads)
         print(text)
+        return 0
+    if args.command == "compare":
+        if not Path(args.local).is_dir():
+            print(f"error: --local {args.local}: no such folder", file=sys.stderr)
+            return 2
+        df, header = compare(args.local, args.gpu, args.profiles)
+        print(header)
+        print(format_table(df))
         return 0
     df, header = report(args.gpu, args.profiles)
     print(header)

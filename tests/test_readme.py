@@ -112,6 +112,11 @@ SPECS: dict[str, Spec] = {
     "python benchmarks/fuse_search.py": tiny("--pairs 33b/13b --microbatches 8 --action-steps 2e5 --workers 1"),
     "python benchmarks/feasibility_map.py": tiny("--nodes 1 2 --systems deepspeed_chat --pairs 13b_33b"),
     "python -m harness.calibrate report --gpu h100": AS_IS,
+    "python -m harness.calibrate compare --local data/profiles/local":
+        Spec(replace=(("data/profiles/local", f"{README.parent}/data/profiles/local"),)),
+    "python benchmarks/engine_profile.py --model tiny": tiny("--device cpu --repeats 1"),
+    "bash benchmarks/gpu_check.sh": Spec(skip="runs on a lent GPU machine with the wheels benchmarks/gpu_wheels.sh "
+                                              "fetches (docs/GPU.md)"),
     # real execution on CPU workers
     "python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
     "cluster.gpus_per_node=4": tiny(RAY_SHORT),

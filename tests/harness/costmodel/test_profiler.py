@@ -120,3 +120,44 @@ def test_cli_subprocess(tmp_path):
     df = ms.load_compute(root=tmp_path)
     assert sorted(df["num_tokens"].unique()) == [1, 8]
     assert path.parent.parent.name == df["gpu"].iloc[0]
+
+
+def _vidur_copy(tmp_path: Path, scale_op: str | None = None, factor: float = 1.0) -> Path:
+    """The public H100 Llama-2-7B file as if our profiler had written it, optionally with one op's
+    times scaled."""
+    src = ms.PROFILE_DIR / "compute" / "h100" / "Llama-2-7b-hf" / "mlp.csv"
+    dst = tmp_path / "local" / "some-device" / "llama2_7b" / "mlp.csv"
+    dst.parent.mkdir(parents=True)
+    import pandas as pd
+
+    raw = pd.read_csv(src)
+    if scale_op is not None:
+        cols = [c for c in raw.columns if c.startswith(f"time_stats.{scale_op}.")]
+        raw[cols] = raw[cols] * factor
+    raw.to_csv(dst, index=False)
+    return tmp_path / "local"
+
+
+def test_compare_with_vidur_itself_is_exactly_one(tmp_path):
+    df, header = calibrate.compare(_vidur_copy(tmp_path), "h100")
+    assert "llama2_7b = Llama-2-7b-hf" in header
+    assert set(df["op_class"]) == {"act", "add", "embedding", "gemm", "norm", "rope", "layer"}
+    assert (df["ratio"] == 1.0).all() and (df["max"] == 0.0).all()
+
+
+def test_compare_sees_one_slow_op(tmp_path):
+    df, _ = calibrate.compare(_vidur_copy(tmp_path, "attn_rope", 3.0), "h100")
+    rope = df[df["op_class"] == "rope"]
+    assert len(rope) == 3 and (rope["ratio"] - 3.0).abs().max() < 1e-12
+    assert (df[df["op_class"] == "gemm"]["ratio"] == 1.0).all()
+    layer = df[(df["op_class"] == "layer") & (df["group"] == "all")]
+    assert 1.0 < float(layer["ratio"].iloc[0]) < 3.0
+
+
+def test_compare_refuses_unmatched_shapes(tmp_path, profiled):
+    out, _, _ = profiled  # the tiny model: no Vidur file has its shape
+    with pytest.raises(ValueError, match="no profile row"):
+        calibrate.compare(out, "h100")
+    proc = subprocess.run([sys.executable, "-m", "harness.calibrate", "compare", "--local", str(tmp_path / "none")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no such folder" in proc.stderr
