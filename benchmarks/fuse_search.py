@@ -174,12 +174,12 @@ def main() -> None:
                            f"+{100 * res.gap_to_lower_bound_frac:.2f}% over the bound")
             proven = "opt" if res.makespan_optimal else f"{res.makespan_bound / res.lower_bound:.4f}"
             # issue 29's target: the least peak provable at this makespan; else how far from the bound
-            at_least = (res.exact_memory_status == "OPTIMAL"  # to the refinement's integer rounding
+            at_least = (res.exact.memory_status == "OPTIMAL"  # to the refinement's integer rounding
                         or res.peak_memory <= res.peak_lower_bound * (1 + 1e-9))
             least += at_least
             gap = "least" if at_least else f"{res.peak_memory / res.peak_lower_bound:.3f}"
             print(f"{actor}/{critic:<5}{pp_a:>4}/{pp_c:<2}{m:>4}{res.makespan_vs_lower_bound:>13.4f}{proven:>8}"
-                  f"{res.peak_memory_vs_serial:>13.3f}{res.annealed_peak_memory / res.serial_peak_memory:>10.3f}"
+                  f"{res.peak_memory_vs_serial:>13.3f}{res.exact.annealed_peak_memory / res.serial_peak_memory:>10.3f}"
                   f"{res.peak_lower_bound / res.serial_peak_memory:>9.3f}{gap:>7}"
                   f"{res.phase1_peak_memory / res.serial_peak_memory:>14.3f}"
                   f"{res.serial_makespan / res.makespan:>10.3f}x{wall:>8.1f}{cpu:>7.0f}{actions:>9}{res.steps:>9}  {verdict}"

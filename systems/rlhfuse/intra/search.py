@@ -23,13 +23,30 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, SimResult, sim_model,
                               simulate, validate)
-from systems.rlhfuse.intra.anneal import AnnealParams, anneal_seeds
+from systems.rlhfuse.intra.anneal import AnnealParams, Candidate, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms, peak_lower_bound
 from systems.rlhfuse.intra.config import FusedSearchConfig
 from systems.rlhfuse.intra.greedy import POLICIES, greedy_schedule
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 from systems.rlhfuse.intra.memory import MemoryParams
 from systems.rlhfuse.intra.pipes import serial_schedule
+
+
+@dataclass
+class ExactReport:
+    """The annealed best, then the exact refinement's CP-SAT status per objective ("": not run),
+    effort and wall time (part of ``search_s``)."""
+    annealed_makespan: float = 0.0
+    annealed_peak_memory: float = 0.0
+    makespan_status: str = ""
+    memory_status: str = ""
+    effort_used: float = 0.0
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        return {"annealed_makespan": self.annealed_makespan, "annealed_peak_memory": self.annealed_peak_memory,
+                "exact_makespan_status": self.makespan_status, "exact_memory_status": self.memory_status,
+                "exact_effort_used": self.effort_used, "exact_s": self.wall_s}
 
 
 @dataclass
@@ -60,13 +77,7 @@ class FusedResult:
     memory_levels: int = 0      # times the memory phase lowered the peak (best seed)
     origin: str = ""            # the start phase 1's result came from (own, or a lower-memory one), then each phase
     phase1_tries: int = 0       # lower-memory starts phase 1 tried (best seed)
-    # the exact refinement (``exact.py``, CP-SAT) of the annealed best, when config.exact_effort > 0:
-    exact_effort_used: float = 0.0
-    exact_s: float = 0.0               # its wall time (part of ``search_s``)
-    exact_makespan_status: str = ""    # "" (not run: the makespan was at the bound), OPTIMAL, ...
-    exact_memory_status: str = ""
-    annealed_makespan: float = 0.0     # the annealed best, before the exact refinement
-    annealed_peak_memory: float = 0.0
+    exact: ExactReport = field(default_factory=ExactReport)  # the annealed best, then its refinement
     makespan_bound: float = 0.0        # proven: no schedule is shorter (>= lower_bound)
     peak_bound: float = 0.0            # proven: no schedule this short holds less (0: none proven)
     peak_lower_bound: float = 0.0  # of any schedule this short: the closed form's or the proof's, if higher
@@ -95,8 +106,9 @@ class FusedResult:
         def ratio(a: float, b: float, default: float) -> float:
             return a / b if b > 0 else default
 
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("schedule", "config")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("schedule", "config", "exact")}
         out["lower_bound_terms"] = dict(out.pop("bound_terms"))
+        out.update(self.exact.summary())
         return {**out, **asdict(self.config), "seeds": self.config.seeds,
                 "gap_to_lower_bound_frac": self.gap_to_lower_bound_frac,
                 "makespan_vs_lower_bound": self.makespan_vs_lower_bound, "makespan_optimal": self.makespan_optimal,
@@ -191,7 +203,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     budget (``step_budget``) or ``time_limit_s``, whichever runs out first, and run
     ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point;
     the best result wins (makespan, then peak memory, then lower seed). With ``exact_effort > 0``
-    the annealed best is then refined by constraint programming (:func:`_refine_exactly`): CP-SAT
+    the annealed best is then refined by constraint programming (:class:`ExactRefinement`): CP-SAT
     with that deterministic-time budget and an ``exact_workers``-thread portfolio (part of the
     result's inputs, like the seeds: the same number gives the same schedule on any machine).
     ``makespan_slack_frac`` trades time for memory: the memory phase (and the exact refinement's)
@@ -225,15 +237,12 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                            cfg.seeds, params, cfg.num_workers,
                            capped_starts=[(name, _encode(s, costs), sim.max_peak_memory) for name, s, sim in front])
     start_name, start, start_sim = next(entry for entry in starts if entry[0] == best.start)
-    exact, proofs = _refine_exactly(model, best.seqs, bound.value, mem_cap, cfg.exact_effort, cfg.exact_workers,
-                                    cfg.seed, None if time_limit_s is None else
-                                    max(0.0, time_limit_s - (time.perf_counter() - t_begin)),
-                                    best.phase1_makespan, makespan_slack_frac)
-    seqs = best.seqs if exact is None else exact.seqs
-    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(serial.ranks, seqs)})
+    exact = ExactRefinement(cfg, None if time_limit_s is None else
+                            max(0.0, time_limit_s - (time.perf_counter() - t_begin)), best.phase1_makespan)
+    final = exact.run(model, bound.value, mem_cap, Candidate(best.seqs, best.makespan, best.peak_memory, (best.origin,)))
+    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(serial.ranks, final.seqs)})
     tol = 1e-9 * max(1.0, start_sim.makespan)  # incremental and full timing differ in the last bits
-    final_makespan = best.makespan if exact is None else exact.makespan
-    final_peak = best.peak_memory if exact is None else exact.peak_memory
+    final_makespan, final_peak = final.makespan, final.peak
     allowed = start_sim.makespan  # what the start gives; with a slack, what the slack allows
     if makespan_slack_frac > 0:
         allowed = max(allowed, best.phase1_makespan * (1.0 + makespan_slack_frac))
@@ -256,61 +265,53 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         bound_terms=bound.terms(), config=cfg, best_seed=best.seed, best_start=start_name,
         start_makespan=start_sim.makespan, steps_memory=best.steps_memory,
         steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0,
-        phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory,
-        memory_levels=best.memory_levels,
-        origin=best.origin + ("" if exact is None else " > exact"),
-        phase1_tries=best.phase1_tries,
-        annealed_makespan=best.makespan, annealed_peak_memory=best.peak_memory,
-        peak_lower_bound=max(peak_lower_bound(pipes, costs, result.makespan),
-                             0.0 if exact is None else exact.bound),
-        **({"makespan_bound": bound.value} if exact is None else proofs))
+        phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory, exact=exact.report,
+        memory_levels=best.memory_levels, origin=" > ".join(final.origin), phase1_tries=best.phase1_tries,
+        makespan_bound=exact.makespan_bound, peak_bound=exact.peak_bound,
+        peak_lower_bound=max(peak_lower_bound(pipes, costs, result.makespan), exact.peak_bound))
 
 
-def _refine_exactly(model, seqs, lower_bound: float, mem_cap: float | None, effort: float,
-                    num_workers: int, seed: int, time_left_s: float | None,
-                    reference_makespan: float = 0.0, makespan_slack_frac: float = 0.0) -> tuple:
-    """The exact refinement (:mod:`systems.rlhfuse.intra.exact`) of the annealed best order, with
-    the search's two objectives in turn: if its makespan is above the lower bound, CP-SAT
-    minimises the makespan (which may also prove it optimal); then, with the makespan fixed, the
-    peak memory, with what is left of ``effort``. With ``makespan_slack_frac`` > 0 the annealed
-    order may be longer than the makespan phase's best (``reference_makespan``): the makespan
-    step then runs if that best is above the bound, and the memory step keeps the makespan
-    within the slack above the shorter of the two, from the lower-peak order of those that fit.
-    Deterministic (the solver's interleaved search and deterministic time) unless
-    ``time_left_s`` is given (the search's time limit: then its parallel search runs until either
-    runs out). Returns its last step's ``ExactOutcome`` (the refined order) and the result's
-    fields it proves, or ``(None, {})`` when ``effort`` is 0."""
-    if effort <= 0:
-        return None, {}
-    from systems.rlhfuse.intra.exact import refine  # OR-tools is only loaded when asked for
+class ExactRefinement:
+    """The last phase (:mod:`systems.rlhfuse.intra.exact`: CP-SAT, ``config.exact_effort`` of
+    deterministic time, 0: off): if the annealed best is above the lower bound, minimise the
+    makespan (perhaps proving it optimal), then with it fixed the peak. With a makespan slack the
+    annealed order may be longer than the makespan phase's best (``reference_makespan``), and the
+    memory step keeps within the slack above the shorter, from the lower-peak order that fits.
+    Deterministic unless ``time_left_s`` (the search's time limit) is given. After :meth:`run`:
+    ``report``, and what it proved, ``makespan_bound`` and ``peak_bound`` (0: nothing)."""
+    name = "exact"
 
-    deterministic = time_left_s is None
-    t0 = time.perf_counter()
-    seqs = [list(s) for s in seqs]
-    used, makespan_status, makespan_bound = 0.0, "", lower_bound
-    tails = chain_tails(model)
-    annealed = OrderState(model, seqs, None, tails)
-    slack = makespan_slack_frac > 0
-    reference = min(annealed.makespan(), reference_makespan) if slack else annealed.makespan()
-    limit = None
-    if reference > lower_bound * (1.0 + 1e-9):
-        out = refine(model, seqs, "makespan", effort / 2, mem_cap, num_workers, seed, deterministic,
-                     time_left_s)
-        used, makespan_status = out.deterministic_time, out.status
-        makespan_bound = max(lower_bound, out.bound)  # OPTIMAL: the makespan, to the rounding
-        if not slack:
-            seqs = out.seqs
-        else:
-            reference = min(reference, out.makespan)  # out is no longer than the annealed order
-            if annealed.makespan() > reference * (1.0 + makespan_slack_frac) * (1.0 + 1e-9) or \
-                    out.peak_memory < annealed.max_peak():
-                seqs = out.seqs  # the annealed order no longer fits the slack, or holds more
-    if slack:
-        limit = max(reference * (1.0 + makespan_slack_frac),
-                    OrderState(model, seqs, None, tails).makespan())
-    time_left = None if time_left_s is None else max(1e-3, time_left_s - (time.perf_counter() - t0))
-    mem = refine(model, seqs, "memory", max(1e-3, effort - used), mem_cap, num_workers, seed,
-                 deterministic, time_left, max_makespan=limit)
-    return mem, {"exact_makespan_status": makespan_status, "exact_memory_status": mem.status,
-                 "makespan_bound": max(lower_bound, makespan_bound), "peak_bound": mem.bound,
-                 "exact_effort_used": used + mem.deterministic_time, "exact_s": time.perf_counter() - t0}
+    def __init__(self, cfg: FusedSearchConfig, time_left_s: float | None, reference_makespan: float):
+        self.cfg, self.time_left_s, self.reference_makespan = cfg, time_left_s, reference_makespan
+        self.report, self.makespan_bound, self.peak_bound = ExactReport(), 0.0, 0.0  # set by run
+
+    def run(self, model, lower_bound: float, mem_cap: float | None, start: Candidate) -> Candidate:
+        cfg, effort, slack_frac = self.cfg, self.cfg.exact_effort, self.cfg.makespan_slack_frac
+        self.report, self.makespan_bound = ExactReport(start.makespan, start.peak), lower_bound
+        if effort <= 0:
+            return start
+        from systems.rlhfuse.intra.exact import refine  # OR-tools is only loaded when asked for
+
+        deterministic, t0 = self.time_left_s is None, time.perf_counter()
+        seqs, used, tails = [list(s) for s in start.seqs], 0.0, chain_tails(model)
+        annealed, slack = OrderState(model, seqs, None, tails), slack_frac > 0
+        reference = min(annealed.makespan(), self.reference_makespan) if slack else annealed.makespan()
+        if reference > lower_bound * (1.0 + 1e-9):
+            out = refine(model, seqs, "makespan", effort / 2, mem_cap, cfg.exact_workers, cfg.seed, deterministic,
+                         self.time_left_s)
+            used, self.report.makespan_status = out.deterministic_time, out.status
+            self.makespan_bound = max(lower_bound, out.bound)  # OPTIMAL: the makespan, to the rounding
+            if not slack:
+                seqs = out.seqs
+            else:
+                reference = min(reference, out.makespan)  # out is no longer than the annealed order
+                if annealed.makespan() > reference * (1.0 + slack_frac) * (1.0 + 1e-9) or \
+                        out.peak_memory < annealed.max_peak():
+                    seqs = out.seqs  # the annealed order no longer fits the slack, or holds more
+        limit = max(reference * (1.0 + slack_frac), OrderState(model, seqs, None, tails).makespan()) if slack else None
+        time_left = None if self.time_left_s is None else max(1e-3, self.time_left_s - (time.perf_counter() - t0))
+        mem = refine(model, seqs, "memory", max(1e-3, effort - used), mem_cap, cfg.exact_workers, cfg.seed,
+                     deterministic, time_left, max_makespan=limit)
+        self.peak_bound, self.report.memory_status = mem.bound, mem.status
+        self.report.effort_used, self.report.wall_s = used + mem.deterministic_time, time.perf_counter() - t0
+        return Candidate(mem.seqs, mem.makespan, mem.peak_memory, start.origin + (self.name,))

@@ -188,14 +188,14 @@ def test_search_with_exact_refinement_is_deterministic_and_no_worse():
             for w in (1, 1, 2)]
     for r in runs:
         assert r.valid
-        assert r.annealed_makespan == pytest.approx(plain.makespan, rel=REL)
-        assert r.annealed_peak_memory == pytest.approx(plain.peak_memory, rel=REL)
+        assert r.exact.annealed_makespan == pytest.approx(plain.makespan, rel=REL)
+        assert r.exact.annealed_peak_memory == pytest.approx(plain.peak_memory, rel=REL)
         assert r.makespan <= plain.makespan * (1 + REL)
-        assert r.makespan > plain.makespan * (1 - REL) or r.exact_makespan_status != ""
+        assert r.makespan > plain.makespan * (1 - REL) or r.exact.makespan_status != ""
         assert r.peak_memory <= plain.peak_memory * (1 + REL) or r.makespan < plain.makespan * (1 - REL)
         assert r.lower_bound <= r.makespan_bound <= r.makespan * (1 + REL)
         assert r.peak_bound <= r.peak_memory * (1 + REL)
-        assert r.exact_memory_status in ("OPTIMAL", "FEASIBLE")
+        assert r.exact.memory_status in ("OPTIMAL", "FEASIBLE")
         sim = simulate(r.schedule, costs, record_times=False)
         assert sim.makespan == pytest.approx(r.makespan, rel=REL)
     # the same seed, steps, effort and solver threads give the same schedule, whatever the number
