@@ -23,7 +23,6 @@ one annealing loop of :mod:`systems.rlhfuse.intra.loop`, whose timing always agr
 """
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import random
@@ -178,25 +177,25 @@ class MakespanPhase:
 
 
 class LowerMemoryStarts:
-    """Phase 1, second part: each of ``capped_starts`` (labelled orders with their peak, highest
+    """Phase 1, second part: each of ``capped_starts`` (labelled candidates, highest peak
     first) that holds less than the best is annealed under a hard cap at its peak with
     ``front_try_frac`` of phase 1's budget, and replaces the best if it reaches its makespan, so
     the memory phase starts lower (docs/FUSED_SEARCH.md, phase 1). ``tries``: how many ran."""
 
-    def __init__(self, capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]]):
+    def __init__(self, capped_starts: Sequence[Candidate]):
         self.capped_starts, self.tries = capped_starts, 0
 
     def run(self, ctx: SearchContext, best: Candidate, budget: Budget) -> Candidate:
         each = budget.scaled(ctx.p.front_try_frac, lambda steps: max(1, int(steps)))
         used, t_start = 0, time.perf_counter()
-        for label, seqs, start_peak in self.capped_starts:
-            if start_peak >= best.peak - _EPS * max(1.0, best.peak):
+        for start in self.capped_starts:
+            if start.peak >= best.peak - _EPS * max(1.0, best.peak):
                 continue
             if budget.less(used, time.perf_counter() - t_start).used_up:
                 break
             left = None if budget.steps is None else min(each.steps, budget.steps - used)
-            found = MakespanPhase(best.makespan, start_peak).run(  # stops once it matches the best's makespan
-                ctx, Candidate([list(s) for s in seqs], math.nan, start_peak, (label,)), Budget(left, each.seconds))
+            found = MakespanPhase(best.makespan, start.peak).run(  # stops once it matches the best's makespan
+                ctx, replace(start, seqs=[list(s) for s in start.seqs]), Budget(left, each.seconds))
             used, self.tries = used + found.steps, self.tries + 1
             if found.makespan <= best.makespan + _EPS * max(1.0, abs(best.makespan)):
                 best = replace(found, makespan=min(best.makespan, found.makespan))
@@ -248,7 +247,7 @@ class TimeForMemory:
 
 def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
                   mem_cap: float | None = None, params: AnnealParams | None = None,
-                  capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]] = (),
+                  capped_starts: Sequence[Candidate] = (),
                   label: str = "") -> AnnealOutcome:
     """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank, the
     start called ``label``; ``capped_starts``: :class:`LowerMemoryStarts`) through the phases."""
@@ -282,24 +281,25 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
 
 
 def _worker(args) -> AnnealOutcome:
-    model, (label, seqs), lower_bound, mem_cap, params, capped_starts = args
-    return anneal_orders(model, seqs, lower_bound, mem_cap, params, capped_starts, label)
+    model, start, lower_bound, mem_cap, params, capped_starts = args
+    return anneal_orders(model, start.seqs, lower_bound, mem_cap, params, capped_starts, start.origin[-1])
 
 
-def anneal_seeds(model: SimModel, starts: Sequence[tuple[str, Sequence[Sequence[int]]]], lower_bound: float,
-                 mem_cap: float | None, seeds: Sequence[int], params: AnnealParams, num_workers: int = 1,
-                 capped_starts: Sequence[tuple[str, Sequence[Sequence[int]], float]] = ()
-                 ) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
-    """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (labelled orders;
+def anneal_seeds(model: SimModel, starts: Sequence[Candidate], lower_bound: float, mem_cap: float | None,
+                 seeds: Sequence[int], params: AnnealParams, num_workers: int = 1,
+                 capped_starts: Sequence[Candidate] = ()) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
+    """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (labelled candidates;
     ``num_workers`` processes when > 1), each with the same labelled ``capped_starts`` for phase
     1's lower-memory tries and its memory phase's cap step the ``k``-th of ``params.memory_cap_steps``
     (cycling; docs/FUSED_SEARCH.md, "The cap step"); returns (best, all). Best = lowest makespan,
     then lowest peak memory, then lowest seed."""
-    capped = [(label, [list(s) for s in start], peak) for label, start, peak in capped_starts]
+    def copy(c: Candidate) -> Candidate:  # each seed its own lists
+        return replace(c, seqs=[list(s) for s in c.seqs])
+
     caps = params.memory_cap_steps
-    jobs = [(model, (starts[k % len(starts)][0], [list(s) for s in starts[k % len(starts)][1]]), lower_bound, mem_cap,
-             replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)])), capped)
-            for k, seed in enumerate(seeds)]
+    jobs = [(model, copy(starts[k % len(starts)]), lower_bound, mem_cap,
+             replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)])),
+             [copy(c) for c in capped_starts]) for k, seed in enumerate(seeds)]
     workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
     if workers == 1:
         outcomes = [_worker(job) for job in jobs]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, SimResult, sim_model,
+from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, sim_model,
                               simulate, validate)
 from systems.rlhfuse.intra.anneal import AnnealParams, Candidate, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms, peak_lower_bound
@@ -139,61 +139,62 @@ def _encode(schedule: Schedule, costs: Mapping[str, PipeCosts]) -> list[list[int
 
 
 START_WINDOWS = (None, 1.5, 2.0, 3.0)
-
-
-def _greedy_starts(pipes, costs, mem_cap, windows=START_WINDOWS, policies=POLICIES):
-    for policy in policies:
-        for window in windows:
-            try:
-                sched = greedy_schedule(pipes, costs, mem_cap, policy=policy, window=window)
-            except ScheduleError:  # not for fused layouts (see greedy's safety rule)
-                continue
-            yield (policy if window is None else f"{policy}/window{window:g}"), sched
-
-
-def starting_points(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
-                    mem_cap: float | None, serial: Schedule) -> list[tuple[str, Schedule, SimResult]]:
-    """Serial 1F1B plus every greedy policy x window, deduplicated, best (makespan, peak) first."""
-    found: list[tuple[str, Schedule, SimResult]] = [("serial", serial, simulate(serial, costs,
-                                                                                 record_times=False))]
-    for name, sched in _greedy_starts(pipes, costs, mem_cap):
-        if any(sched.order == other.order for _, other, _ in found):
-            continue
-        found.append((name, sched, simulate(sched, costs, record_times=False)))
-    return sorted(found, key=lambda c: (c[2].makespan, c[2].max_peak_memory))
-
-
-# phase 1's lower-memory starts (``memory_front``): greedy schedules over these policies x
-# in-flight windows x caps of these multiples of the serial 1F1B peak (None: uncapped), of which
-# the Pareto front in (peak, makespan) with makespan within FRONT_MAX_GAP of the lower bound
-# (why these two policies: docs/FUSED_SEARCH.md, "Reading it").
+# phase 1's lower-memory starts: greedy schedules over these policies x in-flight windows x caps of
+# these multiples of the serial 1F1B peak (None: uncapped), of which the Pareto front in (peak,
+# makespan) with makespan within FRONT_MAX_GAP of the lower bound (why these two policies:
+# docs/FUSED_SEARCH.md, "Reading it").
 FRONT_POLICIES = ("critical_path", "larger")
 FRONT_WINDOWS = (None, 1.0, 1.5, 2.0)
 FRONT_CAPS = (None, 1.3, 1.6, 2.0)
 FRONT_MAX_GAP = 0.15
 
 
-def memory_front(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], mem_cap: float | None,
-                 serial_peak: float, lower_bound: float) -> list[tuple[str, Schedule, SimResult]]:
-    """Greedy schedules on the (peak memory, makespan) Pareto front, highest peak (= shortest)
-    first, those within ``FRONT_MAX_GAP`` of ``lower_bound`` only: phase 1 tries them under hard
-    caps at their peaks after its first run (``anneal.LowerMemoryStarts``). A greedy pass per
-    policy x window x cap (``FRONT_*``: 32 passes); caps above ``mem_cap`` are clipped to it."""
-    found: list[tuple[str, Schedule, SimResult]] = []
-    for factor in FRONT_CAPS:
-        cap = mem_cap if factor is None else factor * serial_peak
-        if mem_cap is not None and cap is not None:
-            cap = min(cap, mem_cap)
-        for name, sched in _greedy_starts(pipes, costs, cap, windows=FRONT_WINDOWS, policies=FRONT_POLICIES):
-            found.append((name if factor is None else f"{name}/cap{factor:g}", sched,
-                          simulate(sched, costs, record_times=False)))
-    found.sort(key=lambda c: (c[2].max_peak_memory, c[2].makespan, c[0]))
-    front: list[tuple[str, Schedule, SimResult]] = []
-    for entry in found:
-        if (entry[2].makespan <= lower_bound * (1.0 + FRONT_MAX_GAP) and
-                (not front or entry[2].makespan < front[-1][2].makespan - 1e-12)):
-            front.append(entry)
-    return front[::-1]
+class GreedyStarts:
+    """The first phase, no annealing: the orders the seeds start from, as :class:`Candidate` objects
+    over the schedule's encoding labelled with their greedy policy (fully timed). :meth:`run` returns
+    ``starts``, serial 1F1B plus every greedy policy x window, deduplicated, best (makespan, peak)
+    first (seed ``k`` anneals from the ``k``-th; why a portfolio: docs/FUSED_SEARCH.md), and
+    ``front``, with the memory phase only, phase 1's lower-memory starts
+    (``anneal.LowerMemoryStarts``): of a greedy pass per ``FRONT_*`` policy x window x cap (32;
+    caps clipped to ``mem_cap``), the (peak, makespan) Pareto front within ``FRONT_MAX_GAP`` of
+    the lower bound, highest peak (= shortest) first."""
+
+    def __init__(self, pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], mem_cap: float | None):
+        self.pipes, self.costs, self.mem_cap = pipes, costs, mem_cap
+
+    def _passes(self, cap, windows=START_WINDOWS, policies=POLICIES):
+        for policy in policies:
+            for window in windows:
+                try:
+                    sched = greedy_schedule(self.pipes, self.costs, cap, policy=policy, window=window)
+                except ScheduleError:  # not for fused layouts (see greedy's safety rule)
+                    continue
+                yield (policy if window is None else f"{policy}/window{window:g}"), sched
+
+    def _candidate(self, label: str, sched: Schedule) -> Candidate:
+        sim = simulate(sched, self.costs, record_times=False)
+        return Candidate(_encode(sched, self.costs), sim.makespan, sim.max_peak_memory, (label,))
+
+    def run(self, serial: Schedule, serial_peak: float, lower_bound: float,
+            with_front: bool) -> tuple[list[Candidate], list[Candidate]]:
+        orders, starts = [serial.order], [self._candidate("serial", serial)]
+        for name, sched in self._passes(self.mem_cap):
+            if sched.order not in orders:
+                orders.append(sched.order)
+                starts.append(self._candidate(name, sched))
+        starts.sort(key=lambda c: (c.makespan, c.peak))
+        found = []
+        for factor in FRONT_CAPS if with_front else ():
+            cap = self.mem_cap if factor is None else factor * serial_peak
+            cap = cap if self.mem_cap is None or cap is None else min(cap, self.mem_cap)
+            for name, sched in self._passes(cap, FRONT_WINDOWS, FRONT_POLICIES):
+                found.append(self._candidate(name if factor is None else f"{name}/cap{factor:g}", sched))
+        found.sort(key=lambda c: (c.peak, c.makespan, c.origin))
+        front: list[Candidate] = []
+        for c in found:
+            if c.makespan <= lower_bound * (1.0 + FRONT_MAX_GAP) and (not front or c.makespan < front[-1].makespan - 1e-12):
+                front.append(c)
+        return starts, front[::-1]
 
 
 def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
@@ -223,32 +224,27 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     if mem_cap is not None and mem_cap < serial_sim.max_peak_memory - 1e-9:
         raise ValueError(f"memory cap {mem_cap:g} is below the peak in-flight activation memory "
                          f"{serial_sim.max_peak_memory:g} that even the serial 1F1B schedule needs")
-    starts = starting_points(pipes, costs, mem_cap, serial)
-    front = (memory_front(pipes, costs, mem_cap, serial_sim.max_peak_memory, bound.value)
-             if cfg.memory_phase else [])
-    greedy_sim = next((sim for name, _, sim in starts if name == "larger"), serial_sim)
+    starts, front = GreedyStarts(pipes, costs, mem_cap).run(serial, serial_sim.max_peak_memory, bound.value,
+                                                             cfg.memory_phase)
+    greedy = next((c for c in starts if c.origin == ("larger",)), next(c for c in starts if c.origin == ("serial",)))
     barrier_makespan, barrier_peak = paper_serial(pipes, costs)
     model = sim_model(serial, costs)
     params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
                           memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
                           memory=MemoryParams(max_shift=int(cfg.memory_move_reach)),
                           memory_cap_steps=tuple(float(s) for s in cfg.memory_cap_steps))
-    best, _ = anneal_seeds(model, [(name, _encode(s, costs)) for name, s, _ in starts], bound.value, mem_cap,
-                           cfg.seeds, params, cfg.num_workers,
-                           capped_starts=[(name, _encode(s, costs), sim.max_peak_memory) for name, s, sim in front])
-    start_name, start, start_sim = next(entry for entry in starts if entry[0] == best.start)
+    best, _ = anneal_seeds(model, starts, bound.value, mem_cap, cfg.seeds, params, cfg.num_workers, front)
+    start = next(c for c in starts if c.origin == (best.start,))
     exact = ExactRefinement(cfg, None if time_limit_s is None else
                             max(0.0, time_limit_s - (time.perf_counter() - t_begin)), best.phase1_makespan)
     final = exact.run(model, bound.value, mem_cap, Candidate(best.seqs, best.makespan, best.peak_memory, (best.origin,)))
-    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(serial.ranks, final.seqs)})
-    tol = 1e-9 * max(1.0, start_sim.makespan)  # incremental and full timing differ in the last bits
-    final_makespan, final_peak = final.makespan, final.peak
-    allowed = start_sim.makespan  # what the start gives; with a slack, what the slack allows
+    tol = 1e-9 * max(1.0, start.makespan)  # incremental and full timing differ in the last bits
+    allowed = start.makespan  # what the start gives; with a slack, what the slack allows
     if makespan_slack_frac > 0:
         allowed = max(allowed, best.phase1_makespan * (1.0 + makespan_slack_frac))
-    if final_makespan > allowed + tol or (final_makespan >= start_sim.makespan - tol and
-                                                     final_peak > start_sim.max_peak_memory + 1e-12):
-        schedule = start  # cannot happen (the annealer keeps its best), but never return worse
+    if final.makespan > allowed + tol or (final.makespan >= start.makespan - tol and final.peak > start.peak + 1e-12):
+        final = start  # cannot happen (the annealer keeps its best), but never return worse
+    schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(serial.ranks, final.seqs)})
     result = simulate(schedule, costs, record_times=False)
     try:
         validate(schedule)
@@ -257,13 +253,13 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         valid = False
     return FusedResult(
         schedule=schedule, makespan=result.makespan, lower_bound=bound.value,
-        serial_makespan=barrier_makespan, greedy_makespan=greedy_sim.makespan,
+        serial_makespan=barrier_makespan, greedy_makespan=greedy.makespan,
         peak_memory=result.max_peak_memory, serial_peak_memory=barrier_peak,
         serial_no_barrier_makespan=serial_sim.makespan, serial_no_barrier_peak_memory=serial_sim.max_peak_memory,
         bubble_frac=result.bubble_frac, search_s=time.perf_counter() - t_begin, valid=valid,
-        steps=best.steps, greedy_peak_memory=greedy_sim.max_peak_memory,
-        bound_terms=bound.terms(), config=cfg, best_seed=best.seed, best_start=start_name,
-        start_makespan=start_sim.makespan, steps_memory=best.steps_memory,
+        steps=best.steps, greedy_peak_memory=greedy.peak,
+        bound_terms=bound.terms(), config=cfg, best_seed=best.seed, best_start=best.start,
+        start_makespan=start.makespan, steps_memory=best.steps_memory,
         steps_per_s=best.steps / best.elapsed_s if best.elapsed_s > 0 else 0.0,
         phase1_makespan=best.phase1_makespan, phase1_peak_memory=best.phase1_peak_memory, exact=exact.report,
         memory_levels=best.memory_levels, origin=" > ".join(final.origin), phase1_tries=best.phase1_tries,

@@ -7,6 +7,7 @@ import pytest
 from harness.schedule import Schedule, ScheduleError, sim_model, simulate
 from systems.rlhfuse.intra import (AnnealParams, OrderState, anneal_orders, anneal_seeds,
                                    fused_costs, fused_pipes, greedy_schedule, lower_bound)
+from systems.rlhfuse.intra.anneal import Candidate
 from systems.rlhfuse.intra.incremental import ABORTED
 
 
@@ -167,7 +168,8 @@ def test_anneal_is_deterministic_and_improves():
 def test_parallel_seeds_equal_serial_seeds():
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 6)
     other = greedy_schedule(pipes, costs, policy="alternate")
-    starts = [("greedy", seqs), ("alternate", [model.encode(other.order[r], r) for r in other.ranks])]
+    starts = [Candidate(seqs, 0.0, 0.0, ("greedy",)),
+              Candidate([model.encode(other.order[r], r) for r in other.ranks], 0.0, 0.0, ("alternate",))]
     params = AnnealParams(time_limit_s=None, max_steps=1500)
     lb = lower_bound(pipes, costs)
     one, all_one = anneal_seeds(model, starts, lb, None, [3, 4, 5], params, num_workers=1)

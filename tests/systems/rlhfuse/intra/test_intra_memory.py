@@ -9,7 +9,7 @@ import pytest
 from harness.schedule import Schedule, ScheduleError, sim_model, simulate, validate
 from systems.rlhfuse.intra import (FusedSearchConfig, MemorySearch, OrderState, fused_costs, fused_pipes,
                                    greedy_schedule, lower_bound, search_fused_schedule, serial_schedule)
-from systems.rlhfuse.intra.anneal import AnnealParams, anneal_orders
+from systems.rlhfuse.intra.anneal import AnnealParams, Candidate, anneal_orders
 from systems.rlhfuse.intra import anneal as anneal_module
 from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.incremental import chain_tails
@@ -148,7 +148,8 @@ def test_phase1_takes_a_lower_memory_start_only_when_it_reaches_the_same_makespa
     serial_seqs = [model.encode(serial.order[r], r) for r in start.ranks]
     serial_sim = simulate(serial, costs)
     assert serial_sim.makespan > plain.makespan and serial_sim.max_peak_memory < plain.peak_memory
-    capped = [("serial", serial_seqs, serial_sim.max_peak_memory), ("low", low_seqs, low_peak)]
+    capped = [Candidate(serial_seqs, serial_sim.makespan, serial_sim.max_peak_memory, ("serial",)),
+              Candidate(low_seqs, plain.makespan, low_peak, ("low",))]
     params = AnnealParams(seed=1, time_limit_s=None, max_steps=3000, memory_phase=False,
                           front_try_frac=1e-3)  # 3 steps for the serial order: it cannot get there
     out = anneal_orders(model, seqs, lower_bound(pipes, costs), None, params, capped_starts=capped, label="own")
