@@ -22,7 +22,8 @@ Per iteration (``iteration_metrics``):
 - ``pipeline/bubble_frac/<task>`` = 1 - (sum of forward/backward time over the pipeline's ranks)
   / (ranks x makespan), over all of the task's pipeline runs in the iteration (RLHFuse section 7's
   definition); ``pipeline/makespan_s/<task>`` (sum over mini-batches); ``pipeline/peak_activation_gb/<task>``.
-- ``util/gpu_busy_frac/{mean,min}``: per device, time covered by compute spans / step time.
+- ``util/gpu_busy_frac/{mean,min}``: per device, time covered by compute spans / step time (on
+  ``backend=ray`` a span is a task running on the worker, not kernel occupancy: docs/GPU.md).
 - ``response_length/{mean,p50,p99,max}`` in tokens; ``training/global_step``.
 
 Across iterations (``summarize``): warm-up iterations are dropped; ``perf/samples_per_s`` and
