@@ -29,14 +29,17 @@ Terms (the bound is their maximum):
     waits for the first activations to arrive from both ends and must leave time for the
     gradients to drain to both ends.
 
-**Peak memory** (:func:`peak_lower_bound`): a rank holds a micro-batch's activation of stage ``s``
-from the end of ``F(s, m)`` to the start of ``B(s, m)`` at least, and that gap is at least
-``gap(p, s) = sum_{k>s} (F_k + B_k) + 2 * hops`` (the forward must reach the last stage and the
-gradient come back, ``hops`` the rank changes on the way). Over a schedule of makespan ``T``, the
-rank's held memory, averaged over the part of ``[0, T]`` in which it can hold anything (after its
-earliest forward can end, before its last backward's ``tail``), is at most its peak; so
-``peak >= sum_{(p, s) on the rank} M * act_s * gap(p, s) / window``, and ``peak >= act_s`` of
-every stage it runs. The largest over ranks holds for every schedule no longer than ``T``.
+**Peak memory** (:func:`peak_lower_bound`): the simulator allocates a micro-batch's activation of
+stage ``s`` when ``F(s, m)`` starts and frees it when ``B(s, m)`` ends, so a rank holds it for at
+least ``F_s + gap(p, s) + B_s``, with ``gap(p, s) = sum_{k>s} (F_k + B_k) + 2 * hops`` between
+them (the forward must reach the last stage and the gradient come back, ``hops`` the rank changes
+on the way). A rank's actions never overlap, so its memory at any instant is one of the running
+sums whose maximum is its peak; averaged over the part of ``[0, T]`` in which it can hold
+anything (after its earliest forward can start, before its last backward's ``tail``), it is at
+most the peak: ``peak >= sum_{(p, s) on the rank} M * act_s * (F_s + gap(p, s) + B_s) / window``,
+and ``peak >= act_s`` of every stage it runs. The largest over ranks holds for every schedule no
+longer than ``T``. (Until 2026-11-27 the held time was counted from ``F``'s end to ``B``'s start,
+``gap`` alone: sound, and lower.)
 """
 from __future__ import annotations
 
@@ -109,7 +112,7 @@ def peak_lower_bound(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCost
     """A peak activation memory below which no valid schedule of ``pipes`` lasting at most
     ``makespan`` can stay (module docstring, "Peak memory")."""
     held: dict[int, float] = {}   # per rank: the least memory x time it must hold
-    opens: dict[int, float] = {}  # per rank: the earliest a forward of it can end
+    opens: dict[int, float] = {}  # per rank: the earliest a forward of it can start
     closes: dict[int, float] = {}  # per rank: the least time after its last backward
     single: dict[int, float] = {}
     for name, pipe in pipes.items():
@@ -119,8 +122,8 @@ def peak_lower_bound(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCost
         gap = 0.0
         for s in range(pipe.num_stages - 1, -1, -1):
             rank = ranks[s]
-            held[rank] = held.get(rank, 0.0) + pipe.num_mbs * cost.activation[s] * gap
-            opens[rank] = min(opens.get(rank, math.inf), heads[s] + cost.fwd[s])
+            held[rank] = held.get(rank, 0.0) + pipe.num_mbs * cost.activation[s] * (cost.fwd[s] + gap + cost.bwd[s])
+            opens[rank] = min(opens.get(rank, math.inf), heads[s])
             closes[rank] = min(closes.get(rank, math.inf), tails[s])
             single[rank] = max(single.get(rank, 0.0), cost.activation[s])
             if s > 0:
