@@ -3,11 +3,12 @@
     python benchmarks/sim_vs_real.py                       # rlhfuse_base vs rlhfuse, long-tailed tiny workload
     python benchmarks/sim_vs_real.py --systems rlhfuse --iterations 4 --devices 4
     python benchmarks/sim_vs_real.py --device cuda --devices 1 --model smollm2_135m   # on a GPU (issue 27, item 6)
-    python benchmarks/sim_vs_real.py --device cuda --devices 1 --model opt_1_3b_350m \
-        --override workload.global_batch_size=64 workload.max_gen_len=128 workload.output_len.max=128
+    python benchmarks/sim_vs_real.py --device cuda --devices 1 --model smollm2_135m --override \
+        model.actor.checkpoint=null model.critic.checkpoint=null model.ref.checkpoint=null model.reward.checkpoint=null
 
 ``--override`` takes further Hydra overrides; one whose key the benchmark already sets replaces it
-(e.g. ``model.actor.checkpoint=null`` for random weights of the same shape).
+(above: seeded random weights of SmolLM2-135M's shape instead of its checkpoint, as docs/GPU.md
+ran it).
 
 For every system: plan once, then run the *same plan* on the same batches with the simulator
 (the cluster's GPU cost model) and for real on CPU Ray workers (gloo), and print

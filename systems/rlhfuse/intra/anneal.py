@@ -195,7 +195,7 @@ class LowerMemoryStarts:
                 break
             left = None if budget.steps is None else min(each.steps, budget.steps - used)
             found = MakespanPhase(best.makespan, start.peak).run(  # stops once it matches the best's makespan
-                ctx, replace(start, seqs=[list(s) for s in start.seqs]), Budget(left, each.seconds))
+                ctx, start, Budget(left, each.seconds))
             used, self.tries = used + found.steps, self.tries + 1
             if found.makespan <= best.makespan + _EPS * max(1.0, abs(best.makespan)):
                 best = replace(found, makespan=min(best.makespan, found.makespan))
@@ -292,14 +292,12 @@ def anneal_seeds(model: SimModel, starts: Sequence[Candidate], lower_bound: floa
     ``num_workers`` processes when > 1), each with the same labelled ``capped_starts`` for phase
     1's lower-memory tries and its memory phase's cap step the ``k``-th of ``params.memory_cap_steps``
     (cycling; docs/FUSED_SEARCH.md, "The cap step"); returns (best, all). Best = lowest makespan,
-    then lowest peak memory, then lowest seed."""
-    def copy(c: Candidate) -> Candidate:  # each seed its own lists
-        return replace(c, seqs=[list(s) for s in c.seqs])
-
+    then lowest peak memory, then lowest seed. The candidates are shared, not copied: no phase
+    changes the orders it is given (``OrderState`` works on its own copy)."""
     caps = params.memory_cap_steps
-    jobs = [(model, copy(starts[k % len(starts)]), lower_bound, mem_cap,
-             replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)])),
-             [copy(c) for c in capped_starts]) for k, seed in enumerate(seeds)]
+    jobs = [(model, starts[k % len(starts)], lower_bound, mem_cap,
+             replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)])), capped_starts)
+            for k, seed in enumerate(seeds)]
     workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
     if workers == 1:
         outcomes = [_worker(job) for job in jobs]
