@@ -5,7 +5,8 @@ memory).
 This module owns one seed's search: its context (:class:`SearchContext`: what every phase reads,
 and a budget that phases take shares of and book what they spent against), its phases as objects
 that take a :class:`Candidate` and return one tagged with its origin, the order they run in
-(:func:`anneal_orders`), and the fan-out over seeds (:func:`anneal_seeds`). Both phases run the
+(:func:`makespan_round`, then :func:`memory_round`), and the fan-out over seeds in two rounds, so
+that every seed's memory phase works at the shortest makespan (:func:`anneal_seeds`). Both run the
 one annealing loop of :mod:`systems.rlhfuse.intra.loop`, whose timing always agrees with
 ``harness.schedule.simulate``.
 
@@ -16,10 +17,9 @@ one annealing loop of :mod:`systems.rlhfuse.intra.loop`, whose timing always agr
   bound. Then :class:`LowerMemoryStarts`.
 - **Phase 2** (:class:`MemoryPhase`, :mod:`systems.rlhfuse.intra.memory`): with the makespan fixed
   at phase 1's best ``T``, the lowest peak at makespan <= ``T``; with a slack, :class:`TimeForMemory`.
-- **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``; phase 2 gets
-  the rest, including what phase 1 left. A step is one trial move that was timed.
-- **Determinism**: all randomness comes from ``random.Random(seed)``; with ``max_steps`` and no
-  time limit the result is a pure function of the inputs, whatever the number of workers.
+- **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``, phase 2 the
+  rest. A step is one trial move that was timed. **Determinism**: all randomness comes from
+  ``random.Random(seed)``; with ``max_steps`` the result is a pure function of the inputs.
 """
 from __future__ import annotations
 
@@ -245,25 +245,42 @@ class TimeForMemory:
         return out
 
 
-def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float,
-                  mem_cap: float | None = None, params: AnnealParams | None = None,
-                  capped_starts: Sequence[Candidate] = (),
-                  label: str = "") -> AnnealOutcome:
-    """Anneal one seed from the encoded orders ``seqs`` (one list of action ids per rank, the
-    start called ``label``; ``capped_starts``: :class:`LowerMemoryStarts`) through the phases."""
-    p = params or AnnealParams()
+@dataclass
+class PhaseOne:
+    """A seed between its rounds (:func:`anneal_seeds`): phase 1's result and the seed's state."""
+    phase1: Candidate
+    label: str
+    steps: int
+    elapsed_s: float
+    rng_state: tuple
+    tries: int
+
+
+def makespan_round(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float, mem_cap: float | None,
+                   p: AnnealParams, capped_starts: Sequence[Candidate] = (), label: str = "") -> PhaseOne:
+    """Phase 1 of one seed from the encoded orders ``seqs`` (one list of action ids per rank, the
+    start called ``label``; ``capped_starts``: :class:`LowerMemoryStarts`)."""
     ctx = SearchContext(model, lower_bound, mem_cap, p)
-    best = ctx.candidate(seqs, (label,))
-    if not any(len(s) > 1 for s in best.seqs):
-        return AnnealOutcome(best.seqs, best.makespan, best.peak, 0, 0, 0, p.seed, 0.0, label,
-                             phase1_makespan=best.makespan, phase1_peak_memory=best.peak, origin=label)
-    first = ctx.total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
-    best = ctx.spend(MakespanPhase(lower_bound).run(ctx, best, first))
-    fronts = LowerMemoryStarts(capped_starts)
-    best = ctx.spend(fronts.run(ctx, best, first.less(ctx.used, ctx.elapsed())))
-    best = phase1 = ctx.candidate(best.seqs, best.origin)  # timed in full: the memory phase's target
+    best, tries = ctx.candidate(seqs, (label,)), 0
+    if any(len(s) > 1 for s in best.seqs):
+        first = ctx.total.scaled(p.phase1_frac if p.memory_phase else 1.0, round)
+        best = ctx.spend(MakespanPhase(lower_bound).run(ctx, best, first))
+        fronts = LowerMemoryStarts(capped_starts)
+        best = ctx.spend(fronts.run(ctx, best, first.less(ctx.used, ctx.elapsed())))
+        best, tries = ctx.candidate(best.seqs, best.origin), fronts.tries  # timed in full: phase 2's target
+    return PhaseOne(best, label, ctx.used, ctx.elapsed(), ctx.rng.getstate(), tries)
+
+
+def memory_round(model: SimModel, lower_bound: float, mem_cap: float | None, p: AnnealParams,
+                 one: PhaseOne) -> AnnealOutcome:
+    """Phase 2 of the seed :func:`makespan_round` left as ``one``, its random stream, budget and
+    clock going on from there (waiting for other seeds between the rounds costs it nothing)."""
+    ctx = SearchContext(model, lower_bound, mem_cap, p)
+    ctx.rng.setstate(one.rng_state)
+    ctx.used, ctx.t_begin = one.steps, time.perf_counter() - one.elapsed_s
+    best = phase1 = one.phase1
     steps_1, slack = ctx.used, p.makespan_slack_frac > 0
-    if p.memory_phase:
+    if p.memory_phase and any(len(s) > 1 for s in best.seqs):
         left = ctx.left()
         # with a slack, this first part (at phase 1's makespan) gets only a share of the budget
         found = ctx.spend(MemoryPhase(phase1.makespan).run(ctx, phase1, left.scaled(p.slack_at_target_frac
@@ -276,13 +293,28 @@ def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: f
                 ctx, best, ctx.left().less(polish.steps, polish.seconds), polish))
             best = replace(ctx.candidate(traded.seqs, traded.origin), levels=best.levels + traded.levels)
     return AnnealOutcome(best.seqs, best.makespan, best.peak, ctx.used, steps_1, ctx.used - steps_1, p.seed,
-                         ctx.elapsed(), label, phase1_makespan=phase1.makespan, phase1_peak_memory=phase1.peak,
-                         memory_levels=best.levels, origin=" > ".join(best.origin), phase1_tries=fronts.tries)
+                         ctx.elapsed(), one.label, phase1_makespan=phase1.makespan, phase1_peak_memory=phase1.peak,
+                         memory_levels=best.levels, origin=" > ".join(best.origin), phase1_tries=one.tries)
 
 
-def _worker(args) -> AnnealOutcome:
-    model, start, lower_bound, mem_cap, params, capped_starts = args
-    return anneal_orders(model, start.seqs, lower_bound, mem_cap, params, capped_starts, start.origin[-1])
+def anneal_orders(model: SimModel, seqs: Sequence[Sequence[int]], lower_bound: float, mem_cap: float | None = None,
+                  params: AnnealParams | None = None, capped_starts: Sequence[Candidate] = (),
+                  label: str = "") -> AnnealOutcome:
+    """Anneal one seed through both phases (:func:`makespan_round`, then :func:`memory_round`)."""
+    p = params or AnnealParams()
+    return memory_round(model, lower_bound, mem_cap, p,
+                        makespan_round(model, seqs, lower_bound, mem_cap, p, capped_starts, label))
+
+
+def share_makespan(ones: Sequence[PhaseOne]) -> list[PhaseOne]:
+    """A seed whose phase 1 ended above the shortest makespan takes the order of the seed with the
+    lowest peak there (keeping its own random stream, cap step and budget): a longer schedule cannot
+    be the result (docs/FUSED_SEARCH.md, "One makespan for every seed")."""
+    shortest = min(o.phase1.makespan for o in ones)
+    tol = 1e-9 * max(1.0, abs(shortest))
+    lead = min((o for o in ones if o.phase1.makespan <= shortest + tol), key=lambda o: o.phase1.peak)
+    return [o if o.phase1.makespan <= shortest + tol else replace(o, phase1=lead.phase1, label=lead.label)
+            for o in ones]
 
 
 def anneal_seeds(model: SimModel, starts: Sequence[Candidate], lower_bound: float, mem_cap: float | None,
@@ -291,33 +323,41 @@ def anneal_seeds(model: SimModel, starts: Sequence[Candidate], lower_bound: floa
     """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (labelled candidates;
     ``num_workers`` processes when > 1), each with the same labelled ``capped_starts`` for phase
     1's lower-memory tries and its memory phase's cap step the ``k``-th of ``params.memory_cap_steps``
-    (cycling; docs/FUSED_SEARCH.md, "The cap step"); returns (best, all). Best = lowest makespan,
-    then lowest peak memory, then lowest seed. The candidates are shared, not copied: no phase
-    changes the orders it is given (``OrderState`` works on its own copy)."""
+    (cycling; docs/FUSED_SEARCH.md, "The cap step"), in two rounds: every seed's phase 1, then
+    every seed's phase 2 at the shortest makespan of the first (:func:`share_makespan`). Returns
+    (best, all) (:func:`best_outcome`). The candidates are shared, not copied: no phase changes
+    the orders it is given (``OrderState`` works on its own copy)."""
     caps = params.memory_cap_steps
-    jobs = [(model, starts[k % len(starts)], lower_bound, mem_cap,
-             replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)])), capped_starts)
-            for k, seed in enumerate(seeds)]
-    workers = max(1, min(num_workers, len(jobs), os.cpu_count() or 1))
+    ps = [replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)]))
+          for k, seed in enumerate(seeds)]
+    firsts = [(model, starts[k % len(starts)].seqs, lower_bound, mem_cap, p, capped_starts,
+               starts[k % len(starts)].origin[-1]) for k, p in enumerate(ps)]
+    workers = max(1, min(num_workers, len(ps), os.cpu_count() or 1))
+
+    def rounds(starmap):
+        ones = starmap(makespan_round, firsts)
+        ones = share_makespan(ones) if params.memory_phase else ones
+        return starmap(memory_round, [(model, lower_bound, mem_cap, p, one) for p, one in zip(ps, ones)])
+
     if workers == 1:
-        outcomes = [_worker(job) for job in jobs]
+        outcomes = rounds(lambda fn, args: [fn(*a) for a in args])
     else:
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         with multiprocessing.get_context(method).Pool(workers) as pool:
-            outcomes = pool.map(_worker, jobs, chunksize=1)
+            outcomes = rounds(lambda fn, args: pool.starmap(fn, args, chunksize=1))
     return best_outcome(outcomes, params.makespan_slack_frac), outcomes
 
 
 def best_outcome(outcomes: Sequence[AnnealOutcome], makespan_slack_frac: float = 0.0) -> AnnealOutcome:
-    """Lowest makespan (makespans within a relative 1e-9 of it count as equal: different timing
-    passes differ in the last bits), then lowest peak memory, then lowest seed. With
-    ``makespan_slack_frac`` > 0: lowest peak memory among the outcomes within that fraction of the
-    shortest makespan any seed reached (in either phase), then lowest makespan, then lowest seed."""
-    shortest = min(o.makespan for o in outcomes)
+    """Lowest peak memory among the outcomes no longer than the memory phase's target, the shortest
+    phase-1 makespan (times within a relative 1e-9 count as equal: timing passes differ in the last
+    bits), then lowest makespan, then lowest seed: the memory phase keeps the makespan at most its
+    target and lowers the peak, so a seed that also happened to shorten the schedule a little does
+    not outrank one that holds less. With ``makespan_slack_frac`` > 0 the target is that fraction
+    above the shortest makespan any seed reached (in either phase)."""
+    target = min(o.phase1_makespan for o in outcomes)
     if makespan_slack_frac > 0:
-        shortest = min(shortest, *(o.phase1_makespan for o in outcomes)) * (1.0 + makespan_slack_frac)
-    tol = 1e-9 * max(1.0, abs(shortest))
-    eligible = [o for o in outcomes if o.makespan <= shortest + tol]
-    if makespan_slack_frac > 0:
-        return min(eligible, key=lambda o: (o.peak_memory, o.makespan, o.seed))
-    return min(eligible, key=lambda o: (o.peak_memory, o.seed))
+        target = min(target, *(o.makespan for o in outcomes)) * (1.0 + makespan_slack_frac)
+    tol = 1e-9 * max(1.0, abs(target))
+    eligible = [o for o in outcomes if o.makespan <= target + tol]
+    return min(eligible, key=lambda o: (o.peak_memory, o.makespan, o.seed))

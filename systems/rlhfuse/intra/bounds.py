@@ -38,8 +38,7 @@ sums whose maximum is its peak; averaged over the part of ``[0, T]`` in which it
 anything (after its earliest forward can start, before its last backward's ``tail``), it is at
 most the peak: ``peak >= sum_{(p, s) on the rank} M * act_s * (F_s + gap(p, s) + B_s) / window``,
 and ``peak >= act_s`` of every stage it runs. The largest over ranks holds for every schedule no
-longer than ``T``. (Until 2026-11-27 the held time was counted from ``F``'s end to ``B``'s start,
-``gap`` alone: sound, and lower.)
+longer than ``T``.
 """
 from __future__ import annotations
 

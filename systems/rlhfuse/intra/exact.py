@@ -12,15 +12,10 @@ the annealer's best order. The model is the timing model of ``harness.schedule.s
   start of ``F(s, m)`` to the end of ``B(s, m)`` (a cumulative constraint per rank whose capacity
   is the peak). Because a rank's actions never overlap, the largest sum of lifetimes at any
   instant is exactly the peak of the running sum over the rank's list that ``simulate`` reports;
-- every stage runs its forwards, and its backwards, in micro-batch order (first-in first-out).
-  This loses nothing, for the makespan or the memory. The micro-batches of a pipe cost the same,
-  so in any schedule, give the k-th forward slot of each stage (by start time) to micro-batch k,
-  and likewise the backward slots. The dependencies still hold: if slot k of stage s starts at t,
-  the k+1 micro-batches the original schedule ran in slots 0..k had each finished stage s-1
-  (plus p2p) by t, so stage s-1's slot k had too (the same argument for ``B(s, k)`` after
-  ``B(s+1, k)`` and after ``F(s, k)``). Every rank keeps the same busy intervals, and its
-  activation memory at any instant (forwards started minus backwards ended, per stage) does not
-  depend on labels. So a bound proven under this rule holds for every schedule.
+- every stage runs its forwards, and its backwards, in micro-batch order (first-in first-out),
+  which loses no schedule: the micro-batches of a pipe cost the same, so any schedule relabels
+  into one that keeps it, with the same busy intervals and memory on every rank (the argument:
+  docs/FUSED_SEARCH.md, "Exact refinement"), and a bound proven under it holds for every schedule.
 
 Times and memory are made integers by scaling so the shortest action lasts ``TIME_RESOLUTION``
 units and the smallest activation is ``MEMORY_RESOLUTION`` units, *rounding down*. Rounding down
@@ -38,15 +33,13 @@ the solver interleaves its portfolio deterministically (``interleave_search``) a
 of workers give the same result on any machine, as the annealer's step budget does. The number of
 workers is part of the input (it decides which subsolvers make up the portfolio), not a machine
 fact: 2 workers on one core give the result of 2 workers on two, only slower.
-What it adds on the Table 3 shapes (docs/FUSED_SEARCH.md): lower peaks where annealing is stuck
-at a level, and proofs: a makespan that is optimal although above the lower bound, or the least
-peak any schedule at that makespan can have.
 """
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Sequence
+from itertools import accumulate
 from dataclasses import dataclass
 
 from harness.schedule import SimModel
@@ -72,12 +65,6 @@ class ExactOutcome:
                                # better than this, in real units (time or memory)
     deterministic_time: float  # solver effort spent (CP-SAT's deterministic time)
     wall_s: float
-
-    @property
-    def optimal(self) -> bool:
-        """The solver proved that nothing beats the returned order's objective (to the integer
-        rounding)."""
-        return self.status == "OPTIMAL"
 
 
 def _require_ortools():
@@ -120,13 +107,16 @@ class _Scaled:
 
 
 def _build(cp_model, model: SimModel, scaled: _Scaled, seqs: Sequence[Sequence[int]], horizon: int,
-           cap_units: int | None = None):
+           cap_units: int | None, hint: Sequence[int]):
     """The constraint model over the actions ``seqs`` schedules (ids of ``model``): start
-    variables, per-rank lifetimes and the peak variable, at most ``cap_units`` when given."""
+    variables (``hint``: the solver's starting values), per-rank lifetimes and the peak variable,
+    at most ``cap_units`` when given."""
     m = cp_model.CpModel()
     n = model.num_actions
     dur = scaled.dur
     start = [m.new_int_var(0, max(0, horizon - dur[a]), f"s{a}") for a in range(n)]
+    for a in (a for seq in seqs for a in seq):
+        m.add_hint(start[a], hint[a])
     ends = [start[a] + dur[a] for a in range(n)]
     for r, seq in enumerate(seqs):
         m.add_no_overlap([m.new_fixed_size_interval_var(start[a], dur[a], f"i{a}") for a in seq])
@@ -240,10 +230,7 @@ def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budge
                                mem_cap, budget, num_workers, seed, deterministic, time_limit_s, t0)
     # the cap, in integer units (rounded down: every real schedule within it fits)
     cap_units = None if mem_cap is None else scaled.memory_units(mem_cap)
-    m, start, ends, peak = _build(cp_model, model, scaled, seqs, horizon, cap_units)
-    for seq in seqs:
-        for a in seq:
-            m.add_hint(start[a], hint[a])
+    m, start, ends, peak = _build(cp_model, model, scaled, seqs, horizon, cap_units, hint)
     makespan = m.new_int_var(0, horizon, "makespan")
     m.add_max_equality(makespan, [ends[a] for seq in seqs for a in seq])
     m.minimize(makespan)
@@ -264,13 +251,7 @@ def refine(model: SimModel, seqs: Sequence[Sequence[int]], objective: str, budge
 
 def _integer_peak(scaled: _Scaled, seqs: Sequence[Sequence[int]]) -> int:
     """The largest running sum of integer activations over the ranks' lists."""
-    out = 0
-    for seq in seqs:
-        held = 0
-        for a in seq:
-            held += scaled.delta[a]
-            out = max(out, held)
-    return out
+    return max([0] + [held for seq in seqs for held in accumulate(scaled.delta[a] for a in seq)])
 
 
 def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], limit: float,
@@ -310,11 +291,7 @@ def _descend_memory(cp_model, model: SimModel, seqs: list[list[int]], limit: flo
 
     def probe(cap: int, share: float, minimise: bool):
         nonlocal effort
-        m, start, _, peak = _build(cp_model, model, scaled, seqs, horizon, cap)
-        hint = scaled.retime(model, best["seqs"])
-        for seq in seqs:
-            for a in seq:
-                m.add_hint(start[a], hint[a])
+        m, start, _, peak = _build(cp_model, model, scaled, seqs, horizon, cap, scaled.retime(model, best["seqs"]))
         if minimise:
             m.minimize(peak)
         solver, status = _solve(cp_model, m, share, num_workers, seed, deterministic,

@@ -19,8 +19,7 @@ This module owns one event-driven pass over (pipes, costs) that emits a valid pe
   critical-path list scheduling: early-stage forwards, last-stage backwards);
   ``"fifo"`` -- the lowest micro-batch first, then the longest chain. On two equal models the
   paper's fixed preference floods the ranks with model-1 forwards and starves model 2's pipeline
-  (16+16 stages, 16+16 micro-batches: 151 vs a lower bound of 117 in units of one forward);
-  the other orders keep both pipelines moving;
+  (docs/FUSED_SEARCH.md, "Reading it"); the other orders keep both pipelines moving;
 - ``window`` (optional): at most ``ceil(window * (S - s))`` micro-batches in flight on stage ``s``
   of an ``S``-stage pipe (``window=1`` is 1F1B's limit); this bounds memory without a cap;
 - memory (when ``mem_cap`` is given): a forward may start only if the rank's in-flight
@@ -46,7 +45,7 @@ import numpy as np
 
 from harness.schedule import PipeCosts, PipeSpec, Schedule, ScheduleError, SimModel, sim_model
 from systems.rlhfuse.intra import kernel
-from systems.rlhfuse.intra.incremental import chain_tails
+from systems.rlhfuse.intra.incremental import chain_tails, dependants
 from systems.rlhfuse.intra.pipes import model_index
 
 
@@ -109,16 +108,8 @@ class _PassInputs:
         self.stage_slot = np.array([slot[(a.pipe, a.stage)] for a in acts], dtype=np.int64)
         self.stages_left = np.array([pipes[a.pipe].num_stages - a.stage for a in acts], dtype=np.float64)
         # the dependency graph reversed, in CSR form, and how many dependencies each action has
-        edges = sorted((d, v, lat) for v in range(n)
-                       for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])) if d >= 0)
-        ptr = np.zeros(n + 1, dtype=np.int64)
-        self.missing = np.zeros(n, dtype=np.int64)
-        for d, v, _ in edges:
-            ptr[d + 1] += 1
-            self.missing[v] += 1
-        self.succ_ptr = np.cumsum(ptr)
-        self.succ_idx = np.array([v for _, v, _ in edges], dtype=np.int64)
-        self.succ_lat = np.array([lat for _, _, lat in edges], dtype=np.float64)
+        self.succ_ptr, self.succ_idx, self.succ_lat = dependants(model)
+        self.missing = np.bincount(self.succ_idx, minlength=n).astype(np.int64)
 
     def keys(self, policy: str) -> tuple[np.ndarray, np.ndarray]:
         """``key_a``, ``key_b`` of a policy (see ``_KEY_MODES`` for where the dynamic flag goes)."""

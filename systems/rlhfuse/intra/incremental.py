@@ -54,17 +54,26 @@ ABORTED = float("inf")  # makespan reported for a trial move cut short by its th
 
 
 @lru_cache(maxsize=32)
+def dependants(model: SimModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every action's dependants in compressed rows, ascending (``idx[ptr[v]:ptr[v + 1]]``), and
+    each edge's latency: ``(ptr, idx, lat)``, cached per model; callers must not modify them."""
+    edges = sorted((d, v, lat) for v in range(model.num_actions)
+                   for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])) if d >= 0)
+    ptr = np.zeros(model.num_actions + 1, dtype=np.int64)
+    np.add.at(ptr, np.array([d + 1 for d, _, _ in edges], dtype=np.int64), 1)
+    return (np.cumsum(ptr), np.array([v for _, v, _ in edges], dtype=np.int64),
+            np.array([lat for _, _, lat in edges], dtype=np.float64))
+
+
+@lru_cache(maxsize=32)
 def chain_tails(model: SimModel) -> list[float]:
     """Per action: the longest chain of dependent work that must still follow it (the later
     forwards and backwards of its micro-batch, with latencies): the "bottom level" of classic
     critical-path list scheduling, and a lower bound on how long the schedule lasts after it.
     Cached per model (``sim_model`` caches the models themselves); callers must not modify it."""
-    n = model.num_actions
-    succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    for v in range(n):
-        for d, lat in ((model.dep_a[v], model.lat_a[v]), (model.dep_b[v], model.lat_b[v])):
-            if d >= 0:
-                succs[d].append((v, lat))
+    n, (ptr, idx, lat) = model.num_actions, dependants(model)
+    ptr, pairs = ptr.tolist(), list(zip(idx.tolist(), lat.tolist()))
+    succs = [pairs[ptr[v]:ptr[v + 1]] for v in range(n)]
     tail = [-1.0] * n
     for root in range(n):
         stack = [root]
@@ -114,14 +123,7 @@ class OrderState:
             (model.lat_b, np.float64), (dur, np.float64), (self.tail, np.float64)))
         self._a_start, self._a_end = np.array(start, dtype=np.float64), np.array(end, dtype=np.float64)
         # dependants of every action, compressed rows (the deadlock DFS), and its visit stamps
-        succ: list[list[int]] = [[] for _ in range(n)]
-        for v in range(n):
-            for d in (model.dep_a[v], model.dep_b[v]):
-                if d >= 0:
-                    succ[d].append(v)
-        self._a_succ_ptr = np.zeros(n + 1, dtype=np.int64)
-        self._a_succ_ptr[1:] = np.cumsum([len(s) for s in succ])
-        self._a_succ_idx = np.array([w for s in succ for w in s], dtype=np.int64)
+        self._a_succ_ptr, self._a_succ_idx, _ = dependants(model)
         self._a_mark, self._a_stack = np.full(max(n, 1), -1, dtype=np.int64), np.zeros(max(n, 1), dtype=np.int64)
         self._a_out = np.zeros((2 * n + 2, 2), dtype=np.int64)  # critical-path swaps
         self.order = (self._a_seq, self._a_len, self._a_rank_of, self._a_pos, self._a_start, self._a_end)

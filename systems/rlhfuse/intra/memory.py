@@ -7,22 +7,18 @@ memory is as low as possible. It drives the search's annealing loop
 (:mod:`systems.rlhfuse.intra.loop`, objective MEMORY) with a **memory cap of increasing
 tightness**:
 
-- **Energy** (both terms are penalties, so energy 0 means "done at this cap"): the makespan's
-  excess over ``T`` in mean action times, plus the *area above the cap*: the sum over every rank
-  and list position of how far the rank's in-flight activation memory after that position exceeds
-  the cap, in units of the smallest activation. The area changes only at the positions a move
-  touches, and unlike the peak it says how much of the profile still has to come down, and where.
-  Both constraints are soft while annealing.
-- **Ladder**: every order reached with makespan <= ``T`` and a peak below the best is recorded,
-  under the cap or not, and the cap drops to ``cap_step`` smallest activations below the new best:
-  recording keeps levels closer than a cap step, and the cap's distance sets how much a position
-  at the best peak costs (docs/FUSED_SEARCH.md, "The cap step").
-- **Moves** (each keeps micro-batches first-in first-out per pipe and stage): *memory-targeted*
-  ones pick a position where a rank is over the cap and lower it (swap the action there with a
-  following one that holds less, move the nearest earlier forward later, or the next backward
-  earlier); *critical-path* swaps while the makespan is above ``T``; uniform swaps and short moves.
-- **Starting points**: :meth:`MemorySearch.run` starts from any order, feasible or not; runs share
-  the best peak found so far, so a later run never works on a cap above it.
+- **Energy** (0: done at this cap; both terms soft while annealing): the makespan's excess over
+  ``T`` in mean action times, plus the *area above the cap* (over every rank and list position,
+  how far the running activation memory exceeds the cap, in smallest activations): it changes only
+  where a move touches, and unlike the peak says how much of the profile has to come down, and where.
+- **Ladder**: every order reached at makespan <= ``T`` with a peak below the best is recorded,
+  under the cap or not, and the cap drops ``cap_step`` smallest activations below it; the step sets
+  what a position at the best peak costs (docs/FUSED_SEARCH.md, "The cap step").
+- **Moves** (micro-batches stay first-in first-out per pipe and stage): *memory-targeted* ones
+  lower a position over the cap (swap it with a following action that holds less, move the nearest
+  earlier forward later or the next backward earlier); *critical-path* swaps while the makespan is
+  above ``T``; uniform swaps and short moves.
+- **Starting points**: any order, feasible or not; runs share the best peak found so far.
 """
 from __future__ import annotations
 

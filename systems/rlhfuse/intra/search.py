@@ -200,14 +200,12 @@ class GreedyStarts:
 def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
                           mem_cap: float | None = None, config: FusedSearchConfig | None = None) -> FusedResult:
     """Search a fused schedule under ``config`` (:class:`FusedSearchConfig`, default: its defaults).
-    Its seeds ``seed, seed+1, ...`` (``num_seeds``, default ``num_workers``) each get the full step
-    budget (``step_budget``) or ``time_limit_s``, whichever runs out first, and run
-    ``num_workers`` at a time; seed ``seed + k`` anneals from the ``k``-th best starting point;
-    the best result wins (makespan, then peak memory, then lower seed). With ``exact_effort > 0``
-    the annealed best is then refined by constraint programming (:class:`ExactRefinement`): CP-SAT
-    with that deterministic-time budget and an ``exact_workers``-thread portfolio (part of the
-    result's inputs, like the seeds: the same number gives the same schedule on any machine).
-    ``makespan_slack_frac`` trades time for memory: the memory phase (and the exact refinement's)
+    Its seeds ``seed, seed+1, ...`` (``num_seeds``, default ``num_workers``) each get the step
+    budget (``step_budget``) or ``time_limit_s``, whichever ends first, ``num_workers`` at a time;
+    seed ``seed + k`` anneals from the ``k``-th best start (``anneal.anneal_seeds``; the best
+    result: ``anneal.best_outcome``). With ``exact_effort > 0`` it is then refined by CP-SAT
+    (:class:`ExactRefinement`) with that deterministic-time budget on ``exact_workers`` threads
+    (an input, like the seeds). ``makespan_slack_frac``: the memory phase (and the refinement's)
     may return any order up to ``(1 + makespan_slack_frac)`` x the makespan phase's best.
     Deterministic for a given step budget, effort and seeds (not under a time limit). Raises
     ValueError if ``mem_cap`` is below the serial schedule's peak memory, or on an option out of

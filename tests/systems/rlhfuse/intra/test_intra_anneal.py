@@ -1,13 +1,14 @@
 """Incremental re-timing and the annealer (RLHFuse section 5): agreement with simulate,
 deadlock and memory guards, determinism."""
 import random
+from dataclasses import replace
 
 import pytest
 
 from harness.schedule import Schedule, ScheduleError, sim_model, simulate
 from systems.rlhfuse.intra import (AnnealParams, OrderState, anneal_orders, anneal_seeds,
                                    fused_costs, fused_pipes, greedy_schedule, lower_bound)
-from systems.rlhfuse.intra.anneal import Candidate
+from systems.rlhfuse.intra.anneal import AnnealOutcome, Candidate, best_outcome, makespan_round
 from systems.rlhfuse.intra.incremental import ABORTED
 
 
@@ -165,11 +166,15 @@ def test_anneal_is_deterministic_and_improves():
     assert a.steps <= 3000
 
 
+def _two_starts(pipes, costs, model, seqs):
+    other = greedy_schedule(pipes, costs, policy="alternate")
+    return [Candidate(seqs, 0.0, 0.0, ("greedy",)),
+            Candidate([model.encode(other.order[r], r) for r in other.ranks], 0.0, 0.0, ("alternate",))]
+
+
 def test_parallel_seeds_equal_serial_seeds():
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 6)
-    other = greedy_schedule(pipes, costs, policy="alternate")
-    starts = [Candidate(seqs, 0.0, 0.0, ("greedy",)),
-              Candidate([model.encode(other.order[r], r) for r in other.ranks], 0.0, 0.0, ("alternate",))]
+    starts = _two_starts(pipes, costs, model, seqs)
     params = AnnealParams(time_limit_s=None, max_steps=1500)
     lb = lower_bound(pipes, costs)
     one, all_one = anneal_seeds(model, starts, lb, None, [3, 4, 5], params, num_workers=1)
@@ -177,4 +182,43 @@ def test_parallel_seeds_equal_serial_seeds():
     assert [o.seqs for o in all_one] == [o.seqs for o in all_two]
     assert (one.seed, one.seqs) == (two.seed, two.seqs)
     assert [o.start for o in all_one] == ["greedy", "alternate", "greedy"]
-    assert one == min(all_one, key=lambda o: (round(o.makespan, 9), o.peak_memory, o.seed))
+    target = min(o.phase1_makespan for o in all_one) * (1 + 1e-9)
+    assert one == min((o for o in all_one if o.makespan <= target), key=lambda o: (o.peak_memory, o.makespan, o.seed))
+
+
+def test_every_seed_lowers_memory_at_the_shortest_makespan_of_phase_1():
+    """Two rounds (anneal_seeds): a seed whose phase 1 ended longer takes the shortest seed's
+    order for its memory phase; a seed already at it runs exactly as it would alone."""
+    pipes, costs, start, model, seqs = _setup(4, 2, 4, 4)
+    starts = _two_starts(pipes, costs, model, seqs)
+    params = AnnealParams(time_limit_s=None, max_steps=200)
+    lb = lower_bound(pipes, costs)
+    caps = params.memory_cap_steps
+    alone = [replace(params, seed=s, memory=replace(params.memory, cap_step=caps[k % len(caps)]))
+             for k, s in enumerate([0, 1, 2])]
+    ones = [makespan_round(model, starts[k % 2].seqs, lb, None, p, (), starts[k % 2].origin[0])
+            for k, p in enumerate(alone)]
+    shortest = min(o.phase1.makespan for o in ones)
+    longer = [k for k, o in enumerate(ones) if o.phase1.makespan > shortest * (1 + 1e-9)]
+    assert longer == [1]  # the instance shows the case: seed 1's phase 1 ends above the others'
+    _, outs = anneal_seeds(model, starts, lb, None, [0, 1, 2], params, num_workers=2)
+    assert all(o.phase1_makespan == pytest.approx(shortest, rel=1e-9) for o in outs)
+    assert all(o.makespan <= shortest * (1 + 1e-9) for o in outs)
+    lead = min((o for o in ones if o.phase1.makespan <= shortest * (1 + 1e-9)), key=lambda o: o.phase1.peak)
+    assert outs[1].start == lead.label and outs[1].steps_makespan == ones[1].steps
+    for k in (0, 2):
+        own = anneal_orders(model, starts[k % 2].seqs, lb, None, alone[k], label=starts[k % 2].origin[0])
+        assert (outs[k].seqs, outs[k].peak_memory, outs[k].steps) == (own.seqs, own.peak_memory, own.steps)
+
+
+def test_best_outcome_is_the_least_peak_at_the_memory_phases_target():
+    """The memory phase keeps the makespan at most its target (the shortest phase-1 makespan) and
+    lowers the peak: among the outcomes within it the least peak wins, even over one that also
+    shortened the schedule; an outcome above it never wins; with a slack the target widens."""
+    def out(seed, makespan, phase1, peak):
+        return AnnealOutcome([[0]], makespan, peak, 0, 0, 0, seed, 0.0, phase1_makespan=phase1)
+    shortened, held, longer = out(0, 9.9, 10.0, 5.0), out(1, 10.0, 10.0, 4.0), out(2, 10.5, 11.0, 1.0)
+    assert best_outcome([shortened, held, longer]) is held
+    assert best_outcome([shortened, longer]) is shortened
+    assert best_outcome([out(3, 10.0, 10.0, 4.0), out(1, 10.0, 10.0, 4.0)]).seed == 1  # a tie: the lower seed
+    assert best_outcome([shortened, held, longer], makespan_slack_frac=0.1) is longer  # 10.5 <= 1.1 x 9.9
