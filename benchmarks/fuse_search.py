@@ -58,7 +58,7 @@ from harness.app import compose
 from harness.runner import build_context
 from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
 from systems.rlhfuse.intra import FusedSearchConfig, MemoryParams, search_fused_schedule
-from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS
+from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS, DEFAULT_MEMORY_MAKESPAN_WEIGHTS
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
 DEFAULT_ACTION_STEPS = 1e10
@@ -109,6 +109,10 @@ def main() -> None:
                    help="the memory phase's cap, in smallest activations below its best peak; seed k "
                         f"runs the (k mod n)-th (default {' '.join(f'{s:g}' for s in DEFAULT_MEMORY_CAP_STEPS)}; "
                         "docs/FUSED_SEARCH.md, \"The cap step\")")
+    p.add_argument("--memory-makespan-weights", type=float, nargs="+", default=list(DEFAULT_MEMORY_MAKESPAN_WEIGHTS),
+                   help="the memory phase's energy per mean action time above the target makespan; seed k "
+                        f"runs the (k mod n)-th (default {' '.join(f'{w:g}' for w in DEFAULT_MEMORY_MAKESPAN_WEIGHTS)}; "
+                        "docs/FUSED_SEARCH.md, \"The makespan's weight\")")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
     p.add_argument("--seed", type=int, default=0)
@@ -123,12 +127,15 @@ def main() -> None:
         p.error(f"--memory-move-reach must be >= 1, got {args.memory_move_reach}")
     if not all(0 < s < float("inf") for s in args.memory_cap_steps):
         p.error(f"--memory-cap-steps must be > 0, got {args.memory_cap_steps}")
+    if not all(0 < w < float("inf") for w in args.memory_makespan_weights):
+        p.error(f"--memory-makespan-weights must be > 0, got {args.memory_makespan_weights}")
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
               else f"{args.action_steps:g} work units (steps x (actions + {STEP_OVERHEAD_ACTIONS}))") + " per seed"
     print(f"# {budget}, {args.seeds or args.workers} seed(s) on {args.workers} worker(s), "
           f"exact refinement effort {args.exact_effort:g} on {args.exact_workers} threads, "
           f"makespan slack {args.makespan_slack:g}, memory move reach {args.memory_move_reach}, "
           f"memory cap steps {' '.join(f'{s:g}' for s in args.memory_cap_steps)}, "
+          f"memory makespan weights {' '.join(f'{w:g}' for w in args.memory_makespan_weights)}, "
           f"{args.costs} costs, "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'proven':>8}{'peak/serial':>13}{'annealed':>10}"
@@ -155,7 +162,8 @@ def main() -> None:
                                        num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
                                        exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack,
                                        memory_move_reach=args.memory_move_reach,
-                                       memory_cap_steps=args.memory_cap_steps)
+                                       memory_cap_steps=args.memory_cap_steps,
+                                       memory_makespan_weights=args.memory_makespan_weights)
             res = search_fused_schedule(pipes, costs, None, config)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
             target = memory_target(m)

@@ -40,7 +40,12 @@ AFTER_RECORDING = {"realhf": ["system.num_refine_rounds=0"]}
 # memory phase's next cap became just below the best peak (cap_step 0.5 -> 0.005 smallest activations,
 # issue 29): 13b ends on a shorter fused order at the same peak (fused makespan 0.052993 -> 0.052986 s,
 # samples/s 165.1973 -> 165.1984), 65b_33b on one at the same makespan that holds less (fused peak
-# 3.3824 -> 3.3678 GB, 1.5781x -> 1.5713x of serial).
+# 3.3824 -> 3.3678 GB, 1.5781x -> 1.5713x of serial). And again when the memory phase's energy weighed
+# time above the target makespan (memory_makespan_weights, seed 0: 8 per mean action time, was 1; the
+# planner runs seed 0 only): the walk stays at the target instead of wandering below it, so neither
+# plan keeps the shorter order the old walk found on its way (the fused makespan is phase 1's again:
+# 13b 0.052986 -> 0.053019 s at the same peak, samples/s 165.1984 -> 165.1811; 65b_33b 0.167076 ->
+# 0.167141 s), and 65b_33b holds less (fused peak 3.3678 -> 3.3270 GB, 1.5713x -> 1.5522x of serial).
 # Wall-clock measurements: recorded for information, never compared.
 WALL_CLOCK_KEYS = ("timing_s/plan", "fused/search_s")
 

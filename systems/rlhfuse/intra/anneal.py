@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 from harness.schedule import SimModel
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 from systems.rlhfuse.intra import loop
-from systems.rlhfuse.intra.memory import DEFAULT_MEMORY_CAP_STEPS, MemoryParams, MemorySearch
+from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS, DEFAULT_MEMORY_MAKESPAN_WEIGHTS
+from systems.rlhfuse.intra.memory import MemoryParams, MemorySearch
 
 _EPS = 1e-9
 MAX_DRAWS = 1000  # proposals tried per step before the step is counted as a rejected one
@@ -56,6 +57,7 @@ class AnnealParams:
     memory_phase: bool = True
     memory: MemoryParams = field(default_factory=MemoryParams)
     memory_cap_steps: tuple[float, ...] = DEFAULT_MEMORY_CAP_STEPS  # by seed (anneal_seeds)
+    memory_makespan_weights: tuple[float, ...] = DEFAULT_MEMORY_MAKESPAN_WEIGHTS  # by seed
 
 
 @dataclass
@@ -322,13 +324,14 @@ def anneal_seeds(model: SimModel, starts: Sequence[Candidate], lower_bound: floa
                  capped_starts: Sequence[Candidate] = ()) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
     """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (labelled candidates;
     ``num_workers`` processes when > 1), each with the same labelled ``capped_starts`` for phase
-    1's lower-memory tries and its memory phase's cap step the ``k``-th of ``params.memory_cap_steps``
-    (cycling; docs/FUSED_SEARCH.md, "The cap step"), in two rounds: every seed's phase 1, then
-    every seed's phase 2 at the shortest makespan of the first (:func:`share_makespan`). Returns
-    (best, all) (:func:`best_outcome`). The candidates are shared, not copied: no phase changes
-    the orders it is given (``OrderState`` works on its own copy)."""
-    caps = params.memory_cap_steps
-    ps = [replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)]))
+    1's lower-memory tries and its memory phase's cap step and makespan weight the ``k``-th of
+    ``memory_cap_steps`` and ``memory_makespan_weights`` (cycling; docs/FUSED_SEARCH.md), in two
+    rounds: every seed's phase 1, then every seed's phase 2 at the shortest makespan of the first
+    (:func:`share_makespan`). Returns (best, all) (:func:`best_outcome`). The candidates are shared,
+    not copied: no phase changes the orders it is given (``OrderState`` works on its own copy)."""
+    caps, weights = params.memory_cap_steps, params.memory_makespan_weights
+    ps = [replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)],
+                                                    makespan_weight=weights[k % len(weights)]))
           for k, seed in enumerate(seeds)]
     firsts = [(model, starts[k % len(starts)].seqs, lower_bound, mem_cap, p, capped_starts,
                starts[k % len(starts)].origin[-1]) for k, p in enumerate(ps)]

@@ -3,8 +3,8 @@
 :class:`FusedSearchConfig` is what :func:`systems.rlhfuse.intra.search_fused_schedule` takes and
 what an RLHFuse run holds as ``system.fused_search`` (``conf/system/rlhfuse.yaml``): the budget
 per seed (trial moves, so the same config gives the same schedule; or a wall-clock limit), the
-seeds and the processes that anneal them, the memory phase, the reach of its moves and its cap steps, the
-makespan the memory phase may give up for memory, and the exact (CP-SAT) refinement.
+seeds and the processes that anneal them, the memory phase, the reach of its moves, its cap steps and
+makespan weights, the makespan the memory phase may give up for memory, and the exact (CP-SAT) refinement.
 :meth:`FusedSearchConfig.check` refuses a value out of range before any search starts.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import List, Optional
 DEFAULT_MAX_STEPS = 100_000  # per seed, when neither a step nor a time budget is given
 DEFAULT_MEMORY_MOVE_REACH = 8  # longest shift of a memory-phase move (docs/FUSED_SEARCH.md measures 64)
 DEFAULT_MEMORY_CAP_STEPS = (0.005, 0.1)  # cap below the best peak in smallest activations, by seed ("The cap step")
+DEFAULT_MEMORY_MAKESPAN_WEIGHTS = (8.0, 1.0)  # energy per mean action time over the target, by seed
 
 
 @dataclass
@@ -27,6 +28,7 @@ class FusedSearchConfig:
     memory_phase: bool = True  # after the makespan phase, lower the peak at that makespan
     memory_move_reach: int = DEFAULT_MEMORY_MOVE_REACH
     memory_cap_steps: List[float] = field(default_factory=lambda: list(DEFAULT_MEMORY_CAP_STEPS))  # seed+k: k mod n
+    memory_makespan_weights: List[float] = field(default_factory=lambda: list(DEFAULT_MEMORY_MAKESPAN_WEIGHTS))  # same
     makespan_slack_frac: float = 0.0  # the memory phase may return up to this much longer (0: never)
     exact_effort: float = 0.0  # CP-SAT refinement's deterministic-time budget (0: off)
     exact_workers: int = 2  # its portfolio's threads (an input, like the seeds)
@@ -41,9 +43,9 @@ class FusedSearchConfig:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        steps = list(self.memory_cap_steps)
-        if not steps or not all(0 < s < float("inf") for s in steps):
-            raise ValueError(f"memory_cap_steps must be one or more numbers > 0, got {steps}")
+        for name in ("memory_cap_steps", "memory_makespan_weights"):
+            if not (values := list(getattr(self, name))) or not all(0 < s < float("inf") for s in values):
+                raise ValueError(f"{name} must be one or more numbers > 0, got {values}")
         for name in ("num_workers", "exact_workers", "memory_move_reach"):
             value = getattr(self, name)
             if int(value) != value or value < 1:

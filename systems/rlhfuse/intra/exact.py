@@ -29,10 +29,8 @@ relative: the rounding of one action is at most a billionth of the shortest) and
 The annealer's order is the solver's hint (its integer re-timing is a feasible solution), so the
 refinement starts where annealing stopped and never returns worse. With ``deterministic=True``
 the solver interleaves its portfolio deterministically (``interleave_search``) and stops on its
-*deterministic* time (an effort count, not the clock): the same inputs, seed, budget and number
-of workers give the same result on any machine, as the annealer's step budget does. The number of
-workers is part of the input (it decides which subsolvers make up the portfolio), not a machine
-fact: 2 workers on one core give the result of 2 workers on two, only slower.
+*deterministic* time (an effort count, not the clock): the same inputs, seed, budget and number of
+workers (an input: it picks the portfolio's subsolvers) give the same result on any machine.
 """
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ class OrderState:
                         np.zeros(R, dtype=np.int64), np.zeros(R), np.zeros(R), np.zeros(max(R, 1), dtype=np.int64))
         # the trial kernels' scalars: energy = makespan (target 0, unit 1), no area term, the hard cap
         self.fs, self.st = np.zeros(loop.NUM_F), np.zeros(loop.NUM_S, dtype=np.int64)
-        self.fs[[loop.F_UNIT, loop.F_MEAN, loop.F_CAP, loop.F_CAPMAX]] = [
+        self.fs[[loop.F_UNIT, loop.F_TIME_UNIT, loop.F_CAP, loop.F_CAPMAX]] = [
             1.0, 1.0, np.inf, np.inf if mem_cap is None else mem_cap]
         self._over_at, self._over_rk = np.full((R, L), -1, dtype=np.int64), np.zeros((1, 2), dtype=np.int64)
         self._nv = np.zeros(L + 1)

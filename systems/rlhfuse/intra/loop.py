@@ -17,8 +17,8 @@ order back. Its drivers are the makespan phase
   the limit. ``max_draws`` proposals without a timed one make an empty step.
 - **Objectives**: MAKESPAN (energy: the makespan; proposals: with probability ``q_critical`` a
   swap at an end of a block of a critical path, else a uniform adjacent swap; ``anneal.py``) and
-  MEMORY (energy: the makespan's excess over the target plus the area above a cap that drops at
-  every level reached; memory-targeted moves added; ``memory.py``). No proposal lets two actions
+  MEMORY (energy: the makespan's excess over the target in ``F_TIME_UNIT`` plus the area above a
+  cap that drops at every level; memory-targeted moves added; ``memory.py``). No proposal lets two actions
   of one (pipe, kind) class trade places: orders stay first-in first-out per stage.
 - **Temperature**: geometric from ``t0`` to ``t1`` over a rung of steps. MEMORY: a new rung at
   every level and after ``rung_steps``. MAKESPAN: the rung is the cooling cycle; at its end the
@@ -46,7 +46,7 @@ NONE, SWAP, MOVE = 0, 1, 2  # proposal kinds
 MAKESPAN, MEMORY = 0, 1  # objectives
 STOPPED, DONE, CYCLE_END = 0, 1, 2  # what ``anneal_loop`` returns
 # slots of the kernel's float state ``fs``, integer state ``st`` and integer parameters ``par_i``
-(F_TARGET, F_TOL, F_UNIT, F_MEAN, F_CAPMAX, F_FLOOR, F_CAP, F_AREA, F_MAKESPAN, F_ENERGY, F_BEST_PEAK,
+(F_TARGET, F_TOL, F_UNIT, F_TIME_UNIT, F_CAPMAX, F_FLOOR, F_CAP, F_AREA, F_MAKESPAN, F_ENERGY, F_BEST_PEAK,
  F_BEST_MAKESPAN, F_TRIAL_AREA, F_LIMIT, F_RANK_PEAK, F_TRIAL_MAKESPAN, F_TIME_FRAC) = range(NUM_F := 17)
 (S_STEP, S_RUNG_START, S_NUM_OVER, S_LEVELS, S_CRIT, S_EPOCH, S_STARTED, S_R, S_LO, S_HI, S_COUNT,
  S_KIND, S_I, S_J, S_HAS_BEST, S_NUM_RANKS) = range(NUM_S := 16)
@@ -150,7 +150,7 @@ def _mark(r, k, val, over_at, over_rk, fs, st):
 
 @kernel.njit(cache=True)
 def _energy(makespan, area, fs):
-    return max(0.0, makespan - fs[F_TARGET]) / fs[F_MEAN] + area / fs[F_UNIT]
+    return max(0.0, makespan - fs[F_TARGET]) / fs[F_TIME_UNIT] + area / fs[F_UNIT]
 
 
 @kernel.njit(cache=True)
@@ -285,7 +285,7 @@ def _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
     if mem_e > fs[F_LIMIT] + _EPS:
         return False
     fs[F_TRIAL_AREA] = area
-    threshold = fs[F_TARGET] + (fs[F_LIMIT] - mem_e) * fs[F_MEAN]
+    threshold = fs[F_TARGET] + (fs[F_LIMIT] - mem_e) * fs[F_TIME_UNIT]
     st[S_EPOCH] += 1
     if kernel.move_closes_cycle(seq2d, lens, rank_of, pos, start, succ_ptr, succ_idx, r, i, j, mark, st[S_EPOCH],
                                 stack):
@@ -462,7 +462,7 @@ class Loop:
         self.state, (R, L) = state, state._a_seq.shape
         self.ranks = np.array([r for r, n in enumerate(state._a_len) if n > 1], dtype=np.int64)
         self.fs, self.st = np.zeros(NUM_F), np.zeros(NUM_S, dtype=np.int64)
-        self.fs[[F_UNIT, F_MEAN, F_CAPMAX, F_BEST_PEAK, F_BEST_MAKESPAN, F_MAKESPAN]] = [
+        self.fs[[F_UNIT, F_TIME_UNIT, F_CAPMAX, F_BEST_PEAK, F_BEST_MAKESPAN, F_MAKESPAN]] = [
             1.0, 1.0, math.inf if state.mem_cap is None else state.mem_cap, math.inf, math.inf, state.makespan()]
         for slot, value in fs.items():
             self.fs[slot] = value

@@ -7,10 +7,11 @@ memory is as low as possible. It drives the search's annealing loop
 (:mod:`systems.rlhfuse.intra.loop`, objective MEMORY) with a **memory cap of increasing
 tightness**:
 
-- **Energy** (0: done at this cap; both terms soft while annealing): the makespan's excess over
-  ``T`` in mean action times, plus the *area above the cap* (over every rank and list position,
-  how far the running activation memory exceeds the cap, in smallest activations): it changes only
-  where a move touches, and unlike the peak says how much of the profile has to come down, and where.
+- **Energy** (0: done at this cap; both terms soft while annealing): ``makespan_weight`` per mean
+  action time of makespan over ``T`` (it keeps the walk near ``T``, where levels are recorded),
+  plus the *area above the cap* (over every rank and list position, how far the running
+  activation memory exceeds the cap, in smallest activations): it changes only where a move
+  touches, and unlike the peak says how much of the profile has to come down, and where.
 - **Ladder**: every order reached at makespan <= ``T`` with a peak below the best is recorded,
   under the cap or not, and the cap drops ``cap_step`` smallest activations below it; the step sets
   what a position at the best peak costs (docs/FUSED_SEARCH.md, "The cap step").
@@ -30,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.schedule import SimModel
-from systems.rlhfuse.intra import kernel, loop
-from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS, DEFAULT_MEMORY_MOVE_REACH
+from systems.rlhfuse.intra import config, kernel, loop
 from systems.rlhfuse.intra.incremental import OrderState
 
 _EPS = 1e-9
@@ -40,14 +40,15 @@ MAX_DRAWS = 256  # proposals drawn per step before the step is counted as an emp
 
 @dataclass
 class MemoryParams:
-    t0: float = 2.0         # start temperature (energy units: one mean action time / activation)
+    t0: float = 2.0         # start temperature (energy units: one activation above the cap)
     t1: float = 0.02        # final temperature
     q_memory: float = 0.5   # share of memory-targeted proposals while some rank is over the cap
     q_critical: float = 0.25  # share of critical-path swaps while the makespan is above target
     q_move: float = 0.8     # share of moves (vs adjacent swaps) among memory-targeted and uniform
-    max_shift: int = DEFAULT_MEMORY_MOVE_REACH  # longest distance a move carries an action
-    cap_step: float = DEFAULT_MEMORY_CAP_STEPS[0]  # the cap = best peak - cap_step * smallest activation
+    max_shift: int = config.DEFAULT_MEMORY_MOVE_REACH  # longest distance a move carries an action
+    cap_step: float = config.DEFAULT_MEMORY_CAP_STEPS[0]  # the cap = best peak - cap_step * smallest activation
     rung_steps: int = 10_000  # cooling from t0 to t1 restarts at every new level (and after this)
+    makespan_weight: float = config.DEFAULT_MEMORY_MAKESPAN_WEIGHTS[0]  # energy per mean action time over the target
 
 
 @dataclass
@@ -72,27 +73,25 @@ class MemorySearch:
         self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
         self.unit = min((d for d in model.mem_delta if d > 0), default=1.0)
         self.cls = loop.action_classes(model)
-        self.best_peak = math.inf
+        self.best_peak = self.best_makespan = math.inf
         self.best_seqs: list[list[int]] | None = None
-        self.best_makespan = math.inf
         self.floor = max(max(model.mem_delta, default=0.0), 0.0)
+        self.mean_dur = sum(model.dur) / max(model.num_actions, 1) or 1.0
         self.levels_total = 0  # times the best peak was lowered, over all runs
         self.trace: np.ndarray = np.zeros((0, 3))  # give it rows to record (makespan, area, peak) per step
 
-    def run(self, seqs: Sequence[Sequence[int]], steps: int | None,
-            seconds: float | None = None) -> MemoryOutcome:
+    def run(self, seqs: Sequence[Sequence[int]], steps: int | None, seconds: float | None = None) -> MemoryOutcome:
         """Anneal from ``seqs`` for ``steps`` trial moves and/or ``seconds`` (whichever runs out
         first; at least one must be given), or until the trivial bound is reached."""
         if steps is None and seconds is None:
             raise ValueError("the memory phase needs a step or time budget")
         p, model = self.p, self.model
-        rs = np.array([self.rng.randrange(1, loop.L_ECUYER[0]), self.rng.randrange(1, loop.L_ECUYER[1])],
-                      dtype=np.int64)
+        rs = np.array([self.rng.randrange(1, m) for m in loop.L_ECUYER], dtype=np.int64)
         run = loop.Loop(OrderState(model, seqs, self.mem_cap, self.tails), self.cls, loop.MEMORY, rs,
                         (p.t0, p.t1, p.q_memory, p.q_critical, p.q_move, p.cap_step, _EPS),
                         (int(p.max_shift), max(1, int(p.rung_steps)), MAX_DRAWS),
                         {loop.F_TARGET: self.target, loop.F_TOL: self.target + _EPS * max(1.0, abs(self.target)),
-                         loop.F_UNIT: self.unit, loop.F_MEAN: sum(model.dur) / max(model.num_actions, 1) or 1.0,
+                         loop.F_UNIT: self.unit, loop.F_TIME_UNIT: self.mean_dur / p.makespan_weight,
                          loop.F_FLOOR: self.floor, loop.F_BEST_PEAK: self.best_peak,
                          loop.F_BEST_MAKESPAN: self.best_makespan}, compiled=self.compiled)
         run.run(steps, seconds, self.trace)

@@ -10,10 +10,8 @@ makespan fixed, peak activation memory: :mod:`systems.rlhfuse.intra.memory`), an
 result against the lower bound and the serial baseline's peak. Why a portfolio of starts:
 docs/FUSED_SEARCH.md.
 
-Budgets are steps (trial moves) per seed by default, so the same seed and steps give the same
-schedule, with or without worker processes; a wall-clock limit is an option.
-Everything is scored by ``harness.schedule.simulate``; the returned schedule is checked with
-``harness.schedule.validate``.
+Budgets are steps (trial moves) per seed by default (the same schedule with or without worker
+processes), or a wall-clock limit. ``simulate`` scores everything; ``validate`` checks the result.
 """
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from harness.schedule import (PipeCosts, PipeSpec, Schedule, ScheduleError, sim_model,
-                              simulate, validate)
+from harness.schedule import PipeCosts, PipeSpec, Schedule, ScheduleError, sim_model, simulate, validate
 from systems.rlhfuse.intra.anneal import AnnealParams, Candidate, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms, peak_lower_bound
 from systems.rlhfuse.intra.config import FusedSearchConfig
@@ -230,7 +227,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
                           memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
                           memory=MemoryParams(max_shift=int(cfg.memory_move_reach)),
-                          memory_cap_steps=tuple(float(s) for s in cfg.memory_cap_steps))
+                          memory_cap_steps=tuple(float(s) for s in cfg.memory_cap_steps),
+                          memory_makespan_weights=tuple(float(w) for w in cfg.memory_makespan_weights))
     best, _ = anneal_seeds(model, starts, bound.value, mem_cap, cfg.seeds, params, cfg.num_workers, front)
     start = next(c for c in starts if c.origin == (best.start,))
     exact = ExactRefinement(cfg, None if time_limit_s is None else

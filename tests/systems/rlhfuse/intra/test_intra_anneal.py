@@ -188,13 +188,15 @@ def test_parallel_seeds_equal_serial_seeds():
 
 def test_every_seed_lowers_memory_at_the_shortest_makespan_of_phase_1():
     """Two rounds (anneal_seeds): a seed whose phase 1 ended longer takes the shortest seed's
-    order for its memory phase; a seed already at it runs exactly as it would alone."""
+    order for its memory phase; a seed already at it runs exactly as it would alone, with the
+    cap step and makespan weight of its place in the seed list."""
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 4)
     starts = _two_starts(pipes, costs, model, seqs)
-    params = AnnealParams(time_limit_s=None, max_steps=200)
+    params = AnnealParams(time_limit_s=None, max_steps=200, memory_makespan_weights=(2.0, 3.0, 0.5))
     lb = lower_bound(pipes, costs)
-    caps = params.memory_cap_steps
-    alone = [replace(params, seed=s, memory=replace(params.memory, cap_step=caps[k % len(caps)]))
+    caps, weights = params.memory_cap_steps, params.memory_makespan_weights
+    alone = [replace(params, seed=s, memory=replace(params.memory, cap_step=caps[k % len(caps)],
+                                                    makespan_weight=weights[k % len(weights)]))
              for k, s in enumerate([0, 1, 2])]
     ones = [makespan_round(model, starts[k % 2].seqs, lb, None, p, (), starts[k % 2].origin[0])
             for k, p in enumerate(alone)]

@@ -13,6 +13,7 @@ from systems.rlhfuse.intra.anneal import AnnealParams, Candidate, anneal_orders
 from systems.rlhfuse.intra import anneal as anneal_module
 from systems.rlhfuse.intra import kernel
 from systems.rlhfuse.intra.incremental import chain_tails
+from systems.rlhfuse.intra.memory import MemoryParams
 
 
 def _setup(n1=4, n2=4, m1=6, m2=6, p2p=0.0, policy="larger"):
@@ -308,3 +309,27 @@ def test_memory_search_under_a_time_limit_takes_the_same_steps_in_slices():
         search = MemorySearch(model, chain_tails(model), phase1.makespan, None, random.Random(2))
         outs.append(search.run(phase1.seqs, 1000, seconds))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_makespan_weight_keeps_the_walk_near_the_target_makespan(seed):
+    """The memory energy prices each mean action time above the target makespan at
+    ``makespan_weight`` activations above the cap: with the weight 16 instead of 1, the walk
+    (its trace: the makespan each step starts from) spends more of its steps at the target and
+    is less far above it on average; either way its result keeps the target."""
+    pipes, costs, start, model, seqs = _setup(8, 4, 8, 8)
+    phase1 = anneal_orders(model, seqs, lower_bound(pipes, costs), None,
+                           AnnealParams(seed=0, time_limit_s=None, max_steps=1500, memory_phase=False))
+    target, mean = phase1.makespan, sum(model.dur) / model.num_actions
+    walks = []
+    for weight in (1.0, 16.0):
+        search = MemorySearch(model, chain_tails(model), target, None, random.Random(seed),
+                              MemoryParams(makespan_weight=weight))
+        search.trace = np.full((3000, 3), np.nan)
+        search.run(phase1.seqs, 3000)
+        makespans = search.trace[:, 0]
+        assert not np.isnan(makespans).any()
+        assert OrderState(model, search.best_seqs).makespan() <= target * (1 + 1e-9)
+        walks.append((np.mean(makespans <= target * (1 + 1e-9)), np.mean(np.maximum(makespans - target, 0)) / mean))
+    (at_1, excess_1), (at_16, excess_16) = walks
+    assert at_16 > at_1 + 0.3 and excess_16 < excess_1 / 4
