@@ -49,7 +49,8 @@ class AnnealParams:
     t0_rel: float = 1.0    # start temperature / mean action time
     t1_rel: float = 0.02   # final temperature / mean action time
     q_critical: float = 0.8
-    phase1_cycle_steps: int | None = 20_000  # cooling cycle of phase 1 under long step budgets
+    phase1_cycle_steps: int | None = 20_000  # cooling cycle of phase 1 under long step budgets (None: one) ...
+    phase1_cycle_sweeps: float = 25.0  # ... and at least this many steps per action (docs/FUSED_SEARCH.md)
     front_try_frac: float = 0.125  # share of phase 1's budget for each lower-memory start tried
     makespan_slack_frac: float = 0.0  # the memory phase may return up to (1 + this) x phase 1's best
     slack_polish_frac: float = 0.125  # with a slack: share kept to shorten its result (TimeForMemory)
@@ -145,9 +146,9 @@ class SearchContext:
 
 class MakespanPhase:
     """Phase 1's annealing: the makespan towards ``goal`` (the loop's MAKESPAN objective) under the
-    search's cap, and with ``peak`` under a hard cap there too. A step budget longer than
-    ``phase1_cycle_steps`` is spent in cooling cycles of that length, each a fresh try from the
-    start (more tries, not a slower cooling); the best over all is returned."""
+    search's cap, and with ``peak`` under a hard cap there too. A step budget longer than a cycle,
+    ``phase1_cycle_steps`` or ``phase1_cycle_sweeps`` steps per action if more, is spent in cooling
+    cycles of that length, each a fresh try from the start; the best over all is returned."""
     name = "makespan"
 
     def __init__(self, goal: float, peak: float | None = None):
@@ -155,6 +156,7 @@ class MakespanPhase:
 
     def run(self, ctx: SearchContext, start: Candidate, budget: Budget) -> Candidate:
         p, (t0, t1), cycle, goal = ctx.p, ctx.temps, ctx.p.phase1_cycle_steps, self.goal
+        cycle = None if cycle is None else max(cycle, round(p.phase1_cycle_sweeps * ctx.model.num_actions))
         cap = None if self.peak is None else self.peak if ctx.mem_cap is None else min(self.peak, ctx.mem_cap)
         state = ctx.state(start.seqs, None if cap is None else cap + _EPS * max(1.0, cap))
         cycling = cycle is not None and budget.steps is not None and budget.steps > cycle

@@ -56,8 +56,7 @@ def model_priority(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts]
     totals: dict[int, list[float]] = {}
     for name, pipe in pipes.items():
         cost = costs[name]
-        totals.setdefault(index[name], []).extend(
-            cost.fwd[s] + cost.bwd[s] for s in range(pipe.num_stages))
+        totals.setdefault(index[name], []).extend(cost.fwd[s] + cost.bwd[s] for s in range(pipe.num_stages))
     mean = {m: sum(v) / len(v) for m, v in totals.items()}
     ranking = sorted(mean, key=lambda m: (-mean[m], m))
     return {name: ranking.index(index[name]) for name in pipes}

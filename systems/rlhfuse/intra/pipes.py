@@ -69,8 +69,7 @@ def fused_pipes(n1: int, n2: int, m1: int, m2: int, model1: str = "actor",
     for k, name in enumerate(pipe_names(MODEL1_PREFIX, num_ranks // n1)):
         pipes[name] = PipeSpec(name, n1, m1, tuple(k * n1 + s for s in range(n1)), model1)
     for j, name in enumerate(pipe_names(MODEL2_PREFIX, num_ranks // n2)):
-        pipes[name] = PipeSpec(name, n2, m2, tuple(num_ranks - 1 - (j * n2 + s) for s in range(n2)),
-                               model2)
+        pipes[name] = PipeSpec(name, n2, m2, tuple(num_ranks - 1 - (j * n2 + s) for s in range(n2)), model2)
     return pipes
 
 

@@ -8,7 +8,8 @@ import pytest
 from harness.schedule import Schedule, ScheduleError, sim_model, simulate
 from systems.rlhfuse.intra import (AnnealParams, OrderState, anneal_orders, anneal_seeds,
                                    fused_costs, fused_pipes, greedy_schedule, lower_bound)
-from systems.rlhfuse.intra.anneal import AnnealOutcome, Candidate, best_outcome, makespan_round
+from systems.rlhfuse.intra.anneal import (AnnealOutcome, Budget, Candidate, MakespanPhase, SearchContext, best_outcome,
+                                          makespan_round)
 from systems.rlhfuse.intra.incremental import ABORTED
 
 
@@ -164,6 +165,24 @@ def test_anneal_is_deterministic_and_improves():
     assert a.makespan <= simulate(start, costs).makespan
     assert a.makespan >= lb * (1 - 1e-12)  # sums in another order: equal up to the last bits
     assert a.steps <= 3000
+
+
+def test_phase1_cooling_cycle_lasts_at_least_its_sweeps_per_action():
+    """A cooling cycle of phase 1 lasts ``phase1_cycle_steps`` or ``phase1_cycle_sweeps`` steps per
+    action, whichever is longer: sweeps that cover the budget make it one cooling, as with no cycles."""
+    pipes, costs, start, model, seqs = _setup(8, 4, 8, 8)
+    budget = 3000
+
+    def run(**cycle):
+        ctx = SearchContext(model, 0.0, None, AnnealParams(seed=3, time_limit_s=None, max_steps=budget, **cycle))
+        return MakespanPhase(0.0).run(ctx, ctx.candidate(seqs, ("greedy",)), Budget(budget, None))  # never done
+
+    one = run(phase1_cycle_steps=None)
+    covered = run(phase1_cycle_steps=100, phase1_cycle_sweeps=budget / model.num_actions)
+    cycled = run(phase1_cycle_steps=100, phase1_cycle_sweeps=0.0)
+    assert (covered.seqs, covered.makespan, covered.steps) == (one.seqs, one.makespan, one.steps) == \
+        (one.seqs, one.makespan, budget)
+    assert cycled.steps == budget and cycled.seqs != one.seqs
 
 
 def _two_starts(pipes, costs, model, seqs):
