@@ -11,6 +11,7 @@ memory under a tightening cap), and reported against a lower bound and the seria
 - :mod:`.loop` -- the annealing loop of both objectives (a compiled kernel);
 - :mod:`.memory` -- the memory phase (lower the peak with the makespan fixed);
 - :mod:`.anneal` -- the two-phase simulated annealing, one or several seeds;
+- :mod:`.grow` -- a long schedule's start grown from the search for fewer micro-batches;
 - :mod:`.exact` -- the optional exact refinement by constraint programming (CP-SAT) and its proofs;
 - :mod:`.config` -- :class:`FusedSearchConfig`, the search's options (``system.fused_search``);
 - :mod:`.search` -- :func:`search_fused_schedule`, everything above end to end.

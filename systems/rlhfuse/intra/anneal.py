@@ -111,6 +111,7 @@ class Candidate:
     origin: tuple[str, ...]
     steps: int = 0
     levels: int = 0
+    grown: bool = False  # grown from a shorter order (grow.py): phase 1 keeps it, in one cooling
 
 
 class SearchContext:
@@ -326,17 +327,19 @@ def anneal_seeds(model: SimModel, starts: Sequence[Candidate], lower_bound: floa
                  capped_starts: Sequence[Candidate] = ()) -> tuple[AnnealOutcome, list[AnnealOutcome]]:
     """Anneal every seed, the ``k``-th seed from ``starts[k % len(starts)]`` (labelled candidates;
     ``num_workers`` processes when > 1), each with the same labelled ``capped_starts`` for phase
-    1's lower-memory tries and its memory phase's cap step and makespan weight the ``k``-th of
+    1's lower-memory tries (a ``grown`` start: none, and phase 1 in one cooling: docs/FUSED_SEARCH.md,
+    "Grown from half") and its memory phase's cap step and makespan weight the ``k``-th of
     ``memory_cap_steps`` and ``memory_makespan_weights`` (cycling; docs/FUSED_SEARCH.md), in two
     rounds: every seed's phase 1, then every seed's phase 2 at the shortest makespan of the first
     (:func:`share_makespan`). Returns (best, all) (:func:`best_outcome`). The candidates are shared,
     not copied: no phase changes the orders it is given (``OrderState`` works on its own copy)."""
     caps, weights = params.memory_cap_steps, params.memory_makespan_weights
     ps = [replace(params, seed=seed, memory=replace(params.memory, cap_step=caps[k % len(caps)],
-                                                    makespan_weight=weights[k % len(weights)]))
+                                                    makespan_weight=weights[k % len(weights)]),
+                  phase1_cycle_steps=None if starts[k % len(starts)].grown else params.phase1_cycle_steps)
           for k, seed in enumerate(seeds)]
-    firsts = [(model, starts[k % len(starts)].seqs, lower_bound, mem_cap, p, capped_starts,
-               starts[k % len(starts)].origin[-1]) for k, p in enumerate(ps)]
+    firsts = [(model, (s := starts[k % len(starts)]).seqs, lower_bound, mem_cap, p, () if s.grown else capped_starts,
+               s.origin[-1]) for k, p in enumerate(ps)]
     workers = max(1, min(num_workers, len(ps), os.cpu_count() or 1))
 
     def rounds(starmap):

@@ -4,7 +4,8 @@
 what an RLHFuse run holds as ``system.fused_search`` (``conf/system/rlhfuse.yaml``): the budget
 per seed (trial moves, so the same config gives the same schedule; or a wall-clock limit), the
 seeds and the processes that anneal them, the memory phase, the reach of its moves, its cap steps and
-makespan weights, the makespan the memory phase may give up for memory, and the exact (CP-SAT) refinement.
+makespan weights, the makespan the memory phase may give up for memory, the exact (CP-SAT) refinement,
+and from how many micro-batches a search also starts from its half's order grown (:mod:`.grow`).
 :meth:`FusedSearchConfig.check` refuses a value out of range before any search starts.
 """
 from __future__ import annotations
@@ -32,10 +33,11 @@ class FusedSearchConfig:
     makespan_slack_frac: float = 0.0  # the memory phase may return up to this much longer (0: never)
     exact_effort: float = 0.0  # CP-SAT refinement's deterministic-time budget (0: off)
     exact_workers: int = 2  # its portfolio's threads (an input, like the seeds)
+    grow_min_microbatches: int = 64  # a pipe with this many: seed 0 starts grown from half as many (0: never)
 
     def check(self) -> None:
         """ValueError naming the first option out of range."""
-        for name in ("max_steps", "num_seeds"):
+        for name in ("max_steps", "num_seeds", "grow_min_microbatches"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {value}")

@@ -24,6 +24,7 @@ from systems.rlhfuse.intra.anneal import AnnealParams, Candidate, anneal_seeds
 from systems.rlhfuse.intra.bounds import LowerBound, lower_bound_terms, peak_lower_bound
 from systems.rlhfuse.intra.config import FusedSearchConfig
 from systems.rlhfuse.intra.greedy import POLICIES, greedy_schedule
+from systems.rlhfuse.intra.grow import grow_order
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 from systems.rlhfuse.intra.memory import MemoryParams
 from systems.rlhfuse.intra.pipes import serial_schedule
@@ -229,6 +230,10 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           memory=MemoryParams(max_shift=int(cfg.memory_move_reach)),
                           memory_cap_steps=tuple(float(s) for s in cfg.memory_cap_steps),
                           memory_makespan_weights=tuple(float(w) for w in cfg.memory_makespan_weights))
+    num_mbs = [p.num_mbs for p in pipes.values()]
+    if cfg.grow_min_microbatches and max(num_mbs) >= cfg.grow_min_microbatches and min(num_mbs) >= 2:
+        grown, params = _grow_from_half(pipes, costs, mem_cap, cfg, model, bound.value, params)
+        starts = grown + starts
     best, _ = anneal_seeds(model, starts, bound.value, mem_cap, cfg.seeds, params, cfg.num_workers, front)
     start = next(c for c in starts if c.origin == (best.start,))
     exact = ExactRefinement(cfg, None if time_limit_s is None else
@@ -261,6 +266,27 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         memory_levels=best.memory_levels, origin=" > ".join(final.origin), phase1_tries=best.phase1_tries,
         makespan_bound=exact.makespan_bound, peak_bound=exact.peak_bound,
         peak_lower_bound=max(peak_lower_bound(pipes, costs, result.makespan), exact.peak_bound))
+
+
+GROW_FRAC = 0.25  # the search of half the micro-batches takes this share of the budget ...
+GROW_MAX_GAP = 0.02  # ... and its order grown is a start if no further above the lower bound
+
+
+def _grow_from_half(pipes, costs, mem_cap, cfg: FusedSearchConfig, model, lower_bound: float, params: AnnealParams):
+    """Search the pipes with half their micro-batches (``GROW_FRAC`` of the budget, no exact
+    refinement) and grow its order back (:func:`grow.grow_order`): the start of seed 0 (docs/FUSED_SEARCH.md,
+    "Grown from half"). Returns ([that start] or [], the annealing's parameters less that budget)."""
+    half = {name: replace(p, num_mbs=p.num_mbs // 2) for name, p in pipes.items()}
+    share = replace(cfg, exact_effort=0.0, max_steps=None if cfg.max_steps is None else round(cfg.max_steps * GROW_FRAC),
+                    time_limit_s=None if cfg.time_limit_s is None else cfg.time_limit_s * GROW_FRAC)
+    sub = search_fused_schedule(half, costs, mem_cap, share)
+    rest = replace(params, max_steps=None if cfg.max_steps is None else cfg.max_steps - share.max_steps,
+                   time_limit_s=None if cfg.time_limit_s is None else max(0.0, cfg.time_limit_s - sub.search_s))
+    seqs = grow_order(sim_model(sub.schedule, costs), _encode(sub.schedule, costs), model)
+    state = None if seqs is None else OrderState(model, seqs, mem_cap, chain_tails(model))
+    if state is None or state.makespan() > lower_bound * (1.0 + GROW_MAX_GAP):
+        return [], rest
+    return [Candidate(seqs, state.makespan(), state.max_peak(), ("grown",), grown=True)], rest
 
 
 class ExactRefinement:

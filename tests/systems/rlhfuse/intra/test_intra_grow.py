@@ -1,0 +1,68 @@
+"""A long fused order grown from a short one (systems.rlhfuse.intra.grow): the grown order runs
+every action of the long schedule on its own rank, first-in first-out, without deadlock, and
+holds exactly the short order's peak (a balanced segment frees what it holds); the search starts
+seed 0 from it above ``grow_min_microbatches`` and not below, deterministically."""
+import random
+
+import pytest
+
+from harness.schedule import PipeCosts, Schedule, sim_model, simulate, validate
+from systems.rlhfuse.intra import FusedSearchConfig, fused_pipes, search_fused_schedule
+from systems.rlhfuse.intra.grow import grow_order
+from systems.rlhfuse.intra import search
+from systems.rlhfuse.intra.search import _encode
+
+
+def _uneven(pipes, seed):
+    rng = random.Random(seed)
+    stages = {p.num_stages for p in pipes.values()}
+    fwd = {s: tuple(rng.uniform(0.5, 2.0) for _ in range(s)) for s in stages}
+    return {name: PipeCosts(fwd[p.num_stages], tuple(2 * f for f in fwd[p.num_stages]),
+                            tuple(rng.uniform(0.2, 3.0) for _ in range(p.num_stages)), 0.1)
+            for name, p in pipes.items()}
+
+
+@pytest.mark.parametrize("stages,m_small,m_large", [((4, 2), 4, 12), ((4, 4), 6, 12), ((2, 4), 3, 9)])
+def test_grown_order_is_a_valid_schedule_with_the_short_orders_peak(stages, m_small, m_large):
+    small_pipes, large_pipes = fused_pipes(*stages, m_small, m_small), fused_pipes(*stages, m_large, m_large)
+    costs = _uneven(small_pipes, 1)
+    short = search_fused_schedule(small_pipes, costs, None, FusedSearchConfig(max_steps=3000))
+    large_model = sim_model(Schedule(large_pipes, {}), costs)
+    seqs = grow_order(sim_model(short.schedule, costs), _encode(short.schedule, costs), large_model)
+    assert seqs is not None
+    schedule = Schedule(large_pipes, {r: [large_model.actions[a] for a in seq] for r, seq in enumerate(seqs)})
+    validate(schedule)  # every action once, on its stage's rank
+    sim = simulate(schedule, costs, record_times=False)  # raises on deadlock
+    assert sim.max_peak_memory == pytest.approx(short.peak_memory, rel=1e-12)
+    for seq in seqs:  # first-in first-out per (pipe, kind, stage)
+        for cls in {(x.pipe, x.kind, x.stage) for x in map(large_model.actions.__getitem__, seq)}:
+            mbs = [x.mb for x in map(large_model.actions.__getitem__, seq) if (x.pipe, x.kind, x.stage) == cls]
+            assert mbs == sorted(mbs)
+
+
+def test_search_starts_seed_0_grown_from_half_at_and_above_the_threshold(monkeypatch):
+    pipes = fused_pipes(4, 2, 8, 8)
+    costs = _uneven(pipes, 2)
+    config = FusedSearchConfig(max_steps=4000, num_workers=1, num_seeds=2, grow_min_microbatches=8)
+    grown = search_fused_schedule(pipes, costs, None, config)
+    assert grown.valid
+    one = FusedSearchConfig(max_steps=4000, grow_min_microbatches=8)
+    monkeypatch.setattr(search, "GROW_MAX_GAP", float("inf"))  # whatever its makespan
+    assert search_fused_schedule(pipes, costs, None, one).origin.startswith("grown > makespan")  # seed 0's start
+    monkeypatch.setattr(search, "GROW_MAX_GAP", -1.0)  # never close enough to the bound
+    assert "grown" not in search_fused_schedule(pipes, costs, None, one).origin
+    monkeypatch.undo()
+    plain = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=4000, num_seeds=2,
+                                                                        grow_min_microbatches=9))
+    assert "grown" not in plain.origin
+    off = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=4000, num_seeds=2,
+                                                                      grow_min_microbatches=0))
+    assert (off.makespan, off.peak_memory, off.origin) == (plain.makespan, plain.peak_memory, plain.origin)
+    twice = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=4000, num_workers=2, num_seeds=2,
+                                                                        grow_min_microbatches=8))
+    assert twice.schedule.order == grown.schedule.order  # 1 and 2 workers: the same schedule
+
+
+def test_grow_threshold_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="grow_min_microbatches"):
+        FusedSearchConfig(grow_min_microbatches=-1).check()
