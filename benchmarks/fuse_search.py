@@ -113,6 +113,10 @@ def main() -> None:
                    help="the memory phase's energy per mean action time above the target makespan; seed k "
                         f"runs the (k mod n)-th (default {' '.join(f'{w:g}' for w in DEFAULT_MEMORY_MAKESPAN_WEIGHTS)}; "
                         "docs/FUSED_SEARCH.md, \"The makespan's weight\")")
+    p.add_argument("--grow-min-microbatches", type=int, default=FusedSearchConfig.grow_min_microbatches,
+                   help="rows with a pipe of at least this many micro-batches also start seed 0 from the search "
+                        f"of half as many, grown (default {FusedSearchConfig.grow_min_microbatches}; 0: never; "
+                        "docs/FUSED_SEARCH.md, \"Grown from half\")")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
     p.add_argument("--seed", type=int, default=0)
@@ -127,6 +131,8 @@ def main() -> None:
         p.error(f"--memory-move-reach must be >= 1, got {args.memory_move_reach}")
     if not all(0 < s < float("inf") for s in args.memory_cap_steps):
         p.error(f"--memory-cap-steps must be > 0, got {args.memory_cap_steps}")
+    if args.grow_min_microbatches < 0:
+        p.error(f"--grow-min-microbatches must be >= 0, got {args.grow_min_microbatches}")
     if not all(0 < w < float("inf") for w in args.memory_makespan_weights):
         p.error(f"--memory-makespan-weights must be > 0, got {args.memory_makespan_weights}")
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
@@ -136,6 +142,7 @@ def main() -> None:
           f"makespan slack {args.makespan_slack:g}, memory move reach {args.memory_move_reach}, "
           f"memory cap steps {' '.join(f'{s:g}' for s in args.memory_cap_steps)}, "
           f"memory makespan weights {' '.join(f'{w:g}' for w in args.memory_makespan_weights)}, "
+          f"grown from half at {args.grow_min_microbatches or 'never'}, "
           f"{args.costs} costs, "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'proven':>8}{'peak/serial':>13}{'annealed':>10}"
@@ -163,7 +170,8 @@ def main() -> None:
                                        exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack,
                                        memory_move_reach=args.memory_move_reach,
                                        memory_cap_steps=args.memory_cap_steps,
-                                       memory_makespan_weights=args.memory_makespan_weights)
+                                       memory_makespan_weights=args.memory_makespan_weights,
+                                       grow_min_microbatches=args.grow_min_microbatches)
             res = search_fused_schedule(pipes, costs, None, config)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
             target = memory_target(m)
