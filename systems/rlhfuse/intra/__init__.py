@@ -1,8 +1,6 @@
 """RLHFuse intra-stage fusion (NSDI'25, arXiv 2409.13221, section 5): fused actor+critic pipeline
-schedules. Model-1 and model-2 pipes run in opposite directions over ``lcm(N1, N2)`` ranks so that
-each fills the other's pipeline bubbles; a greedy list schedule (larger model first) is refined by
-two-phase simulated annealing (makespan first, then, with the makespan fixed, peak activation
-memory under a tightening cap), and reported against a lower bound and the serial 1F1B baseline.
+schedules, the two models' pipes in opposite directions filling each other's bubbles, searched by
+two-phase simulated annealing (makespan, then peak memory) and reported against lower bounds.
 
 - :mod:`.pipes` -- the fused layout, per-stage costs, the serial 1F1B baseline;
 - :mod:`.greedy` -- the greedy list scheduler (the search's starting point);
@@ -22,12 +20,11 @@ import importlib
 # without loading the search and its compiled kernels
 _EXPORTS = {
     "fused_pipes": "pipes", "fused_costs": "pipes", "serial_schedule": "pipes", "pipe_names": "pipes",
-    "model_index": "pipes", "model_labels": "pipes",
-    "greedy_schedule": "greedy", "model_priority": "greedy",
-    "LowerBound": "bounds", "lower_bound": "bounds", "lower_bound_terms": "bounds",
-    "OrderState": "incremental", "MemorySearch": "memory", "MemoryParams": "memory", "MemoryOutcome": "memory",
-    "AnnealParams": "anneal", "AnnealOutcome": "anneal", "anneal_orders": "anneal", "anneal_seeds": "anneal",
-    "FusedSearchConfig": "config", "FusedResult": "search", "search_fused_schedule": "search",
+    "model_index": "pipes", "model_labels": "pipes", "greedy_schedule": "greedy", "model_priority": "greedy",
+    "LowerBound": "bounds", "lower_bound": "bounds", "lower_bound_terms": "bounds", "OrderState": "incremental",
+    "MemorySearch": "memory", "MemoryParams": "memory", "MemoryOutcome": "memory", "AnnealParams": "anneal",
+    "AnnealOutcome": "anneal", "anneal_orders": "anneal", "anneal_seeds": "anneal", "FusedSearchConfig": "config",
+    "FusedResult": "search", "search_fused_schedule": "search",
 }
 __all__ = list(_EXPORTS)
 

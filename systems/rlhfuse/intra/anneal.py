@@ -4,22 +4,14 @@ memory).
 
 This module owns one seed's search: its context (:class:`SearchContext`: what every phase reads,
 and a budget that phases take shares of and book what they spent against), its phases as objects
-that take a :class:`Candidate` and return one tagged with its origin, the order they run in
-(:func:`makespan_round`, then :func:`memory_round`), and the fan-out over seeds in two rounds, so
-that every seed's memory phase works at the shortest makespan (:func:`anneal_seeds`). Both run the
-one annealing loop of :mod:`systems.rlhfuse.intra.loop`, whose timing always agrees with
-``harness.schedule.simulate``.
-
-- **Phase 1** (:class:`MakespanPhase`): the paper's neighbourhood, swaps of two adjacent actions
-  on one rank, drawn with probability ``q_critical`` from the ends of the blocks of a critical
-  path (only those can shorten it: docs/FUSED_SEARCH.md), else uniformly; Metropolis acceptance,
-  geometric cooling from ``T0`` to ``T1`` (relative to the mean action time); stops at the lower
-  bound. Then :class:`LowerMemoryStarts`.
-- **Phase 2** (:class:`MemoryPhase`, :mod:`systems.rlhfuse.intra.memory`): with the makespan fixed
-  at phase 1's best ``T``, the lowest peak at makespan <= ``T``; with a slack, :class:`TimeForMemory`.
-- **Budget**: phase 1 may use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``, phase 2 the
-  rest. A step is one trial move that was timed. **Determinism**: all randomness comes from
-  ``random.Random(seed)``; with ``max_steps`` the result is a pure function of the inputs.
+that take a :class:`Candidate` and return one tagged with its origin (:class:`MakespanPhase`, then
+:class:`LowerMemoryStarts`; :class:`MemoryPhase`, with a slack :class:`TimeForMemory`), the order
+they run in (:func:`makespan_round`, then :func:`memory_round`), and the fan-out over seeds in two
+rounds, so that every seed's memory phase works at the shortest makespan (:func:`anneal_seeds`).
+Both phases run the one annealing loop of :mod:`systems.rlhfuse.intra.loop`. Budget: phase 1 may
+use ``phase1_frac`` of ``max_steps`` / ``time_limit_s``, phase 2 the rest; a step is one timed
+trial move. All randomness comes from ``random.Random(seed)``: with ``max_steps`` the result is a
+pure function of the inputs. What each phase does and why: docs/FUSED_SEARCH.md.
 """
 from __future__ import annotations
 
@@ -115,10 +107,9 @@ class Candidate:
 
 
 class SearchContext:
-    """What every phase of one seed's search reads (the encoded schedule, its chain tails, the lower
-    bound, the cap, the seed's random stream, parameters, temperatures, action classes) and its
-    budget: phases get shares of the whole (``total``) or of what is left (:meth:`left`), and
-    what they return is booked (:meth:`spend`)."""
+    """What every phase of one seed's search reads (schedule, chain tails, bound, cap, random stream,
+    parameters, temperatures, action classes) and its budget: phases get shares of the whole
+    (``total``) or of what is left (:meth:`left`), and what they return is booked (:meth:`spend`)."""
 
     def __init__(self, model: SimModel, lower_bound: float, mem_cap: float | None, p: AnnealParams):
         self.model, self.lower_bound, self.mem_cap, self.p = model, lower_bound, mem_cap, p
@@ -182,10 +173,9 @@ class MakespanPhase:
 
 
 class LowerMemoryStarts:
-    """Phase 1, second part: each of ``capped_starts`` (labelled candidates, highest peak
-    first) that holds less than the best is annealed under a hard cap at its peak with
-    ``front_try_frac`` of phase 1's budget, and replaces the best if it reaches its makespan, so
-    the memory phase starts lower (docs/FUSED_SEARCH.md, phase 1). ``tries``: how many ran."""
+    """Phase 1, second part: each of ``capped_starts`` (highest peak first) that holds less than the
+    best is annealed under a hard cap at its peak with ``front_try_frac`` of phase 1's budget and
+    replaces the best if it reaches its makespan (docs/FUSED_SEARCH.md, phase 1). ``tries``: how many ran."""
 
     def __init__(self, capped_starts: Sequence[Candidate]):
         self.capped_starts, self.tries = capped_starts, 0
@@ -225,10 +215,9 @@ class MemoryPhase:
 
 
 class TimeForMemory:
-    """The memory phase's second part under a makespan slack: from ``start`` (phase 1's order, not
-    the best: docs/FUSED_SEARCH.md, "Time for memory"), the lowest peak at makespan <= ``(1 +
-    makespan_slack_frac) x makespan``, kept only if below the best's and then annealed back
-    towards ``makespan`` under a hard cap at its peak (the slack buys memory, not idle time)."""
+    """The memory phase's second part under a makespan slack (docs/FUSED_SEARCH.md, "Time for memory"):
+    from ``start`` (phase 1's order), the lowest peak at makespan <= ``(1 + makespan_slack_frac) x
+    makespan``, kept only if below the best's, then annealed back towards ``makespan`` under a hard cap."""
     name = "time for memory"
 
     def __init__(self, start: Candidate, makespan: float):

@@ -1,12 +1,7 @@
-"""The fused-schedule search's options as one typed config (RLHFuse section 5; issue 29 item 1).
-
-:class:`FusedSearchConfig` is what :func:`systems.rlhfuse.intra.search_fused_schedule` takes and
-what an RLHFuse run holds as ``system.fused_search`` (``conf/system/rlhfuse.yaml``): the budget
-per seed (trial moves, so the same config gives the same schedule; or a wall-clock limit), the
-seeds and the processes that anneal them, the memory phase, the reach of its moves, its cap steps and
-makespan weights, the makespan the memory phase may give up for memory, the exact (CP-SAT) refinement,
-and from how many micro-batches a search also starts from its half's order grown (:mod:`.grow`).
-:meth:`FusedSearchConfig.check` refuses a value out of range before any search starts.
+"""The fused-schedule search's options as one typed config (RLHFuse section 5; issue 29 item 1):
+:class:`FusedSearchConfig`, what :func:`systems.rlhfuse.intra.search_fused_schedule` takes and an
+RLHFuse run holds as ``system.fused_search`` (``conf/system/rlhfuse.yaml``). :meth:`~FusedSearchConfig.check`
+refuses a value out of range before any search starts.
 """
 from __future__ import annotations
 
@@ -33,7 +28,7 @@ class FusedSearchConfig:
     makespan_slack_frac: float = 0.0  # the memory phase may return up to this much longer (0: never)
     exact_effort: float = 0.0  # CP-SAT refinement's deterministic-time budget (0: off)
     exact_workers: int = 2  # its portfolio's threads (an input, like the seeds)
-    grow_min_microbatches: int = 64  # a pipe with this many: seed 0 starts grown from half as many (0: never)
+    grow_min_microbatches: int = 64  # a pipe with this many: seed 0 may start grown from half as many (0: never)
 
     def check(self) -> None:
         """ValueError naming the first option out of range."""

@@ -12,19 +12,15 @@ the annealer's best order. The model is the timing model of ``harness.schedule.s
   start of ``F(s, m)`` to the end of ``B(s, m)`` (a cumulative constraint per rank whose capacity
   is the peak). Because a rank's actions never overlap, the largest sum of lifetimes at any
   instant is exactly the peak of the running sum over the rank's list that ``simulate`` reports;
-- every stage runs its forwards, and its backwards, in micro-batch order (first-in first-out),
-  which loses no schedule: the micro-batches of a pipe cost the same, so any schedule relabels
-  into one that keeps it, with the same busy intervals and memory on every rank (the argument:
-  docs/FUSED_SEARCH.md, "Exact refinement"), and a bound proven under it holds for every schedule.
+- every stage runs its forwards, and its backwards, first-in first-out, which loses no schedule
+  (any schedule relabels into one that does: docs/FUSED_SEARCH.md, "Exact refinement").
 
 Times and memory are made integers by scaling so the shortest action lasts ``TIME_RESOLUTION``
-units and the smallest activation is ``MEMORY_RESOLUTION`` units, *rounding down*. Rounding down
-keeps every proof sound: any real schedule, re-timed with the rounded-down durations in the same
-order, is no longer, so a lower bound the solver proves on the integer problem is a lower bound on
-the real one (``makespan_bound``, ``peak_bound``). The other direction is checked, not assumed: a
-solution's per-rank orders (actions sorted by start time) are re-timed with the real costs by
-``OrderState`` and kept only if they are no longer than the target (within ``1e-9``
-relative: the rounding of one action is at most a billionth of the shortest) and hold less.
+units and the smallest activation is ``MEMORY_RESOLUTION`` units, *rounding down*, which keeps
+every proof sound: a real schedule re-timed with the rounded-down durations is no longer, so a
+bound proven on the integer problem holds for the real one. The other direction is checked: a
+solution's orders are re-timed with the real costs and kept only if no longer than the target
+(within ``1e-9`` relative) and holding less.
 
 The annealer's order is the solver's hint (its integer re-timing is a feasible solution), so the
 refinement starts where annealing stopped and never returns worse. With ``deterministic=True``

@@ -1,10 +1,8 @@
 """A start for a long fused schedule grown from the search's order for fewer micro-batches (RLHFuse,
 NSDI'25, arXiv 2409.13221, section 5; why and how well: docs/FUSED_SEARCH.md, "Grown from half").
-
 Micro-batches run first-in first-out per class (pipe, kind, stage), so a rank's order is its
-sequence of classes. :func:`grow_order` repeats on every rank a segment holding the same share of
-each class's growth: a balanced segment frees what it holds, so the grown order has the short
-order's peak exactly, and the copies of a steady-state segment keep its pace.
+sequence of classes; :func:`grow_order` repeats on every rank a segment holding the same share of
+each class's growth. A balanced segment frees what it holds: the grown order has the short order's peak.
 """
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from harness.schedule import SimModel
 
 
 def _grown(labels: list[tuple], starts: list[float], seq, num_mbs: dict, copies: int, t_cut: float):
-    """One rank's classes with the segment that starts nearest ``t_cut`` and holds ``1 / copies``
-    of each class's growth repeated ``1 + copies`` times (None: no such segment)."""
+    """One rank's classes, its segment nearest ``t_cut`` with 1/copies of each growth repeated (or None)."""
     kinds, held = sorted(set(labels)), Counter()
     counts = [tuple(0 for _ in kinds)]
     for label in labels:
@@ -34,10 +31,9 @@ def _grown(labels: list[tuple], starts: list[float], seq, num_mbs: dict, copies:
 
 
 def grow_order(small: SimModel, seqs: Sequence[Sequence[int]], large: SimModel) -> list[list[int]] | None:
-    """``seqs`` (an order of ``small``) grown to ``large`` (the same pipes and ranks, every pipe with
-    more micro-batches): of every number of copies dividing each pipe's growth and the segments
-    starting nearest 5%, 10%, ..., 95% of the makespan, the order with the shortest makespan (the
-    first found on ties). None when no split works or every one deadlocks."""
+    """``seqs`` (an order of ``small``) grown to ``large`` (the same pipes, more micro-batches): over the
+    numbers of copies dividing every pipe's growth and the segments nearest 5%, ..., 95% of the
+    makespan, the shortest order (first found on ties); None if none works or every one deadlocks."""
     num_mbs = {name: slot[3] for name, slot in large.pipe_slots.items()}
     growth = math.gcd(*(num_mbs[name] - slot[3] for name, slot in small.pipe_slots.items()))
     labels = [[(x.pipe, x.kind, x.stage) for x in map(small.actions.__getitem__, seq)] for seq in seqs]
@@ -56,8 +52,7 @@ def grow_order(small: SimModel, seqs: Sequence[Sequence[int]], large: SimModel) 
     return best
 
 
-def _numbered(labels: list[tuple]):
-    """Each class with its micro-batch: the k-th of a class runs micro-batch k."""
+def _numbered(labels: list[tuple]):  # each class with its micro-batch: the k-th of a class runs micro-batch k
     seen = Counter()
     for label in labels:
         yield label, seen[label]

@@ -1,42 +1,16 @@
 """Re-timing of per-rank orders under local moves: the evaluation engine of the RLHFuse schedule
 annealer (NSDI'25, arXiv 2409.13221, section 5).
 
-This module owns :class:`OrderState`: a schedule in the encoded form of
-``harness.schedule.simulate.SimModel`` (per-rank lists of action ids) together with every
-action's start/end time and each rank's running activation memory, as the NumPy arrays the
-kernels work on, and the two moves the annealer makes: swap two adjacent actions on one rank
-(:meth:`OrderState.try_swap`), and move one action to another position on its rank
-(:meth:`OrderState.try_move`). A trial move runs the annealing loop's own trial and commit
-kernels (``loop._try``, ``loop._commit``), so the tests that check these methods against
-``simulate`` check the moves the search makes.
-
-Timing is ``simulate``'s list-scheduling rule, so a state always agrees with
-``harness.schedule.simulate`` (the tests check this after long random walks). View the schedule as
-a DAG whose edges are the dependency edges plus "next on the same rank"; an action's start is the
-max over its in-edges of (predecessor end + latency).
-
-- **Times**: a move on rank ``r`` that touches positions ``i..j`` only changes the in-edges of
-  actions at ``i-1..j+1``, so every action whose time can change is a descendant (old graph) of
-  the action that was at position ``i``, and starts no earlier than it did. Everything that
-  started strictly before that time ``t0`` keeps its times: each rank's actions before ``t0`` form
-  a prefix of its list (found by bisection), and the list scheduler (the same worklist over ranks
-  as ``SimModel.run``, blocked ranks woken by the action they wait on) resumes from those
-  prefixes (cheaper on packed schedules than propagating change by change: docs/FUSED_SEARCH.md).
-- **Early abort**: a trial is given a ``threshold``; re-timing stops as soon as some action's new
-  end plus the work still to come after it (the rest of its rank's list, or its chain of dependent
-  work, whichever is longer) exceeds it, and the trial reports :data:`ABORTED`.
-- **Deadlock**: the old graph is acyclic, so a move deadlocks iff the one ordering it adds closes a
-  cycle. Moving ``v`` from ``i`` later to ``j`` (a swap is ``j = i + 1``): iff ``v`` reaches one of
-  ``seq[i+1..j]`` through its dependants; moving it earlier to ``j``: iff one of ``seq[j..i-1]``
-  reaches ``v`` other than along the rank (that path runs through the edge ``seq[i-1] -> v`` the
-  move removes). A DFS bounded by start times answers it before any timing
-  (``kernel.move_closes_cycle``). It is the deadlock ``simulate`` would report as ScheduleError,
-  and the trial returns None without re-timing anything.
-- **Kernels**: the resumed pass and the critical-path trace run in
-  :mod:`systems.rlhfuse.intra.kernel` (compiled with numba when it is installed).
-- **Memory**: a rank's activation profile depends only on its list order; a swap changes one
-  prefix sum (after position ``i``), a move the prefix sums between its two positions, so the cap
-  test and the new peak need no timing at all.
+This module owns :class:`OrderState`: a schedule in ``SimModel``'s encoded form (per-rank lists of
+action ids) with every action's start and end and each rank's running activation memory, as the
+arrays the kernels work on, and the annealer's two moves: swap two adjacent actions on a rank
+(:meth:`OrderState.try_swap`) and move one to another position on its rank
+(:meth:`OrderState.try_move`). Trials run the annealing loop's own kernels (``loop._try``,
+``loop._commit``), so the tests of these methods against ``simulate`` check the search's moves.
+Timing is ``simulate``'s list scheduling (tested after long random walks); how a trial re-times
+only what it can change, stops early and rules out deadlock before timing, and why:
+docs/FUSED_SEARCH.md, "Timing engine". A rank's memory profile depends only on its list order,
+so the cap test and the new peak need no timing.
 """
 from __future__ import annotations
 

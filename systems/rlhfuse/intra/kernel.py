@@ -1,16 +1,11 @@
 """Compiled inner loops of the fused-schedule annealer (RLHFuse, NSDI'25, arXiv 2409.13221,
-section 5: the search scores every trial move by re-timing the schedule).
-
-This module owns the loops that every trial move runs, written over NumPy arrays so that
-numba compiles them: :func:`resim`, the resumed list-scheduling pass of
-:class:`~systems.rlhfuse.intra.incremental.OrderState` (read that docstring for the algorithm),
-:func:`move_closes_cycle`, the deadlock test of a swap or move before any timing, and
-:func:`critical_swaps`, the critical-path trace that proposes the makespan moves (why they are
-compiled, measured: docs/FUSED_SEARCH.md, "Compiled kernels"). The annealing loop of both phases
-is a kernel of its own (:func:`systems.rlhfuse.intra.loop.anneal_loop`) that calls these.
-
-numba is optional at run time (:mod:`harness.compiled`): without it the same functions run
-interpreted (same results, much slower); the tests compare both move by move.
+section 5: the search scores every trial move by re-timing the schedule): :func:`resim`, the
+resumed list-scheduling pass of :class:`~systems.rlhfuse.intra.incremental.OrderState`,
+:func:`move_closes_cycle`, the deadlock test before any timing, and :func:`critical_swaps`, the
+critical-path trace that proposes the makespan moves (the algorithms: docs/FUSED_SEARCH.md,
+"Timing engine"; why compiled: "Compiled kernels"). The annealing loop of both phases
+(:func:`systems.rlhfuse.intra.loop.anneal_loop`) calls these. Without numba (:mod:`harness.compiled`)
+they run interpreted, with the same results; the tests compare both move by move.
 """
 from __future__ import annotations
 
@@ -138,7 +133,7 @@ def _visit(w, limit, start, mark, epoch, stack, n):
 def move_closes_cycle(seq2d, lens, rank_of, pos, start, succ_ptr, succ_idx, r, i, j, mark, epoch, stack):
     """Would moving the action at position ``i`` of rank ``r`` to position ``j`` close a cycle of
     dependency and same-rank edges (a deadlock)? The old graph is acyclic, so a new cycle must use
-    the one new ordering the move makes (see ``OrderState`` in ``incremental``); a DFS bounded by
+    the one new ordering the move makes (docs/FUSED_SEARCH.md, "Timing engine"); a DFS bounded by
     start times (a path ``u -> w`` implies ``start[u] <= start[w]``) looks for it. ``mark`` holds
     visit stamps, ``epoch`` a stamp not used before; ``stack`` has room for every action."""
     v = seq2d[r, i]

@@ -6,28 +6,16 @@ This module owns :func:`anneal_loop`, one kernel (compiled with numba; its plain
 the fallback, and the tests compare the two step by step) that anneals per-rank orders towards
 either objective, and :class:`Loop`, which runs it on an
 :class:`~systems.rlhfuse.intra.incremental.OrderState`'s arrays within a budget and reads the best
-order back. Its drivers are the makespan phase
-(``anneal.MakespanPhase``) and the memory phase (:class:`~systems.rlhfuse.intra.memory.MemorySearch`).
-
-- **Step**: draw ``u`` and set the acceptance limit ``energy - T ln u`` (Metropolis acceptance,
-  with the uniform number drawn before the move is timed, so that the memory term rules a move
-  out before any timing and re-timing aborts as soon as the limit is broken); draw proposals until
-  one passes the checks (dependencies on the rank, the hard cap, the energy limit, deadlock:
-  ``kernel.move_closes_cycle``) and is timed (``kernel.resim``); keep it iff its energy is within
-  the limit. ``max_draws`` proposals without a timed one make an empty step.
-- **Objectives**: MAKESPAN (energy: the makespan; proposals: with probability ``q_critical`` a
-  swap at an end of a block of a critical path, else a uniform adjacent swap; ``anneal.py``) and
-  MEMORY (energy: the makespan's excess over the target in ``F_TIME_UNIT`` plus the area above a
-  cap that drops at every level; memory-targeted moves added; ``memory.py``). No proposal lets two actions
-  of one (pipe, kind) class trade places: orders stay first-in first-out per stage.
-- **Temperature**: geometric from ``t0`` to ``t1`` over a rung of steps. MEMORY: a new rung at
-  every level and after ``rung_steps``. MAKESPAN: the rung is the cooling cycle; at its end the
-  kernel returns and the driver starts the next cycle from the first order.
-- **Random numbers**: MAKESPAN: MT19937, continued from the phase's ``random.Random`` and handed
-  back to it (the numbers ``random()`` and ``randrange()`` give, so the phase makes the moves it
-  made when it was a Python loop); MEMORY: L'Ecuyer's combined multiplicative generator (CACM
-  31(6), 1988) seeded from it. Both are exact integer arithmetic in both forms; budgets are
-  counted in trial moves, so a run is a pure function of its inputs.
+order back; its drivers are ``anneal.MakespanPhase`` (objective MAKESPAN: energy the makespan,
+critical-block and uniform swaps, a rung is a cooling cycle) and ``memory.MemorySearch``
+(MEMORY: the makespan's excess over the target plus the area above a cap that drops at every
+level, memory-targeted moves added; a new rung at every level). A step draws the Metropolis limit
+before timing, so the memory term rules a move out before any timing and re-timing aborts as
+soon as the limit is broken; no proposal lets two actions of one class trade places. Random
+numbers: MT19937 continued from the phase's ``random.Random`` (MAKESPAN: the moves the Python
+loop made) or L'Ecuyer's combined generator (CACM 31(6), 1988; MEMORY), exact integer arithmetic
+in both forms, so a run is a pure function of its inputs (docs/FUSED_SEARCH.md, "One annealing
+loop for both objectives").
 """
 from __future__ import annotations
 

@@ -2,24 +2,14 @@
 first minimise the latency, then, with the latency fixed, minimise the peak memory").
 
 This module owns :class:`MemorySearch`: given a target makespan ``T`` (the makespan phase's best),
-find orders whose makespan is at most ``T`` and whose largest per-rank peak of in-flight activation
-memory is as low as possible. It drives the search's annealing loop
-(:mod:`systems.rlhfuse.intra.loop`, objective MEMORY) with a **memory cap of increasing
-tightness**:
-
-- **Energy** (0: done at this cap; both terms soft while annealing): ``makespan_weight`` per mean
-  action time of makespan over ``T`` (it keeps the walk near ``T``, where levels are recorded),
-  plus the *area above the cap* (over every rank and list position, how far the running
-  activation memory exceeds the cap, in smallest activations): it changes only where a move
-  touches, and unlike the peak says how much of the profile has to come down, and where.
-- **Ladder**: every order reached at makespan <= ``T`` with a peak below the best is recorded,
-  under the cap or not, and the cap drops ``cap_step`` smallest activations below it; the step sets
-  what a position at the best peak costs (docs/FUSED_SEARCH.md, "The cap step").
-- **Moves** (micro-batches stay first-in first-out per pipe and stage): *memory-targeted* ones
-  lower a position over the cap (swap it with a following action that holds less, move the nearest
-  earlier forward later or the next backward earlier); *critical-path* swaps while the makespan is
-  above ``T``; uniform swaps and short moves.
-- **Starting points**: any order, feasible or not; runs share the best peak found so far.
+orders whose makespan is at most ``T`` and whose largest per-rank peak of in-flight activation
+memory is as low as possible. It drives the annealing loop (:mod:`systems.rlhfuse.intra.loop`,
+objective MEMORY) under a **memory cap of increasing tightness**: the energy is
+``makespan_weight`` per mean action time over ``T`` plus the area above the cap (both soft); every
+order reached at makespan <= ``T`` with a peak below the best is recorded and the cap drops
+``cap_step`` smallest activations below it; moves lower positions over the cap, shorten a critical
+path while above ``T``, or are uniform (micro-batches stay first-in first-out). Why each of these:
+docs/FUSED_SEARCH.md (phase 2, "The cap step", "The makespan's weight").
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Fused actor+critic schedule search, end to end (RLHFuse, NSDI'25, arXiv 2409.13221, section 5).
 
-This module owns :func:`search_fused_schedule`: given the fused pipes and their costs it builds
-the serial references (the paper's: each model's 1F1B to completion with a barrier between,
-:func:`paper_serial`; and 1F1B back to back without the barrier, also a starting point), the
-paper's greedy schedule (larger model first) and a small portfolio of other greedy orders
-(``greedy.POLICIES`` x in-flight windows), ranks these starting points by (makespan, peak
-memory), anneals seed ``k`` from the ``k``-th best in two phases (makespan first; then, with the
-makespan fixed, peak activation memory: :mod:`systems.rlhfuse.intra.memory`), and reports the
-result against the lower bound and the serial baseline's peak. Why a portfolio of starts:
-docs/FUSED_SEARCH.md.
-
-Budgets are steps (trial moves) per seed by default (the same schedule with or without worker
-processes), or a wall-clock limit. ``simulate`` scores everything; ``validate`` checks the result.
+This module owns :func:`search_fused_schedule`: the serial references (:func:`paper_serial`, and 1F1B
+back to back, also a start), the greedy starts (:class:`GreedyStarts`), with many micro-batches a
+start grown from the search of half as many (:func:`_grow_from_half`), the seeds' annealing
+(:mod:`.anneal`), the optional exact refinement (:class:`ExactRefinement`), and the result against
+the bounds. Budgets are steps per seed (the same schedule with any number of workers) or seconds.
 """
 from __future__ import annotations
 
@@ -148,14 +141,11 @@ FRONT_MAX_GAP = 0.15
 
 
 class GreedyStarts:
-    """The first phase, no annealing: the orders the seeds start from, as :class:`Candidate` objects
-    over the schedule's encoding labelled with their greedy policy (fully timed). :meth:`run` returns
-    ``starts``, serial 1F1B plus every greedy policy x window, deduplicated, best (makespan, peak)
-    first (seed ``k`` anneals from the ``k``-th; why a portfolio: docs/FUSED_SEARCH.md), and
-    ``front``, with the memory phase only, phase 1's lower-memory starts
-    (``anneal.LowerMemoryStarts``): of a greedy pass per ``FRONT_*`` policy x window x cap (32;
-    caps clipped to ``mem_cap``), the (peak, makespan) Pareto front within ``FRONT_MAX_GAP`` of
-    the lower bound, highest peak (= shortest) first."""
+    """The orders the seeds start from, as labelled, fully timed :class:`Candidate` objects. :meth:`run`
+    returns ``starts`` (serial 1F1B and every greedy policy x window, deduplicated, best (makespan,
+    peak) first) and, with the memory phase, ``front``: phase 1's lower-memory starts, the (peak,
+    makespan) Pareto front of a greedy pass per ``FRONT_*`` policy x window x cap (caps clipped to
+    ``mem_cap``) within ``FRONT_MAX_GAP`` of the bound, highest peak first (docs/FUSED_SEARCH.md)."""
 
     def __init__(self, pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts], mem_cap: float | None):
         self.pipes, self.costs, self.mem_cap = pipes, costs, mem_cap
@@ -197,17 +187,14 @@ class GreedyStarts:
 
 def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
                           mem_cap: float | None = None, config: FusedSearchConfig | None = None) -> FusedResult:
-    """Search a fused schedule under ``config`` (:class:`FusedSearchConfig`, default: its defaults).
-    Its seeds ``seed, seed+1, ...`` (``num_seeds``, default ``num_workers``) each get the step
-    budget (``step_budget``) or ``time_limit_s``, whichever ends first, ``num_workers`` at a time;
-    seed ``seed + k`` anneals from the ``k``-th best start (``anneal.anneal_seeds``; the best
-    result: ``anneal.best_outcome``). With ``exact_effort > 0`` it is then refined by CP-SAT
-    (:class:`ExactRefinement`) with that deterministic-time budget on ``exact_workers`` threads
-    (an input, like the seeds). ``makespan_slack_frac``: the memory phase (and the refinement's)
-    may return any order up to ``(1 + makespan_slack_frac)`` x the makespan phase's best.
-    Deterministic for a given step budget, effort and seeds (not under a time limit). Raises
-    ValueError if ``mem_cap`` is below the serial schedule's peak memory, or on an option out of
-    range (:meth:`FusedSearchConfig.check`)."""
+    """Search a fused schedule under ``config`` (:class:`FusedSearchConfig`). Seeds ``seed, seed+1,
+    ...`` each get the step budget or ``time_limit_s``, ``num_workers`` at a time; seed ``seed + k``
+    anneals from the ``k``-th best start, the grown one first when a pipe has at least
+    ``grow_min_microbatches`` (``anneal.anneal_seeds``; the best: ``anneal.best_outcome``); then,
+    with ``exact_effort > 0``, CP-SAT (:class:`ExactRefinement`). ``makespan_slack_frac``: the
+    result may be up to that much longer than the makespan phase's best if it holds less.
+    Deterministic for a step budget. Raises ValueError if ``mem_cap`` is below the serial
+    schedule's peak, or on an option out of range (:meth:`FusedSearchConfig.check`)."""
     t_begin = time.perf_counter()
     cfg = config or FusedSearchConfig()
     cfg.check()
@@ -268,35 +255,33 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
         peak_lower_bound=max(peak_lower_bound(pipes, costs, result.makespan), exact.peak_bound))
 
 
-GROW_FRAC = 0.25  # the search of half the micro-batches takes this share of the budget ...
-GROW_MAX_GAP = 0.02  # ... and its order grown is a start if no further above the lower bound
+GROW_FRAC, GROW_MAX_GAP = 0.25, 0.02  # half's budget share; grown start kept within this of the bound
+GROW_MIN_SWEEPS = 100  # and only when that share is at least this many steps per action of the half
 
 
 def _grow_from_half(pipes, costs, mem_cap, cfg: FusedSearchConfig, model, lower_bound: float, params: AnnealParams):
-    """Search the pipes with half their micro-batches (``GROW_FRAC`` of the budget, no exact
-    refinement) and grow its order back (:func:`grow.grow_order`): the start of seed 0 (docs/FUSED_SEARCH.md,
-    "Grown from half"). Returns ([that start] or [], the annealing's parameters less that budget)."""
+    """Seed 0's start: the order of half the micro-batches (``GROW_FRAC`` of the budget), grown. Returns
+    ([that start] or [], the annealing's parameters less that budget; unchanged if the share is too small)."""
     half = {name: replace(p, num_mbs=p.num_mbs // 2) for name, p in pipes.items()}
-    share = replace(cfg, exact_effort=0.0, max_steps=None if cfg.max_steps is None else round(cfg.max_steps * GROW_FRAC),
+    steps = None if cfg.max_steps is None else round(cfg.max_steps * GROW_FRAC)
+    if steps is not None and steps < GROW_MIN_SWEEPS * sum(2 * p.num_stages * p.num_mbs for p in half.values()):
+        return [], params
+    share = replace(cfg, exact_effort=0.0, max_steps=steps,
                     time_limit_s=None if cfg.time_limit_s is None else cfg.time_limit_s * GROW_FRAC)
     sub = search_fused_schedule(half, costs, mem_cap, share)
     rest = replace(params, max_steps=None if cfg.max_steps is None else cfg.max_steps - share.max_steps,
                    time_limit_s=None if cfg.time_limit_s is None else max(0.0, cfg.time_limit_s - sub.search_s))
     seqs = grow_order(sim_model(sub.schedule, costs), _encode(sub.schedule, costs), model)
     state = None if seqs is None else OrderState(model, seqs, mem_cap, chain_tails(model))
-    if state is None or state.makespan() > lower_bound * (1.0 + GROW_MAX_GAP):
-        return [], rest
-    return [Candidate(seqs, state.makespan(), state.max_peak(), ("grown",), grown=True)], rest
+    near = state is not None and state.makespan() <= lower_bound * (1.0 + GROW_MAX_GAP)
+    return [Candidate(seqs, state.makespan(), state.max_peak(), ("grown",), grown=True)] if near else [], rest
 
 
 class ExactRefinement:
-    """The last phase (:mod:`systems.rlhfuse.intra.exact`: CP-SAT, ``config.exact_effort`` of
-    deterministic time, 0: off): if the annealed best is above the lower bound, minimise the
-    makespan (perhaps proving it optimal), then with it fixed the peak. With a makespan slack the
-    annealed order may be longer than the makespan phase's best (``reference_makespan``), and the
-    memory step keeps within the slack above the shorter, from the lower-peak order that fits.
-    Deterministic unless ``time_left_s`` (the search's time limit) is given. After :meth:`run`:
-    ``report``, and what it proved, ``makespan_bound`` and ``peak_bound`` (0: nothing)."""
+    """The last phase (:mod:`.exact`, ``config.exact_effort`` of CP-SAT deterministic time, 0: off):
+    above the lower bound, minimise the makespan, then with it fixed the peak (with a slack, within
+    it above the shorter of the annealed order and ``reference_makespan``). Deterministic unless
+    ``time_left_s`` is given. After :meth:`run`: ``report``, ``makespan_bound``, ``peak_bound``."""
     name = "exact"
 
     def __init__(self, cfg: FusedSearchConfig, time_left_s: float | None, reference_makespan: float):

@@ -1,7 +1,8 @@
 """A long fused order grown from a short one (systems.rlhfuse.intra.grow): the grown order runs
 every action of the long schedule on its own rank, first-in first-out, without deadlock, and
 holds exactly the short order's peak (a balanced segment frees what it holds); the search starts
-seed 0 from it above ``grow_min_microbatches`` and not below, deterministically."""
+seed 0 from it at ``grow_min_microbatches`` and with enough budget, and not otherwise,
+deterministically."""
 import random
 
 import pytest
@@ -40,25 +41,30 @@ def test_grown_order_is_a_valid_schedule_with_the_short_orders_peak(stages, m_sm
             assert mbs == sorted(mbs)
 
 
+STEPS = 30_000  # a quarter is 7 500 steps, above GROW_MIN_SWEEPS (100) x the half's 64 actions
+
+
 def test_search_starts_seed_0_grown_from_half_at_and_above_the_threshold(monkeypatch):
     pipes = fused_pipes(4, 2, 8, 8)
     costs = _uneven(pipes, 2)
-    config = FusedSearchConfig(max_steps=4000, num_workers=1, num_seeds=2, grow_min_microbatches=8)
+    config = FusedSearchConfig(max_steps=STEPS, num_workers=1, num_seeds=2, grow_min_microbatches=8)
     grown = search_fused_schedule(pipes, costs, None, config)
     assert grown.valid
-    one = FusedSearchConfig(max_steps=4000, grow_min_microbatches=8)
+    one = FusedSearchConfig(max_steps=STEPS, grow_min_microbatches=8)
     monkeypatch.setattr(search, "GROW_MAX_GAP", float("inf"))  # whatever its makespan
     assert search_fused_schedule(pipes, costs, None, one).origin.startswith("grown > makespan")  # seed 0's start
+    small_budget = FusedSearchConfig(max_steps=25_000, grow_min_microbatches=8)  # a quarter below 100 x 64
+    assert "grown" not in search_fused_schedule(pipes, costs, None, small_budget).origin
     monkeypatch.setattr(search, "GROW_MAX_GAP", -1.0)  # never close enough to the bound
     assert "grown" not in search_fused_schedule(pipes, costs, None, one).origin
     monkeypatch.undo()
-    plain = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=4000, num_seeds=2,
+    plain = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=STEPS, num_seeds=2,
                                                                         grow_min_microbatches=9))
     assert "grown" not in plain.origin
-    off = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=4000, num_seeds=2,
+    off = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=STEPS, num_seeds=2,
                                                                       grow_min_microbatches=0))
     assert (off.makespan, off.peak_memory, off.origin) == (plain.makespan, plain.peak_memory, plain.origin)
-    twice = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=4000, num_workers=2, num_seeds=2,
+    twice = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=STEPS, num_workers=2, num_seeds=2,
                                                                         grow_min_microbatches=8))
     assert twice.schedule.order == grown.schedule.order  # 1 and 2 workers: the same schedule
 
