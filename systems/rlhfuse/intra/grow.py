@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from harness.schedule import SimModel
 
 
-def _grown(labels: list[tuple], starts: list[float], seq, num_mbs: dict, copies: int, t_cut: float):
-    """One rank's classes, its segment nearest ``t_cut`` with 1/copies of each growth repeated (or None)."""
+def _splits(labels: list[tuple], num_mbs: dict, copies: int) -> list[tuple[int, int]]:
+    """One rank's segments ``(i, j)`` holding ``1 / copies`` of each class's growth (classes ``labels``)."""
     kinds, held = sorted(set(labels)), Counter()
     counts = [tuple(0 for _ in kinds)]
     for label in labels:
@@ -22,12 +22,7 @@ def _grown(labels: list[tuple], starts: list[float], seq, num_mbs: dict, copies:
         counts.append(tuple(held[k] for k in kinds))
     seg = [(num_mbs[k[0]] - held[k]) // copies for k in kinds]
     at = {c: j for j, c in reversed(list(enumerate(counts)))}  # first position with these counts
-    cuts = [(abs(starts[seq[i]] - t_cut), i, at[goal]) for i in range(len(seq))
-            if (goal := tuple(x + y for x, y in zip(counts[i], seg))) in at]
-    if not cuts:
-        return None
-    _, i, j = min(cuts)
-    return labels[:i] + labels[i:j] * (1 + copies) + labels[j:]
+    return [(i, at[goal]) for i in range(len(labels)) if (goal := tuple(x + y for x, y in zip(counts[i], seg))) in at]
 
 
 def grow_order(small: SimModel, seqs: Sequence[Sequence[int]], large: SimModel) -> list[list[int]] | None:
@@ -41,10 +36,12 @@ def grow_order(small: SimModel, seqs: Sequence[Sequence[int]], large: SimModel) 
     end, starts, *_ = small.run(seqs, want_start=True)
     best, best_makespan = None, math.inf
     for copies in (c for c in range(1, growth + 1) if growth % c == 0):
-        for pct in range(5, 100, 5):
-            rows = [_grown(row, starts, seq, num_mbs, copies, pct / 100 * max(end)) for row, seq in zip(labels, seqs)]
-            if any(row is None for row in rows):
-                continue
+        splits = [_splits(row, num_mbs, copies) for row in labels]  # the same for every cut
+        if not all(splits):
+            continue
+        for t_cut in (pct / 100 * max(end) for pct in range(5, 100, 5)):
+            cuts = [min((abs(starts[seq[i]] - t_cut), i, j) for i, j in pairs) for seq, pairs in zip(seqs, splits)]
+            rows = [row[:i] + row[i:j] * (1 + copies) + row[j:] for row, (_, i, j) in zip(labels, cuts)]
             grown = [[index[(*label, mb)] for label, mb in _numbered(row)] for row in rows]
             _, _, clock, _, done = large.run(grown)
             if all(d == len(s) for d, s in zip(done, grown)) and max(clock) < best_makespan:
