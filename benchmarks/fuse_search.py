@@ -51,6 +51,7 @@ import argparse
 import os
 import resource
 import time
+from dataclasses import replace
 
 from omegaconf import OmegaConf
 
@@ -58,7 +59,8 @@ from harness.app import compose
 from harness.runner import build_context
 from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
 from systems.rlhfuse.intra import FusedSearchConfig, MemoryParams, search_fused_schedule
-from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS, DEFAULT_MEMORY_MAKESPAN_WEIGHTS
+from systems.rlhfuse.intra.config import (DEFAULT_GROW_MAKESPAN_WEIGHTS, DEFAULT_MEMORY_CAP_STEPS,
+                                          DEFAULT_MEMORY_MAKESPAN_WEIGHTS)
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
 DEFAULT_ACTION_STEPS = 1e10
@@ -117,6 +119,10 @@ def main() -> None:
                    help="rows with a pipe of at least this many micro-batches also start seed 0 from the search "
                         f"of half as many, grown (default {FusedSearchConfig.grow_min_microbatches}; 0: never; "
                         "docs/FUSED_SEARCH.md, \"Grown from half\")")
+    p.add_argument("--grow-makespan-weights", type=float, nargs="+", default=list(DEFAULT_GROW_MAKESPAN_WEIGHTS),
+                   help="the memory makespan weights of the search of half whose order is grown (default "
+                        f"{' '.join(f'{w:g}' for w in DEFAULT_GROW_MAKESPAN_WEIGHTS)}; docs/FUSED_SEARCH.md, "
+                        "\"Grown from half\")")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
     p.add_argument("--seed", type=int, default=0)
@@ -125,16 +131,17 @@ def main() -> None:
                    help="stage costs: our calibrated cost model (default) or FlexFusion's integer "
                         "instances of the same shapes (the paper authors' solver's own problems)")
     args = p.parse_args()
-    if not args.makespan_slack >= 0:
-        p.error(f"--makespan-slack must be >= 0, got {args.makespan_slack:g}")
-    if args.memory_move_reach < 1:
-        p.error(f"--memory-move-reach must be >= 1, got {args.memory_move_reach}")
-    if not all(0 < s < float("inf") for s in args.memory_cap_steps):
-        p.error(f"--memory-cap-steps must be > 0, got {args.memory_cap_steps}")
-    if args.grow_min_microbatches < 0:
-        p.error(f"--grow-min-microbatches must be >= 0, got {args.grow_min_microbatches}")
-    if not all(0 < w < float("inf") for w in args.memory_makespan_weights):
-        p.error(f"--memory-makespan-weights must be > 0, got {args.memory_makespan_weights}")
+    base = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, num_workers=args.workers,
+                             num_seeds=args.seeds, exact_effort=args.exact_effort, exact_workers=args.exact_workers,
+                             makespan_slack_frac=args.makespan_slack, memory_move_reach=args.memory_move_reach,
+                             memory_cap_steps=args.memory_cap_steps,
+                             memory_makespan_weights=args.memory_makespan_weights,
+                             grow_min_microbatches=args.grow_min_microbatches,
+                             grow_makespan_weights=args.grow_makespan_weights)
+    try:  # every option out of range, before any row (the search's own check)
+        base.check()
+    except ValueError as e:
+        p.error(str(e))
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
               else f"{args.action_steps:g} work units (steps x (actions + {STEP_OVERHEAD_ACTIONS}))") + " per seed"
     print(f"# {budget}, {args.seeds or args.workers} seed(s) on {args.workers} worker(s), "
@@ -142,7 +149,8 @@ def main() -> None:
           f"makespan slack {args.makespan_slack:g}, memory move reach {args.memory_move_reach}, "
           f"memory cap steps {' '.join(f'{s:g}' for s in args.memory_cap_steps)}, "
           f"memory makespan weights {' '.join(f'{w:g}' for w in args.memory_makespan_weights)}, "
-          f"grown from half at {args.grow_min_microbatches or 'never'}, "
+          f"grown from half at {args.grow_min_microbatches or 'never'} "
+          f"(its makespan weights {' '.join(f'{w:g}' for w in args.grow_makespan_weights)}), "
           f"{args.costs} costs, "
           f"{os.cpu_count()} cores", flush=True)
     print(f"{'pair':<9}{'pp':>7}{'M':>4}{'makespan/LB':>13}{'proven':>8}{'peak/serial':>13}{'annealed':>10}"
@@ -165,13 +173,7 @@ def main() -> None:
             actions, row_budget = work_budget(pipes, args.action_steps)
             steps = None if args.time_limit else (args.max_steps or row_budget)
             t0, cpu0 = time.perf_counter(), _cpu_s()
-            config = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, max_steps=steps,
-                                       num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
-                                       exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack,
-                                       memory_move_reach=args.memory_move_reach,
-                                       memory_cap_steps=args.memory_cap_steps,
-                                       memory_makespan_weights=args.memory_makespan_weights,
-                                       grow_min_microbatches=args.grow_min_microbatches)
+            config = replace(base, max_steps=steps)
             res = search_fused_schedule(pipes, costs, None, config)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
             target = memory_target(m)

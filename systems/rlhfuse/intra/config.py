@@ -11,7 +11,8 @@ from typing import List, Optional
 DEFAULT_MAX_STEPS = 100_000  # per seed, when neither a step nor a time budget is given
 DEFAULT_MEMORY_MOVE_REACH = 8  # longest shift of a memory-phase move (docs/FUSED_SEARCH.md measures 64)
 DEFAULT_MEMORY_CAP_STEPS = (0.005, 0.1)  # cap below the best peak in smallest activations, by seed ("The cap step")
-DEFAULT_MEMORY_MAKESPAN_WEIGHTS = (8.0, 1.0)  # energy per mean action time over the target, by seed
+DEFAULT_MEMORY_MAKESPAN_WEIGHTS = (8.0, 8.0)  # energy per mean action time over the target, by seed
+DEFAULT_GROW_MAKESPAN_WEIGHTS = (8.0, 1.0)  # the same for the search of half, whose order is grown
 
 
 @dataclass
@@ -29,6 +30,7 @@ class FusedSearchConfig:
     exact_effort: float = 0.0  # CP-SAT refinement's deterministic-time budget (0: off)
     exact_workers: int = 2  # its portfolio's threads (an input, like the seeds)
     grow_min_microbatches: int = 64  # a pipe with this many: seed 0 may start grown from half as many (0: never)
+    grow_makespan_weights: List[float] = field(default_factory=lambda: list(DEFAULT_GROW_MAKESPAN_WEIGHTS))  # its search's
 
     def check(self) -> None:
         """ValueError naming the first option out of range."""
@@ -40,7 +42,7 @@ class FusedSearchConfig:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        for name in ("memory_cap_steps", "memory_makespan_weights"):
+        for name in ("memory_cap_steps", "memory_makespan_weights", "grow_makespan_weights"):
             if not (values := list(getattr(self, name))) or not all(0 < s < float("inf") for s in values):
                 raise ValueError(f"{name} must be one or more numbers > 0, got {values}")
         for name in ("num_workers", "exact_workers", "memory_move_reach"):

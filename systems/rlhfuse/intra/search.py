@@ -266,7 +266,7 @@ def _grow_from_half(pipes, costs, mem_cap, cfg: FusedSearchConfig, model, lower_
     steps = None if cfg.max_steps is None else round(cfg.max_steps * GROW_FRAC)
     if steps is not None and steps < GROW_MIN_SWEEPS * sum(2 * p.num_stages * p.num_mbs for p in half.values()):
         return [], params
-    share = replace(cfg, exact_effort=0.0, max_steps=steps,
+    share = replace(cfg, exact_effort=0.0, max_steps=steps, memory_makespan_weights=cfg.grow_makespan_weights,
                     time_limit_s=None if cfg.time_limit_s is None else cfg.time_limit_s * GROW_FRAC)
     sub = search_fused_schedule(half, costs, mem_cap, share)
     rest = replace(params, max_steps=None if cfg.max_steps is None else cfg.max_steps - share.max_steps,

@@ -69,6 +69,22 @@ def test_search_starts_seed_0_grown_from_half_at_and_above_the_threshold(monkeyp
     assert twice.schedule.order == grown.schedule.order  # 1 and 2 workers: the same schedule
 
 
-def test_grow_threshold_out_of_range_is_refused():
+def test_half_is_searched_with_its_own_makespan_weights_and_the_long_row_with_the_seeds(monkeypatch):
+    pipes = fused_pipes(4, 2, 8, 8)
+    costs = _uneven(pipes, 2)
+    searched, annealed = [], []
+    inner_search, inner_anneal = search.search_fused_schedule, search.anneal_seeds
+    monkeypatch.setattr(search, "search_fused_schedule", lambda *a: searched.append(a[3]) or inner_search(*a))
+    monkeypatch.setattr(search, "anneal_seeds", lambda *a: annealed.append(a[5]) or inner_anneal(*a))
+    config = FusedSearchConfig(max_steps=STEPS, num_seeds=2, grow_min_microbatches=8,
+                               memory_makespan_weights=[8.0, 8.0], grow_makespan_weights=[8.0, 1.0])
+    inner_search(pipes, costs, None, config)
+    assert [c.memory_makespan_weights for c in searched] == [[8.0, 1.0]]  # the half's search, inner call
+    assert [p.memory_makespan_weights for p in annealed] == [(8.0, 1.0), (8.0, 8.0)]  # half's seeds, then the row's
+
+
+def test_grow_options_out_of_range_are_refused():
     with pytest.raises(ValueError, match="grow_min_microbatches"):
         FusedSearchConfig(grow_min_microbatches=-1).check()
+    with pytest.raises(ValueError, match="grow_makespan_weights"):
+        FusedSearchConfig(grow_makespan_weights=[]).check()
