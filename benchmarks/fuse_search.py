@@ -131,8 +131,9 @@ def main() -> None:
                    help="stage costs: our calibrated cost model (default) or FlexFusion's integer "
                         "instances of the same shapes (the paper authors' solver's own problems)")
     args = p.parse_args()
-    base = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, num_workers=args.workers,
-                             num_seeds=args.seeds, exact_effort=args.exact_effort, exact_workers=args.exact_workers,
+    base = FusedSearchConfig(seed=args.seed, max_steps=args.max_steps, time_limit_s=args.time_limit,
+                             num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
+                             exact_workers=args.exact_workers,
                              makespan_slack_frac=args.makespan_slack, memory_move_reach=args.memory_move_reach,
                              memory_cap_steps=args.memory_cap_steps,
                              memory_makespan_weights=args.memory_makespan_weights,
