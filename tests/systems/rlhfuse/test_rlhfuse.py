@@ -102,6 +102,8 @@ def test_makespan_slack_reaches_the_search_and_is_checked():
                                  r"got \[0\.1, 0\.0\]"),
     ("memory_makespan_weights=[]", r"system\.fused_search\.memory_makespan_weights must be one or more numbers > 0, "
                                    r"got \[\]"),
+    ("grow_makespan_weights=[0]", r"system\.fused_search\.grow_makespan_weights must be one or more numbers > 0, "
+                                  r"got \[0\.0\]"),
 ])
 def test_fused_search_options_out_of_range_are_refused_before_planning(option, message):
     """``system.fused_search`` is one typed config (systems/rlhfuse/intra/config.py), checked by the
