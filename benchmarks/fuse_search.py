@@ -116,7 +116,7 @@ def main() -> None:
                         f"runs the (k mod n)-th (default {' '.join(f'{w:g}' for w in DEFAULT_MEMORY_MAKESPAN_WEIGHTS)}; "
                         "docs/FUSED_SEARCH.md, \"The makespan's weight\")")
     p.add_argument("--grow-min-microbatches", type=int, default=FusedSearchConfig.grow_min_microbatches,
-                   help="rows with a pipe of at least this many micro-batches also start seed 0 from the search "
+                   help="rows whose every pipe has at least this many micro-batches also start seed 0 from the search "
                         f"of half as many, grown (default {FusedSearchConfig.grow_min_microbatches}; 0: never; "
                         "docs/FUSED_SEARCH.md, \"Grown from half\")")
     p.add_argument("--grow-makespan-weights", type=float, nargs="+", default=list(DEFAULT_GROW_MAKESPAN_WEIGHTS),

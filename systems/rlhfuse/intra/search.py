@@ -189,7 +189,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           mem_cap: float | None = None, config: FusedSearchConfig | None = None) -> FusedResult:
     """Search a fused schedule under ``config`` (:class:`FusedSearchConfig`). Seeds ``seed, seed+1,
     ...`` each get the step budget or ``time_limit_s``, ``num_workers`` at a time; seed ``seed + k``
-    anneals from the ``k``-th best start, the grown one first when a pipe has at least
+    anneals from the ``k``-th best start, the grown one first when every pipe has at least
     ``grow_min_microbatches`` (``anneal.anneal_seeds``; the best: ``anneal.best_outcome``); then,
     with ``exact_effort > 0``, CP-SAT (:class:`ExactRefinement`). ``makespan_slack_frac``: the
     result may be up to that much longer than the makespan phase's best if it holds less.
@@ -218,7 +218,7 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
                           memory_cap_steps=tuple(float(s) for s in cfg.memory_cap_steps),
                           memory_makespan_weights=tuple(float(w) for w in cfg.memory_makespan_weights))
     num_mbs = [p.num_mbs for p in pipes.values()]
-    if cfg.grow_min_microbatches and max(num_mbs) >= cfg.grow_min_microbatches and min(num_mbs) >= 2:
+    if cfg.grow_min_microbatches and min(num_mbs) >= max(2, cfg.grow_min_microbatches):  # every pipe that long
         grown, params = _grow_from_half(pipes, costs, mem_cap, cfg, model, bound.value, params)
         starts = grown + starts
     best, _ = anneal_seeds(model, starts, bound.value, mem_cap, cfg.seeds, params, cfg.num_workers, front)

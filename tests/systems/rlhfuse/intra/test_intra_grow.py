@@ -1,7 +1,7 @@
 """A long fused order grown from a short one (systems.rlhfuse.intra.grow): the grown order runs
 every action of the long schedule on its own rank, first-in first-out, without deadlock, and
 holds exactly the short order's peak (a balanced segment frees what it holds); the search starts
-seed 0 from it at ``grow_min_microbatches`` and with enough budget, and not otherwise,
+seed 0 from it when every pipe has ``grow_min_microbatches`` and with enough budget, and not otherwise,
 deterministically."""
 import random
 
@@ -67,6 +67,20 @@ def test_search_starts_seed_0_grown_from_half_at_and_above_the_threshold(monkeyp
     twice = search_fused_schedule(pipes, costs, None, FusedSearchConfig(max_steps=STEPS, num_workers=2, num_seeds=2,
                                                                         grow_min_microbatches=8))
     assert twice.schedule.order == grown.schedule.order  # 1 and 2 workers: the same schedule
+
+
+def test_only_a_layout_whose_every_pipe_reaches_the_threshold_grows(monkeypatch):
+    """4/2 stages: one actor pipe of 8 micro-batches beside two critic pipes of 4 (Table 3's 8/4 and
+    16/8 shapes): a threshold of 8 is met by the actor pipe only, so no seed starts grown; at 4
+    every pipe meets it and seed 0 does (docs/FUSED_SEARCH.md, "Every pipe, not one")."""
+    pipes = fused_pipes(4, 2, 8, 4)
+    assert sorted(p.num_mbs for p in pipes.values()) == [4, 4, 8]
+    costs = _uneven(pipes, 3)
+    monkeypatch.setattr(search, "GROW_MAX_GAP", float("inf"))  # kept whatever its makespan, when grown
+    assert "grown" not in search_fused_schedule(pipes, costs, None, FusedSearchConfig(
+        max_steps=STEPS, grow_min_microbatches=8)).origin
+    assert search_fused_schedule(pipes, costs, None, FusedSearchConfig(
+        max_steps=STEPS, grow_min_microbatches=4)).origin.startswith("grown > makespan")
 
 
 def test_half_is_searched_with_its_own_makespan_weights_and_the_long_row_with_the_seeds(monkeypatch):
