@@ -9,8 +9,8 @@ is downloaded here). Its ``DualEgoSolver.h`` is compiled unchanged with its Make
 (``-Ofast -march=native``) into ``benchmarks/flexfusion/budget_driver.cc``, our driver that gives
 it a wall-clock budget on a number of threads (its own MPI driver runs hundreds of annealing
 configurations to completion, with no budget). Per row: our search first, with
-``benchmarks/fuse_search.py``'s default budget (work units per seed, 2 seeds on 2 worker
-processes); then FlexFusion with the wall time ours took, on 2 threads, with the start and stop
+``benchmarks/fuse_search.py``'s default budget and options (work units per seed, 2 seeds on 2
+worker processes, the exact refinement on the 8-micro-batch rows); then FlexFusion with the wall time ours took, on 2 threads, with the start and stop
 temperatures of its own configuration for that instance (``parallel_driver.cc``; rows it has no
 configuration for take the nearest micro-batch count's). Prints each side's makespan over our
 lower bound and peak over the serial peak (actor 1F1B, barrier, critic 1F1B), and which is better:
@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fuse_search import DEFAULT_ACTION_STEPS, work_budget  # the same budget as that benchmark
+from fuse_search import (DEFAULT_ACTION_STEPS, DEFAULT_EXACT_EFFORT,  # the same options as that benchmark
+                         DEFAULT_EXACT_MAX_MICROBATCHES, work_budget)
 from systems.rlhfuse.experiments import FLEXFUSION_COSTS, flexfusion_layout_costs
 from systems.rlhfuse.intra import FusedSearchConfig, search_fused_schedule
 
@@ -75,7 +76,8 @@ def main() -> None:
                 pipes, costs, m_c = flexfusion_layout_costs(pp_a, pp_c, m)
                 t0 = time.perf_counter()
                 ours = search_fused_schedule(pipes, costs, None, FusedSearchConfig(
-                    max_steps=work_budget(pipes, args.action_steps)[1], num_workers=args.workers))
+                    max_steps=work_budget(pipes, args.action_steps)[1], num_workers=args.workers,
+                    exact_effort=DEFAULT_EXACT_EFFORT, exact_max_microbatches=DEFAULT_EXACT_MAX_MICROBATCHES))
                 wall = time.perf_counter() - t0
                 fwd_a, fwd_c, act_a, act_c = FLEXFUSION_COSTS[(pp_a, pp_c)]
                 out = subprocess.run([str(binary), *map(str, (pp_a, pp_c, m, m_c, fwd_a, fwd_c, act_a, act_c,

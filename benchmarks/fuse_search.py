@@ -5,7 +5,8 @@
     python benchmarks/fuse_search.py --max-steps 20000        # the same step budget on every row
     python benchmarks/fuse_search.py --time-limit 60          # wall-clock budget per seed instead
     python benchmarks/fuse_search.py --microbatches 8 16 --pairs 33b/13b
-    python benchmarks/fuse_search.py --action-steps 2e9 --exact-effort 4   # + CP-SAT refinement
+    python benchmarks/fuse_search.py --exact-effort 0         # annealing only (no CP-SAT refinement)
+    python benchmarks/fuse_search.py --action-steps 2e9 --exact-max-microbatches 0   # refine every row
     python benchmarks/fuse_search.py --costs flexfusion       # FlexFusion's integer instances
 
 For every actor/critic pair and pipeline shape of Table 3 (33B/13B at pp 8/4 and 8/8, 65B/33B at
@@ -29,18 +30,19 @@ the idle 2-core machine, the greedy starting points (computed once in the parent
 issue's "60 s on 2 cores" (7e9 units at ``actions + 600`` took 25-41 s a row once the makespan
 phase was compiled). ``--max-steps`` gives every row the same step count instead. With a
 step budget every number but the wall time is deterministic (and the same with or without numba,
-only slower without). ``--exact-effort E`` adds the exact (CP-SAT) refinement after annealing
-and the columns it proves (``proven``: the makespan's proven bound over the lower bound, ``opt``
+only slower without). After annealing, the exact (CP-SAT) refinement runs with ``--exact-effort``
+(default 10) on the rows whose every pipe has at most ``--exact-max-microbatches`` (default 8) and
+fills the columns it proves (``proven``: the makespan's proven bound over the lower bound, ``opt``
 when the makespan is proven optimal; ``peak >=`` also rises where CP-SAT proves more). ``peak >=``
 is printed on every row: no schedule that short holds less, by the closed-form bound
 (``bounds.peak_lower_bound``) or the refinement's proof, whichever is higher; a missed target
 above which that bound lies is printed as ``unreachable``: no schedule that short meets it.
 ``gap`` is issue 29's restated target: ``least`` where the peak is proven the least at its
 makespan (the refinement proved it optimal, to its integer rounding, or the peak meets the
-bound), else the peak over the best bound. The
-refinement is off by default: with 2e9 work units and effort 10 a row took 33-111 s here; it decides
-more rows (met or proven unreachable), but the halved annealing budget costs some of the
-32-64-micro-batch rows (docs/FUSED_SEARCH.md). ``--costs flexfusion`` runs the same shapes with
+bound), else the peak over the best bound. Why only the 8-micro-batch rows: on each of them CP-SAT
+proved the least peak (and 8/4's makespan) with effort 1.3-5.2, in 1-8 s; on the larger rows, in
+every run but one row's, it spent its whole effort without a proof, up to 144 s a row
+(docs/FUSED_SEARCH.md, "The proof by default"). ``--costs flexfusion`` runs the same shapes with
 the paper authors' own integer stage costs (``systems.rlhfuse.experiments.FLEXFUSION_COSTS``),
 the problems their public solver was run on, so that the two searches can be compared on the
 same instances (docs/FUSED_SEARCH.md, "Against FlexFusion"). Not a test: numbers for docs/FUSED_SEARCH.md.
@@ -64,7 +66,8 @@ from systems.rlhfuse.intra.config import (DEFAULT_GROW_MAKESPAN_WEIGHTS, DEFAULT
 
 CASES = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
 DEFAULT_ACTION_STEPS = 1e10
-DEFAULT_EXACT_EFFORT = 0.0  # CP-SAT deterministic time of the exact refinement (off: see the docstring)
+DEFAULT_EXACT_EFFORT = 10.0  # CP-SAT deterministic time of the exact refinement (see the docstring)
+DEFAULT_EXACT_MAX_MICROBATCHES = 8  # ... on rows with no pipe above this many micro-batches (0: every row)
 STEP_OVERHEAD_ACTIONS = 250  # the fixed cost of a step, in actions re-timed (see the docstring)
 
 
@@ -99,6 +102,9 @@ def main() -> None:
     p.add_argument("--exact-effort", type=float, default=DEFAULT_EXACT_EFFORT,
                    help=f"then the exact (CP-SAT) refinement with this deterministic-time budget "
                         f"(default {DEFAULT_EXACT_EFFORT:g}; 0: annealing only)")
+    p.add_argument("--exact-max-microbatches", type=int, default=DEFAULT_EXACT_MAX_MICROBATCHES,
+                   help="refine only rows whose every pipe has at most this many micro-batches "
+                        f"(default {DEFAULT_EXACT_MAX_MICROBATCHES}; 0: every row)")
     p.add_argument("--exact-workers", type=int, default=2, help="threads of the CP-SAT portfolio")
     p.add_argument("--makespan-slack", type=float, default=0.0,
                    help="let the memory phase lengthen the schedule up to (1 + this) x the makespan "
@@ -133,7 +139,7 @@ def main() -> None:
     args = p.parse_args()
     base = FusedSearchConfig(seed=args.seed, max_steps=args.max_steps, time_limit_s=args.time_limit,
                              num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
-                             exact_workers=args.exact_workers,
+                             exact_workers=args.exact_workers, exact_max_microbatches=args.exact_max_microbatches,
                              makespan_slack_frac=args.makespan_slack, memory_move_reach=args.memory_move_reach,
                              memory_cap_steps=args.memory_cap_steps,
                              memory_makespan_weights=args.memory_makespan_weights,
@@ -146,7 +152,8 @@ def main() -> None:
     budget = (f"{args.time_limit:g} s" if args.time_limit else f"{args.max_steps} steps" if args.max_steps
               else f"{args.action_steps:g} work units (steps x (actions + {STEP_OVERHEAD_ACTIONS}))") + " per seed"
     print(f"# {budget}, {args.seeds or args.workers} seed(s) on {args.workers} worker(s), "
-          f"exact refinement effort {args.exact_effort:g} on {args.exact_workers} threads, "
+          f"exact refinement effort {args.exact_effort:g} on {args.exact_workers} threads"
+          f"{f' up to {args.exact_max_microbatches} micro-batches' if args.exact_max_microbatches else ''}, "
           f"makespan slack {args.makespan_slack:g}, memory move reach {args.memory_move_reach}, "
           f"memory cap steps {' '.join(f'{s:g}' for s in args.memory_cap_steps)}, "
           f"memory makespan weights {' '.join(f'{w:g}' for w in args.memory_makespan_weights)}, "

@@ -29,12 +29,13 @@ class FusedSearchConfig:
     makespan_slack_frac: float = 0.0  # the memory phase may return up to this much longer (0: never)
     exact_effort: float = 0.0  # CP-SAT refinement's deterministic-time budget (0: off)
     exact_workers: int = 2  # its portfolio's threads (an input, like the seeds)
+    exact_max_microbatches: int = 0  # refine only where no pipe has more micro-batches (0: any)
     grow_min_microbatches: int = 64  # every pipe has this many: seed 0 may start grown from half as many (0: never)
     grow_makespan_weights: List[float] = field(default_factory=lambda: list(DEFAULT_GROW_MAKESPAN_WEIGHTS))  # its search's
 
     def check(self) -> None:
         """ValueError naming the first option out of range."""
-        for name in ("max_steps", "num_seeds", "grow_min_microbatches"):
+        for name in ("max_steps", "num_seeds", "grow_min_microbatches", "exact_max_microbatches"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {value}")

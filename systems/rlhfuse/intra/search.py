@@ -190,17 +190,18 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     """Search a fused schedule under ``config`` (:class:`FusedSearchConfig`). Seeds ``seed, seed+1,
     ...`` each get the step budget or ``time_limit_s``, ``num_workers`` at a time; seed ``seed + k``
     anneals from the ``k``-th best start, the grown one first when every pipe has at least
-    ``grow_min_microbatches`` (``anneal.anneal_seeds``; the best: ``anneal.best_outcome``); then,
-    with ``exact_effort > 0``, CP-SAT (:class:`ExactRefinement`). ``makespan_slack_frac``: the
-    result may be up to that much longer than the makespan phase's best if it holds less.
+    ``grow_min_microbatches`` (``anneal.anneal_seeds``; the best: ``anneal.best_outcome``); then, with
+    ``exact_effort > 0`` and no pipe above ``exact_max_microbatches``, CP-SAT (:class:`ExactRefinement`).
+    ``makespan_slack_frac``: the result may be up to that much longer than the phase-1 best if it holds less.
     Deterministic for a step budget. Raises ValueError if ``mem_cap`` is below the serial
     schedule's peak, or on an option out of range (:meth:`FusedSearchConfig.check`)."""
     t_begin = time.perf_counter()
     cfg = config or FusedSearchConfig()
     cfg.check()
-    cfg = replace(cfg, max_steps=cfg.step_budget)
-    max_steps, time_limit_s, makespan_slack_frac = cfg.max_steps, cfg.time_limit_s, cfg.makespan_slack_frac
     pipes = dict(pipes)
+    num_mbs = [p.num_mbs for p in pipes.values()]  # the refinement only where it can prove (docs/FUSED_SEARCH.md):
+    refines = not cfg.exact_max_microbatches or max(num_mbs) <= cfg.exact_max_microbatches
+    cfg = replace(cfg, max_steps=cfg.step_budget, exact_effort=cfg.exact_effort if refines else 0.0)
     bound: LowerBound = lower_bound_terms(pipes, costs)
     serial = serial_schedule(pipes)
     serial_sim = simulate(serial, costs, record_times=False)
@@ -212,24 +213,23 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     greedy = next((c for c in starts if c.origin == ("larger",)), next(c for c in starts if c.origin == ("serial",)))
     barrier_makespan, barrier_peak = paper_serial(pipes, costs)
     model = sim_model(serial, costs)
-    params = AnnealParams(seed=cfg.seed, time_limit_s=time_limit_s, max_steps=max_steps,
-                          memory_phase=cfg.memory_phase, makespan_slack_frac=makespan_slack_frac,
+    params = AnnealParams(seed=cfg.seed, time_limit_s=cfg.time_limit_s, max_steps=cfg.max_steps,
+                          memory_phase=cfg.memory_phase, makespan_slack_frac=cfg.makespan_slack_frac,
                           memory=MemoryParams(max_shift=int(cfg.memory_move_reach)),
                           memory_cap_steps=tuple(float(s) for s in cfg.memory_cap_steps),
                           memory_makespan_weights=tuple(float(w) for w in cfg.memory_makespan_weights))
-    num_mbs = [p.num_mbs for p in pipes.values()]
     if cfg.grow_min_microbatches and min(num_mbs) >= max(2, cfg.grow_min_microbatches):  # every pipe that long
         grown, params = _grow_from_half(pipes, costs, mem_cap, cfg, model, bound.value, params)
         starts = grown + starts
     best, _ = anneal_seeds(model, starts, bound.value, mem_cap, cfg.seeds, params, cfg.num_workers, front)
     start = next(c for c in starts if c.origin == (best.start,))
-    exact = ExactRefinement(cfg, None if time_limit_s is None else
-                            max(0.0, time_limit_s - (time.perf_counter() - t_begin)), best.phase1_makespan)
+    exact = ExactRefinement(cfg, None if cfg.time_limit_s is None else
+                            max(0.0, cfg.time_limit_s - (time.perf_counter() - t_begin)), best.phase1_makespan)
     final = exact.run(model, bound.value, mem_cap, Candidate(best.seqs, best.makespan, best.peak_memory, (best.origin,)))
     tol = 1e-9 * max(1.0, start.makespan)  # incremental and full timing differ in the last bits
     allowed = start.makespan  # what the start gives; with a slack, what the slack allows
-    if makespan_slack_frac > 0:
-        allowed = max(allowed, best.phase1_makespan * (1.0 + makespan_slack_frac))
+    if cfg.makespan_slack_frac > 0:
+        allowed = max(allowed, best.phase1_makespan * (1.0 + cfg.makespan_slack_frac))
     if final.makespan > allowed + tol or (final.makespan >= start.makespan - tol and final.peak > start.peak + 1e-12):
         final = start  # cannot happen (the annealer keeps its best), but never return worse
     schedule = Schedule(pipes, {r: [model.actions[v] for v in seq] for r, seq in zip(serial.ranks, final.seqs)})

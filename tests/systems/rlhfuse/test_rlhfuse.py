@@ -98,6 +98,7 @@ def test_makespan_slack_reaches_the_search_and_is_checked():
 @pytest.mark.parametrize("option,message", [
     ("memory_move_reach=0", r"system\.fused_search\.memory_move_reach must be an integer >= 1, got 0"),
     ("exact_workers=0", r"system\.fused_search\.exact_workers must be an integer >= 1, got 0"),
+    ("exact_max_microbatches=-8", r"system\.fused_search\.exact_max_microbatches must be an integer >= 0, got -8"),
     ("memory_cap_steps=[0.1,0]", r"system\.fused_search\.memory_cap_steps must be one or more numbers > 0, "
                                  r"got \[0\.1, 0\.0\]"),
     ("memory_makespan_weights=[]", r"system\.fused_search\.memory_makespan_weights must be one or more numbers > 0, "

@@ -201,3 +201,19 @@ def test_search_with_exact_refinement_is_deterministic_and_no_worse():
     # the same seed, steps, effort and solver threads give the same schedule, whatever the number
     # of annealing worker processes
     assert runs[0].schedule.order == runs[1].schedule.order == runs[2].schedule.order
+
+
+def test_the_refinement_runs_only_where_no_pipe_has_more_than_exact_max_microbatches():
+    pipes = fused_pipes(4, 2, 6, 3)  # actor pipe of 6 micro-batches, critic pipes of 3
+    costs = fused_costs(pipes, 1.0, 0.55, mem1=1.0, mem2=0.8, p2p=0.03)
+    plain = search_fused_schedule(pipes, costs, config=FusedSearchConfig(seed=1, max_steps=600))
+    ran, skipped = (search_fused_schedule(pipes, costs, config=FusedSearchConfig(
+        seed=1, max_steps=600, exact_effort=0.4, exact_max_microbatches=limit)) for limit in (6, 5))
+    assert ran.config.exact_effort == 0.4 and ran.exact.memory_status in ("OPTIMAL", "FEASIBLE")
+    assert ran.exact.annealed_peak_memory == pytest.approx(plain.peak_memory, rel=REL)
+    # one pipe above the limit: annealing only, exactly as without the refinement, and the result says so
+    assert skipped.config.exact_effort == 0.0 and skipped.exact.memory_status == ""
+    assert skipped.schedule.order == plain.schedule.order and skipped.peak_memory == plain.peak_memory
+    assert skipped.peak_bound == 0.0 and skipped.makespan_bound == plain.makespan_bound
+    with pytest.raises(ValueError, match="exact_max_microbatches"):
+        FusedSearchConfig(exact_max_microbatches=-1).check()
