@@ -65,7 +65,8 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(args.flexfusion_dir.expanduser(), Path(tmp))
-        print(f"# ours: {args.action_steps:g} work units per seed, {args.workers} seeds on {args.workers} workers; "
+        print(f"# ours: {args.action_steps:g} work units per seed, {args.workers} seeds on {args.workers} workers, "
+              f"exact refinement effort {DEFAULT_EXACT_EFFORT:g} up to {DEFAULT_EXACT_MAX_MICROBATCHES} micro-batches; "
               f"FlexFusion: the same wall time on {args.workers} threads")
         print(f"{'pp':<6}{'M':>4}{'ours T/LB':>11}{'peak':>8}{'FlexFusion T/LB':>17}{'peak':>8}{'wall s':>8}"
               f"{'its steps (T, memory)':>24}  better")
