@@ -10,9 +10,10 @@ is downloaded here). Its ``DualEgoSolver.h`` is compiled unchanged with its Make
 it a wall-clock budget on a number of threads (its own MPI driver runs hundreds of annealing
 configurations to completion, with no budget). Per row: our search first, with
 ``benchmarks/fuse_search.py``'s default budget and options (work units per seed, 2 seeds on 2
-worker processes, the exact refinement on the 8-micro-batch rows); then FlexFusion with the wall time ours took, on 2 threads, with the start and stop
-temperatures of its own configuration for that instance (``parallel_driver.cc``; rows it has no
-configuration for take the nearest micro-batch count's). Prints each side's makespan over our
+worker processes, the exact refinement on the 8-micro-batch rows); then FlexFusion with the wall
+time ours took, on 2 threads, with the start and stop temperatures of its own configuration for
+that instance (``parallel_driver.cc``; rows it has no configuration for take the nearest
+micro-batch count's). Prints each side's makespan over our
 lower bound and peak over the serial peak (actor 1F1B, barrier, critic 1F1B), and which is better:
 the shorter makespan, then the lower peak. Not a test: numbers for docs/FUSED_SEARCH.md.
 """

@@ -199,8 +199,8 @@ def search_fused_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, Pip
     cfg = config or FusedSearchConfig()
     cfg.check()
     pipes = dict(pipes)
-    num_mbs = [p.num_mbs for p in pipes.values()]  # the refinement only where it can prove (docs/FUSED_SEARCH.md):
-    refines = not cfg.exact_max_microbatches or max(num_mbs) <= cfg.exact_max_microbatches
+    num_mbs = [p.num_mbs for p in pipes.values()]
+    refines = not cfg.exact_max_microbatches or max(num_mbs) <= cfg.exact_max_microbatches  # docs/FUSED_SEARCH.md
     cfg = replace(cfg, max_steps=cfg.step_budget, exact_effort=cfg.exact_effort if refines else 0.0)
     bound: LowerBound = lower_bound_terms(pipes, costs)
     serial = serial_schedule(pipes)
