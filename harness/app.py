@@ -6,9 +6,10 @@ its config schema; the harness never imports systems by name), checks the comman
 type, in a sweep for its jobs), then hands control to Hydra. Errors caused by input
 (:class:`harness.errors.HarnessError`) end a single run with one line ``error: ...`` on stderr and
 exit code 2, before any result is written; a bad command line ends a sweep the same way before any
-job starts. In a sweep (``-m``) a failing job is recorded in ``results/<experiment>/failures.jsonl``
-and the sweep goes on; at its end the sweep prints a table of its failed jobs
-(:class:`harness.sweep.SweepProgress`) and exits 1 if any job failed. Ctrl-C ends the command with
+job starts. In a sweep (``-m``) every job reports its outcome to the sweep
+(:func:`harness.sweep.report_job_outcome`), a failing job is also recorded in
+``results/<experiment>/failures.jsonl``, and the sweep goes on; at its end the sweep prints a table
+of its failed jobs (:class:`harness.sweep.SweepProgress`) and exits 1 if any job failed. Ctrl-C ends the command with
 one line and exit code 130; the interrupted run's staged folder is removed (finished runs stay).
 """
 from __future__ import annotations
@@ -36,13 +37,14 @@ def _is_multirun() -> bool:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from harness import results
+    from harness import results, sweep
     from harness.runner import execute, format_summary
 
     if cfg.get("experiment_runner"):  # a non-benchmark experiment (e.g. a schedule table)
         from hydra.utils import get_method
 
         print(f"[harness] experiment {cfg.experiment_name}: wrote {get_method(cfg.experiment_runner)(cfg)}")
+        sweep.report_job_outcome({"system": None, "overrides": list(HydraConfig.get().overrides.task)}, None)
         return None
     multirun = _is_multirun()
     job = {"system": cfg.system.name if "system" in cfg else None, "seed": cfg.seed,
@@ -54,6 +56,7 @@ def main(cfg: DictConfig) -> float | None:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         path = results.record_failure(cfg.results_dir, cfg.experiment_name, job, e)
+        sweep.report_job_outcome(job, e, path)
         print(f"[harness] job failed ({type(e).__name__}): {e}\n  recorded in {path}", file=sys.stderr)
         return None
     except Exception as e:  # noqa: BLE001 - a sweep must survive one broken job
@@ -61,9 +64,11 @@ def main(cfg: DictConfig) -> float | None:
             raise
         traceback.print_exc()
         path = results.record_failure(cfg.results_dir, cfg.experiment_name, job, e)
+        sweep.report_job_outcome(job, e, path)
         print(f"[harness] job crashed ({type(e).__name__}); recorded in {path}", file=sys.stderr)
         return None
     results.clear_failure(cfg.results_dir, cfg.experiment_name, job)  # it has a result now: not a failure
+    sweep.report_job_outcome(job, None)
     print(format_summary(outcome))
     return outcome.summary.get("perf/samples_per_s")
 

@@ -5,18 +5,25 @@ overrides' lengths, from the command line and from ``hydra.sweeper.params``), th
 progress bar as each job ends. With a parallel launcher (joblib) jobs end in worker processes, so
 there is no bar; each job still prints its summary.
 
-A failing job is recorded by the job itself in ``<results_dir>/<experiment_name>/failures.jsonl``
-(:func:`harness.results.record_failure`; in a worker process under joblib). The file accumulates
-across sweeps, so the callback notes where it ended when the sweep started and, when the sweep
-ends, reads the entries written since: it prints them as a table on stderr (system, overrides,
-error) and keeps them for :func:`last_sweep_failures`, which the entry point turns into exit code 1.
+The sweep's exit status comes from its jobs themselves: at the start of a multirun the callback
+makes an outcome folder (named in the environment, :data:`OUTCOMES_ENV`, which the launcher's
+worker processes inherit), every job writes one small file there saying whether it succeeded and,
+if not, why (:func:`report_job_outcome`), and at the end the callback reads them all. A job that
+left no outcome (a worker that died) counts as failed. The failed jobs are printed as a table on
+stderr (system, overrides, error) and kept for :func:`last_sweep_failures`, which the entry point
+turns into exit code 1. Each failure is also recorded in ``<results_dir>/<experiment_name>/
+failures.jsonl`` (:func:`harness.results.record_failure`), which lists a job once in its latest
+state across sweeps; that file is a record for people, not the source of the exit status.
 """
 from __future__ import annotations
 
-import itertools
+import atexit
 import json
 import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,45 +54,47 @@ def last_sweep_failures() -> list[dict[str, Any]]:
     return list(_last_failures)
 
 
-def failure_files(config: DictConfig) -> list[Path]:
-    """The failures.jsonl files the jobs of a sweep write: ``<results_dir>/<experiment_name>/``, for
-    every value of ``results_dir`` and ``experiment_name`` the sweep uses (usually one of each)."""
-    from harness.results import FAILURES_FILE
-
-    values = {"results_dir": [str(config.results_dir)], "experiment_name": [str(config.experiment_name)]}
-    params = config.hydra.sweeper.get("params", None) or {}
-    lines = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    try:
-        for o in OverridesParser.create().parse_overrides(lines):
-            if o.key_or_group in values:
-                values[o.key_or_group] = (list(o.sweep_string_iterator()) if o.is_sweep_override()
-                                          else [o.get_value_element_as_str()])
-    except Exception:  # noqa: BLE001 - an unusual sweep syntax: the config's own values
-        pass
-    pairs = itertools.product(values["results_dir"], values["experiment_name"])
-    paths = (Path(r) / e / FAILURES_FILE for r, e in pairs)
-    return list(dict.fromkeys(paths))
+OUTCOMES_ENV = "HARNESS_SWEEP_OUTCOMES"  # the folder a running sweep's jobs report their outcomes in
 
 
-def read_new_failures(marks: dict[Path, int], since: float) -> list[dict[str, Any]]:
-    """Entries appended to each file after its size in ``marks`` (all entries from ``since`` on
-    if the file is now shorter than that, i.e. it was replaced during the sweep)."""
-    found = []
-    for path, offset in marks.items():
-        if not path.is_file():
+def report_job_outcome(job: dict[str, Any], error: BaseException | None, recorded_in: Path | None = None) -> None:
+    """Report one job's outcome to the sweep that launched it (nothing outside a sweep). Called by
+    the job, in whatever process runs it; one file per job, written whole (a rename)."""
+    folder = os.environ.get(OUTCOMES_ENV)
+    if not folder or not Path(folder).is_dir():
+        return
+    entry: dict[str, Any] = {**job, "ok": error is None, "time": time.time()}
+    if error is not None:
+        entry.update(error_type=type(error).__name__, error=str(error))
+        if recorded_in is not None:
+            entry["file"] = str(recorded_in)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".job-", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(entry, f, default=str)
+    os.replace(tmp, Path(folder) / f"job-{os.getpid()}-{time.monotonic_ns()}.json")
+
+
+def read_job_outcomes(folder: Path) -> list[dict[str, Any]]:
+    """Every outcome the jobs wrote in ``folder``, in the order they ended."""
+    outcomes = []
+    for path in folder.glob("job-*.json"):
+        try:
+            outcomes.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # unreadable: reported as a job without outcome
             continue
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(offset if size >= offset else 0)
-            text = f.read().decode("utf-8", errors="replace")
-        for line in text.splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and (size >= offset or entry.get("time", since) >= since):
-                found.append({**entry, "file": str(path)})
-    return found
+    return sorted(outcomes, key=lambda o: o.get("time", 0.0))
+
+
+def sweep_failures(outcomes: list[dict[str, Any]], total: int | None) -> list[dict[str, Any]]:
+    """The failed jobs among ``outcomes``, plus one entry for the jobs of ``total`` that reported
+    no outcome at all."""
+    failed = [o for o in outcomes if not o.get("ok")]
+    missing = (total - len(outcomes)) if total is not None else 0
+    if missing > 0:
+        failed.append({"system": None, "overrides": [], "error_type": "NoOutcome",
+                       "error": f"{missing} job{'s' if missing != 1 else ''} ended without reporting an outcome "
+                                f"(a worker process died?)"})
+    return failed
 
 
 def format_failures(failures: list[dict[str, Any]], total: int | None = None) -> str:
@@ -113,8 +122,8 @@ def _shown_overrides(overrides: list[Any]) -> list[str]:
 class SweepProgress(Callback):
     def __init__(self) -> None:
         self.bar: Any = None
-        self.marks: dict[Path, int] = {}
-        self.started = 0.0
+        self.outcomes: Path | None = None
+        self.previous_env: str | None = None
         self.total: int | None = None
 
     # Parallel launchers (joblib) pickle callbacks into their workers: the bar and the failure
@@ -129,8 +138,10 @@ class SweepProgress(Callback):
         from tqdm import tqdm
 
         _last_failures.clear()
-        self.started = time.time()
-        self.marks = {p: (p.stat().st_size if p.is_file() else 0) for p in failure_files(config)}
+        self.outcomes = Path(tempfile.mkdtemp(prefix="harness-sweep-"))
+        atexit.register(shutil.rmtree, self.outcomes, True)  # also when the sweep is interrupted
+        self.previous_env = os.environ.get(OUTCOMES_ENV)
+        os.environ[OUTCOMES_ENV] = str(self.outcomes)
         params = config.hydra.sweeper.get("params", None)
         try:
             self.total = count_sweep_jobs(list(config.hydra.overrides.task), dict(params) if params else None)
@@ -148,7 +159,15 @@ class SweepProgress(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        failures = read_new_failures(self.marks, self.started)
+        failures: list[dict[str, Any]] = []
+        if self.outcomes is not None:
+            failures = sweep_failures(read_job_outcomes(self.outcomes), self.total)
+            shutil.rmtree(self.outcomes, ignore_errors=True)
+            self.outcomes = None
+            if self.previous_env is None:
+                os.environ.pop(OUTCOMES_ENV, None)
+            else:
+                os.environ[OUTCOMES_ENV] = self.previous_env
         _last_failures[:] = failures
         if failures:
             print(format_failures(failures, self.total), file=sys.stderr, flush=True)
