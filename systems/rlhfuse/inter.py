@@ -14,8 +14,11 @@ to ``m`` generation instances and the freed devices run inference. This module d
   batch (step 5%; and 0 = streaming without migration) with the workload's output-length
   distribution, keeping the fastest; re-chosen whenever the plan is made for a different
   workload. ``system.migration_frac`` pins it.
-- the one inference layout shared by ref, reward and critic: the candidate whose streaming
-  inference ends first behind a probe migration (R_t = 20%).
+- the one inference layout shared by ref, reward and critic, chosen together with R_t: the pair
+  whose streaming inference ends first. Coordinate descent (R_t for the layout, then the layout for
+  R_t, until neither changes) from two starts, the best layout behind a probe migration (R_t = 20%)
+  and the best layout without migration, so the chosen pair is never worse on the estimate than
+  streaming without migration on its best layout.
 
 Everything here scores candidates with the simulator's own models (:mod:`harness.planning.estimate`).
 """
@@ -80,8 +83,10 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
                        base_policy: GenerationPolicy, kv_capacity_gb: float, transfer: str,
                        fracs: tuple[float, ...] = DEFAULT_FRACS, pinned_frac: float | None = None,
                        probe_frac: float = 0.2) -> tuple[MigrationChoice, ParallelStrategy]:
-    """Choose the shared inference layout (scored with streaming behind a probe migration at
-    ``probe_frac``), then R_t for it over ``{0} U fracs`` (0 = stream without migrating)."""
+    """Choose the shared inference layout and R_t over ``{0} U fracs`` (0 = stream without
+    migrating) together: the pair whose generation + streaming inference ends first on the
+    estimate, found by coordinate descent from the best layout behind a probe migration at
+    ``probe_frac`` and from the best layout without migration."""
     from harness.planning.taskmodels.generation import simulate_generation_each
     from harness.planning.estimate import representative_batch, streaming_inference_end_s
 
@@ -100,15 +105,38 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
                                        ctx.workload.max_gen_len)
     generated = dict(zip(migs, results))
 
-    probe = generated[probe_frac]
-    scored = [(streaming_inference_end_s(ctx, probe, *make_inference(layout)), i) for i, layout in enumerate(inference_layouts)]
-    layout = inference_layouts[min(scored)[1]]
-    inference, moves = make_inference(layout)
-    curve: dict[float, float] = {}
-    best: tuple[float, MigrationPolicy] | None = None
-    for frac in swept:
-        t = streaming_inference_end_s(ctx, generated[frac], inference, moves)
-        curve[frac] = t
-        if best is None or t < best[0] - 1e-12:
-            best = (t, migs[frac] or MigrationPolicy(0.0, 0, transfer))
-    return MigrationChoice(best[1], bs_max, curve), layout
+    cache: dict[tuple[int, float], float] = {}
+    inference_of: dict[int, tuple[list[Task], dict[str, WeightMovement]]] = {}
+
+    def end_s(i: int, frac: float) -> float:
+        """Generation + streaming inference time of layout ``i`` behind threshold ``frac``."""
+        if (i, frac) not in cache:
+            if i not in inference_of:
+                inference_of[i] = make_inference(inference_layouts[i])
+            cache[(i, frac)] = streaming_inference_end_s(ctx, generated[frac], *inference_of[i])
+        return cache[(i, frac)]
+
+    def best_layout(frac: float) -> int:  # ties: the first candidate
+        return min(range(len(inference_layouts)), key=lambda i: (end_s(i, frac), i))
+
+    def best_frac(i: int) -> float:  # ties: the smaller threshold (0 = no migration first)
+        return min(swept, key=lambda f: (end_s(i, f), f))
+
+    # Layout and R_t are chosen together, by coordinate descent on the estimate from two starts:
+    # the best layout behind the probe threshold, and (when R_t is searched) the best layout without
+    # migration, so the pair chosen is never worse than streaming without migration on its best
+    # layout. Each step re-chooses R_t for the layout, then the layout for R_t, until neither moves.
+    starts = dict.fromkeys([best_layout(probe_frac)] + ([best_layout(0.0)] if 0.0 in swept else []))
+    pairs = []
+    for i in starts:
+        frac = best_frac(i)
+        while True:
+            j = best_layout(frac)
+            if end_s(j, frac) >= end_s(i, frac) - 1e-12:
+                break
+            i, frac = j, best_frac(j)
+        pairs.append((end_s(i, frac), frac, i))
+    _, frac, i = min(pairs)
+    curve = {f: end_s(i, f) for f in swept}
+    policy = migs[frac] or MigrationPolicy(0.0, 0, transfer)
+    return MigrationChoice(policy, bs_max, curve), inference_layouts[i]

@@ -46,6 +46,11 @@ AFTER_RECORDING = {"realhf": ["system.num_refine_rounds=0"]}
 # plan keeps the shorter order the old walk found on its way (the fused makespan is phase 1's again:
 # 13b 0.052986 -> 0.053019 s at the same peak, samples/s 165.1984 -> 165.1811; 65b_33b 0.167076 ->
 # 0.167141 s), and 65b_33b holds less (fused peak 3.3678 -> 3.3270 GB, 1.5713x -> 1.5522x of serial).
+# rlhfuse-65b_33b.json was re-recorded when RLHFuse chose its shared inference layout together with R_t
+# (coordinate descent from the best layout behind the 20% probe and from the best layout without
+# migration), instead of the layout behind the probe and then R_t for it: the shared ref/reward/values
+# layout dp8tp4pp8 -> dp32tp4pp2, still without migration; samples/s 45.018 -> 45.314, the fused stage
+# and every other layout unchanged. 13b chose the same plan as before.
 # Wall-clock measurements: recorded for information, never compared.
 WALL_CLOCK_KEYS = ("timing_s/plan", "fused/search_s")
 
