@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from harness.config import SystemConfig
 from harness.errors import PlanError
+from harness.option_effects import Condition, effective_when
 from harness.plan import GenerationPolicy, MovementKind, Plan
 from harness.planning.estimate import simulated_makespan_s
 from harness.planning.layout_search import PoolLayoutSearch
@@ -71,7 +72,10 @@ class DisaggregatedConfig(SystemConfig):
     name: str = "disaggregated"
     impl: str = "baselines.disaggregated.Disaggregated"
     gen_nodes: int = 0  # whole nodes in the generation pool; 0 = chosen by the cost model
-    split_search: str = "refine"  # refine | exhaustive (how gen_nodes = 0 searches the splits)
+    split_search: str = field(  # refine | exhaustive (how gen_nodes = 0 searches the splits)
+        default="refine", metadata=effective_when(
+            ("system.gen_nodes", "==", 0), Condition("cluster.num_nodes", "!=", 1, says="cluster.num_nodes > 1"),
+            why="only a split of several nodes that is not fixed is searched"))
     zero_stage: int = 1  # distributed optimizer for actor/critic training (as rlhfuse_base)
     max_gen_batch_size: int = 256  # continuous-batching slots per generation instance (as rlhfuse_base)
 

@@ -79,15 +79,18 @@ share pools between roles; ``--ref_reward_offload``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import OmegaConf
 
 from harness.config import SystemConfig
-from harness.errors import ConfigError, PlanError
+from harness.errors import ConfigError, PlanError, PlanMemoryError
+from harness.option_effects import Condition, effective_when
 from harness.plan import Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan
 from harness.planning.assembler import assemble_ppo_plan
+from harness.planning.memory import check_plan_memory
 from harness.system import PlanContext, System, register_system_config
 
 # Pool order on the devices, as OpenRLHF writes its split: "ref:reward:actor:critic:vLLM".
@@ -105,15 +108,20 @@ class Split:
     gen: int = 2  # vLLM engines' pool; 0 = no vLLM, the actor generates on its own pool
 
 
+# Options of the vLLM engines: set without a vLLM pool they are refused (harness/option_effects.py).
+VLLM_ONLY = effective_when(Condition("system.split.gen", "!=", 0, says="system.split.gen > 0"),
+                           why="vLLM engines run on the gen pool; without one the actor generates in place")
+
+
 @dataclass
 class OpenRLHFConfig(SystemConfig):
     name: str = "openrlhf"
     impl: str = "baselines.openrlhf.OpenRLHF"
     split: Split = field(default_factory=Split)  # ref:reward:actor:critic:vLLM = 1:1:2:2:2 (benchmark, ray+vllm)
-    vllm_tp: int = 1  # --vllm_tensor_parallel_size: GPUs per vLLM engine
+    vllm_tp: int = field(default=1, metadata=VLLM_ONLY)  # --vllm_tensor_parallel_size: GPUs per vLLM engine
     # Continuous-batching slots per vLLM engine; None = what OpenRLHF v0.2's actor ranks send one
     # engine at a time (generation_batch_size x actor ranks per engine).
-    vllm_max_num_seqs: Optional[int] = None
+    vllm_max_num_seqs: Optional[int] = field(default=None, metadata=VLLM_ONLY)
     zero_stage: int = 2  # --zero_stage for actor and critic (train_ppo_ray.py's default; the example scripts' 2)
     inference_zero_stage: Optional[int] = None  # ref/reward; None = 3 if zero_stage == 3 else 0 (OpenRLHF's rule)
     mini_batch_size: Optional[int] = None  # --train_batch_size; None = workload.mini_batch_size
@@ -227,6 +235,48 @@ class OpenRLHF(System):
         return Allocation(mesh, ParallelStrategy(dp=num_engines, tp=tp)), policy
 
     def plan(self, ctx: PlanContext) -> Plan:
+        """The placement of ``system.*``. OpenRLHF runs the layout it is given (out of memory if it
+        does not fit), so a layout that does not fit in device memory is refused (by the runner's
+        memory check), and where some of its options make it fit, here, naming the fewest of them
+        (:meth:`fitting_overrides`)."""
+        plan = self._assemble(ctx)
+        try:
+            check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+        except PlanMemoryError as e:
+            fix = self.fitting_overrides(ctx)
+            if fix is not None:
+                raise PlanMemoryError(f"{e} With OpenRLHF's own options, {' '.join(fix)} makes it fit.") from None
+        return plan
+
+    def fitting_overrides(self, ctx: PlanContext) -> list[str] | None:
+        """The overrides of ``system.vllm_tp`` (GPUs per vLLM engine, dividing a node's GPUs; only
+        with a vLLM pool) and ``system.zero_stage`` (3: actor and critic sharded, and ref and reward
+        with them) that give a plan that is valid and fits in device memory: the fewest changes,
+        then the fewest GPUs per engine; None if none does."""
+        from harness.consistency import check_tensor_parallel
+        from harness.errors import HarnessError
+
+        cfg = self.cfg
+        per_node = ctx.cluster.gpus_per_node
+        tps = [cfg.vllm_tp] + ([tp for tp in range(1, per_node + 1) if per_node % tp == 0 and tp != cfg.vllm_tp]
+                               if cfg.split.gen > 0 else [])
+        zeros = [cfg.zero_stage] + ([3] if cfg.zero_stage != 3 else [])
+        candidates = sorted(((tp, zero) for tp in tps for zero in zeros),
+                            key=lambda c: ((c[0] != cfg.vllm_tp) + (c[1] != cfg.zero_stage), c[0], c[1]))
+        for tp, zero in candidates[1:]:  # the first is the configuration that did not fit
+            alternative = OpenRLHF(dataclasses.replace(cfg, vllm_tp=tp, zero_stage=zero))
+            try:
+                plan = alternative._assemble(ctx)
+                plan.validate(ctx.num_devices)
+                check_tensor_parallel(plan, ctx.models)
+                check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+            except HarnessError:
+                continue
+            return ([f"system.vllm_tp={tp}"] if tp != cfg.vllm_tp else []) + \
+                ([f"system.zero_stage={zero}"] if zero != cfg.zero_stage else [])
+        return None
+
+    def _assemble(self, ctx: PlanContext) -> Plan:
         cfg = self.cfg
         for key in ("zero_stage", "inference_zero_stage"):
             value = getattr(cfg, key)

@@ -42,12 +42,13 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from harness.config import SystemConfig
 from harness.errors import PlanError
 from harness.interpreter import Unit
+from harness.option_effects import effective_when
 from harness.plan import Allocation, GenerationPolicy, Plan, ParallelStrategy, TaskKind
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import generation_s, inference_s, representative_batch, simulated_makespan_s, training_s
@@ -59,6 +60,8 @@ from harness.planning.workflow import PPO_TASKS, single_pipe_stage
 from harness.system import PlanContext, System, register_system_config
 
 CALLS = tuple(PPO_TASKS)  # gen, ref, reward, values, update_actor, update_critic
+# Options of the search: set with system.search=false they are refused (harness/option_effects.py).
+SEARCH_ONLY = effective_when(("system.search", "==", True), why="an option of the layout search")
 
 
 @dataclass
@@ -68,14 +71,14 @@ class RealHFConfig(SystemConfig):
     search: bool = True
     # Annealing budget: steps by default (same config and seed => same plan); a wall-clock budget
     # (here or the run's planning_budget_s) replaces the step budget when set.
-    max_steps: Optional[int] = 300
+    max_steps: Optional[int] = field(default=300, metadata=SEARCH_ONLY)
     # Coordinate-descent rounds after annealing (0 = none): an annealing run's last accepted moves
     # leave strategies on their meshes that one change would improve (issue 28: at 4,096 GPUs the
     # 300 steps stopped 1.8% short of an earlier commit's plan; the refinement passes it).
-    num_refine_rounds: int = 3
-    search_time_s: Optional[float] = None
-    seed: int = 0
-    initial_temperature_frac: float = 0.05  # T0 as a fraction of the starting makespan
+    num_refine_rounds: int = field(default=3, metadata=SEARCH_ONLY)
+    search_time_s: Optional[float] = field(default=None, metadata=SEARCH_ONLY)
+    seed: int = field(default=0, metadata=SEARCH_ONLY)
+    initial_temperature_frac: float = field(default=0.05, metadata=SEARCH_ONLY)  # T0 as a fraction of the starting makespan
     zero_stage: int = 1  # distributed optimizer in training calls
     max_gen_batch_size: int = 256
     offload_ref_reward: str = "auto"  # auto | true | false

@@ -1,4 +1,11 @@
-"""``python -m harness``: see :mod:`harness.app`."""
-from harness.app import run
+"""``python -m harness``: see :mod:`harness.app`. Ctrl-C while the harness is still being imported
+ends it as it does later: one line, exit code 130."""
+import sys
+
+try:
+    from harness.app import run
+except KeyboardInterrupt:
+    print("interrupted: nothing was run", file=sys.stderr)
+    sys.exit(130)
 
 run()

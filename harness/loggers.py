@@ -31,7 +31,12 @@ def wandb_logged_in() -> bool:
         return False
 
 
+SUMMARY_FORMATS = ("table", "line")
+
+
 def resolve_mode(cfg: LoggerConfig) -> str:
+    if cfg.summary not in SUMMARY_FORMATS:
+        raise ConfigError(f"logger.summary={cfg.summary!r}; use one of {SUMMARY_FORMATS}")
     if cfg.mode not in MODES:
         raise ConfigError(f"logger.mode={cfg.mode!r}; use one of {MODES}")
     if not cfg.wandb:

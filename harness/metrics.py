@@ -10,6 +10,12 @@ Per iteration (``iteration_metrics``):
   ``realloc*`` task adds into ``timing_s/realloc``; ``timing_s/train`` spans all train tasks;
   ``timing_s/gen_inference`` spans generation and the three inference tasks together (with
   inter-stage fusion they overlap, so this is the number fusion shortens).
+- ``overlap_s/<task>/<other>``: for two of those tasks (``<task>`` the earlier in
+  :data:`TIMED_TASKS`) whose windows (first span start to last span end) intersect, the length of
+  the intersection: the tasks ran at the same time, so their ``timing_s`` are spans of overlapped
+  work and add up to more than the time they took together (RLHFuse's ref, reward and values
+  streaming beside generation; tasks on disjoint devices at once). Absent for tasks one after
+  another (an intersection within float rounding, 1e-9 of the step, is none).
 - ``perf/samples_per_s``: samples in the batch / step time. ``perf/throughput``: tokens (prompt +
   response) / step time / number of devices (verl's tokens/s/GPU). ``perf/total_num_tokens``.
 - ``perf/mfu/actor``, ``perf/mfu/critic``: training FLOPs / (train-task wall time x its devices x
@@ -62,11 +68,17 @@ TRAIN_TASKS = ("update_actor", "update_critic")
 
 # <section>/<name>[/<sub>]: lowercase words, digits and underscores.
 KEY_GRAMMAR = re.compile(
-    r"^(timing_s|perf|gen|pipeline|util|response_length|training|rl)/[a-z0-9_]+(/[a-z0-9_+]+)?$")
+    r"^(timing_s|overlap_s|perf|gen|pipeline|util|response_length|training|rl)/[a-z0-9_]+(/[a-z0-9_+]+)?$")
 
 
 def timing_key(task: str) -> str:
     return f"timing_s/{task}"
+
+
+def overlap_key(task: str, other: str) -> str:
+    """The key of the overlap of two timed tasks' windows, whichever order they are named in."""
+    first, second = sorted((task, other), key=TIMED_TASKS.index)
+    return f"overlap_s/{first}/{second}"
 
 
 def mfu_key(model: str) -> str:
@@ -125,6 +137,13 @@ def _timing(trace: StepTrace) -> dict[str, float]:
     train = [t for t in TRAIN_TASKS if t in starts]
     if train:
         out[TRAIN_TIME] = max(ends[t] for t in train) - min(starts[t] for t in train)
+    timed = [t for t in TIMED_TASKS if t in starts]
+    rounding_s = 1e-9 * trace.makespan_s  # one task starting where another ends, up to float rounding
+    for i, task in enumerate(timed):
+        for other in timed[i + 1:]:
+            overlap = min(ends[task], ends[other]) - max(starts[task], starts[other])
+            if overlap > rounding_s:
+                out[overlap_key(task, other)] = overlap
     return out
 
 

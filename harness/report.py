@@ -9,8 +9,10 @@ the speedup over a baseline system. It changes nothing in the results tree. Figu
 live in :mod:`harness.figures`; ``--plot`` reuses their style (:mod:`harness.figures.style`).
 
 Arguments are experiment folders (``results/<experiment>``) or a results root holding several
-(every child folder with runs or a failures file is taken). A folder that does not exist or holds no
-finished run and no failure is an input error: one ``error: ...`` line on stderr, exit code 2.
+(every child folder with runs or a failures file is taken). A path that does not exist or is not a
+folder, a folder that holds no finished run and no failure, and an ``--output`` or ``--plot`` path
+that cannot be written (checked before anything is read) are input errors: one ``error: ...`` line
+on stderr, exit code 2. Ctrl-C ends the command with one line ``interrupted`` and exit code 130.
 
 Speedup rule. ``speedup`` = this run's ``perf/samples_per_s`` / the baseline run's (``--baseline``,
 default ``deepspeed_chat``), where the baseline run is the one with the same experiment, the same
@@ -60,6 +62,7 @@ from typing import Any
 
 from harness import metrics as mk
 from harness import results
+from harness.errors import interrupt_is_one_line
 from harness.figures import style
 
 DEFAULT_BASELINE = "deepspeed_chat"
@@ -101,6 +104,11 @@ def find_experiments(paths: list[str | Path]) -> list[Experiment]:
     for arg in paths:
         folder = Path(arg)
         if not folder.is_dir():
+            if folder.exists():
+                from harness.files import file_kind
+
+                raise ReportError(f"{arg}: is {file_kind(folder)}, not a results folder (expected "
+                                  f"results/<experiment>)")
             raise ReportError(f"{arg}: no such folder (expected results/<experiment>)")
         folder = folder.resolve()
         if _is_experiment(folder):
@@ -522,9 +530,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--output`` and ``--plot`` can be written (ReportError), checked before anything is read."""
+    from harness.consistency import check_output_file
+    from harness.errors import ConfigError
+
+    try:
+        if args.output:
+            check_output_file(args.output, "--output")
+        if args.plot:
+            stem = Path(args.plot)
+            stem = stem.with_suffix("") if stem.suffix.lower() in (".png", ".pdf") else stem
+            for suffix in (".png", ".pdf"):
+                check_output_file(stem.with_name(stem.name + suffix), "--plot")
+    except ConfigError as e:
+        raise ReportError(str(e)) from None
+
+
+@interrupt_is_one_line
 def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C ends it with one line ``interrupted`` and exit code 130."""
     args = parse_args(argv)
     try:
+        check_outputs(args)
         experiments = find_experiments(args.paths)
         df = load_runs(experiments)
         text, notes = render(experiments, df, args.baseline, args.format, args.metrics, args.full)

@@ -7,9 +7,10 @@ pairs that ran at the same time) and ``summary.json``. A run is written into a h
 place only when complete, so a crash or a refused plan never leaves a half-written run (a killed
 run's staging folder is removed by the next run in that experiment, :func:`remove_stale_partials`);
 a folder with ``summary.json`` is a finished run and is skipped when a sweep is resumed. Two
-identical runs at once: the second waits for the first (:func:`run_lock`) and then skips its
-result. A failed sweep job is one JSON line of ``results/<experiment>/failures.jsonl``, replaced if
-it fails again and removed when it later succeeds.
+identical runs at once: the second waits for the first (:func:`run_lock`, a lock file in the
+system's temporary folder, removed when the run ends) and then skips its result. A failed sweep
+job is one JSON line of ``results/<experiment>/failures.jsonl``, replaced if it fails again and
+removed when it later succeeds.
 
 The *variant* names every command-line override that changes what runs, other than the system,
 model and seed (e.g. ``system.migration_frac=0.1,workload.max_gen_len=2048``), so a sweep over a
@@ -126,26 +127,56 @@ def remove_stale_partials(root: Path) -> list[Path]:
 
 def _lock_file(path: Path, kind: str) -> Path:
     """This machine's lock file for ``path`` (in LOCK_DIR, named by a hash of its absolute path)."""
-    LOCK_DIR.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(str(Path(path).absolute()).encode()).hexdigest()[:24]
     return LOCK_DIR / f"{digest}.{kind}.lock"
+
+
+@contextmanager
+def exclusive_lock(lock_path: Path, waiting: str | None = None) -> Iterator[None]:
+    """Hold the exclusive ``flock`` of the file ``lock_path`` (created if needed) for the block, and
+    remove the file on the way out, so lock files do not pile up in the temporary folder.
+
+    The file is removed while its lock is still held. A process that opened it before the removal
+    and gets the lock after it holds a file that is no longer at ``lock_path``: after locking, each
+    process compares the file it holds with the one at the path (device and inode) and starts over
+    on the path's file when they differ, so two holders never overlap. ``waiting`` is printed as one
+    line on stderr when another process holds the lock."""
+    announced = False
+    while True:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting and not announced:
+                    print(waiting, file=sys.stderr, flush=True)
+                    announced = True
+                fcntl.flock(f, fcntl.LOCK_EX)
+            held = os.fstat(f.fileno())
+            try:
+                current = os.stat(lock_path)
+            except FileNotFoundError:
+                current = None
+            if current is None or (current.st_dev, current.st_ino) != (held.st_dev, held.st_ino):
+                continue  # removed by its last holder: closing releases it; lock the path's file
+            try:
+                yield
+            finally:
+                try:
+                    os.unlink(lock_path)
+                except FileNotFoundError:
+                    pass
+            return  # closing the file releases the lock, after the removal
 
 
 @contextmanager
 def run_lock(final: Path) -> Iterator[None]:
     """Hold the lock of the run folder ``final`` (one per run path, on this machine): a second
     identical run waits here, saying so in one line, and then finds the first one's result. The lock
-    file lives in the temporary directory, so a run refused later writes nothing under results_dir."""
-    with open(_lock_file(final, "run"), "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"[harness] waiting: another run is writing {final}", file=sys.stderr, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    file lives in the temporary directory, so a run refused later writes nothing under results_dir,
+    and is removed when the run ends (:func:`exclusive_lock`)."""
+    with exclusive_lock(_lock_file(final, "run"), f"[harness] waiting: another run is writing {final}"):
+        yield
 
 
 class RunFolder:
@@ -202,8 +233,7 @@ def job_key(job: dict[str, Any]) -> tuple:
 def _rewrite_failures(path: Path, keep: Callable[[dict[str, Any]], bool], add: dict[str, Any] | None) -> None:
     """``failures.jsonl`` without the lines ``keep`` rejects, plus ``add``; atomic, one writer at a time.
     A line that is not JSON is kept as it is."""
-    with open(_lock_file(path, "failures"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(_lock_file(path, "failures")):
         lines = path.read_text().splitlines() if path.is_file() else []
         out = []
         for text in lines:

@@ -22,10 +22,12 @@ from harness import provenance
 from harness import results
 from harness.config import RunConfig
 from harness.consistency import check_results_dir_writable, check_run, check_tensor_parallel
-from harness.costmodel import CostModel, ProfileTable
+from harness.costmodel import CostModel
+from harness.costmodel.profile import load_profile_table
 from harness.engines import select_engines
 from harness.errors import ConfigError
 from harness.loggers import WandbLogger, resolve_mode
+from harness.option_effects import check_option_effects
 from harness.discovery import discover_systems
 from harness.planning.collector import full_collections_deferred
 from harness.planning.memory import check_plan_memory
@@ -66,9 +68,7 @@ def build_context(run: RunConfig) -> PlanContext:
     cluster = run.cluster
     profile = None
     if run.backend.profile_table:
-        if not Path(run.backend.profile_table).is_file():
-            raise ConfigError(f"backend.profile_table={run.backend.profile_table!r}: no such file")
-        profile = ProfileTable.from_csv(run.backend.profile_table)
+        profile = load_profile_table(run.backend.profile_table)
     resolve_mode(run.logger)  # a bad logger.mode fails here, before any folder exists
     try:
         cost_model = CostModel(cluster, run.workload, profile)
@@ -143,9 +143,11 @@ def execute(cfg: DictConfig, overrides: list[str] | None = None) -> RunOutcome:
         raise ConfigError("no system chosen: add +system=<name> to the command line "
                           f"(available: {', '.join(sorted(discover_systems()))})")
     check_batch_sizes(cfg)
+    check_option_effects(cfg, overrides or [])  # options set without effect: refused before any work
     run: RunConfig = OmegaConf.to_object(cfg)
     ctx = build_context(run)
     system: System = get_class(run.system.impl)(run.system)
+    get_class(cfg.backend._target_)(run.backend, ctx).check_before_planning()  # e.g. too many workers here
     label = model_label(run.model)
 
     variant = results.variant_label(overrides or [])
@@ -223,14 +225,29 @@ def _plan_and_run(cfg: DictConfig, run: RunConfig, ctx: PlanContext, system: Sys
     return RunOutcome(final, summary, skipped=False, info=info)
 
 
-def format_summary(outcome: RunOutcome) -> str:
+def format_summary(outcome: RunOutcome, brief: bool = False) -> str:
+    """What a run prints when it ends: its folder and a table of its averaged metrics and plan notes
+    (a stage that ran at the same time as others, ``overlap_s/*``, is labelled: its time is a span
+    of overlapped work); ``brief``: one line, the folder, samples/s and step time."""
     s = outcome.summary
+    if brief:
+        return (f"run: {outcome.path}  {s.get(mk.SAMPLES_PER_S, float('nan')):.3f} samples/s, "
+                f"step {s.get(mk.STEP_TIME, float('nan')):.4g} s")
     lines = [f"run: {outcome.path}",
              f"  {'samples/s':<38}{s.get(mk.SAMPLES_PER_S, float('nan')):>12.3f}",
              f"  {'tokens/s/GPU':<38}{s.get(mk.THROUGHPUT, float('nan')):>12.1f}",
              f"  {'step (s)':<38}{s.get(mk.STEP_TIME, float('nan')):>12.2f}"]
+    min_overlap_frac = 0.01  # of the stage's own time: shorter overlaps are not worth a label
+    labelled = False
     for key in sorted(k for k in s if k.startswith("timing_s/") and k not in (mk.STEP_TIME,)):
-        lines.append(f"  {key:<38}{s[key]:>12.3f}")
+        task = key.removeprefix("timing_s/")
+        beside = [other for other in mk.TIMED_TASKS if task in mk.TIMED_TASKS and other != task
+                  and s.get(mk.overlap_key(task, other), 0.0) > min_overlap_frac * s[key]]
+        labelled = labelled or bool(beside)
+        lines.append(f"  {key:<38}{s[key]:>12.3f}" + (f"  span, overlaps {', '.join(beside)}" if beside else ""))
+    if labelled:
+        lines.append("  (span: first start to last end of a stage that ran while the stages named ran too; "
+                     "overlapping times do not add up)")
     for key in sorted(k for k in s if k.startswith("pipeline/bubble_frac/")):
         lines.append(f"  {key:<38}{s[key]:>12.3f}")
     for key in (mk.BUSY_MEAN, mk.MAX_MEMORY_GB, mk.GEN_TAIL_S, mk.MIGRATED_SAMPLES, mk.TAIL_INSTANCES,

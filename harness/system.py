@@ -65,10 +65,11 @@ class System(abc.ABC):
         return self.cfg.name
 
     def check_config(self) -> None:
-        """Refuse this system's options that are out of range or have no effect in the configuration
-        chosen (a :class:`~harness.errors.ConfigError` naming the key), before any planning. The
-        harness checks every system's counts and amounts by their names first
-        (:func:`harness.consistency.check_option_ranges`); this is for the rest. Default: nothing."""
+        """Refuse this system's options that are out of range (a :class:`~harness.errors.ConfigError`
+        naming the key), before any planning. The harness checks every system's counts and amounts
+        by their names first (:func:`harness.consistency.check_option_ranges`), and options set
+        without effect by the conditions declared beside each field
+        (:mod:`harness.option_effects`); this is for the rest. Default: nothing."""
 
     @abc.abstractmethod
     def plan(self, ctx: PlanContext) -> Plan:

@@ -14,9 +14,11 @@ A replay file has one published measurement per line (JSON)::
 measured number in that metric's unit, ``source`` where it was published (points are grouped by
 it), ``assumptions`` (optional) what the line had to assume where the source is silent.
 
-Every line is read and every config composed before the first simulation, so a malformed line, an
-unknown metric or an override the harness does not know ends the command with one line on stderr
-and exit code 2 before any work. Then each setup is planned and simulated (``backend=sim``, its
+Every line is read and every config composed before the first simulation, so a malformed line (or
+a file that is not UTF-8 text), an unknown metric, a line whose overrides choose no ``+system=<name>``
+or an override the harness does not know ends the command with one line on stderr naming the file
+and line, and exit code 2, before any work; so does a ``--json`` path that cannot be written. Ctrl-C
+ends it with one line ``interrupted`` and exit code 130. Then each setup is planned and simulated (``backend=sim``, its
 iterations and warm-up) and the command prints predicted vs measured per point, then per source
 and overall: the median and 90th percentile of predicted/measured as times (``time x``: a throughput
 point's ratio is measured/predicted, so > 1 always means the simulator is slower than the real run),
@@ -42,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.errors import ConfigError
+from harness.consistency import check_output_file
+from harness.errors import ConfigError, HarnessError, interrupt_is_one_line
 
 # replay metric -> the simulator summary's key (harness.metrics)
 METRICS = {
@@ -68,17 +71,27 @@ class ReplayPoint:
     value: float
     source: str
     assumptions: str = ""
+    where: str = ""  # <file>:<line> it was read from
 
 
 def read_replay(path: Path) -> list[ReplayPoint]:
     """The points of a replay file; ConfigError naming the line for anything malformed."""
     if not path.is_file():
+        if path.exists():
+            from harness.files import file_kind
+
+            raise ConfigError(f"replay file {path} is {file_kind(path)}, not a file")
         raise ConfigError(f"replay file {path} does not exist")
     points, seen = [], set()
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line); a replay file "
+                              f"has one JSON object per line") from None
         if not line.strip():
             continue
-        where = f"{path}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
@@ -102,7 +115,7 @@ def read_replay(path: Path) -> list[ReplayPoint]:
             raise ConfigError(f"{where}: id {record['id']!r} appears twice")
         seen.add(record["id"])
         points.append(ReplayPoint(str(record["id"]), tuple(record["overrides"]), record["metric"], float(value),
-                                  str(record["source"]), str(record.get("assumptions", ""))))
+                                  str(record["source"]), str(record.get("assumptions", "")), where))
     if not points:
         raise ConfigError(f"replay file {path} has no points")
     return points
@@ -111,13 +124,19 @@ def read_replay(path: Path) -> list[ReplayPoint]:
 def _composed(point: ReplayPoint):
     from harness.app import compose
 
+    label = f"point {point.id}" + (f" ({point.where})" if point.where else "")
     overrides = [o for o in point.overrides if not o.startswith(("backend=", "logger="))]
+    if not any(o.partition("=")[0] in ("+system", "++system", "system") for o in overrides):
+        from harness.discovery import discover_systems
+
+        raise ConfigError(f"{label}: no system chosen: its overrides need +system=<name> "
+                          f"(available: {', '.join(sorted(discover_systems()))})")
     try:
         cfg = compose([*overrides, "backend=sim", "logger=none", "logger.progress_bar=false"])
     except Exception as e:  # Hydra's errors: unknown keys and options, wrong types
-        raise ConfigError(f"point {point.id}: its overrides do not compose: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{label}: its overrides do not compose: {str(e).splitlines()[0]}") from None
     if "system" not in cfg or cfg.system is None:
-        raise ConfigError(f"point {point.id}: no system chosen (add +system=<name> to its overrides)")
+        raise ConfigError(f"{label}: no system chosen (add +system=<name> to its overrides)")
     return cfg
 
 
@@ -226,7 +245,9 @@ def report(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+@interrupt_is_one_line
 def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C ends it with one line ``interrupted`` and exit code 130."""
     p = argparse.ArgumentParser(prog="python -m harness.validate",
                                 description="Replay published RLHF measurements in the simulator.")
     p.add_argument("file", type=Path, help="replay file (JSON lines)")
@@ -242,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.cv or args.write) and not args.fit:
         p.error("--cv and --write need --fit")
     try:
+        if args.json:
+            check_output_file(args.json, "--json")
         points = read_replay(args.file)
         if args.ids:
             unknown = sorted(set(args.ids) - {pt.id for pt in points})
@@ -262,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 records = replay(points)
         else:
             records = replay(points)
-    except ConfigError as e:
+    except HarnessError as e:  # bad input, or a point whose plan is impossible
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(records))

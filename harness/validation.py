@@ -1,4 +1,4 @@
-"""Checks of the command line and of batch sizes before any work starts (issue 15, item 4).
+"""Checks of the command line and of batch sizes before any work starts.
 
 :func:`check_command_line` composes the config ``python -m harness <argv>`` would run with -- for a
 sweep (``-m``, or an experiment with ``hydra.mode: MULTIRUN``), the config of every job the basic
@@ -9,9 +9,18 @@ over the keys at that level of the config, or over the options of the group)::
     error: unknown key system.migraton_frac (did you mean system.migration_frac?)
     error: unknown option model=13bb (did you mean model=13b or model=13b_33b?)
 
+A value with a character Hydra's override grammar reads only inside quotes is answered with the
+rewrite that parses (one line)::
+
+    error: cannot parse override 'experiment_name=café': Hydra's override grammar reads the character
+    'é' only inside quotes; quote the value: 'experiment_name="café"'
+
+A sweep with many jobs shows the pre-check's progress on a terminal (:class:`SweepCheckProgress`).
 It also refuses ``+key=value`` overrides that add a key a typed config does not declare (Hydra
-accepts them and the run silently ignores them). The entry point (:func:`harness.app.run`) prints
-the message on stderr and exits 2.
+accepts them and the run silently ignores them), and reads the input files each composed config
+names (:func:`check_input_files`: profile table, workload file, engine files, calibration), each
+distinct file once, so a bad file ends a sweep once, before any job. The entry point
+(:func:`harness.app.run`) prints the message on stderr and exits 2.
 
 :func:`check_batch_sizes` refuses a system's own batch sizes (``system.*batch_size``) that are zero
 or negative; the workload's are checked by :func:`harness.workload.validate_workload`.
@@ -21,6 +30,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import shutil
+import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
@@ -28,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from harness.errors import ConfigError, OverrideError
+from harness.option_effects import check_option_effects
 
 CONFIG_NAME = "config"
 # Hydra's own groups and the schemas' group: not something a user means at the top level.
@@ -54,22 +67,73 @@ def check_command_line(argv: Sequence[str]) -> None:
     from hydra.types import RunMode
 
     overrides = list(args.overrides)
-    with _hydra() as hydra:
+    with _hydra() as hydra, SweepCheckProgress() as progress:
         _check_duplicates(hydra, overrides)
         multirun = args.multirun or hydra.get_mode(config_name=CONFIG_NAME, overrides=overrides) == RunMode.MULTIRUN
         if not multirun:
             cfg = _compose(hydra, overrides, RunMode.RUN)
             _check_added_keys(hydra, cfg, overrides, RunMode.RUN)
+            check_option_effects(cfg, overrides)
+            check_input_files(cfg)
             return
         master = _compose(hydra, overrides, RunMode.MULTIRUN)
-        for index, job in enumerate(sweep_jobs(hydra, master)):
+        files_checked: dict[tuple[str, str], Optional[str]] = {}
+        for index, job in enumerate(progress.over(sweep_jobs(hydra, master))):
             try:
                 cfg = _load_job(hydra, master, job)
                 _check_added_keys(hydra, cfg, job, RunMode.RUN)
+                check_option_effects(cfg, job)
             except OverrideError as e:
                 if index == 0:
                     raise
                 raise OverrideError(f"{e} in sweep job {' '.join(job)}") from None
+            check_input_files(cfg, files_checked)
+
+
+def check_input_files(cfg: DictConfig, checked: Optional[dict[tuple[str, str], Optional[str]]] = None) -> None:
+    """Read the input files the composed ``cfg`` names, as the run would: ``backend.profile_table``
+    (parsed), ``workload.path`` (a regular file), ``engine.generation`` / ``engine.training`` (a
+    YAML path or an engine name: parsed) and, with ``cluster.cost_model=calibrated``,
+    ``cluster.calibration`` (parsed). Raises :class:`ConfigError` (one line naming the file and the
+    line) for the first bad one. ``checked`` holds the outcome per file across the jobs of a sweep,
+    so each distinct file is read once."""
+    from harness.costmodel.calibrated import Calibration
+    from harness.costmodel.profile import load_profile_table
+    from harness.engines import KINDS, load_engine
+    from harness.workload import resolve_workload_path
+
+    checked = {} if checked is None else checked
+
+    def value(key: str) -> Optional[str]:
+        try:
+            found = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        except OmegaConfBaseException:  # an interpolation that fails: the run reports it
+            return None
+        return str(found) if found not in (None, "") else None
+
+    def calibration(name: str) -> None:
+        try:
+            Calibration.load(name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    checks = [("backend.profile_table", value("backend.profile_table"), load_profile_table),
+              ("workload.path", value("workload.path"), resolve_workload_path)]
+    checks += [(f"engine.{kind}", value(f"engine.{kind}"), lambda name, kind=kind: load_engine(kind, name))
+               for kind in KINDS]
+    if value("cluster.cost_model") == "calibrated":
+        checks.append(("cluster.calibration", value("cluster.calibration"), calibration))
+    for key, name, check in checks:
+        if name is None:
+            continue
+        if (key, name) not in checked:
+            try:
+                check(name)
+                checked[key, name] = None
+            except ConfigError as e:
+                checked[key, name] = str(e)
+        if checked[key, name] is not None:
+            raise ConfigError(checked[key, name])
 
 
 def sweep_jobs(hydra: Any, master: DictConfig) -> list[list[str]]:
@@ -96,6 +160,62 @@ def sweep_jobs(hydra: Any, master: DictConfig) -> list[list[str]]:
     for i, values in enumerate(choices.values()):
         jobs += [[*first[:i], value, *first[i + 1:]] for value in values[1:]]
     return jobs
+
+
+# A sweep's pre-check composes each job's config (about 0.1 s a job); with more jobs than this it
+# shows its progress on a terminal, updated every PROGRESS_INTERVAL_S.
+PROGRESS_MIN_JOBS = 20
+PROGRESS_INTERVAL_S = 0.5
+
+
+class SweepCheckProgress:
+    """The progress of a sweep's pre-check, on stderr: one line rewritten in place (jobs checked,
+    time left) while stderr is a terminal and the sweep has more than :data:`PROGRESS_MIN_JOBS`
+    jobs, erased when the check ends however it ends (passed, refused, Ctrl-C), so a refused
+    command still leaves only its one ``error: ...`` line. Nothing when stderr is not a terminal (a
+    log would keep every update)."""
+
+    def __init__(self, stream: Any = None):
+        self.stream = sys.stderr if stream is None else stream
+        self.shown = False
+
+    def __enter__(self) -> "SweepCheckProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")  # back to the line's start, erase to its end
+            self.stream.flush()
+            self.shown = False
+
+    def over(self, jobs: Sequence[list[str]]) -> Iterator[list[str]]:
+        """``jobs``, one by one, with the progress line updated between them."""
+        num_jobs = len(jobs)
+        try:
+            visible = num_jobs > PROGRESS_MIN_JOBS and self.stream.isatty()
+        except (AttributeError, ValueError):  # not a file, or closed
+            visible = False
+        start_s = last_s = time.monotonic()
+        for num_done, job in enumerate(jobs):
+            now_s = time.monotonic()
+            if visible and now_s - last_s >= PROGRESS_INTERVAL_S:
+                last_s = now_s
+                left_s = (now_s - start_s) / max(num_done, 1) * (num_jobs - num_done)
+                line = (f"[harness] checking the sweep's {num_jobs:,} jobs: {num_done:,} done, "
+                        f"about {_duration(left_s)} left")
+                width = shutil.get_terminal_size().columns - 1  # a wrapped line would not be erased
+                self.stream.write("\r" + line[:width] + "\x1b[K")
+                self.stream.flush()
+                self.shown = True
+            yield job
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @contextmanager
@@ -164,7 +284,8 @@ def describe_error(error: BaseException, hydra: Any, overrides: list[str], run_m
     from hydra.errors import MissingConfigException, OverrideParseException
 
     if isinstance(error, OverrideParseException):
-        return f"cannot parse override {error.override!r}: {one_line(error.message)}"
+        hint = _unreadable_character_hint(error.override, error.message)
+        return f"cannot parse override {error.override!r}: {hint or one_line(error.message)}"
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
         return _unknown_option(error.missing_cfg_file, list(error.options), hydra, overrides)
     cause = error if isinstance(error, OmegaConfBaseException) else error.__cause__
@@ -176,6 +297,65 @@ def describe_error(error: BaseException, hydra: Any, overrides: list[str], run_m
         where = line.input_line if line is not None else (full_key or "")
         return f"{where}: {one_line(str(cause))}" if where else one_line(str(cause))
     return one_line(str(error))
+
+
+_LEXER_ERROR = "LexerNoViableAltException: "
+# Characters that separate the elements of a list, dict or sweep in an override's value.
+_VALUE_DELIMITERS = ",[]{}()"
+
+
+def _unreadable_character_hint(override: str, message: str) -> Optional[str]:
+    """For a value with a character Hydra's override grammar reads only inside quotes (non-ASCII
+    letters, ``~``, ``&``, a newline, ...): what to write instead, checked with Hydra's parser --
+    the element quoted, or, for a path starting with ``~``, the home folder written out. None when
+    the parse error is of another kind, is in the key, or no rewrite parses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not message.startswith(_LEXER_ERROR + override + "\n"):
+        return None
+    # Hydra's message: the override, then a line with '^' under the character the lexer stopped at
+    caret_line = message[len(_LEXER_ERROR + override) + 1:].partition("\n")[0]
+    index = caret_line.find("^") - len(_LEXER_ERROR)
+    key, sep, _ = override.partition("=")
+    if not sep or not len(key) < index < len(override):
+        return None
+    start = max([len(key)] + [override.rfind(c, len(key) + 1, index) for c in _VALUE_DELIMITERS]) + 1
+    end = min([i for i in (override.find(c, index) for c in _VALUE_DELIMITERS) if i >= 0], default=len(override))
+    element, char = override[start:end].strip(), override[index]
+
+    def parses(text: str) -> bool:
+        try:
+            OverridesParser.create().parse_override(text)
+            return True
+        except Exception:  # noqa: BLE001 - not readable either
+            return False
+
+    def rewritten(new: str) -> str:
+        text = override[:start] + new + override[end:]
+        return text if parses(text) else ""
+
+    home = os.path.expanduser(element) if element.startswith("~/") else element
+    if home != element:  # a path in the home folder: written out, it reads the same wherever it is used
+        for new in (home, '"' + home.replace('"', '\\"') + '"'):
+            if rewritten(new):
+                return (f"Hydra's override grammar cannot read the character {char!r} here; write the home "
+                        f"folder out: {_shell_word(rewritten(new))}")
+    quoted = "'" + element + "'" if '"' in element and "'" not in element else '"' + element.replace('"', '\\"') + '"'
+    if not rewritten(quoted):
+        return None
+    return (f"Hydra's override grammar reads the character {char!r} only inside quotes; quote the value: "
+            f"{_shell_word(rewritten(quoted))}")
+
+
+def _shell_word(text: str) -> str:
+    """``text`` as one shell word on one line: POSIX quoting, or bash's ``$'...'`` when it holds
+    a newline or another unprintable character."""
+    import shlex
+
+    if text.isprintable():
+        return shlex.quote(text)
+    escapes = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return "$'" + "".join(escapes.get(c, c if c.isprintable() else f"\\x{ord(c):02x}") for c in text) + "'"
 
 
 def one_line(message: str) -> str:

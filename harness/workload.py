@@ -186,9 +186,12 @@ def resolve_workload_path(path: str) -> str:
         return str(p)
     if not p.is_absolute() and (REPO_ROOT / p).is_file():
         return str(REPO_ROOT / p)
+    if p.exists():  # a folder, a device, a pipe, a socket
+        from harness.files import file_kind
+
+        raise ConfigError(f"workload.path={path!r}: is {file_kind(p)}, not a regular file")
     where = "" if p.is_absolute() else f" (looked in {Path.cwd()} and {REPO_ROOT})"
-    what = "is a directory, not a file" if p.is_dir() else "no such file"
-    raise ConfigError(f"workload.path={path!r}: {what}{where}")
+    raise ConfigError(f"workload.path={path!r}: no such file{where}")
 
 
 def load_workload_file(path: str) -> WorkloadFile:

@@ -32,6 +32,24 @@ def run_harness():
     return run
 
 
+# Options that make a refused command's run as small as possible, should the refusal not come.
+REFUSAL_FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1",
+                "backend.num_warmup_iterations=0"]
+
+
+def run_refused(run_harness, tmp_path: Path, *args: str) -> str:
+    """Run ``python -m harness args`` that must be refused: exit 2, exactly one stderr line
+    ``error: ...``, nothing on stdout and nothing under results_dir. Returns that line."""
+    results_dir = tmp_path / "results"
+    proc = run_harness([*args, *REFUSAL_FAST, f"results_dir={results_dir}"], cwd=tmp_path / "cwd")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert proc.stdout == ""
+    assert not results_dir.exists() or not any(results_dir.rglob("*")), sorted(results_dir.rglob("*"))
+    return lines[0]
+
+
 # ---- parallel runs (pytest-xdist: the README's test command runs ``-n auto --dist loadfile``) ------
 # Test files run in parallel worker processes (whole files per worker). Two kinds of test must not
 # share the machine with others, so every test module holds an inter-process lock on MACHINE_LOCK

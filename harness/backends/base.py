@@ -25,6 +25,10 @@ class Backend(abc.ABC):
         self.cfg = cfg
         self.ctx = ctx
 
+    def check_before_planning(self) -> None:
+        """Refuse what this backend cannot run whatever the plan (a ConfigError naming it: e.g. more
+        worker processes than this machine starts), before any planning. Default: nothing."""
+
     def unsupported(self, plan: Plan) -> list[str]:
         """What in ``plan`` this backend cannot execute, one phrase each (empty: all of it).
         Default: everything is supported."""

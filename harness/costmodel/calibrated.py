@@ -74,11 +74,48 @@ FITTED_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles" / "fitted
 FORMAT_VERSION = 1
 
 
-def calibration_path(name_or_path: str) -> Path:
-    """The file ``cluster.calibration`` names: ``data/profiles/fitted/<name>.json`` for a bare name
-    (``h100``, ``a100``), else the path itself (absolute)."""
+def calibration_names() -> list[str]:
+    """The calibrations ``cluster.calibration`` takes by name (``data/profiles/fitted/<name>.json``)."""
+    return sorted(p.stem for p in FITTED_DIR.glob("*.json"))
+
+
+def _is_bare_name(name_or_path: str) -> bool:
     path = Path(name_or_path)
-    return (FITTED_DIR / f"{name_or_path}.json" if not path.suffix else path).resolve()
+    return len(path.parts) == 1 and not path.suffix
+
+
+def calibration_path(name_or_path: str) -> Path:
+    """The file ``cluster.calibration`` names, absolute: ``data/profiles/fitted/<name>.json`` for a
+    bare name of one (``h100``, ``a100``); else an existing file as it is given (with or without a
+    suffix); else, for a bare name, where a calibration of that name would be, and for a path, the
+    path itself."""
+    path = Path(name_or_path)
+    fitted = FITTED_DIR / f"{name_or_path}.json"
+    if _is_bare_name(name_or_path) and fitted.is_file():
+        return fitted.resolve()
+    if path.is_file():
+        return path.resolve()
+    return (fitted if _is_bare_name(name_or_path) else path).resolve()
+
+
+def check_calibration_file(name_or_path: str) -> Path:
+    """:func:`calibration_path` of ``name_or_path`` if it is a file; else ValueError saying which
+    names exist and that a path must name an existing file."""
+    path = calibration_path(name_or_path)
+    if path.is_file():
+        return path
+    names = ", ".join(calibration_names()) or "none"
+    if _is_bare_name(name_or_path) and not Path(name_or_path).exists():
+        raise ValueError(f"cluster.calibration={name_or_path!r}: no calibration of that name (names: {names}) "
+                         f"and no such file; give a name or the path of an existing calibration file "
+                         f"(python -m harness.calibrate fit writes data/profiles/fitted/<gpu>.json)")
+    if path.exists():
+        from harness.files import file_kind
+
+        raise ValueError(f"calibration file {path}: is {file_kind(path)}, not a file (cluster.calibration="
+                         f"{name_or_path!r})")
+    raise ValueError(f"calibration file {path}: no such file (cluster.calibration={name_or_path!r}: a name "
+                     f"({names}) or the path of an existing calibration file)")
 
 # FlashAttention-2 attention-core efficiency (fraction of dense bf16 peak), forward and backward.
 # A100: "FlashAttention-2 ... reaching 50-73% of the theoretical maximum FLOPs/s on A100" (Dao,
@@ -164,7 +201,7 @@ class Calibration:
     @classmethod
     def load(cls, name_or_path: str) -> "Calibration":
         """``h100`` / ``a100`` (``data/profiles/fitted/<name>.json``) or a path to such a file."""
-        return _load_cached(str(calibration_path(name_or_path)))
+        return _load_cached(str(check_calibration_file(name_or_path)))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<memory>") -> "Calibration":
@@ -191,7 +228,15 @@ def _load_cached(path: str) -> Calibration:
     if not p.is_file():
         raise ValueError(f"calibration file {path}: no such file (python -m harness.calibrate fit "
                          f"writes data/profiles/fitted/<gpu>.json)")
-    return Calibration.from_dict(json.loads(p.read_text()), source=str(p))
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a calibration file (not UTF-8 text: {e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not a calibration file (invalid JSON: {e.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a calibration file (a JSON object of its laws)")
+    return Calibration.from_dict(data, source=str(p))
 
 
 class CalibratedCompute:

@@ -18,11 +18,16 @@ interpolates linearly between the two nearest measured sizes of the same (op, mo
 or extrapolates from the two outermost ones (clamped at zero); with a single measured size
 it scales proportionally to ``num_tokens``. Repeated measurements of one size are averaged.
 How a looked-up time is adapted to a pipeline stage is the cost model's business.
+
+:meth:`ProfileTable.from_csv` refuses a file that is not UTF-8 CSV text, is empty, lacks a column or
+holds a bad value with a ValueError ``<path>:<line>: <what>``; :func:`load_profile_table` (the
+run's ``backend.profile_table``) turns it into a one-line :class:`~harness.errors.ConfigError`.
 """
 from __future__ import annotations
 
 import bisect
 import csv
+import io
 import os
 from typing import Optional
 
@@ -53,11 +58,30 @@ class ProfileTable:
     def from_csv(cls, path: str | os.PathLike) -> "ProfileTable":
         path = os.fspath(path)
         if not os.path.isfile(path):
+            if os.path.exists(path):  # a directory, a device, a pipe
+                from harness.files import file_kind
+
+                raise ValueError(f"profile table {path}: is {file_kind(path)}, not a file")
             raise ValueError(f"profile table {path}: no such file")
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); a profile table is a "
+                             f"CSV file with the header {','.join(COLUMNS)}") from None
+        if "\0" in text:
+            line = text.count("\n", 0, text.index("\0")) + 1
+            raise ValueError(f"{path}:{line}: a NUL byte (a binary file?); a profile table is a CSV file with the "
+                             f"header {','.join(COLUMNS)}")
         rows: dict[_Key, dict[float, list[float]]] = {}
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = [c.strip() for c in reader.fieldnames or []]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
+            if reader.fieldnames is None:
+                raise ValueError(f"{path}:1: empty file; a profile table is a CSV file with the header "
+                                 f"{','.join(COLUMNS)}")
+            header = [c.strip() for c in reader.fieldnames]
             missing = [c for c in COLUMNS if c not in header]
             if missing:
                 raise ValueError(
@@ -68,6 +92,8 @@ class ProfileTable:
             for row in reader:
                 key, num_tokens, time_s = _parse_row(row, path, reader.line_num)
                 rows.setdefault(key, {}).setdefault(num_tokens, []).append(time_s)
+        except csv.Error as e:
+            raise ValueError(f"{path}:{reader.line_num}: not CSV ({e})") from None
         return cls(rows, source=path)
 
     def lookup(self, op: str, model_name: str, tp: int, num_tokens: float) -> Optional[float]:
@@ -87,6 +113,19 @@ class ProfileTable:
         i = min(max(i, 1), len(xs) - 1)  # segment [i-1, i]; the outermost one outside
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(0.0, y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0))
+
+
+def load_profile_table(path: str) -> ProfileTable:
+    """The table ``backend.profile_table`` names; a file that is missing or malformed raises
+    :class:`~harness.errors.ConfigError`, one line naming the file and, where there is one, the line."""
+    from harness.errors import ConfigError
+
+    try:
+        return ProfileTable.from_csv(path)
+    except ValueError as e:
+        message = str(e).removeprefix(f"profile table {path}: ")
+        raise ConfigError(f"backend.profile_table={path!r}: {message}" if message != str(e)
+                          else f"backend.profile_table: {e}") from None
 
 
 def _parse_row(row: dict, path: str, line: int) -> tuple[_Key, float, float]:

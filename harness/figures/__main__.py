@@ -5,7 +5,8 @@
 ``all`` is the paper's figures; the harness's own figures (``learning_curves``) are drawn by name.
 
 ``--run`` first runs each figure's experiment, ``python -m harness +experiment=<experiment>
-results_dir=DIR [overrides]`` (finished runs are skipped, so re-running is cheap). Figure 8 reads
+results_dir=DIR [overrides]`` (finished runs are skipped, so re-running is cheap); each run prints
+one line when it ends. Figure 8 reads
 Figure 7's RLHFuse-Base and RLHFuse runs: its experiment, ``fig8_breakdown``, runs only those two
 systems into ``DIR/fig7_throughput``.
 
@@ -55,8 +56,11 @@ def experiment_of(name: str) -> str:
 
 
 def run_experiment(experiment: str, results_dir: str, overrides: list[str] = ()) -> int:
-    """``python -m harness +experiment=<experiment> results_dir=<results_dir> <overrides>``; its exit code."""
-    cmd = [sys.executable, "-m", "harness", f"+experiment={experiment}", f"results_dir={results_dir}", *overrides]
+    """``python -m harness +experiment=<experiment> results_dir=<results_dir> <overrides>``, each run
+    printing one line when it ends (``logger.summary=line``: its folder, samples/s and step time,
+    not its summary table); its exit code."""
+    cmd = [sys.executable, "-m", "harness", f"+experiment={experiment}", f"results_dir={results_dir}",
+           "logger.summary=line", *overrides]
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd).returncode
 

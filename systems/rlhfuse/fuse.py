@@ -18,12 +18,15 @@ reports what it proves: a lower bound on the makespan and on the peak at that ma
 return a schedule up to ``(1 + FRAC)`` x the makespan phase's best. With ``--json`` it prints one JSON object
 (makespan, lower bound, their ratio, peak memory and its ratio to the serial baseline's, the
 makespan phase's peak, ...); otherwise a short table and the rank x step grid. ``--out`` writes
-the schedule CSV (``harness.schedule.to_csv``). Bad input exits with status 2 and a message.
+the schedule CSV (``harness.schedule.to_csv``). Bad input (a count below 1, a time or an amount
+that is not a finite positive number, ...) ends with one line ``error: ...`` naming the option and
+exit status 2; Ctrl-C with one line and exit status 130.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from math import lcm
 
@@ -32,8 +35,16 @@ from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedul
 from systems.rlhfuse.intra.config import DEFAULT_MAX_STEPS, FusedSearchConfig
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad input ends with one line ``error: ...`` and exit code 2 (argparse's own errors too, without
+    the usage block)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m systems.rlhfuse.fuse",
+    p = _OneLineParser(prog="python -m systems.rlhfuse.fuse",
                                 description="Search a fused two-model pipeline schedule "
                                             "(RLHFuse section 5).")
     p.add_argument("--stages", nargs=2, type=int, required=True, metavar=("N1", "N2"))
@@ -77,8 +88,12 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.bwd is not None:
         positive["--bwd"] = args.bwd
     for flag, values in positive.items():
-        if any(v <= 0 for v in values):
-            p.error(f"{flag} values must be > 0, got {' '.join(f'{v:g}' for v in values)}")
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            p.error(f"{flag} values must be finite and > 0, got {' '.join(f'{v:g}' for v in values)}")
+    for flag, value in (("--mem-cap", args.mem_cap), ("--p2p", args.p2p), ("--time-limit", args.time_limit),
+                        ("--exact-effort", args.exact_effort), ("--makespan-slack", args.makespan_slack)):
+        if value is not None and not math.isfinite(value):
+            p.error(f"{flag} must be a finite number, got {value:g}")
     for flag, value, ok in (("--mem-cap", args.mem_cap, args.mem_cap is None or args.mem_cap > 0),
                             ("--p2p", args.p2p, args.p2p >= 0),
                             ("--time-limit", args.time_limit, args.time_limit is None or args.time_limit > 0),
@@ -145,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                    exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack)
         result = search_fused_schedule(pipes, costs, args.mem_cap, config)
     except ValueError as err:
-        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if args.out:
         to_csv(result.schedule, args.out)
@@ -162,4 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted: no schedule was written", file=sys.stderr)
+        sys.exit(130)

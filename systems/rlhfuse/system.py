@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from harness.errors import ConfigError
+from harness.option_effects import effective_when
 from harness.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
                           WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan, needs_movement
@@ -54,6 +55,9 @@ from systems.rlhfuse.intra.config import FusedSearchConfig
 
 # Greedy policies used to score candidate fused layouts (the chosen layout's search tries all).
 CANDIDATE_POLICIES = ("larger", "fifo")
+# Options of long-tail migration: set without inter-stage fusion they are refused (harness/option_effects.py).
+INTER_STAGE_ONLY = effective_when(("system.inter_stage", "==", True),
+                                  why="long-tail migration is part of inter-stage fusion")
 
 
 @dataclass
@@ -62,12 +66,15 @@ class RLHFuseConfig(RLHFuseBaseConfig):
     impl: str = "systems.rlhfuse.system.RLHFuse"
     inter_stage: bool = True  # section 4: sample streaming + long-tail migration
     intra_stage: bool = True  # section 5: fused actor+critic pipeline schedule
-    migration_frac: Optional[float] = None  # R_t / batch; None = chosen by simulation over 5%..95%
-    migration_transfer: str = "kv"  # kv | tokens (re-prefill on arrival)
+    # R_t / batch; None = chosen by simulation over 5%..95%
+    migration_frac: Optional[float] = field(default=None, metadata=INTER_STAGE_ONLY)
+    migration_transfer: str = field(default="kv", metadata=INTER_STAGE_ONLY)  # kv | tokens (re-prefill on arrival)
     # the fused schedule's search (systems/rlhfuse/intra/config.py): a step budget by default (same
     # config and seed => same plan); a wall-clock limit (its time_limit_s or the run's
     # planning_budget_s) replaces it when set
-    fused_search: FusedSearchConfig = field(default_factory=lambda: FusedSearchConfig(max_steps=20000))
+    fused_search: FusedSearchConfig = field(default_factory=lambda: FusedSearchConfig(max_steps=20000),
+                                            metadata=effective_when(("system.intra_stage", "==", True),
+                                                                    why="the fused schedule is intra-stage fusion"))
 
 
 @dataclass
@@ -96,9 +103,6 @@ class RLHFuse(System):
             cfg.fused_search.check()
         except ValueError as e:
             raise ConfigError(f"system.fused_search.{e}") from None
-        if cfg.migration_frac is not None and not cfg.inter_stage:
-            raise ConfigError(f"system.migration_frac={cfg.migration_frac} has no effect with system.inter_stage=false "
-                              f"(long-tail migration is part of inter-stage fusion); drop it or enable inter_stage")
 
     def plan(self, ctx: PlanContext) -> Plan:
         self.check_config()

@@ -175,9 +175,9 @@ def test_plan_round_trips(vllm_run):
 
 def test_cli_run(run_harness, tmp_path):
     proc = run_harness(ONE_NODE + ["model=tiny2", "workload=tiny", "logger=none", "logger.progress_bar=false",
-                                   "backend.num_iterations=2", f"results_dir={tmp_path}"], cwd=tmp_path)
+                                   "backend.num_iterations=2", f"results_dir={tmp_path / 'results'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (summary,) = tmp_path.glob("default/openrlhf*/tiny2/seed0/summary.json")
+    (summary,) = (tmp_path / "results").glob("default/openrlhf*/tiny2/seed0/summary.json")
     data = json.loads(summary.read_text())
     assert data["metrics"][mk.timing_key("param_sync")] > 0
     assert data["info"]["notes/pools/gen"] == "6..7 (2 devices)"
@@ -185,7 +185,7 @@ def test_cli_run(run_harness, tmp_path):
 
 def test_cli_refuses_a_split_that_does_not_divide_the_cluster(run_harness, tmp_path):
     proc = run_harness(ONE_NODE + ["model=tiny2", "workload=tiny", "system.split.gen=1", "logger=none",
-                                   f"results_dir={tmp_path}"],
+                                   f"results_dir={tmp_path / 'results'}"],
                        cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()

@@ -16,32 +16,19 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from harness.discovery import discover_systems
 from harness.errors import ConfigError, OverrideError, PlanError
 from harness.validation import check_command_line
+from tests.conftest import run_refused
 
 FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]
 TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
 # Placements whose default needs more devices than 4: OpenRLHF's ref:reward:actor:critic:vLLM =
 # 1:1:2:2:2 is 8 units of whole GPUs; on 4, one GPU per model and no vLLM pool (its "ray" mode).
 FOUR_DEVICE_PLACEMENTS = {"openrlhf": ["system.split.actor=1", "system.split.critic=1", "system.split.gen=0"]}
-
-
-def run_refused(run_harness, tmp_path: Path, *args: str):
-    """Run ``python -m harness args`` that must be refused: exit 2, exactly one stderr line
-    ``error: ...``, nothing on stdout and nothing under results_dir. Returns that line."""
-    results_dir = tmp_path / "results"
-    proc = run_harness([*args, *FAST, f"results_dir={results_dir}"], cwd=tmp_path / "cwd")
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert proc.stdout == ""
-    assert not results_dir.exists() or not any(results_dir.rglob("*")), sorted(results_dir.rglob("*"))
-    return lines[0]
 
 
 # ---- unknown keys and options: subprocesses for the exit code -----------------------------------------

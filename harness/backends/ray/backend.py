@@ -19,8 +19,10 @@ once, even while its peers are blocked in a collective with it; the driver then 
 
 Before Ray or any worker starts, :meth:`RayBackend.check` refuses, with one clear error, conflicting
 options (a ConfigError: :func:`~harness.backends.ray.options.option_conflicts`, and a ZeRO-3 engine
-that cannot run a home layout, :func:`~harness.backends.ray.options.zero3_engine`) and plan features
-this backend does not execute (a PlanError).
+that cannot run a home layout, :func:`~harness.backends.ray.options.zero3_engine`), more CPU workers
+than the embedded local Ray starts on this machine
+(:func:`~harness.backends.ray.cluster.embedded_worker_cap`), and plan features this backend does
+not execute (a PlanError).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from typing import Any
 from harness.backends.base import Backend
 from harness.backends.ray.calls import WorkerFailedError, WorkerGroup
 from harness.real.checkpoints import describe, initial_state, resolve_checkpoints
-from harness.backends.ray.cluster import Cluster
+from harness.backends.ray.cluster import Cluster, embedded_workers_problem
 from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.homes import ROLES, ModelHomes, home_task, role_seeds
 from harness.backends.ray.options import option_conflicts, unsupported_features, zero3_engine
@@ -77,6 +79,14 @@ class RayBackend(Backend):
 
         return unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
 
+    def check_before_planning(self) -> None:
+        """Refuse more CPU workers than the embedded local Ray starts on this machine
+        (:func:`~harness.backends.ray.cluster.embedded_worker_cap`), before planning."""
+        if self.address is None and self.cluster.device() == "cpu":
+            problem = embedded_workers_problem(self.ctx.num_devices)
+            if problem:
+                raise ConfigError(f"backend=ray cannot run these options: {problem}")
+
     def check(self, plan: Plan) -> None:
         """Refuse, before Ray or any worker starts: conflicting options and ZeRO-3 engines
         (ConfigError, :meth:`check_options`), then plan features this backend cannot execute
@@ -104,6 +114,8 @@ class RayBackend(Backend):
 
             cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
         problems += option_conflicts(self.opts, device, n, cuda_devices)
+        if device == "cpu" and self.address is None:  # one process per device on this machine
+            problems += [p for p in [embedded_workers_problem(n)] if p]
         if self.opts.generation_engine == "vllm":  # vLLM must be importable where the workers run: here
             from harness.real.vllm_engine import vllm_available
 

@@ -6,15 +6,50 @@ the machine) or joins the cluster ``backend.address`` names; it then reserves on
 (1 GPU, or 1 logical CPU on a CPU run) in a placement group packed onto as few nodes as possible, in
 rank order, so consecutive ranks (tp groups) share a node, and creates one
 :class:`~harness.backends.ray.worker.DeviceWorker` per bundle. A cluster without the devices is
-refused before any worker starts.
+refused before any worker starts, and so is an embedded Ray with more CPU workers than
+:func:`embedded_worker_cap` allows on this machine.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from harness.backends.ray.calls import WorkerFailedError, WorkerGroup
 from harness.errors import ConfigError
+
+
+# CPU worker processes the embedded local Ray may start per CPU core of this machine. Each worker is a
+# Python process with torch (about 0.3 GB before any model) that takes part in every collective of
+# its task's mesh, so past a few per core every collective waits on time-sliced peers; 16 workers
+# on 2 cores (a tiny model) ran an iteration in about 2.5 minutes.
+EMBEDDED_WORKERS_PER_CPU = 8
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def embedded_worker_cap() -> int:
+    """The most CPU workers the embedded local Ray starts on this machine."""
+    return EMBEDDED_WORKERS_PER_CPU * usable_cpus()
+
+
+def embedded_workers_problem(num_workers: int) -> str | None:
+    """Why the embedded local Ray should not start ``num_workers`` CPU worker processes here (one
+    phrase), or None."""
+    cap = embedded_worker_cap()
+    if num_workers <= cap:
+        return None
+    return (f"the embedded local Ray (backend.address null) would start {num_workers} CPU worker processes "
+            f"(one per device: cluster.num_nodes x cluster.gpus_per_node) on this machine, but it starts at most "
+            f"{cap} ({EMBEDDED_WORKERS_PER_CPU} per CPU core, {usable_cpus()} cores); use fewer devices, or a Ray "
+            f"cluster with {num_workers} CPUs (`ray start --head --num-cpus=...` on its nodes) and "
+            f"backend.address=auto (or <host>:<port>)")
 
 
 class Cluster:

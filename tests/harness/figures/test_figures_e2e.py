@@ -54,9 +54,10 @@ def _ran_tiny(root, name) -> None:
     experiment = {"fig8_breakdown": "fig7_throughput"}.get(name, name)
     df = results.load_results(root, experiment)
     assert set(df["model"]) == {"tiny"}, df[["system", "model"]]
-    expected = {"fig2_lengths": 2, "fig7_throughput": 7, "fig8_breakdown": 2, "fig9_migration": 2,
-                "learning_curves": 1}[name]
-    assert len(df) == expected, df[["system", "variant"]]
+    assert len(df) == {**RUN_COUNTS, "learning_curves": 1}[name], df[["system", "variant"]]
+
+
+RUN_COUNTS = {"fig2_lengths": 2, "fig7_throughput": 7, "fig8_breakdown": 2, "fig9_migration": 2}  # of the tiny sweeps
 
 
 def _draw_tiny(tmp_path, name, capfd):
@@ -75,6 +76,10 @@ def _draw_tiny(tmp_path, name, capfd):
         assert path.is_file() and path.stat().st_size > 1000, path
     _ran_tiny(root, name)
     assert f"+experiment={name} results_dir={root}" in out  # fig8 runs its own experiment
+    if name in RUN_COUNTS:  # each run one line, not its summary table
+        lines = out.splitlines()
+        assert len([line for line in lines if line.startswith("run: ")]) == RUN_COUNTS[name], out[-2000:]
+        assert not [line for line in lines if line.startswith(" ")], out[-2000:]
 
 
 @pytest.mark.parametrize("name", FIGURES)

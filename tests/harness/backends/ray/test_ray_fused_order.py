@@ -33,7 +33,7 @@ def _args(num_stages: int, fused: bool, matching: str = "in_order") -> list[str]
             f"model.actor.num_layers={num_stages}", f"model.critic.num_layers={num_stages}",
             "workload.micro_batch_size=1", "workload.mini_batch_size=8", "system.inter_stage=false",
             f"system.layouts.update_actor={layout}", f"system.layouts.update_critic={layout}",
-            "system.fused_search.max_steps=2000", f"system.intra_stage={str(fused).lower()}"]
+            f"system.intra_stage={str(fused).lower()}"] + (["system.fused_search.max_steps=2000"] if fused else [])
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from harness.schedule import from_csv, validate
+from systems.rlhfuse.fuse import main
 from systems.rlhfuse.intra import fused_pipes
 
 
@@ -69,3 +70,29 @@ def test_bad_input_exits_2(args, message):
     proc = _run(*args, "--max-steps", 10)
     assert proc.returncode == 2
     assert message in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+
+
+REQUIRED = {"--stages": ["2", "2"], "--microbatches": ["2", "2"], "--fwd": ["1", "1"], "--mem": ["1", "1"]}
+
+
+@pytest.mark.parametrize("option,values", [
+    ("--fwd", ["nan", "1"]), ("--fwd", ["1", "inf"]), ("--bwd", ["nan", "2"]), ("--mem", ["1", "inf"]),
+    ("--mem-cap", ["inf"]), ("--p2p", ["nan"]), ("--time-limit", ["inf"]), ("--exact-effort", ["nan"]),
+    ("--makespan-slack", ["nan"]),
+])
+def test_non_finite_numbers_are_refused_naming_the_option(option, values, capsys):
+    args = {**REQUIRED, "--max-steps": ["10"], option: values}
+    with pytest.raises(SystemExit) as refused:
+        main([word for key, value in args.items() for word in (key, *value)])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {option} "), err
+    assert "finite" in err
+
+
+def test_nan_forward_time_as_reported_is_one_line():
+    proc = _run("--stages", 2, 2, "--microbatches", 2, 2, "--fwd", "nan", 1, "--mem", 1, 1)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: --fwd values must be finite and > 0, got nan 1 "
+                                        "(python -m systems.rlhfuse.fuse --help lists the options)"]
