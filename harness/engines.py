@@ -45,6 +45,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from harness.errors import ConfigError, PlanError
+from harness.files import file_kind
 from harness.option_effects import effective_when
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,8 +193,6 @@ def _engine_file(kind: str, name_or_path: str) -> Path:
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             if path.exists():  # a directory, a device, a pipe
-                from harness.files import file_kind
-
                 raise ConfigError(f"engine.{kind}={name_or_path}: is {file_kind(path)}, not a file")
             raise ConfigError(f"engine.{kind}={name_or_path}: no such file")
         return path
@@ -221,8 +220,8 @@ def load_engine(kind: str, name_or_path: str) -> GenerationEngine | TrainingEngi
                           f"allowed: {sorted(allowed)}")
     hints = get_type_hints(cls)
     for key, value in data.items():
-        expected = _expected_type(hints[key])
-        if expected is not None and not _has_type(value, expected):
+        expected = _type_problem(value, hints[key])
+        if expected is not None:
             raise ConfigError(f"{path}:{lines.get(key, 1)}: {key}={value!r} must be {expected}")
     return cls(**data)
 
@@ -260,30 +259,27 @@ def _read_engine_yaml(path: Path, kind: str) -> tuple[dict[str, Any], dict[str, 
     return data, lines
 
 
-def _expected_type(hint: Any) -> Optional[str]:
-    """'a string', 'an integer', 'a number' or 'true or false' for an engine field's type (with
-    ', or null' for an optional one); None for other types."""
-    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
-    optional = type(None) in getattr(hint, "__args__", ())
-    base = args[0] if optional and len(args) == 1 else hint
-    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-    if base not in names:
+# The engine fields' value types that are checked: how each is named, and the Python types it takes.
+_CHECKED_TYPES = {str: ("a string", (str,)), int: ("an integer", (int,)), float: ("a number", (int, float)),
+                  bool: ("true or false", (bool,))}
+
+
+def _type_problem(value: Any, hint: Any) -> Optional[str]:
+    """What ``value`` must be for an engine field of type ``hint`` ('a string', 'an integer', 'a
+    number', 'true or false', with ' or null' for an optional field) when it is not that; None when
+    it is, or when the field's type is not one that is checked."""
+    args = getattr(hint, "__args__", ())
+    optional = type(None) in args
+    others = [a for a in args if a is not type(None)]
+    base = others[0] if optional and len(others) == 1 else hint
+    if base not in _CHECKED_TYPES:
         return None
-    return names[base] + (" or null" if optional else "")
-
-
-def _has_type(value: Any, expected: str) -> bool:
+    name, types = _CHECKED_TYPES[base]
     if value is None:
-        return expected.endswith(" or null")
-    if expected.startswith("true or false"):
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    if expected.startswith("a string"):
-        return isinstance(value, str)
-    if expected.startswith("an integer"):
-        return isinstance(value, int)
-    return isinstance(value, (int, float))
+        ok = optional
+    else:  # a bool is an int to Python, never a number here
+        ok = isinstance(value, types) and (base is bool or not isinstance(value, bool))
+    return None if ok else name + (" or null" if optional else "")
 
 
 def fitted_table(path: Path = FITTED_PATH) -> dict[str, dict[str, float]]:

@@ -63,6 +63,7 @@ from typing import Any
 from harness import metrics as mk
 from harness import results
 from harness.errors import interrupt_is_one_line
+from harness.files import file_kind
 from harness.figures import style
 
 DEFAULT_BASELINE = "deepspeed_chat"
@@ -105,8 +106,6 @@ def find_experiments(paths: list[str | Path]) -> list[Experiment]:
         folder = Path(arg)
         if not folder.is_dir():
             if folder.exists():
-                from harness.files import file_kind
-
                 raise ReportError(f"{arg}: is {file_kind(folder)}, not a results folder (expected "
                                   f"results/<experiment>)")
             raise ReportError(f"{arg}: no such folder (expected results/<experiment>)")

@@ -46,6 +46,7 @@ import numpy as np
 
 from harness.consistency import check_output_file
 from harness.errors import ConfigError, HarnessError, interrupt_is_one_line
+from harness.files import file_kind
 
 # replay metric -> the simulator summary's key (harness.metrics)
 METRICS = {
@@ -78,8 +79,6 @@ def read_replay(path: Path) -> list[ReplayPoint]:
     """The points of a replay file; ConfigError naming the line for anything malformed."""
     if not path.is_file():
         if path.exists():
-            from harness.files import file_kind
-
             raise ConfigError(f"replay file {path} is {file_kind(path)}, not a file")
         raise ConfigError(f"replay file {path} does not exist")
     points, seen = [], set()

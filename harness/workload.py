@@ -27,6 +27,7 @@ import numpy as np
 
 from harness.config import LengthDistConfig, WorkloadConfig
 from harness.errors import ConfigError
+from harness.files import file_kind
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,6 @@ def resolve_workload_path(path: str) -> str:
     if not p.is_absolute() and (REPO_ROOT / p).is_file():
         return str(REPO_ROOT / p)
     if p.exists():  # a folder, a device, a pipe, a socket
-        from harness.files import file_kind
-
         raise ConfigError(f"workload.path={path!r}: is {file_kind(p)}, not a regular file")
     where = "" if p.is_absolute() else f" (looked in {Path.cwd()} and {REPO_ROOT})"
     raise ConfigError(f"workload.path={path!r}: no such file{where}")

@@ -69,6 +69,7 @@ import numpy as np
 from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, _no_comm
 from harness.costmodel.llama import BF16_BYTES, ModelDims
 from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
+from harness.files import file_kind
 
 FITTED_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles" / "fitted"
 FORMAT_VERSION = 1
@@ -110,8 +111,6 @@ def check_calibration_file(name_or_path: str) -> Path:
                          f"and no such file; give a name or the path of an existing calibration file "
                          f"(python -m harness.calibrate fit writes data/profiles/fitted/<gpu>.json)")
     if path.exists():
-        from harness.files import file_kind
-
         raise ValueError(f"calibration file {path}: is {file_kind(path)}, not a file (cluster.calibration="
                          f"{name_or_path!r})")
     raise ValueError(f"calibration file {path}: no such file (cluster.calibration={name_or_path!r}: a name "

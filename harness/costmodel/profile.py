@@ -31,6 +31,8 @@ import io
 import os
 from typing import Optional
 
+from harness.files import file_kind
+
 OPS = ("forward", "backward", "prefill", "decode_step", "optimizer_step")
 COLUMNS = ("op", "model", "tp", "num_tokens", "time_s")
 
@@ -59,8 +61,6 @@ class ProfileTable:
         path = os.fspath(path)
         if not os.path.isfile(path):
             if os.path.exists(path):  # a directory, a device, a pipe
-                from harness.files import file_kind
-
                 raise ValueError(f"profile table {path}: is {file_kind(path)}, not a file")
             raise ValueError(f"profile table {path}: no such file")
         with open(path, "rb") as f:
