@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.config import SystemConfig
-from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
+from harness.core.config import SystemConfig
+from harness.core.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import simulated_makespan_s
 from harness.planning.strategies import candidate_strategies, parse_layout, search

@@ -15,7 +15,7 @@ What the original does, and what we reproduce as plan data:
 - **Sequential stages**: generation, then ref, reward and critic inference, then actor training,
   then critic training, one after another on all GPUs. Reproduced (every task uses every device,
   so the simulator serialises them).
-- **Engines of its reference implementation** (:mod:`harness.engines`): generation on the hybrid
+- **Engines of its reference implementation** (:mod:`harness.core.engines`): generation on the hybrid
   engine (``conf/engine/generation/ds_hybrid.yaml``: DeepSpeed's fused inference kernels under Hugging
   Face ``generate``, an eager Python loop, rounds synced across ranks under ZeRO-3, prompts padded to
   the maximum and later passes padded to the round's longest sequence) and training on DeepSpeed ZeRO
@@ -56,9 +56,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.config import SystemConfig, WorkloadConfig
+from harness.core.config import SystemConfig, WorkloadConfig
 from harness.errors import ConfigError, PlanError
-from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
+from harness.core.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.strategies import largest_tp
 from harness.planning.workflow import check_layout_fits, full_mesh
@@ -81,7 +81,7 @@ class DeepSpeedChatConfig(SystemConfig):
     actor_zero_stage: Optional[int] = None
     critic_zero_stage: Optional[int] = None
     offload_reference_model: bool = False  # --offload_reference_model: ref weights in host memory
-    # How its reference implementation runs the work (harness/engines.py, conf/engine/): the hybrid
+    # How its reference implementation runs the work (harness/core/engines.py, conf/engine/): the hybrid
     # engine (static rounds, eager fused kernels, synced under ZeRO-3, padded) and DeepSpeed ZeRO.
     generation_engine: str = "ds_hybrid"
     training_engine: str = "deepspeed"

@@ -52,15 +52,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-from harness.config import SystemConfig
+from harness.core.config import SystemConfig
 from harness.errors import PlanError
-from harness.option_effects import Condition, effective_when
-from harness.plan import GenerationPolicy, MovementKind, Plan
+from harness.core.option_effects import Condition, effective_when
+from harness.core.plan import GenerationPolicy, MovementKind, Plan
 from harness.planning.estimate import simulated_makespan_s
 from harness.planning.layout_search import PoolLayoutSearch
 from harness.planning.strategies import SearchResult
 from harness.system import PlanContext, System, register_system_config
-from harness.workload import make_batch
+from harness.core.workload import make_batch
 from baselines.interleaved import pool_plan, split_cluster
 
 SPLIT_SEARCHES = ("refine", "exhaustive")

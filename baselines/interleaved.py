@@ -47,10 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.config import SystemConfig
+from harness.core.config import SystemConfig
 from harness.costmodel.llama import num_params
 from harness.errors import PlanError
-from harness.plan import Allocation, GenerationPolicy, Plan
+from harness.core.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.layout_search import PoolLayoutSearch, checked, search_notes
 from harness.planning.memory import MemoryNeed

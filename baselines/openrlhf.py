@@ -44,11 +44,11 @@ What we reproduce, as plan data:
   longest sequence for the later passes (``generate`` returns one padded tensor). ``gen`` has
   ``update_actor``'s allocation, so the plan assembler emits no weight movement: under ZeRO-1/2 the
   ranks hold full weights; under ZeRO-3 the shards are gathered layer by layer at every decode step
-  (the generation engine's cost, ``harness/engines.py``) and rounds are synced
+  (the generation engine's cost, ``harness/core/engines.py``) and rounds are synced
   (``generate(synced_gpus=True)``). ZeRO-3 without vLLM is a modelling extension: OpenRLHF v0.2
   refused it (``assert args.zero_stage != 3 or args.vllm_num_engines > 0`` in
   ``examples/train_ppo_ray.py``).
-- **Engines** (``harness/engines.py``, ``conf/engine/``): ``system.generation_engine`` is ``vllm``
+- **Engines** (``harness/core/engines.py``, ``conf/engine/``): ``system.generation_engine`` is ``vllm``
   with a gen pool and ``hf_generate_fa2`` (HF generate with flash-attention 2: OpenRLHF's scripts pass
   ``--flash_attn``) with ``gen: 0`` (derived from the split in the YAML; a run's
   ``engine.generation=...`` overrides it, and an engine that contradicts the split is refused);
@@ -85,10 +85,10 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from harness.config import SystemConfig
+from harness.core.config import SystemConfig
 from harness.errors import ConfigError, PlanError, PlanMemoryError
-from harness.option_effects import Condition, effective_when
-from harness.plan import Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan
+from harness.core.option_effects import Condition, effective_when
+from harness.core.plan import Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.memory import check_plan_memory
 from harness.system import PlanContext, System, register_system_config
@@ -108,7 +108,7 @@ class Split:
     gen: int = 2  # vLLM engines' pool; 0 = no vLLM, the actor generates on its own pool
 
 
-# Options of the vLLM engines: set without a vLLM pool they are refused (harness/option_effects.py).
+# Options of the vLLM engines: set without a vLLM pool they are refused (harness/core/option_effects.py).
 VLLM_ONLY = effective_when(Condition("system.split.gen", "!=", 0, says="system.split.gen > 0"),
                            why="vLLM engines run on the gen pool; without one the actor generates in place")
 
@@ -127,7 +127,7 @@ class OpenRLHFConfig(SystemConfig):
     mini_batch_size: Optional[int] = None  # --train_batch_size; None = workload.mini_batch_size
     micro_batch_size: Optional[int] = None  # --micro_train_batch_size (per GPU); None = workload.micro_batch_size
     generation_batch_size: int = 16  # --micro_rollout_batch_size (per actor rank; the benchmark's 7B "gen mbs")
-    # Execution engines (harness/engines.py, conf/engine/): vLLM, or with system.split.gen=0 Hugging Face
+    # Execution engines (harness/core/engines.py, conf/engine/): vLLM, or with system.split.gen=0 Hugging Face
     # generate with flash-attention 2 on the actor (the YAML derives it from the split); DeepSpeed ZeRO
     # for every model.
     generation_engine: str = "vllm"
@@ -253,7 +253,7 @@ class OpenRLHF(System):
         with a vLLM pool) and ``system.zero_stage`` (3: actor and critic sharded, and ref and reward
         with them) that give a plan that is valid and fits in device memory: the fewest changes,
         then the fewest GPUs per engine; None if none does."""
-        from harness.consistency import check_tensor_parallel
+        from harness.planning.strategies import check_tensor_parallel
         from harness.errors import HarnessError
 
         cfg = self.cfg

@@ -45,11 +45,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from harness.config import SystemConfig
+from harness.core.config import SystemConfig
 from harness.errors import PlanError
-from harness.interpreter import Unit
-from harness.option_effects import effective_when
-from harness.plan import Allocation, GenerationPolicy, Plan, ParallelStrategy, TaskKind
+from harness.core.units import Unit
+from harness.core.option_effects import effective_when
+from harness.core.plan import Allocation, GenerationPolicy, Plan, ParallelStrategy, TaskKind
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import generation_s, inference_s, representative_batch, simulated_makespan_s, training_s
 from harness.planning.memory import check_plan_memory
@@ -60,7 +60,7 @@ from harness.planning.workflow import PPO_TASKS, single_pipe_stage
 from harness.system import PlanContext, System, register_system_config
 
 CALLS = tuple(PPO_TASKS)  # gen, ref, reward, values, update_actor, update_critic
-# Options of the search: set with system.search=false they are refused (harness/option_effects.py).
+# Options of the search: set with system.search=false they are refused (harness/core/option_effects.py).
 SEARCH_ONLY = effective_when(("system.search", "==", True), why="an option of the layout search")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.testing import simulate_iterations
 
 ROWS = [mk.SAMPLES_PER_S, mk.STEP_TIME, mk.GEN_INFERENCE_TIME] + [mk.timing_key(t) for t in mk.TIMED_TASKS] + \

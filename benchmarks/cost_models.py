@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.errors import HarnessError
 from harness.planning.estimate import simulate_plan
 from harness.testing import plan_for

@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from cost_models import BUDGETS, STAGES, SYSTEMS, side_by_side  # the sibling benchmark (same directory)
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.planning.estimate import simulate_plan
 from harness.testing import plan_for
 

@@ -57,8 +57,8 @@ from dataclasses import replace
 
 from omegaconf import OmegaConf
 
-from harness.app import compose
-from harness.runner import build_context
+from harness.cli.app import compose
+from harness.run.runner import build_context
 from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
 from systems.rlhfuse.intra import FusedSearchConfig, MemoryParams, search_fused_schedule
 from systems.rlhfuse.intra.config import (DEFAULT_GROW_MAKESPAN_WEIGHTS, DEFAULT_MEMORY_CAP_STEPS,

@@ -38,13 +38,13 @@ import json, sys, time
 from hydra.utils import get_class
 from harness.errors import PlanError
 from harness.planning.estimate import simulate_plan
-from harness.runner import build_context
+from harness.run.runner import build_context
 from harness.testing import run_config
 system, model, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
 run = run_config([f"+system={system}", f"model={model}", "logger=none", *extra])
 ctx = build_context(run)
 planner = get_class(run.system.impl)(run.system)
-try:  # plan as the tree's runner does (harness.runner.make_plan), collector policy included
+try:  # plan as the tree's runner does (harness.run.runner.make_plan), collector policy included
     from harness.planning.collector import full_collections_deferred as policy
 except ImportError:  # a tree from before the policy
     from contextlib import nullcontext as policy

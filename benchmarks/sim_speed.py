@@ -14,12 +14,12 @@ import time
 
 from omegaconf import OmegaConf
 
-from harness import metrics as mk
-from harness.app import compose
-from harness.runner import build_context
+from harness.core import metrics as mk
+from harness.cli.app import compose
+from harness.run.runner import build_context
 from harness.backends.sim import SimBackend
 from harness.planning.collector import full_collections_deferred
-from harness.workload import make_batch
+from harness.core.workload import make_batch
 from hydra.utils import get_class
 
 

@@ -37,13 +37,13 @@ import time
 
 import numpy as np
 
-from harness import metrics as mk
-from harness.plan import Plan
+from harness.core import metrics as mk
+from harness.core.plan import Plan
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import simulate_iteration
 from harness.testing import plan_for
-from harness.trace import StepTrace
-from harness.workload import make_batch
+from harness.core.trace import StepTrace
+from harness.core.workload import make_batch
 
 LONG_TAIL = ["workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "workload.global_batch_size=16",
              "workload.output_len.sigma=1.0", "workload.max_gen_len=24", "workload.output_len.max=24", "seed=1"]

@@ -1,9 +1,9 @@
-"""``python -m harness``: see :mod:`harness.app`. Ctrl-C while the harness is still being imported
+"""``python -m harness``: see :mod:`harness.cli.app`. Ctrl-C while the harness is still being imported
 ends it as it does later: one line, exit code 130."""
 import sys
 
 try:
-    from harness.app import run
+    from harness.cli.app import run
 except KeyboardInterrupt:
     print("interrupted: nothing was run", file=sys.stderr)
     sys.exit(130)

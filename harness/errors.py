@@ -2,7 +2,7 @@
 
 - :class:`ConfigError`: a config value that cannot work (e.g. a layout larger than the cluster).
 - :class:`OverrideError`: a command-line override naming a key or group option that does not exist,
-  or a value Hydra cannot parse or convert (:mod:`harness.validation`).
+  or a value Hydra cannot parse or convert (:mod:`harness.checks.command_line`).
 - :class:`PlanError`: a plan that is structurally impossible (mesh/strategy mismatch, cycles).
 - :class:`PlanMemoryError`: a plan that does not fit in device memory; the message carries the numbers.
 

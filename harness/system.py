@@ -2,21 +2,31 @@
 
 ``System.plan(ctx)`` is pure: it reads the resolved configs and may query the cost model (and
 search with it), but touches no files, clock, logger or device. Systems live in ``systems/`` and
-``baselines/``; each defines a typed config (a :class:`harness.config.SystemConfig` subclass)
+``baselines/``; each defines a typed config (a :class:`harness.core.config.SystemConfig` subclass)
 whose ``impl`` names the class, and registers it with :func:`register_system_config`.
+
+:func:`discover_systems` finds them without the harness naming any: every module of the in-tree
+packages ``systems`` and ``baselines`` is imported (adding a system is one module plus one
+``conf/system/<name>.yaml``, docs/ARCHITECTURE.md "Adding a system"), and so is every entry point of
+the ``rlhf_harness.systems`` group (systems in other installed packages). A module that fails to
+import is reported on stderr and skipped; the others still load.
 """
 from __future__ import annotations
 
 import abc
+import importlib
+import pkgutil
+import sys
+from importlib.metadata import entry_points
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 
-from harness.config import ClusterConfig, ModelsConfig, SystemConfig, WorkloadConfig
+from harness.core.config import ClusterConfig, ModelsConfig, SystemConfig, WorkloadConfig
 from harness.costmodel import CostModel
-from harness.engines import Engines
-from harness.plan import Plan
+from harness.core.engines import Engines
+from harness.core.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -29,11 +39,11 @@ class PlanContext:
     cost_model: CostModel
     seed: int = 0
     planning_budget_s: float | None = None  # caps any search a system runs (RunConfig.planning_budget_s)
-    # The execution engines the plan will run on (harness/engines.py): the system's defaults unless
+    # The execution engines the plan will run on (harness/core/engines.py): the system's defaults unless
     # engine.* overrides them; None (contexts built by hand in tests) = the plan carries no engines and
     # the simulator times ops on the cost model as is.
     engines: Engines | None = None
-    # Where planning reports its phases (harness.progress; None: nowhere). Reports are for people
+    # Where planning reports its phases (harness.run.progress; None: nowhere). Reports are for people
     # only: nothing a system decides may depend on them.
     progress: Callable[[str], None] | None = None
 
@@ -67,9 +77,9 @@ class System(abc.ABC):
     def check_config(self) -> None:
         """Refuse this system's options that are out of range (a :class:`~harness.errors.ConfigError`
         naming the key), before any planning. The harness checks every system's counts and amounts
-        by their names first (:func:`harness.consistency.check_option_ranges`), and options set
+        by their names first (:func:`harness.checks.consistency.check_option_ranges`), and options set
         without effect by the conditions declared beside each field
-        (:mod:`harness.option_effects`); this is for the rest. Default: nothing."""
+        (:mod:`harness.core.option_effects`); this is for the rest. Default: nothing."""
 
     @abc.abstractmethod
     def plan(self, ctx: PlanContext) -> Plan:
@@ -80,3 +90,39 @@ def register_system_config(name: str, node: type) -> None:
     """Register a system's schema as ``schema/<name>``; ``conf/system/<name>.yaml`` extends it with
     ``defaults: [{/schema@_here_: <name>}, _self_]``."""
     ConfigStore.instance().store(group="schema", name=name, node=node)
+
+ENTRY_POINT_GROUP = "rlhf_harness.systems"
+IN_TREE_PACKAGES = ("systems", "baselines")
+
+
+def _in_tree_modules() -> list[str]:
+    names = []
+    for package_name in IN_TREE_PACKAGES:
+        try:
+            package = importlib.import_module(package_name)
+        except ImportError:
+            continue
+        for info in pkgutil.walk_packages(package.__path__, prefix=f"{package_name}."):
+            if not info.name.rsplit(".", 1)[-1].startswith("_"):
+                names.append(info.name)
+    return sorted(names)
+
+
+def discover_systems() -> list[str]:
+    """Import every system module; returns the names of the registered systems' schemas."""
+    from hydra.core.config_store import ConfigStore
+
+    for module in _in_tree_modules():
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - a broken module must not take the others down
+            print(f"[harness] warning: module {module} failed to import: {e}", file=sys.stderr)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # noqa: BLE001
+            print(f"[harness] warning: system {ep.name!r} ({ep.value}) failed to import: {e}", file=sys.stderr)
+    schemas = ConfigStore.instance().repo.get("schema", {})
+    from harness.core.config import CORE_SCHEMAS
+
+    return sorted(name.removesuffix(".yaml") for name in schemas if name.removesuffix(".yaml") not in CORE_SCHEMAS)

@@ -8,11 +8,11 @@ from __future__ import annotations
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from harness.app import compose
-from harness.config import RunConfig
-from harness.plan import Plan
+from harness.cli.app import compose
+from harness.core.config import RunConfig
+from harness.core.plan import Plan
 from harness.planning.collector import full_collections_deferred
-from harness.runner import build_context
+from harness.run.runner import build_context
 from harness.system import PlanContext
 
 
@@ -28,15 +28,15 @@ def plan_for(overrides: list[str]) -> tuple[Plan, PlanContext, RunConfig]:
     """Compose, build the context and plan with the system named by ``+system=...``."""
     run = run_config(overrides)
     ctx = build_context(run)
-    with full_collections_deferred():  # as the runner plans (harness.runner.make_plan)
+    with full_collections_deferred():  # as the runner plans (harness.run.runner.make_plan)
         return get_class(run.system.impl)(run.system).plan(ctx), ctx, run
 
 
 def simulate_plan_metrics(plan: Plan, ctx: PlanContext, iteration: int = 0, backend=None):
     """One simulated iteration of ``plan``: (StepTrace, per-iteration metrics)."""
-    from harness import metrics as mk
+    from harness.core import metrics as mk
     from harness.planning.estimate import simulate_plan
-    from harness.workload import make_batch
+    from harness.core.workload import make_batch
 
     batch = make_batch(ctx.workload, ctx.seed, iteration)
     if backend is None:

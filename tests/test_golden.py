@@ -92,7 +92,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
 import record  # noqa: E402
 
-from harness.plan import Plan, TaskKind  # noqa: E402
+from harness.core.plan import Plan, TaskKind  # noqa: E402
 from harness.planning.assembler import needs_movement  # noqa: E402
 from harness.planning.dataflow import SAMPLE_DATA, training_reads  # noqa: E402
 

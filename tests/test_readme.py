@@ -74,11 +74,11 @@ SPECS: dict[str, Spec] = {
     "python -m systems.rlhfuse.fuse --stages 16 8 --microbatches 16 32 --fwd 1 1 --mem 1 1 --json":
         tiny("--max-steps 2000"),
     # comparing runs (they read the sweep "demo" above), figures
-    "python -m harness.validate data/published/replay.jsonl --json out.json":
+    "python -m harness.replay data/published/replay.jsonl --json out.json":
         Spec(replace=(("data/published/", f"{README.parent}/data/published/"),)),
-    "python -m harness.report results/demo": AS_IS,
-    "python -m harness.report results/demo --full": AS_IS,
-    "python -m harness.report results/demo --baseline rlhfuse_base --format csv -o table.csv --plot compare": AS_IS,
+    "python -m harness.cli.report results/demo": AS_IS,
+    "python -m harness.cli.report results/demo --full": AS_IS,
+    "python -m harness.cli.report results/demo --baseline rlhfuse_base --format csv -o table.csv --plot compare": AS_IS,
     "python -m harness.figures all --run":
         Spec(skip="16.5 min at paper scale; the tiny form below is this command with -o overrides and runs here"),
     "python -m harness.figures fig7_throughput": tiny(f"--run {TINY_FIGURES}"),  # a tiny fig7 sweep first
@@ -111,8 +111,8 @@ SPECS: dict[str, Spec] = {
     "python benchmarks/fig7_engines.py": tiny("--systems deepspeed_chat rlhfuse_base"),
     "python benchmarks/fuse_search.py": tiny("--pairs 33b/13b --microbatches 8 --action-steps 2e5 --workers 1"),
     "python benchmarks/feasibility_map.py": tiny("--nodes 1 2 --systems deepspeed_chat --pairs 13b_33b"),
-    "python -m harness.calibrate report --gpu h100": AS_IS,
-    "python -m harness.calibrate compare --local data/profiles/local":
+    "python -m harness.cli.calibrate report --gpu h100": AS_IS,
+    "python -m harness.cli.calibrate compare --local data/profiles/local":
         Spec(replace=(("data/profiles/local", f"{README.parent}/data/profiles/local"),)),
     "python benchmarks/engine_profile.py --model tiny": tiny("--device cpu --repeats 1"),
     "bash benchmarks/gpu_check.sh": Spec(skip="runs on a lent GPU machine with the wheels benchmarks/gpu_wheels.sh "

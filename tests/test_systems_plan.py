@@ -2,7 +2,7 @@
 import pytest
 
 from harness.planning.memory import check_plan_memory
-from harness.plan import Plan
+from harness.core.plan import Plan
 from harness.testing import plan_for
 
 MODELS = ["tiny", "tiny2", "7b", "13b", "33b", "65b", "70b", "13b_33b", "33b_13b", "33b_65b", "65b_33b"]

@@ -53,9 +53,9 @@ def fits(overrides: list[str]) -> bool:
     from omegaconf import OmegaConf
     from hydra.utils import get_class
 
-    from harness.app import compose
+    from harness.cli.app import compose
     from harness.errors import PlanError
-    from harness.runner import build_context, make_plan
+    from harness.run.runner import build_context, make_plan
 
     cfg = compose([*overrides, "logger=none", "logger.progress_bar=false"])
     run = OmegaConf.to_object(cfg)

@@ -7,7 +7,7 @@ templated English filler. Recipe (numpy PCG64, seed 0, 256 records):
 
 - prompt length: lognormal, median 96, sigma 0.6, rounded and clipped to [8, 384]. Prompts are
   written as text of exactly that many UTF-8 bytes (= tokens under the harness's one-token-per-byte
-  rule for text, harness/workload.py), HH-RLHF's dialogue shape ("\\n\\nHuman: ... \\n\\nAssistant:").
+  rule for text, harness/core/workload.py), HH-RLHF's dialogue shape ("\\n\\nHuman: ... \\n\\nAssistant:").
   384 keeps prompt + generation inside LLaMA-tiny's 512 positions for max_gen_len <= 128.
 - response length: lognormal, median 128, sigma 1.0, rounded and clipped to [1, 2048]: the shape
   conf/workload/hh_rlhf.yaml assumes (a long tail; P99.9/median = exp(3.09) = 22x before clipping).

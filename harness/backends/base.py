@@ -2,18 +2,18 @@
 
 Backends never choose parallel layouts, schedules or policies: everything they do is read from the
 Plan, so two backends given the same plan do the same work. Iteration inputs (prompt and target
-output lengths) come from :mod:`harness.workload`, identical across systems for a seed.
+output lengths) come from :mod:`harness.core.workload`, identical across systems for a seed.
 """
 from __future__ import annotations
 
 import abc
 
-from harness.config import BackendConfig
+from harness.core.config import BackendConfig
 from harness.errors import PlanError
-from harness.plan import Plan
+from harness.core.plan import Plan
 from harness.system import PlanContext
-from harness.trace import StepTrace
-from harness.workload import Batch
+from harness.core.trace import StepTrace
+from harness.core.workload import Batch
 
 
 class Backend(abc.ABC):

@@ -2,7 +2,7 @@
 plus the overheads a roofline ignores (issue 12; the default for the H100 and A100 clusters).
 
 Owns :class:`Calibration` (the fitted data of one GPU: per-op-class laws, NCCL time curves; one
-JSON file per GPU under ``data/profiles/fitted/``, written by ``python -m harness.calibrate fit``
+JSON file per GPU under ``data/profiles/fitted/``, written by ``python -m harness.cli.calibrate fit``
 from the Vidur profiles and reproducible from them, see ``tests/harness/costmodel/
 test_calibrated.py``) and :class:`CalibratedCompute`, which answers the same questions as
 :class:`harness.costmodel.compute.Roofline` (forward, backward, prefill, decode step, optimizer
@@ -69,7 +69,7 @@ import numpy as np
 from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, _no_comm
 from harness.costmodel.llama import BF16_BYTES, ModelDims
 from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
-from harness.files import file_kind
+from harness.core.files import file_kind
 
 FITTED_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles" / "fitted"
 FORMAT_VERSION = 1
@@ -109,7 +109,7 @@ def check_calibration_file(name_or_path: str) -> Path:
     if _is_bare_name(name_or_path) and not Path(name_or_path).exists():
         raise ValueError(f"cluster.calibration={name_or_path!r}: no calibration of that name (names: {names}) "
                          f"and no such file; give a name or the path of an existing calibration file "
-                         f"(python -m harness.calibrate fit writes data/profiles/fitted/<gpu>.json)")
+                         f"(python -m harness.cli.calibrate fit writes data/profiles/fitted/<gpu>.json)")
     if path.exists():
         raise ValueError(f"calibration file {path}: is {file_kind(path)}, not a file (cluster.calibration="
                          f"{name_or_path!r})")
@@ -206,7 +206,7 @@ class Calibration:
     def from_dict(cls, data: dict[str, Any], source: str = "<memory>") -> "Calibration":
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{source}: calibration format_version {data.get('format_version')!r}, "
-                             f"expected {FORMAT_VERSION} (re-run python -m harness.calibrate fit)")
+                             f"expected {FORMAT_VERSION} (re-run python -m harness.cli.calibrate fit)")
         laws = {}
         for op_class, by_tp in data["laws"].items():
             for tp, coef in by_tp.items():
@@ -225,7 +225,7 @@ class Calibration:
 def _load_cached(path: str) -> Calibration:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"calibration file {path}: no such file (python -m harness.calibrate fit "
+        raise ValueError(f"calibration file {path}: no such file (python -m harness.cli.calibrate fit "
                          f"writes data/profiles/fitted/<gpu>.json)")
     try:
         data = json.loads(p.read_bytes().decode("utf-8"))
@@ -539,7 +539,7 @@ def _op_work(op: str, dims: tuple[float, float, float, float, float], tp: int,
     return 0.0, b * per_token * m, b * per_token
 
 
-# -- fitting (python -m harness.calibrate fit) -----------------------------------------------
+# -- fitting (python -m harness.cli.calibrate fit) -----------------------------------------------
 
 
 def fit_calibration(gpu: str, root: Any = None, max_curve_points: int = 48) -> dict[str, Any]:

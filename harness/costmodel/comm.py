@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from harness.config import LinkConfig
+from harness.core.config import LinkConfig
 
 
 def plain_link(link: Any) -> LinkConfig:

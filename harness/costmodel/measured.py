@@ -79,7 +79,7 @@ BYTES = 2  # bf16 / fp16
 def compute_files(root: Path | str = PROFILE_DIR) -> list[tuple[str, str, Path]]:
     """(gpu, model, path) of every compute CSV under ``root``: ``<root>/compute/<gpu>/<model>/
     mlp.csv`` (the Vidur layout), or ``<root>/<gpu>/<model>/mlp.csv`` when ``root`` has no
-    ``compute`` folder (the layout ``python -m harness.calibrate profile`` writes, with a device
+    ``compute`` folder (the layout ``python -m harness.cli.calibrate profile`` writes, with a device
     slug as ``gpu``)."""
     root = Path(root)
     base = root / "compute" if (root / "compute").is_dir() else root

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Sequence
 
-from harness.config import GpuConfig, LinkConfig
+from harness.core.config import GpuConfig, LinkConfig
 from harness.costmodel import comm, memory
 from harness.costmodel.calibrated import CalibratedCompute, Calibration
 from harness.costmodel.compute import Roofline

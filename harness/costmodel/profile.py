@@ -31,7 +31,7 @@ import io
 import os
 from typing import Optional
 
-from harness.files import file_kind
+from harness.core.files import file_kind
 
 OPS = ("forward", "backward", "prefill", "decode_step", "optimizer_step")
 COLUMNS = ("op", "model", "tp", "num_tokens", "time_s")

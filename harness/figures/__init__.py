@@ -1,7 +1,7 @@
 """Paper-figure reproduction (RLHFuse, NSDI'25, section 7): one module per figure or table.
 
 Each module has ``EXPERIMENT`` (the ``conf/experiment/`` config whose runs it reads) and
-``draw(results_root) -> list[Path]``; it reads results only through :mod:`harness.results` and
+``draw(results_root) -> list[Path]``; it reads results only through :mod:`harness.run.results` and
 writes ``results/figures/<name>.png`` and ``.pdf`` with the shared style of :mod:`.style` (one
 seaborn theme, fixed system order and colours, units on every axis). Where the paper states a range
 it is drawn as a shaded band labelled "paper", a point as a dashed line, a bound as a note. Missing

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import results
+from harness.run import results
 from harness.figures import style
 
 EXPERIMENT = "fig2_lengths"

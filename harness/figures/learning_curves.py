@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import results
+from harness.run import results
 from harness.figures import style
 
 EXPERIMENT = "learning_curves"

@@ -151,9 +151,9 @@ def ordered_systems(present) -> list[str]:
 
 
 def load_experiment(root, experiment: str, run: str | None = None):
-    """Finished runs of ``experiment`` (through :func:`harness.results.load_results`); a
+    """Finished runs of ``experiment`` (through :func:`harness.run.results.load_results`); a
     :class:`MissingResults` naming the experiment to run (``run``, default ``experiment``) if none."""
-    from harness import results
+    from harness.run import results
 
     df = results.load_results(root, experiment)
     if df.empty:
@@ -163,7 +163,7 @@ def load_experiment(root, experiment: str, run: str | None = None):
 
 def load_table(root, experiment: str, name: str):
     """A table an experiment runner wrote (``<root>/<experiment>/<name>``); :class:`MissingResults` if absent."""
-    from harness import results
+    from harness.run import results
 
     path = Path(root) / experiment / name
     if not path.is_file():

@@ -19,7 +19,7 @@ training stages). What is decided once, here, for all of them:
   unless offloaded; a separate pool's shadow actor weights;
 - **training**: each training task as its own 1F1B stage unless the system passes its stages
   (RLHFuse's fused pipeline);
-- **engines** (:mod:`harness.engines`): the plan records the run's execution engines; the generation
+- **engines** (:mod:`harness.core.engines`): the plan records the run's execution engines; the generation
   engine sets the policy's batching, kernels, syncing and padding (the system keeps batch limits and
   migration), and a plan its engines cannot run is refused.
 """
@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from harness.engines import check_compatible, policy_fields
+from harness.core.engines import check_compatible, policy_fields
 from harness.errors import PlanError
-from harness.plan import (Allocation, GenerationPolicy, MovementKind, Plan, ResidentState, TrainingStage,
+from harness.core.plan import (Allocation, GenerationPolicy, MovementKind, Plan, ResidentState, TrainingStage,
                           WeightMovement)
 from harness.planning.workflow import PPO_TASKS, ppo_tasks, single_pipe_stage, weight_movement
 from harness.system import PlanContext

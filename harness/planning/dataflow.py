@@ -2,7 +2,7 @@
 
 The one source of the training tasks' reads in :data:`harness.planning.workflow.PPO_TASKS`, hence
 of the dependency edges the one scheduler (simulator and Ray driver alike) waits on
-(:meth:`harness.plan.Plan.dependencies`).
+(:meth:`harness.core.plan.Plan.dependencies`).
 
 Each training loss reads per-sample tensors (:data:`LOSS_INPUTS`, the payload the Ray backend ships
 to its workers). Some are computed on the driver over the whole batch (:mod:`harness.real.ppo`):

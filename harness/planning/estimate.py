@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.plan import GenerationPolicy, Plan, Task, TrainingStage
+from harness.core.plan import GenerationPolicy, Plan, Task, TrainingStage
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import PlanSimulator, simulate_iteration
 from harness.planning.taskmodels.generation import simulate_generation
 from harness.planning.taskmodels.passes import simulate_inference, simulate_training, training_work_bound_s
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
-from harness.trace import StepTrace
-from harness.workload import Batch, make_batch
+from harness.core.trace import StepTrace
+from harness.core.workload import Batch, make_batch
 
 NUM_GEN_INSTANCES_ESTIMATED = 4
 

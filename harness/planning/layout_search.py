@@ -42,7 +42,7 @@ import math
 from typing import Iterable, Optional
 
 from harness.errors import PlanError
-from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, Task, TrainingStage
+from harness.core.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, Task, TrainingStage
 from harness.planning.estimate import generation_s, inference_s, representative_batch, training_bound_s, training_s
 from harness.planning.memory import (MemoryLedger, MemoryNeed, MemoryShortfall, NoLayoutFits, check_plan_memory,
                                      inference_activation_gb, kv_one_sample_gb, one_f_one_b_activation_gb)

@@ -30,7 +30,7 @@ import numpy as np
 
 from harness.costmodel import CostModel
 from harness.errors import PlanError, PlanMemoryError
-from harness.plan import Allocation, Plan, Task
+from harness.core.plan import Allocation, Plan, Task
 from harness.schedule import PipeCosts, list_order_peak_memory
 
 

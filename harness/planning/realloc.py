@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.plan import Allocation
+from harness.core.plan import Allocation
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """When a plan's units run: the one scheduler of the project, for every driver (issue 27).
 
-A unit (:mod:`harness.interpreter`) may start when every task it reads from has ended and every
+A unit (:mod:`harness.core.units`) may start when every task it reads from has ended and every
 device it occupies is free, and no unit earlier in the plan's unit order that is still waiting
 occupies any of them (a later unit never jumps an earlier one on shared devices); its devices are
 then busy until it releases them (all at its end, or earlier per device: generation instances
@@ -37,8 +37,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from harness.errors import PlanError
-from harness.interpreter import Unit, execution_units
-from harness.plan import Plan
+from harness.core.units import Unit, execution_units
+from harness.core.plan import Plan
 
 
 def unit_devices(plan: Plan, unit: Unit, consumer: Unit | None = None) -> set[int]:
@@ -54,7 +54,7 @@ def unit_devices(plan: Plan, unit: Unit, consumer: Unit | None = None) -> set[in
 
 class UnitQueue:
     """The readiness rule (module docstring) driven by events, with no clock. ``units`` in plan
-    order (:func:`harness.interpreter.execution_units`). The driver calls :meth:`next_startable`
+    order (:func:`harness.core.units.execution_units`). The driver calls :meth:`next_startable`
     until it returns None and :meth:`start` on each unit it starts; then :meth:`finish` when tasks
     have finished and :meth:`release` when devices are free again (or both at once)."""
 

@@ -1,6 +1,6 @@
 """Whole-plan simulation: one PPO iteration of a plan over the cost model, as a StepTrace.
 
-The plan's units (:mod:`harness.interpreter`) are started by the project's one scheduler
+The plan's units (:mod:`harness.core.units`) are started by the project's one scheduler
 (:mod:`harness.planning.scheduler`, driven here by predicted times) and each is timed by its task model (:mod:`harness.planning.taskmodels`), one handler per task kind:
 
 - ``generate``: token-level generation (continuous or static batching, long-tail migration);
@@ -20,11 +20,11 @@ from typing import Callable
 
 import numpy as np
 
-from harness import metrics as mk
-from harness.engines import EngineCosts
+from harness.core import metrics as mk
+from harness.core.engines import EngineCosts
 from harness.errors import PlanError
-from harness.interpreter import PlanInterpreter, Unit
-from harness.plan import Plan, TaskKind
+from harness.core.units import PlanInterpreter, Unit
+from harness.core.plan import Plan, TaskKind
 from harness.planning.memory import MemoryReport
 from harness.planning.scheduler import Timeline, Timing, UnitQueue, run_timed, unit_devices
 from harness.planning.taskmodels.generation import GenerationResult, padded_lengths, simulate_generation
@@ -32,8 +32,8 @@ from harness.planning.taskmodels.passes import (PassResult, simulate_inference, 
                                                 simulate_weight_movement)
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
-from harness.trace import UNITS, StepTrace
-from harness.workload import Batch
+from harness.core.trace import UNITS, StepTrace
+from harness.core.workload import Batch
 
 
 class PlanSimulator(PlanInterpreter):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from harness.errors import PlanError
-from harness.plan import ParallelStrategy
+from harness.core.plan import ParallelStrategy
 from harness.planning.memory import MemoryShortfall, NoLayoutFits
 
 _LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)$")
@@ -161,3 +161,17 @@ def search(candidates: Iterable[ParallelStrategy], score: Callable[[ParallelStra
         raise error(f"{system}: no feasible parallel strategy for {what} among {tried} candidates"
                     f"{smallest_requirement(shortfalls)} ({detail})")
     return SearchResult(best[1], best[0], tried)
+
+
+def check_tensor_parallel(plan: Any, models: Any) -> None:
+    """Every task's tensor-parallel degree shards its model's heads
+    (:func:`tp_splits_heads`); searched layouts only offer such degrees,
+    so this catches pinned layouts and a system's fixed choices (PlanError naming the task)."""
+
+    for task in plan.tasks:
+        tp = task.allocation.strategy.tp
+        model = getattr(models, task.model.value)
+        if not tp_splits_heads(tp, [model]):
+            raise PlanError(f"task {task.name} runs {model.name} ({model.num_heads} heads, {model.num_kv_heads} KV "
+                            f"heads) at tp={tp}, which does not shard its heads; pin a layout whose tp divides "
+                            f"the heads, or use nodes of GPUs that it divides (cluster.gpus_per_node)")

@@ -2,7 +2,7 @@
 layout checks: the building blocks of :mod:`harness.planning.assembler`.
 
 The PPO iteration (Ouyang et al. 2022; verl's task names) as tasks with the data keys they read
-and write; dependency edges follow from the keys (see :meth:`harness.plan.Plan.dependencies`):
+and write; dependency edges follow from the keys (see :meth:`harness.core.plan.Plan.dependencies`):
 
     gen            reads prompts, actor weights         writes responses, old_logprobs
     ref            reads responses                      writes ref_logprobs
@@ -22,7 +22,7 @@ A weight movement ``realloc_<model>_<task>`` reads ``<model>_weights`` and write
 from __future__ import annotations
 
 from harness.errors import PlanError
-from harness.plan import Allocation, MovementKind, ParallelStrategy, Task, TrainingStage, WeightMovement
+from harness.core.plan import Allocation, MovementKind, ParallelStrategy, Task, TrainingStage, WeightMovement
 from harness.planning.dataflow import training_reads
 from harness.schedule import PipeSpec, build
 

@@ -1,7 +1,7 @@
 """Digests of a model's full weights: what ``summary.json`` records as ``final_weights``.
 
 A backend that holds real weights reports, after an iteration, one digest per trained model in
-``StepTrace.extra["param_digest"]`` (:data:`harness.trace.PARAM_DIGEST`); the runner writes the last
+``StepTrace.extra["param_digest"]`` (:data:`harness.core.trace.PARAM_DIGEST`); the runner writes the last
 iteration's to ``summary.json``. :func:`weights_digest` is that digest, computed from the model's
 full state dict (every tensor assembled from its pipeline stages, tensor-parallel slices or ZeRO-3
 shards under the single-device model's names).

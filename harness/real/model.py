@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from harness.config import LlamaConfig
+from harness.core.config import LlamaConfig
 from harness.errors import ConfigError
 
 # LlamaConfig architecture fields and the only value this module builds (LLaMA's).

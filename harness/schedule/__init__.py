@@ -22,7 +22,7 @@ from harness.schedule.io import (
 from harness.schedule.ir import Action, PipeCosts, PipeSpec, Schedule
 from harness.schedule.lower import lower, strip_comm
 from harness.schedule.simulate import SimModel, SimResult, list_order_peak_memory, sim_model, simulate, simulate_each
-from harness.schedule.validate import ScheduleError, find_deadlock, validate
+from harness.schedule.checks import ScheduleError, find_deadlock, validate
 
 __all__ = [
     "Action", "PipeCosts", "PipeSpec", "Schedule",

@@ -80,7 +80,7 @@ def order_mismatches(schedule: Schedule) -> list[str]:
 
 def check_in_order(schedule: Schedule) -> None:
     """Raise ScheduleError if some rank pair would match messages wrongly under posting order."""
-    from harness.schedule.validate import ScheduleError, format_error
+    from harness.schedule.checks import ScheduleError, format_error
 
     problems = order_mismatches(schedule)
     if problems:

@@ -35,7 +35,7 @@ import numpy as np
 
 from harness.schedule.ir import Action, PipeCosts, PipeSpec, Schedule
 from harness.schedule.lower import strip_comm
-from harness.schedule.validate import ScheduleError, deadlock_report, find_deadlock, format_error
+from harness.schedule.checks import ScheduleError, deadlock_report, find_deadlock, format_error
 
 
 @dataclass

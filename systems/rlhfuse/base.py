@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from harness.config import SystemConfig
-from harness.plan import Allocation, GenerationPolicy, Plan
+from harness.core.config import SystemConfig
+from harness.core.plan import Allocation, GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checked, search_notes
 from harness.system import PlanContext, System, register_system_config

@@ -4,7 +4,7 @@ Both are searches over the pipeline schedule IR with per-stage costs from the co
 benchmark runs, so they are experiment *runners*: ``conf/experiment/{table3_schedules,
 fig10_schedule}.yaml`` name them (``experiment_runner``) and ``python -m harness
 +experiment=<name>`` calls them. They write CSV tables under ``results/<experiment>/`` that the
-figure modules read through :mod:`harness.results`.
+figure modules read through :mod:`harness.run.results`.
 
 - Table 3: for 33B/13B at (actor pp, critic pp) = (8, 4) and (8, 8) and 65B/33B at (16, 8) and
   (16, 16), each with 8-64 micro-batches per actor pipeline: serial 1F1B (actor then critic),
@@ -23,9 +23,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import results
+from harness.run import results
 from harness.planning.taskmodels.passes import training_pipe_costs
-from harness.runner import build_context
+from harness.run.runner import build_context
 from harness.schedule import PipeCosts, Schedule, simulate
 from systems.rlhfuse.intra import fused_pipes, greedy_schedule, search_fused_schedule, serial_schedule
 from systems.rlhfuse.intra.config import FusedSearchConfig
@@ -145,7 +145,7 @@ def _memory_cap(params, serial_peak: float) -> float | None:
 
 def _with_models(cfg: DictConfig, actor: str, critic: str) -> DictConfig:
     """The run config with actor/ref = ``actor`` and critic/reward = ``critic`` (paper pairs)."""
-    from harness.app import compose
+    from harness.cli.app import compose
 
     return compose([f"model={actor}_{critic}", "+system=rlhfuse_base", f"results_dir={cfg.results_dir}"])
 

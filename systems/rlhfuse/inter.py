@@ -31,7 +31,7 @@ from harness.costmodel import CostModel
 from harness.costmodel.llama import kv_bytes_per_token
 from typing import Callable
 
-from harness.plan import GenerationPolicy, MigrationPolicy, ParallelStrategy, Task, WeightMovement
+from harness.core.plan import GenerationPolicy, MigrationPolicy, ParallelStrategy, Task, WeightMovement
 from harness.system import PlanContext
 
 DEFAULT_FRACS = tuple(round(0.05 * k, 2) for k in range(1, 20))

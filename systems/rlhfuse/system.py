@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from harness.errors import ConfigError
-from harness.option_effects import effective_when
-from harness.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
+from harness.core.option_effects import effective_when
+from harness.core.plan import (Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan, Task, TrainingStage,
                           WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan, needs_movement
 from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checked
@@ -55,7 +55,7 @@ from systems.rlhfuse.intra.config import FusedSearchConfig
 
 # Greedy policies used to score candidate fused layouts (the chosen layout's search tries all).
 CANDIDATE_POLICIES = ("larger", "fifo")
-# Options of long-tail migration: set without inter-stage fusion they are refused (harness/option_effects.py).
+# Options of long-tail migration: set without inter-stage fusion they are refused (harness/core/option_effects.py).
 INTER_STAGE_ONLY = effective_when(("system.inter_stage", "==", True),
                                   why="long-tail migration is part of inter-stage fusion")
 

@@ -1,9 +1,9 @@
 """``+system=colocated``: the worked example of adding a system (docs/ARCHITECTURE.md)."""
 import pytest
 
-from harness.discovery import discover_systems
+from harness.system import discover_systems
 from harness.errors import PlanError
-from harness.plan import TaskKind
+from harness.core.plan import TaskKind
 from harness.planning.estimate import simulate_plan
 from harness.testing import plan_for
 

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.costmodel.llama import num_params
 from harness.errors import PlanError
 from harness.planning.memory import check_plan_memory
-from harness.plan import Plan
+from harness.core.plan import Plan
 from harness.planning.realloc import reallocation_transfers
 from harness.testing import plan_for, simulate_plan_metrics
 from baselines.disaggregated import coarse_splits, search_splits

@@ -3,7 +3,7 @@ halves whose inference runs concurrently in the simulator."""
 import pytest
 
 from harness.planning.memory import check_plan_memory
-from harness.plan import Plan
+from harness.core.plan import Plan
 from harness.testing import context, plan_for, simulate_plan_metrics
 from baselines.interleaved import ref_reward_groups
 

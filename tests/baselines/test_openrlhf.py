@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from harness import metrics as mk
-from harness.discovery import discover_systems
+from harness.core import metrics as mk
+from harness.system import discover_systems
 from harness.errors import ConfigError, PlanError
-from harness.plan import MovementKind, Plan, ResidentState, TaskKind
+from harness.core.plan import MovementKind, Plan, ResidentState, TaskKind
 from harness.testing import plan_for, simulate_plan_metrics
 
 ONE_NODE = ["+system=openrlhf", "cluster=a800_8x", "cluster.num_nodes=1"]  # OpenRLHF's benchmark: 8 A800-80GB

@@ -96,7 +96,7 @@ def test_search_plans_use_sub_meshes_and_fit():
 
 def test_offloaded_ref_and_reward_pay_a_load():
     from harness.backends.sim import SimBackend
-    from harness.workload import make_batch
+    from harness.core.workload import make_batch
 
     plan, ctx, run = plan_for(["+system=realhf_heuristic", *SMALL, "system.offload_ref_reward=true"])
     assert plan.offloaded == ["ref", "reward"]

@@ -66,8 +66,8 @@ def overrides(system: str, model: str, results_dir: str) -> list[str]:
 
 
 def run(system: str, model: str) -> dict:
-    from harness.app import compose
-    from harness.runner import execute
+    from harness.cli.app import compose
+    from harness.run.runner import execute
 
     with tempfile.TemporaryDirectory() as tmp:
         outcome = execute(compose(overrides(system, model, tmp)), [])

@@ -1,8 +1,8 @@
 """Bad files and paths are refused up front with one line naming the file, the line and the cause.
 
 Each input below is a :class:`~harness.errors.ConfigError` (``error: ...`` on stderr, exit code 2,
-nothing written) raised before planning or, for ``python -m harness.validate`` and
-``python -m harness.report``, before any work, not a traceback, a misleading message or work lost
+nothing written) raised before planning or, for ``python -m harness.replay`` and
+``python -m harness.cli.report``, before any work, not a traceback, a misleading message or work lost
 at the end:
 
 - an ``experiment_name`` folder name over the file system's name limit, or a path over its limit;
@@ -17,9 +17,9 @@ at the end:
 - a ``cluster.calibration`` path without ``.json`` (accepted as it is), or an unknown name (listed).
 
 Also: a run's lock file is removed when the run ends and concurrent holders still exclude each
-other, and Ctrl-C ends ``python -m harness.validate`` / ``report`` with ``interrupted`` and exit 130.
+other, and Ctrl-C ends ``python -m harness.replay`` / ``report`` with ``interrupted`` and exit 130.
 
-Most checks run in-process (:func:`refused`: the run's own entry, :func:`harness.runner.execute`);
+Most checks run in-process (:func:`refused`: the run's own entry, :func:`harness.run.runner.execute`);
 two subprocesses check the command line end to end.
 """
 from __future__ import annotations
@@ -32,14 +32,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import consistency as cons
-from harness import report, results, validate
-from harness.app import compose
+from harness.checks import consistency as cons
+from harness.cli import report, replay as validate
+from harness.run import results
+from harness.cli.app import compose
 from harness.costmodel.calibrated import FITTED_DIR, Calibration, calibration_path
 from harness.errors import ConfigError
-from harness.runner import execute
-from harness.validation import check_command_line
-from harness.workload import resolve_workload_path
+from harness.run.runner import execute
+from harness.checks.command_line import check_command_line
+from harness.core.workload import resolve_workload_path
 
 FAST = ["logger=none", "logger.progress_bar=false", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]
 TINY = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
@@ -328,7 +329,7 @@ def test_a_lock_file_is_removed_only_by_its_holder_and_holders_never_overlap(tmp
     assert not lock_file.exists()
 
 
-# ---- python -m harness.validate -------------------------------------------------------------------
+# ---- python -m harness.replay -------------------------------------------------------------------
 
 def _replay(tmp_path: Path, overrides: list[str]) -> Path:
     import json
@@ -380,7 +381,7 @@ def test_ctrl_c_in_validate_is_one_line_and_exit_130(tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == "interrupted\n"
 
 
-# ---- python -m harness.report ---------------------------------------------------------------------
+# ---- python -m harness.cli.report ---------------------------------------------------------------------
 
 @needs_proc
 @pytest.mark.parametrize("option,shown", [("-o", "--output"), ("--plot", "--plot")])

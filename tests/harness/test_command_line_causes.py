@@ -9,7 +9,7 @@
 - ``backend=ray`` with the embedded local Ray refuses more CPU workers than its cap before any
   worker starts, naming the cap and how to run more (a Ray cluster's address).
 
-In-process (``harness.app.run`` with ``sys.argv`` and ``sys.stderr`` replaced), one subprocess for
+In-process (``harness.cli.app.run`` with ``sys.argv`` and ``sys.stderr`` replaced), one subprocess for
 the exit code and stderr of a real command.
 """
 from __future__ import annotations
@@ -22,9 +22,10 @@ import sys
 
 import pytest
 
-from harness import app, validation
+from harness.cli import app
+from harness.checks import command_line as validation
 from harness.errors import ConfigError, OverrideError
-from harness.validation import check_command_line
+from harness.checks.command_line import check_command_line
 
 from tests.harness.test_errors import run_refused
 
@@ -109,7 +110,7 @@ def test_unreadable_value_is_one_line_and_exit_2(tmp_path, run_harness):
                     """character 'é' only inside quotes; quote the value: 'experiment_name="café"'""")
 
 
-# ---- Ctrl-C and the sweep's pre-check, through harness.app.run ------------------------------------
+# ---- Ctrl-C and the sweep's pre-check, through harness.cli.app.run ------------------------------------
 
 def _run_app(monkeypatch, argv: list[str], stderr: io.StringIO) -> int:
     monkeypatch.setattr(sys, "argv", ["harness", *argv])

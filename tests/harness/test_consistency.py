@@ -1,4 +1,4 @@
-"""Every impossible input refused before any work (issue 28, item 3; harness/consistency.py).
+"""Every impossible input refused before any work (issue 28, item 3; harness/checks/consistency.py).
 
 Each input the issue lists under "Why" ends ``python -m harness`` with exit code 2, exactly one line
 ``error: ...`` on stderr naming the cause (the key to change), nothing on stdout and nothing under
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from harness import consistency as cons
-from harness.app import compose
+from harness.checks import consistency as cons
+from harness.cli.app import compose
 from harness.errors import ConfigError
+from harness.planning.strategies import check_tensor_parallel
 from harness.planning.strategies import largest_tp, tp_splits_heads
 from harness.testing import plan_for
 
@@ -181,7 +182,7 @@ def test_three_gpu_nodes_plan_only_tensor_parallelism_that_shards_the_heads(syst
                              "workload.global_batch_size=96", "workload.mini_batch_size=48",
                              "seed=0"])
     assert {t.allocation.strategy.tp for t in plan.tasks} == {1}
-    cons.check_tensor_parallel(plan, ctx.models)
+    check_tensor_parallel(plan, ctx.models)
 
 
 def test_a_pinned_layout_that_cannot_shard_the_heads_is_refused():
@@ -189,7 +190,7 @@ def test_a_pinned_layout_that_cannot_shard_the_heads_is_refused():
     from hydra.utils import get_class
 
     from harness.errors import PlanError
-    from harness.runner import build_context, make_plan
+    from harness.run.runner import build_context, make_plan
 
     run = run_config(["+system=rlhfuse_base", "model=13b_33b", "cluster.num_nodes=2",
                       "system.layouts.update_critic=dp2tp8pp1"])

@@ -1,4 +1,4 @@
-"""Execution engines (harness/engines.py, conf/engine/; issue 26).
+"""Execution engines (harness/core/engines.py, conf/engine/; issue 26).
 
 Oracles, not mocks:
 
@@ -28,17 +28,17 @@ import pytest
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from harness import engines as eng
-from harness.app import compose
-from harness.engine_fit import Constant, constants
+from harness.core import engines as eng
+from harness.cli.app import compose
+from harness.costmodel.engine_fit import Constant, constants
 from harness.costmodel.memory import OFFLOAD_GRAD_BUCKET_PARAMS
-from harness.engines import (FITTED_PRIORS, EngineCosts, Engines, GenerationEngine, TrainingEngine,
+from harness.core.engines import (FITTED_PRIORS, EngineCosts, Engines, GenerationEngine, TrainingEngine,
                              available, load_engine, resolve)
 from harness.errors import ConfigError, PlanError
-from harness.plan import Plan, TaskKind
+from harness.core.plan import Plan, TaskKind
 from harness.planning.simulate import generation_gather_s
-from harness.runner import build_context, make_plan
-from harness.validate import simulate_summary
+from harness.run.runner import build_context, make_plan
+from harness.cli.replay import simulate_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["logger=none", "logger.progress_bar=false", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]

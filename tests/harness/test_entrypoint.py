@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.plan import Plan
+from harness.core.plan import Plan
 from harness.schedule import from_csv
 
 FAST = ("logger=none", "cluster.num_nodes=1", "backend.num_iterations=2", "logger.progress_bar=false")
@@ -224,7 +224,7 @@ def test_sweep_records_a_failing_job_and_finishes_the_others(tmp_path, run_harne
 def test_help_is_the_harness_own_page(run_harness, tmp_path):
     """``--help`` (issue 28, item 5): a usage line, every system with one line, the main groups, three
     examples; no internal schema group, exit 0."""
-    from harness.discovery import discover_systems
+    from harness.system import discover_systems
 
     proc = run_harness(["--help"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -10,7 +10,7 @@
 - a sweep with a failing job exits 1 and ends with a table of this sweep's failures only.
 
 Exit codes and stderr are checked in subprocesses (``python -m harness``, a few seconds each); the
-messages for every config group are checked in-process (:func:`harness.validation.check_command_line`).
+messages for every config group are checked in-process (:func:`harness.checks.command_line.check_command_line`).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import re
 
 import pytest
 
-from harness.discovery import discover_systems
+from harness.system import discover_systems
 from harness.errors import ConfigError, OverrideError, PlanError
-from harness.validation import check_command_line
+from harness.checks.command_line import check_command_line
 from tests.conftest import run_refused
 
 FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]
@@ -139,8 +139,8 @@ def test_degenerate_batch_sizes_are_refused(case):
 
 
 def test_system_batch_sizes_of_any_system_must_be_positive():
-    from harness.app import compose
-    from harness.validation import check_batch_sizes
+    from harness.cli.app import compose
+    from harness.checks.command_line import check_batch_sizes
 
     with pytest.raises(ConfigError, match=r"system\.max_gen_batch_size=0 must be a positive"):
         check_batch_sizes(compose(["+system=rlhfuse_base", "system.max_gen_batch_size=0"]))
@@ -150,8 +150,8 @@ def test_system_batch_sizes_of_any_system_must_be_positive():
 # ---- derived defaults: every system runs tiny on 4 devices ------------------------------------------
 
 def test_deepspeed_chat_mini_batch_rule():
-    from harness.app import compose
-    from harness.config import WorkloadConfig
+    from harness.cli.app import compose
+    from harness.core.config import WorkloadConfig
     from omegaconf import OmegaConf
 
     from baselines.deepspeed_chat import derived_mini_batch_size, per_device_micro_batch_size
@@ -173,8 +173,8 @@ def test_deepspeed_chat_mini_batch_rule():
 
 @pytest.mark.parametrize("system", sorted(discover_systems()))
 def test_every_system_runs_tiny_on_four_devices(system, tmp_path):
-    from harness.app import compose
-    from harness.runner import execute
+    from harness.cli.app import compose
+    from harness.run.runner import execute
 
     cfg = compose([f"+system={system}", *TINY_4, *FOUR_DEVICE_PLACEMENTS.get(system, []), "logger=none",
                    "logger.progress_bar=false", "backend.num_iterations=1", "backend.num_warmup_iterations=0",

@@ -2,8 +2,8 @@
 import pytest
 
 from harness.errors import PlanError
-from harness.interpreter import PlanInterpreter, Unit, execution_units
-from harness.plan import (Allocation, GenerationPolicy, ParallelStrategy, Plan, Task, TaskKind, TrainingStage)
+from harness.core.units import PlanInterpreter, Unit, execution_units
+from harness.core.plan import (Allocation, GenerationPolicy, ParallelStrategy, Plan, Task, TaskKind, TrainingStage)
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.workflow import PPO_TASKS
 from harness.schedule import PipeSpec, build

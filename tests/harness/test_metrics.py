@@ -1,8 +1,8 @@
 """Metric keys follow the grammar; summaries weigh iterations by time."""
 import pytest
 
-from harness import metrics as mk
-from harness.trace import PipelineRun, SampleRecord, Span, StepTrace
+from harness.core import metrics as mk
+from harness.core.trace import PipelineRun, SampleRecord, Span, StepTrace
 
 
 def _trace():
@@ -63,7 +63,7 @@ def test_overlap_of_stage_windows_is_measured():
 
 
 def test_summary_labels_overlapped_stage_times_as_spans(tmp_path):
-    from harness.runner import RunOutcome, format_summary
+    from harness.run.runner import RunOutcome, format_summary
 
     summary = mk.summarize([mk.iteration_metrics(_streaming_trace(), 100, {}, 1.0)], num_warmup=0)
     text = format_summary(RunOutcome(tmp_path, summary, skipped=False, info={}))
@@ -81,7 +81,7 @@ def test_summary_labels_overlapped_stage_times_as_spans(tmp_path):
 
 
 def test_brief_summary_is_one_line(tmp_path):
-    from harness.runner import RunOutcome, format_summary
+    from harness.run.runner import RunOutcome, format_summary
 
     summary = mk.summarize([mk.iteration_metrics(_streaming_trace(), 100, {}, 1.0)], num_warmup=0)
     assert format_summary(RunOutcome(tmp_path, summary, skipped=False, info={"notes/x": 1}), brief=True) == \

@@ -1,4 +1,4 @@
-"""Options without effect are refused by one rule (harness/option_effects.py).
+"""Options without effect are refused by one rule (harness/core/option_effects.py).
 
 Each option that applies only in some configurations declares when, in its schema field's metadata;
 :func:`check_option_effects` refuses a command-line override of such an option whose condition does
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.app import compose
-from harness.discovery import discover_systems
+from harness.cli.app import compose
+from harness.system import discover_systems
 from harness.errors import ConfigError, OverrideError
-from harness.option_effects import (EFFECT, EXISTING_PATH, DeclarationError, check_option_effects, declarations,
+from harness.core.option_effects import (EFFECT, EXISTING_PATH, DeclarationError, check_option_effects, declarations,
                                     lookup, set_keys)
-from harness.validation import check_command_line
+from harness.checks.command_line import check_command_line
 from tests.conftest import run_refused
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,7 +282,7 @@ def test_the_experiments_pass(experiment):
 # ---- the wiring -------------------------------------------------------------------------------------
 
 def test_the_runner_refuses_before_anything_is_written(tmp_path):
-    from harness.runner import execute
+    from harness.run.runner import execute
 
     overrides = ["+system=rlhfuse", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
                  "system.intra_stage=false", "system.fused_search.max_steps=100", "logger=none"]

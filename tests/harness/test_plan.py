@@ -2,7 +2,7 @@
 import pytest
 
 from harness.errors import PlanError
-from harness.plan import Allocation, ParallelStrategy, Plan, Task
+from harness.core.plan import Allocation, ParallelStrategy, Plan, Task
 from harness.testing import plan_for
 
 

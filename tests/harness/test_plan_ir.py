@@ -5,7 +5,7 @@ import json
 import pytest
 
 from harness.errors import PlanError
-from harness.plan import (Allocation, Feature, GenerationPolicy, MigrationPolicy, ModelRole, MovementKind,
+from harness.core.plan import (Allocation, Feature, GenerationPolicy, MigrationPolicy, ModelRole, MovementKind,
                           ParallelStrategy, Plan, ResidentState, Task, TaskKind, TrainingStage, WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.workflow import PPO_TASKS

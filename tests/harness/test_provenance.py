@@ -2,7 +2,7 @@
 and cost-model files produced the numbers, and collecting it never fails a run.
 
 One in-process sim-backend run on the tiny model checks every field of summary.json's
-``provenance``; unit tests of :func:`harness.provenance.collect` check a checkout that is not a git
+``provenance``; unit tests of :func:`harness.run.provenance.collect` check a checkout that is not a git
 repository (or a machine without git), a roofline run with a profile table, and a real backend's
 devices.
 """
@@ -21,11 +21,11 @@ import pytest
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from harness import provenance
-from harness.app import compose
+from harness.run import provenance
+from harness.cli.app import compose
 from harness.backends.base import Backend
 from harness.costmodel.calibrated import FITTED_DIR
-from harness.runner import build_context, execute
+from harness.run.runner import build_context, execute
 
 TINY = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
         "logger=none", "logger.progress_bar=false", "backend.num_iterations=2", "experiment_name=provenance"]
@@ -151,7 +151,7 @@ def test_real_backend_devices():
 
 def test_workload_file_is_hashed(tmp_path):
     """A JSON-lines workload's file is recorded with its content hash: edit it, the hash changes."""
-    from harness.provenance import _workload_file
+    from harness.run.provenance import _workload_file
 
     path = tmp_path / "w.jsonl"
     path.write_text('{"prompt_len": 4, "response_len": 3}\n')

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from harness import results
+from harness.run import results
 
 
 def test_variant_keeps_only_overrides_that_change_the_run():

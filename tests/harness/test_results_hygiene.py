@@ -1,4 +1,4 @@
-"""The results tree stays clean (issue 28, item 4; harness/results.py, harness/app.py).
+"""The results tree stays clean (issue 28, item 4; harness/run/results.py, harness/cli/app.py).
 
 - a run killed with SIGKILL leaves its staging folder; the next run in that experiment removes it
   and writes one clean result;
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import results
+from harness.run import results
 from tests.conftest import harness_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def test_failures_hold_each_job_once_in_its_latest_state(tmp_path):
 
 
 def test_report_shows_a_job_once_from_an_old_append_only_file(tmp_path):
-    from harness.report import read_failures
+    from harness.cli.report import read_failures
 
     path = tmp_path / results.FAILURES_FILE
     job = {"system": "rlhfuse", "seed": 0, "overrides": ["a=1"]}
@@ -130,7 +130,7 @@ def test_planning_progress_only_on_a_terminal():
     pipe or log, none when asked."""
     import io
 
-    from harness.progress import planning_progress
+    from harness.run.progress import planning_progress
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -1,11 +1,11 @@
-"""A sweep's jobs and outcomes (harness/sweep.py): counting jobs (the command line replaces the
+"""A sweep's jobs and outcomes (harness/cli/sweep.py): counting jobs (the command line replaces the
 experiment's sweep of the same key, as Hydra's basic sweeper does), and the exit status taken from
 the jobs' own outcomes."""
 import json
 import subprocess
 import sys
 
-from harness.sweep import count_sweep_jobs
+from harness.cli.sweep import count_sweep_jobs
 from tests.conftest import harness_env
 
 
@@ -28,7 +28,7 @@ def test_no_sweep_is_one_job():
 REPEATS = 10
 SWEEP_LOOP = r'''
 import contextlib, io, json, sys
-from harness.app import run
+from harness.cli.app import run
 
 argv, repeats = json.loads(sys.argv[1]), int(sys.argv[2])
 for _ in range(repeats):
@@ -66,7 +66,7 @@ def test_repeated_failing_sweeps_always_exit_1_with_their_table(tmp_path):
 
 
 def test_a_job_without_outcome_counts_as_failed():
-    from harness.sweep import sweep_failures
+    from harness.cli.sweep import sweep_failures
 
     outcomes = [{"system": "a", "ok": True}, {"system": "b", "ok": False, "error": "x"}]
     assert [f["system"] for f in sweep_failures(outcomes, 2)] == ["b"]
@@ -76,7 +76,7 @@ def test_a_job_without_outcome_counts_as_failed():
 
 
 def test_outcomes_are_reported_only_inside_a_sweep(tmp_path, monkeypatch):
-    from harness import sweep
+    from harness.cli import sweep
 
     monkeypatch.delenv(sweep.OUTCOMES_ENV, raising=False)
     sweep.report_job_outcome({"system": "a"}, None)  # outside a sweep: nowhere, no error

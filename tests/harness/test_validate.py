@@ -1,4 +1,4 @@
-"""``python -m harness.validate``: replaying published measurements in the simulator.
+"""``python -m harness.replay``: replaying published measurements in the simulator.
 
 Oracles: malformed replay files are refused with the line named and before any simulation; the
 predicted value is exactly what ``python -m harness`` reports for the same overrides; the summary
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import validate
+from harness.cli import replay as validate
 from harness.errors import ConfigError
 
 REPLAY = Path(__file__).resolve().parents[2] / "data" / "published" / "replay.jsonl"
@@ -138,7 +138,7 @@ def test_a_subset_of_every_source_replays_in_ci():
 def test_fit_recovers_known_constants_on_synthetic_measurements():
     """Oracle for the fit: measurements made by the simulator itself under known constants are fitted
     back to those constants (two points on two engines, each informing one constant)."""
-    from harness import engine_fit as ef
+    from harness.costmodel import engine_fit as ef
 
     gen = ef.Constant("generation/vllm", "gpu_time_scale")
     train = ef.Constant("training/megatron", "compute_time_scale")
@@ -158,7 +158,7 @@ def test_robust_fit_is_not_set_by_one_point_far_off():
     """Soft-L1 (engine_fit.ROBUST_SCALE_LOG): with four points agreeing on a constant and one 10x
     off (an unexpressible setup), the fit stays near the four; plain least squares would move about
     halfway to the outlier in logs (10^(1/5) = 1.58x)."""
-    from harness import engine_fit as ef
+    from harness.costmodel import engine_fit as ef
 
     c = ef.Constant("generation/hf_generate", "gpu_time_scale")
     deps = [[c]] * 5

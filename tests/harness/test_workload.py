@@ -1,13 +1,13 @@
-"""Synthetic length distributions (harness/workload.py): what each kind draws, and bad ones refused
+"""Synthetic length distributions (harness/core/workload.py): what each kind draws, and bad ones refused
 before any work with an error naming the key."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from harness.config import LengthDistConfig
+from harness.core.config import LengthDistConfig
 from harness.errors import ConfigError
-from harness.workload import sample_lengths, validate_length_dist
+from harness.core.workload import sample_lengths, validate_length_dist
 
 
 def draw(dist: LengthDistConfig, num: int = 20000, cap=None) -> np.ndarray:

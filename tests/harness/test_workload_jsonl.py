@@ -1,4 +1,4 @@
-"""workload=jsonl: batches read from a JSON-lines file (harness/workload.py, conf/workload/jsonl.yaml).
+"""workload=jsonl: batches read from a JSON-lines file (harness/core/workload.py, conf/workload/jsonl.yaml).
 
 - the shipped sample file loads, with every accepted form of a record;
 - batches are a pure function of (file, seed, iteration), cover the file once per epoch and carry
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from harness.app import compose
-from harness.config import LengthDistConfig, WorkloadConfig
+from harness.cli.app import compose
+from harness.core.config import LengthDistConfig, WorkloadConfig
 from harness.errors import ConfigError
-from harness.workload import (REPO_ROOT, load_workload_file, make_batch, resolve_workload, text_token_ids)
+from harness.core.workload import (REPO_ROOT, load_workload_file, make_batch, resolve_workload, text_token_ids)
 
 SAMPLE = REPO_ROOT / "data" / "workloads" / "sample.jsonl"
 SIM = ["workload=jsonl", "model=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "logger=none",
@@ -104,7 +104,7 @@ def test_resolve_workload_gives_planners_the_files_lengths():
 
 
 def test_sim_run_on_the_sample_file_generates_the_files_lengths(tmp_path):
-    from harness.runner import execute
+    from harness.run.runner import execute
 
     out = execute(compose([*SIM, f"results_dir={tmp_path}"]), SIM)
     run = OmegaConf.to_object(compose(SIM))
@@ -174,7 +174,7 @@ def test_missing_empty_and_directory_paths_are_named(tmp_path):
 
 
 def test_a_bad_file_fails_the_run_before_any_result_is_written(tmp_path):
-    from harness.runner import execute
+    from harness.run.runner import execute
 
     path = write(tmp_path, '{"prompt_len": 4, "response_len": 2}\n{"prompt_len": 4, "respone_len": 2}\n')
     overrides = [*SIM, f"workload.path={path}"]

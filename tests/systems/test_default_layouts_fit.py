@@ -1,7 +1,7 @@
 """Every system's defaults run at every model pair of the paper's setup (the default cluster,
 32 x 8 H100s), or its refusal names the ``system.*`` overrides that make it run.
 
-Each case plans as the runner does (:func:`harness.runner.make_plan`: the plan, its IR, tensor
+Each case plans as the runner does (:func:`harness.run.runner.make_plan`: the plan, its IR, tensor
 parallelism and the memory check). A refusal must name overrides; applied, they must plan. Systems
 that search (disaggregated's split, ReaLHF's annealing, RLHFuse's fused schedule: 3-8 s a case on
 2 cores) are marked slow; the rest take about 30 s together.
@@ -13,9 +13,9 @@ import re
 import pytest
 from hydra.utils import get_class
 
-from harness.discovery import discover_systems
+from harness.system import discover_systems
 from harness.errors import HarnessError
-from harness.runner import build_context, make_plan
+from harness.run.runner import build_context, make_plan
 from harness.testing import run_config
 
 PAPER_MODELS = ["13b", "33b", "65b", "13b_33b", "33b_13b", "33b_65b", "65b_33b"]  # conf/model: the paper's setup

@@ -37,10 +37,10 @@ from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.homes import ROLES, ModelHomes, home_task, role_seeds
 from harness.backends.ray.options import option_conflicts, unsupported_features, zero3_engine
 from harness.errors import ConfigError
-from harness.plan import Plan, TrainingStage
+from harness.core.plan import Plan, TrainingStage
 from harness.real.model import check_models_architecture
-from harness.trace import Span, StepTrace
-from harness.workload import Batch
+from harness.core.trace import Span, StepTrace
+from harness.core.workload import Batch
 
 __all__ = ["RayBackend", "WorkerFailedError"]
 

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from harness.config import BackendConfig
+from harness.core.config import BackendConfig
 from harness.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")

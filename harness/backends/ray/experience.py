@@ -24,7 +24,7 @@ import torch
 
 from harness.errors import ConfigError
 from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, masked_whiten
-from harness.workload import Batch
+from harness.core.workload import Batch
 
 
 # what each inference model's pass produces, and the workflow data key it is written under

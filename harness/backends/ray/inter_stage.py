@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.backends.ray import experience as ex
 from harness.backends.ray.protocol import CloseSession, Export, Infer, Migrate, OpenSession, Steps
 from harness.backends.ray.rewards import reward_fields
-from harness.interpreter import Unit
+from harness.core.units import Unit
 from harness.planning.scheduler import StreamFeed
 from harness.planning.taskmodels import migration as mg
-from harness.trace import SampleRecord
+from harness.core.trace import SampleRecord
 
 
 class StreamedGeneration:

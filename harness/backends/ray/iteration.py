@@ -1,6 +1,6 @@
 """One PPO iteration of a plan on the device workers (driver side).
 
-The plan's units (:func:`harness.interpreter.execution_units`) are dispatched by one handler per
+The plan's units (:func:`harness.core.units.execution_units`) are dispatched by one handler per
 task kind, *concurrently*, when the project's one scheduler says so
 (:class:`harness.planning.scheduler.UnitQueue`, which the simulator drives with predicted times and
 this driver with completions). Each handler sends its requests to the workers and returns a
@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.backends.ray import experience as ex
 from harness.backends.ray.calls import BackgroundCall
 from harness.backends.ray.inter_stage import StreamedGeneration
@@ -44,12 +44,12 @@ from harness.real.parallel.layout import assemble
 from harness.backends.ray.protocol import Dispatch, Generate, Infer, Move, Release, State
 from harness.backends.ray.rewards import reward_fields
 from harness.backends.ray.training import start_training
-from harness.interpreter import PlanInterpreter, Unit, execution_units
-from harness.plan import Allocation, Plan, TaskKind
+from harness.core.units import PlanInterpreter, Unit, execution_units
+from harness.core.plan import Allocation, Plan, TaskKind
 from harness.planning.scheduler import UnitQueue
 from harness.real.digest import weights_digest
-from harness.trace import PARAM_DIGEST, UNITS, SampleRecord, StepTrace
-from harness.workload import Batch
+from harness.core.trace import PARAM_DIGEST, UNITS, SampleRecord, StepTrace
+from harness.core.workload import Batch
 
 
 class Iteration(PlanInterpreter):

@@ -10,7 +10,7 @@ from harness.backends.ray.config import RayOptions
 from harness.backends.ray.homes import stale_movement_sources
 from harness.real.parallel.layout import check_tp
 from harness.errors import ConfigError, PlanError
-from harness.plan import Feature, ModelRole, Plan, TaskKind
+from harness.core.plan import Feature, ModelRole, Plan, TaskKind
 from harness.real.model import ModelArgs
 
 

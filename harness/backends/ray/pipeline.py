@@ -5,7 +5,7 @@ Pipeline parallelism executes the plan's own action list for this device's stage
 receives in each sender's send order (``harness.schedule.p2p_order``): ``RF``/``RB`` receive an
 activation/gradient, ``F`` runs the stage, ``SF`` sends its output on; ``B`` back-propagates and
 ``SB`` sends the input gradient back, one handler per action type (:class:`_ScheduleRun`). Sends
-are asynchronous and receives block, so any schedule that ``harness.schedule.validate`` accepts
+are asynchronous and receives block, so any schedule that ``harness.schedule.checks`` accepts
 runs without deadlock, and messages match in posting order per rank pair, as under NCCL (which
 ignores tags). A training mini-batch is cut into dp contiguous shares, each share into
 micro-batches of ``micro_batch_size``. Functions return ``(spans, outputs)`` as in

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Optional
 
-from harness.plan import Allocation
+from harness.core.plan import Allocation
 
 SpanT = tuple[str, float, float, float, float]  # (kind, start, end, flops, bytes) on the worker's clock
 

@@ -50,7 +50,7 @@ def policy_reward(actor_cfg, workload, seed: int, iteration: int, spec: dict[str
     from harness.backends.ray.experience import prompt_tokens, stable_seed
     from harness.real.engine import GenerationEngine, SamplingParams
     from harness.real.model import LlamaModel, ModelArgs
-    from harness.workload import make_batch
+    from harness.core.workload import make_batch
 
     args = ModelArgs.from_llama_config(actor_cfg)
     model = LlamaModel(args, seed=stable_seed("init", seed, "actor"))

@@ -1,6 +1,6 @@
 """Training units of one PPO iteration on ``backend=ray`` (driver side): each device's action list
 from the stage's lowered schedule, the loss inputs each training task declares it reads, and what the
-workers report back (spans, PPO statistics, one :class:`~harness.trace.PipelineRun` per mini-batch).
+workers report back (spans, PPO statistics, one :class:`~harness.core.trace.PipelineRun` per mini-batch).
 
 A stage trains one model's pipeline, or actor and critic fused into one bidirectional schedule
 (RLHFuse section 5); every device runs its logical rank's actions (:mod:`harness.backends.ray.pipeline`).
@@ -14,12 +14,12 @@ import numpy as np
 
 from harness.backends.ray import experience as ex
 from harness.backends.ray.protocol import Dispatch, Train, TrainPart
-from harness.interpreter import Unit
-from harness.plan import Task
+from harness.core.units import Unit
+from harness.core.plan import Task
 from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.schedule.p2p_order import in_posting_order
-from harness.trace import PipelineRun
+from harness.core.trace import PipelineRun
 
 
 def training_data(it, task: Task) -> dict[str, np.ndarray]:

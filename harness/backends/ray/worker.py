@@ -32,7 +32,7 @@ from typing import Any
 
 from harness.backends.ray.protocol import (CloseSession, Export, Generate, Infer, Migrate, Move, OpenSession,
                                            Release, Request, Result, State, Steps, Train)
-from harness.plan import Plan
+from harness.core.plan import Plan
 
 
 def cuda_local_index(gpu_ids: list, visible: str | None) -> int:

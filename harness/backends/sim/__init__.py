@@ -9,11 +9,11 @@ every plan feature.
 from __future__ import annotations
 
 from harness.backends.base import Backend
-from harness.plan import Plan
+from harness.core.plan import Plan
 from harness.planning.memory import MemoryReport, check_plan_memory
 from harness.planning.simulate import simulate_iteration
-from harness.trace import StepTrace
-from harness.workload import Batch
+from harness.core.trace import StepTrace
+from harness.core.workload import Batch
 
 
 class SimBackend(Backend):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.config import BackendConfig
+from harness.core.config import BackendConfig
 
 
 @dataclass

@@ -42,9 +42,9 @@ import numpy as np
 
 from harness.costmodel import CostModel
 from harness.costmodel.llama import kv_bytes_per_token
-from harness.plan import GenerationPolicy, Task
+from harness.core.plan import GenerationPolicy, Task
 from harness.planning.taskmodels.migration import destination, due, tail_instances, threshold
-from harness.trace import SampleRecord, Span
+from harness.core.trace import SampleRecord, Span
 
 
 @dataclass

@@ -23,10 +23,10 @@ import numpy as np
 from harness.costmodel import CostModel
 from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
-from harness.plan import Plan, Task, TrainingStage, WeightMovement
+from harness.core.plan import Plan, Task, TrainingStage, WeightMovement
 from harness.planning.realloc import reallocation_transfers
 from harness.schedule import PipeCosts, simulate_each
-from harness.trace import PipelineRun, SampleRecord, Span
+from harness.core.trace import PipelineRun, SampleRecord, Span
 
 BYTES_PER_PARAM = 2  # bf16 weights and gradients
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.costmodel import CostModel
-from harness.plan import Task, WeightMovement
+from harness.core.plan import Task, WeightMovement
 from harness.planning.scheduler import StreamFeed
 from harness.planning.realloc import reallocation_transfers
-from harness.trace import SampleRecord, Span
+from harness.core.trace import SampleRecord, Span
 
 
 @dataclass

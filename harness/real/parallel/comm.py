@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from harness.plan import Allocation, Plan
+from harness.core.plan import Allocation, Plan
 
 
 def allocation_group_ranks(alloc: Allocation) -> set[tuple[int, ...]]:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.errors import PlanError
-from harness.plan import Allocation
+from harness.core.plan import Allocation
 from harness.real.model import DecoderLayer, ModelArgs, PipelineStage, RMSNorm, init_values, split_layers
 
 COLUMN_PARALLEL = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "mlp.w_gate.weight", "mlp.w_up.weight")

@@ -18,7 +18,7 @@ import torch
 
 from harness.real.parallel.comm import exchange
 from harness.real.parallel.layout import _interval, full_shapes, load_pieces, transfer_plan
-from harness.plan import Allocation
+from harness.core.plan import Allocation
 
 
 def _zero3_state(replica) -> dict[str, torch.Tensor]:

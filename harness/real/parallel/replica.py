@@ -35,7 +35,7 @@ from harness.real.parallel.layout import (build_local_module, check_tp, coords, 
                                          param_bytes)
 from harness.real.parallel.optim import FlatAdam, ShardedParams
 from harness.real.parallel.tp import install_tp_hooks, sync_shared_kv_grads
-from harness.plan import Allocation
+from harness.core.plan import Allocation
 from harness.real.model import ModelArgs
 
 Span = tuple[str, float, float]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.plan import Allocation, Plan
+from harness.core.plan import Allocation, Plan
 
 
 def layout_key(alloc: Allocation) -> str:

@@ -1,10 +1,10 @@
 """The sim backend over whole plans: invariants that must hold for any sequential plan."""
 import pytest
 
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.backends.sim import SimBackend
 from harness.testing import plan_for
-from harness.workload import make_batch
+from harness.core.workload import make_batch
 
 SEQUENTIAL_TASKS = ("gen", "ref", "reward", "values", "update_actor", "update_critic")
 

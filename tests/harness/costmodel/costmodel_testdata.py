@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from harness.config import ClusterConfig, WorkloadConfig
+from harness.core.config import ClusterConfig, WorkloadConfig
 from harness.costmodel import ModelDims
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"

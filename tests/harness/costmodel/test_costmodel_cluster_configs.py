@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness.config import ClusterConfig, register_configs
+from harness.core.config import ClusterConfig, register_configs
 from harness.costmodel import CostModel
 
 from costmodel_testdata import CLUSTER_NAMES, CONF_DIR, load_cluster, workload

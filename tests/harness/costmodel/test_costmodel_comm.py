@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.config import LinkConfig
+from harness.core.config import LinkConfig
 from harness.costmodel import allgather_s, allreduce_s, link_for_group, p2p_s, reduce_scatter_s
 
 LINK = LinkConfig(bandwidth_gbps=100.0, latency_us=2.0, efficiency_frac=0.5)  # 50 GB/s achieved

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from harness.config import LlamaConfig
+from harness.core.config import LlamaConfig
 from harness.costmodel import (
     ModelDims,
     embedding_params,

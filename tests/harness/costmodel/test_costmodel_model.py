@@ -6,7 +6,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from harness.config import LlamaConfig
+from harness.core.config import LlamaConfig
 from harness.costmodel import CostModel, ProfileTable, training_state_gb
 
 from costmodel_testdata import LLAMA, workload

@@ -1,5 +1,5 @@
 """The shipped Vidur profiles, the dimension-scaling rule fitted on them, and the calibration
-report (issue 12; ``harness/costmodel/measured.py``, ``harness/calibrate.py``).
+report (issue 12; ``harness/costmodel/measured.py``, ``harness/cli/calibrate.py``).
 
 Held-out error of the scaling rule, ``|pred / measured - 1|`` over every row of the held-out
 model (fit on the other two), as measured on the shipped data (median / p90, worst of the three
@@ -128,7 +128,7 @@ def test_heldout_refuses_a_heldout_model_among_the_fit_models():
 def test_report_command_prints_a_table(tmp_path):
     out_csv = tmp_path / "report.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.calibrate", "report", "--gpu", "h100", "--csv",
+        [sys.executable, "-m", "harness.cli.calibrate", "report", "--gpu", "h100", "--csv",
          str(out_csv)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -13,7 +13,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from harness.config import LlamaConfig
+from harness.core.config import LlamaConfig
 from harness.costmodel import llama as L
 from harness.costmodel import measured as ms
 from harness.costmodel import memory as mem

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("seaborn")
 
-from harness import results  # noqa: E402
+from harness.run import results  # noqa: E402
 from harness.figures import EXTRA_FIGURES, FIGURES  # noqa: E402
 from harness.figures.__main__ import main, split_overrides  # noqa: E402
 

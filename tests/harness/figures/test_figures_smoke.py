@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("seaborn")
 
-from harness import results  # noqa: E402
+from harness.run import results  # noqa: E402
 from harness.figures import FIGURES  # noqa: E402
 
 SYSTEMS = ("deepspeed_chat", "realhf", "interleaved", "disaggregated", "rlhfuse_base", "rlhfuse")

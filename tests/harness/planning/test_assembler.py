@@ -2,7 +2,7 @@
 import pytest
 
 from harness.errors import PlanError
-from harness.plan import (Allocation, Feature, GenerationPolicy, MovementKind, ParallelStrategy, ResidentState,
+from harness.core.plan import (Allocation, Feature, GenerationPolicy, MovementKind, ParallelStrategy, ResidentState,
                           TaskKind, WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan, needs_movement
 from harness.planning.workflow import PPO_TASKS

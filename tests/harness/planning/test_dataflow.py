@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.backends.ray import experience as ex
-from harness.plan import Allocation, ParallelStrategy, Plan
+from harness.core.plan import Allocation, ParallelStrategy, Plan
 from harness.planning.dataflow import (LOSS_INPUTS, SAMPLE_DATA, TaskInputs, UndeclaredRead, sample_data_behind,
                                        training_reads)
 from harness.planning.scheduler import schedule_durations

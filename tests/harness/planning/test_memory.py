@@ -65,8 +65,8 @@ def test_report_equals_a_per_device_count_over_searched_and_scattered_meshes():
     import random
 
     from baselines.realhf import CALLS, RealHF
-    from harness.plan import Allocation, ParallelStrategy
-    from harness.runner import build_context
+    from harness.core.plan import Allocation, ParallelStrategy
+    from harness.run.runner import build_context
     from harness.testing import run_config
 
     run = run_config(["+system=realhf", "model=7b", "cluster.num_nodes=4", "logger=none"])

@@ -1,7 +1,7 @@
 """Reallocation bytes against hand counts (fractions of one model's bytes)."""
 import pytest
 
-from harness.plan import Allocation, ParallelStrategy as S
+from harness.core.plan import Allocation, ParallelStrategy as S
 from harness.planning.realloc import reallocation_transfers, total_bytes
 
 LAYERS, LAYER_BYTES = 8, 1.0  # model = 8 bytes, so answers read as fractions x 8

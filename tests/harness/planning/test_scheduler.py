@@ -2,8 +2,8 @@
 by predicted times against the closed form of its rule on every system's plan."""
 import pytest
 
-from harness.interpreter import execution_units
-from harness.plan import Allocation, ParallelStrategy, Plan, Task, TrainingStage
+from harness.core.units import execution_units
+from harness.core.plan import Allocation, ParallelStrategy, Plan, Task, TrainingStage
 from harness.planning.scheduler import StreamFeed, Timeline, Timing, run_timed, schedule_durations
 from harness.schedule import PipeSpec, build
 
@@ -236,7 +236,7 @@ def test_a_waiting_unit_keeps_its_devices_from_later_units():
 def test_a_weight_movement_occupies_the_devices_it_sends_from():
     """A movement's source devices send the weights: it waits for them, and later units on them
     wait for it, as on backend=ray (one device set for both drivers)."""
-    from harness.plan import WeightMovement
+    from harness.core.plan import WeightMovement
     plan = Plan("t", [infer("busy", (0,)),
                       Task("move", "weight_movement", "actor", alloc(1), writes=("actor_weights@gen",)),
                       infer("after", (0,))],

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.config import LlamaConfig
+from harness.core.config import LlamaConfig
 from harness.real.model import KVCache, LlamaModel, ModelArgs, load_llama_config, rotary, split_layers
 
 

@@ -229,7 +229,7 @@ def test_ray_worker_builds_one_vllm_engine_and_refreshes_it(fake_vllm, tmp_path)
     from harness.real.parallel.comm import Groups
     from harness.backends.ray.passes import make_engine
     from harness.real.parallel.replica import LocalReplica
-    from harness.plan import Allocation, ParallelStrategy
+    from harness.core.plan import Allocation, ParallelStrategy
     from harness.real.hf import load_hf_llama
 
     replica = LocalReplica("actor", ARGS, Allocation((0,), ParallelStrategy(1, 1, 1)), 0, Groups(0, 1, []),

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from harness.schedule import Action, PipeSpec, Schedule, build, lower, validate
 from harness.schedule.p2p_order import check_in_order, message_order, order_mismatches, order_receives
-from harness.schedule.validate import ScheduleError
+from harness.schedule.checks import ScheduleError
 
 TABLE3 = (("33b", "13b", 8, 4), ("33b", "13b", 8, 8), ("65b", "33b", 16, 8), ("65b", "33b", 16, 16))
 TABLE3_MICROBATCHES = (8, 16, 32, 64)
@@ -66,8 +66,8 @@ def test_plain_one_f_one_b_is_consistent_and_left_as_lowered(stages, mbs):
 
 @pytest.fixture(scope="module")
 def table3_schedules():
-    from harness.app import compose
-    from harness.runner import build_context
+    from harness.cli.app import compose
+    from harness.run.runner import build_context
     from systems.rlhfuse.experiments import fused_layout_costs
     from systems.rlhfuse.intra import FusedSearchConfig, search_fused_schedule
 

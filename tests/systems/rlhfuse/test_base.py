@@ -16,7 +16,7 @@ def test_candidates_cover_every_factorisation():
 def test_search_picks_the_fastest_estimate():
     """The chosen layout's estimate is <= every other feasible candidate's (recorded in notes)."""
     from harness.planning.estimate import inference_s, representative_batch
-    from harness.plan import Allocation, Task
+    from harness.core.plan import Allocation, Task
 
     plan, ctx, _ = plan_for(["+system=rlhfuse_base", "model=7b", "cluster.num_nodes=1"])
     batch = representative_batch(ctx)

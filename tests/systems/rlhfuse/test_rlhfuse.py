@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from harness import metrics as mk
+from harness.core import metrics as mk
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.testing import simulate_iterations
 

@@ -180,7 +180,7 @@ def test_fused_stage_runs_the_fused_schedule_on_every_rank(runs):
     """Each device runs its logical rank's actions of the plan's fused schedule, actor and critic
     interleaved, in the schedule's order, once per mini-batch (a driver that trained the models one
     after the other would give every device all of one model's actions first)."""
-    from harness.plan import Plan
+    from harness.core.plan import Plan
     from harness.planning.taskmodels.passes import pipe_stage_devices
 
     folder = _run_folder(runs["rlhfuse_fused"][0])
@@ -228,11 +228,11 @@ def test_trace_proves_streaming_and_migration(runs):
     """Migration moved sequences (counted, with migrate spans on the senders), inference ran on
     devices released by generation while generation still ran elsewhere, and samples were
     inferred as they finished (the first inference pass starts before generation ends)."""
-    from harness.plan import Plan
+    from harness.core.plan import Plan
     from harness.planning.memory import check_plan_memory
     from harness.planning.simulate import simulate_iteration
     from harness.testing import context
-    from harness.workload import make_batch
+    from harness.core.workload import make_batch
 
     folder = _run_folder(runs["rlhfuse_both"][0])
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -315,7 +315,7 @@ def _duration_dependent_pairs(plan, num_devices: int, trials: int = 200) -> tupl
     plan's units timed by the scheduler with random durations."""
     import random
 
-    from harness.interpreter import execution_units
+    from harness.core.units import execution_units
     from harness.planning.scheduler import schedule_durations
 
     labels = [u.label for u in execution_units(plan)]
@@ -335,7 +335,7 @@ def test_real_run_and_simulation_of_the_same_plan_agree(runs, run_harness, tmp_p
     the same time are the same, except pairs whose overlap the plan leaves to the units' durations
     (real and predicted durations differ), and every pair the real run overlapped is one the
     scheduler allows."""
-    from harness.plan import Plan
+    from harness.core.plan import Plan
 
     name = PARITY_RUNS[system]
     cwd, proc, _ = runs[name]

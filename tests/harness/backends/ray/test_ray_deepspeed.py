@@ -140,7 +140,7 @@ import json, sys
 import torch
 from harness.real.parallel.comm import Groups
 from harness.backends.ray.worker import DeviceWorker
-from harness.plan import Allocation, ParallelStrategy
+from harness.core.plan import Allocation, ParallelStrategy
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 
 worker = DeviceWorker(0, 1, {"device": "cpu", "torch_threads": 1, "dtype": "bf16"})  # sets DS_ACCELERATOR=cpu

@@ -56,7 +56,7 @@ def _flat(path: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("num_stages", [4, 8])
 def test_fused_training_matches_serial_under_in_order_matching(runs, num_stages):
-    from harness.plan import Plan
+    from harness.core.plan import Plan
     from harness.schedule import lower
     from harness.schedule.p2p_order import order_mismatches
 

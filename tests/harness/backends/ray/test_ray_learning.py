@@ -42,7 +42,7 @@ ARGS = ["+experiment=learning_curves", "experiment_params.seeds=[0]", f"experime
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory, run_harness):
-    from harness import results
+    from harness.run import results
     from harness.figures import learning_curves as lc
 
     tmp = tmp_path_factory.mktemp("learning")

@@ -19,11 +19,11 @@ import pytest
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from harness.app import compose
+from harness.cli.app import compose
 from harness.backends.ray.config import RayOptions
 from harness.backends.ray.options import option_conflicts, zero3_engine
 from harness.errors import ConfigError
-from harness.runner import build_context
+from harness.run.runner import build_context
 
 torch = pytest.importorskip("torch")
 

@@ -12,7 +12,7 @@ pytest.importorskip("ray")
 
 from harness.backends.ray.homes import model_args  # noqa: E402
 from harness.backends.ray.options import unsupported_features  # noqa: E402
-from harness.plan import Plan  # noqa: E402
+from harness.core.plan import Plan  # noqa: E402
 from harness.testing import plan_for  # noqa: E402
 
 TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]

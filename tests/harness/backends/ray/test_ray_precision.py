@@ -30,7 +30,7 @@ from harness.real.parallel.optim import FlatAdam
 from harness.backends.ray.options import engine_unsupported
 from harness.real.parallel.replica import LocalReplica, NativeZero3Replica
 from harness.errors import ConfigError
-from harness.plan import Allocation, ParallelStrategy
+from harness.core.plan import Allocation, ParallelStrategy
 from harness.real.model import INIT_BLOCK_NUMEL, LlamaModel, ModelArgs, init_values, load_llama_config
 
 TINY = ModelArgs.from_llama_config(load_llama_config("tiny"))
@@ -223,7 +223,7 @@ def test_dtype_engine_and_address_options():
 
 
 def test_vllm_engine_layout_limits():
-    from harness.plan import GenerationPolicy, MigrationPolicy, Plan, Task, TaskKind
+    from harness.core.plan import GenerationPolicy, MigrationPolicy, Plan, Task, TaskKind
 
     gen = Task("gen", TaskKind.GENERATE, "actor", Allocation((0, 1), ParallelStrategy(1, 2, 1)),
                reads=("prompts",), writes=("responses",))

@@ -9,9 +9,9 @@ from hydra.utils import get_class
 from harness.planning.taskmodels.generation import simulate_generation
 from harness.planning.taskmodels.passes import simulate_inference, simulate_training
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
-from harness.runner import build_context
+from harness.run.runner import build_context
 from harness.testing import run_config
-from harness.workload import make_batch
+from harness.core.workload import make_batch
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_generation_estimate_stops_only_above_the_given_time(planned):
 
 @pytest.mark.parametrize("dp,tp,pp", [(2, 4, 1), (1, 4, 2), (2, 2, 2), (1, 2, 4), (1, 1, 8)])
 def test_training_bound_never_exceeds_the_simulated_time(planned, dp, tp, pp):
-    from harness.plan import Allocation, ParallelStrategy, Task
+    from harness.core.plan import Allocation, ParallelStrategy, Task
     from harness.planning.estimate import representative_batch, training_bound_s, training_s
     from harness.planning.workflow import single_pipe_stage
     ctx, _ = planned

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from harness.planning.taskmodels.generation import simulate_generation
-from harness.plan import Allocation, GenerationPolicy, ParallelStrategy, Task
+from harness.core.plan import Allocation, GenerationPolicy, ParallelStrategy, Task
 
 
 def _gen(cm, model, policy, dp=1):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from harness.planning.taskmodels.generation import simulate_generation
-from harness.plan import Allocation, GenerationPolicy, MigrationPolicy, ParallelStrategy, Task
+from harness.core.plan import Allocation, GenerationPolicy, MigrationPolicy, ParallelStrategy, Task
 
 
 def _run(setup, migration):

@@ -11,7 +11,7 @@ from harness.backends.ray.experience import minibatch_indices
 from harness.real.parallel.layout import (assemble, build_local_module, coords, full_shapes, load_pieces, local_args,
                                          received_bytes, transfer_plan)
 from harness.costmodel.llama import matmul_params_per_layer
-from harness.plan import Allocation, ParallelStrategy
+from harness.core.plan import Allocation, ParallelStrategy
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 from harness.planning.realloc import reallocation_transfers
 

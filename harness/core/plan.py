@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from harness.engines import Engines
+from harness.core.engines import Engines
 from harness.errors import PlanError
 from harness.schedule.ir import Schedule
 from harness.schedule.io import schedule_from_dict, schedule_to_dict
@@ -280,7 +280,7 @@ class Plan:
     weight_movements: list[WeightMovement] = field(default_factory=list)
     resident: list[ResidentState] = field(default_factory=list)
     offloaded: list[str] = field(default_factory=list)  # models kept in host memory, loaded per use
-    # the execution engines that run this plan (harness/engines.py); None: the cost model's ops as is
+    # the execution engines that run this plan (harness/core/engines.py); None: the cost model's ops as is
     engines: Optional[Engines] = None
     global_batch_size: int = 512
     mini_batch_size: int = 64

@@ -1,6 +1,6 @@
 """Physical and logical consistency of a composed run, checked before any work (issue 28, item 3).
 
-:func:`check_run` is the first thing :func:`harness.runner.build_context` does, so every input
+:func:`check_run` is the first thing :func:`harness.run.runner.build_context` does, so every input
 below ends the run with one line naming the cause and the key to change (a
 :class:`~harness.errors.ConfigError`: ``error: ...`` on stderr, exit code 2) before planning starts
 and before anything is written:
@@ -9,7 +9,7 @@ and before anything is written:
   heads into the KV heads (:func:`check_models`);
 - **context**: the longest prompt plus ``workload.max_gen_len`` within every model's
   ``max_seq_len`` (the four models all read prompt + response); a JSON-lines workload's records are
-  checked one by one when the file is read (:func:`harness.workload.resolve_workload`);
+  checked one by one when the file is read (:func:`harness.core.workload.resolve_workload`);
 - **hardware**: every datasheet number finite and positive, every efficiency a fraction in (0, 1]
   (:func:`check_cluster`): ``inf`` TFLOPs, ``nan`` or negative memory, a zero-bandwidth link;
 - **run options**: ``seed`` >= 0 (numpy seeds are non-negative), ``planning_budget_s`` finite and
@@ -25,14 +25,14 @@ and before anything is written:
   default"); other out-of-range options are the system's own check
   (:meth:`harness.system.System.check_config`), and options set without effect in the chosen
   configuration are refused by one rule over the conditions declared beside each field
-  (:mod:`harness.option_effects`), not warned about: a run whose printed config says something it
+  (:mod:`harness.core.option_effects`), not warned about: a run whose printed config says something it
   did not do is not a result.
 
 Failures that can only happen later are checked here too: a ``results_dir`` that is empty, the
 current folder, not a folder or cannot be written (:func:`check_results_dir_writable`), an output
-file of ``python -m harness.validate`` / ``report`` that cannot be written
+file of ``python -m harness.replay`` / ``report`` that cannot be written
 (:func:`check_output_file`) and W&B online mode without credentials
-(:func:`harness.loggers.resolve_mode`).
+(:func:`harness.run.loggers.resolve_mode`).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from harness.errors import ConfigError
-from harness.files import file_kind
+from harness.core.files import file_kind
 
 MAX_SAMPLES_PER_ITERATION = 65536  # 8x the largest batch in the paper's experiments (8,192 at 4,096 GPUs)
 MAX_DEVICES = 16384  # 4x the paper's largest simulated cluster (4,096 GPUs)
@@ -55,7 +55,7 @@ HARD_MAX_SAMPLES = 2 ** 24  # 16,777,216 samples per iteration: 256x MAX_SAMPLES
 NAME_MAX_BYTES = 255  # a folder name, where the file system does not say (POSIX NAME_MAX on Linux)
 PATH_MAX_BYTES = 4096  # a whole path, where the file system does not say (Linux PATH_MAX)
 # Bytes a run's path needs below results_dir/<experiment_name>: <system>[,<variant>] (at most
-# harness.results.MAX_FOLDER_CHARS), <model>, its staging folder .seed<k>.partial-<host>-<pid>, a file.
+# harness.run.results.MAX_FOLDER_CHARS), <model>, its staging folder .seed<k>.partial-<host>-<pid>, a file.
 RUN_PATH_RESERVE_BYTES = 512
 MODEL_DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
               "max_seq_len")
@@ -63,7 +63,7 @@ ROLES = ("actor", "critic", "ref", "reward")
 
 
 def check_run(run: Any) -> None:
-    """Every check of the module docstring on a typed :class:`~harness.config.RunConfig`."""
+    """Every check of the module docstring on a typed :class:`~harness.core.config.RunConfig`."""
     check_models(run.model)
     check_cluster(run.cluster)
     check_context(run.model, run.workload)
@@ -316,19 +316,3 @@ def _cannot_create_in(folder: Path) -> str | None:
             return None
     except OSError as e:
         return str(e.strerror or e)
-
-
-def check_tensor_parallel(plan: Any, models: Any) -> None:
-    """Every task's tensor-parallel degree shards its model's heads
-    (:func:`harness.planning.strategies.tp_splits_heads`); searched layouts only offer such degrees,
-    so this catches pinned layouts and a system's fixed choices (PlanError naming the task)."""
-    from harness.errors import PlanError
-    from harness.planning.strategies import tp_splits_heads
-
-    for task in plan.tasks:
-        tp = task.allocation.strategy.tp
-        model = getattr(models, task.model.value)
-        if not tp_splits_heads(tp, [model]):
-            raise PlanError(f"task {task.name} runs {model.name} ({model.num_heads} heads, {model.num_kv_heads} KV "
-                            f"heads) at tp={tp}, which does not shard its heads; pin a layout whose tp divides "
-                            f"the heads, or use nodes of GPUs that it divides (cluster.gpus_per_node)")

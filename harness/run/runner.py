@@ -17,27 +17,28 @@ from typing import Any, Iterable, Iterator
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from harness import metrics as mk
-from harness import provenance
-from harness import results
-from harness.config import RunConfig
-from harness.consistency import check_results_dir_writable, check_run, check_tensor_parallel
+from harness.core import metrics as mk
+from harness.run import provenance
+from harness.run import results
+from harness.core.config import RunConfig
+from harness.checks.consistency import check_results_dir_writable, check_run
+from harness.planning.strategies import check_tensor_parallel
 from harness.costmodel import CostModel
 from harness.costmodel.profile import load_profile_table
-from harness.engines import select_engines
+from harness.core.engines import select_engines
 from harness.errors import ConfigError
-from harness.loggers import WandbLogger, resolve_mode
-from harness.option_effects import check_option_effects
-from harness.discovery import discover_systems
+from harness.run.loggers import WandbLogger, resolve_mode
+from harness.core.option_effects import check_option_effects
+from harness.system import discover_systems
 from harness.planning.collector import full_collections_deferred
 from harness.planning.memory import check_plan_memory
-from harness.plan import Plan
-from harness.progress import planning_progress
+from harness.core.plan import Plan
+from harness.run.progress import planning_progress
 from harness.schedule import to_csv
 from harness.system import PlanContext, System
-from harness.trace import PARAM_DIGEST, UNITS, StepTrace, trace_devices, write_chrome_trace
-from harness.validation import check_batch_sizes
-from harness.workload import make_batch, resolve_workload, validate_workload
+from harness.core.trace import PARAM_DIGEST, UNITS, StepTrace, trace_devices, write_chrome_trace
+from harness.checks.command_line import check_batch_sizes
+from harness.core.workload import make_batch, resolve_workload, validate_workload
 
 
 @dataclass
@@ -59,7 +60,7 @@ def model_label(models) -> str:
 
 
 def build_context(run: RunConfig) -> PlanContext:
-    """The planning context of ``run``, after every consistency check (:mod:`harness.consistency`)."""
+    """The planning context of ``run``, after every consistency check (:mod:`harness.checks.consistency`)."""
     validate_workload(run.workload)
     check_run(run)
     max_context = min(getattr(run.model, role).max_seq_len for role in ("actor", "critic", "ref", "reward"))
@@ -128,7 +129,7 @@ def make_plan(system: System, ctx: PlanContext) -> tuple[Plan, float, Any]:
 def iteration_rows(run: RunConfig, plan: Plan, backend: Any,
                    iterations: Iterable[int]) -> Iterator[tuple[StepTrace, dict[str, float]]]:
     """Run ``plan`` on ``backend`` (already set up) for each of ``iterations``, each on its batch of
-    the workload: the iteration's trace and its metrics row (:func:`harness.metrics.iteration_metrics`)."""
+    the workload: the iteration's trace and its metrics row (:func:`harness.core.metrics.iteration_metrics`)."""
     task_models = {t.name: t.model for t in plan.tasks}
     peak_flops = run.cluster.gpu.peak_bf16_tflops * 1e12
     for it in iterations:

@@ -1,8 +1,8 @@
 """Replay published measurements of real RLHF runs in the simulator (issue 26, item 3).
 
-    python -m harness.validate data/published/replay.jsonl                  # table + summaries
-    python -m harness.validate data/published/replay.jsonl --json out.json  # and records for machines
-    python -m harness.validate data/published/replay.jsonl --ids P037 P042  # some points only
+    python -m harness.replay data/published/replay.jsonl                  # table + summaries
+    python -m harness.replay data/published/replay.jsonl --json out.json  # and records for machines
+    python -m harness.replay data/published/replay.jsonl --ids P037 P042  # some points only
 
 A replay file has one published measurement per line (JSON)::
 
@@ -24,11 +24,11 @@ and overall: the median and 90th percentile of predicted/measured as times (``ti
 point's ratio is measured/predicted, so > 1 always means the simulator is slower than the real run),
 and the worst points (furthest from 1 on a log scale). Deterministic: the same file gives the same numbers.
 
-    python -m harness.validate data/published/replay.jsonl --fit --cv --write  # fit the engines' constants
+    python -m harness.replay data/published/replay.jsonl --fit --cv --write  # fit the engines' constants
 
 By default it measures with the engines' constants as ``data/engines/fitted.json`` has them
 (``--prior``: every fitted constant at its prior). ``--fit`` fits the shared per-engine constants on
-the file's points (:mod:`harness.engine_fit`), prints them and the replay under them; ``--cv`` adds
+the file's points (:mod:`harness.costmodel.engine_fit`), prints them and the replay under them; ``--cv`` adds
 leave-one-source-out cross-validation; ``--write`` stores the constants. What the replay file says
 about each point (and which points it leaves out, and why) is data, documented in docs/VALIDATION.md.
 """
@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from harness.consistency import check_output_file
+from harness.checks.consistency import check_output_file
 from harness.errors import ConfigError, HarnessError, interrupt_is_one_line
-from harness.files import file_kind
+from harness.core.files import file_kind
 
-# replay metric -> the simulator summary's key (harness.metrics)
+# replay metric -> the simulator summary's key (harness.core.metrics)
 METRICS = {
     "step_s": "timing_s/step",
     "samples_per_s": "perf/samples_per_s",
@@ -121,12 +121,12 @@ def read_replay(path: Path) -> list[ReplayPoint]:
 
 
 def _composed(point: ReplayPoint):
-    from harness.app import compose
+    from harness.cli.app import compose
 
     label = f"point {point.id}" + (f" ({point.where})" if point.where else "")
     overrides = [o for o in point.overrides if not o.startswith(("backend=", "logger="))]
     if not any(o.partition("=")[0] in ("+system", "++system", "system") for o in overrides):
-        from harness.discovery import discover_systems
+        from harness.system import discover_systems
 
         raise ConfigError(f"{label}: no system chosen: its overrides need +system=<name> "
                           f"(available: {', '.join(sorted(discover_systems()))})")
@@ -141,15 +141,15 @@ def _composed(point: ReplayPoint):
 
 def simulate_summary(cfg) -> dict[str, float]:
     """Plan and simulate one composed config as ``python -m harness`` would (the same planning and
-    checks, :func:`harness.runner.make_plan`; without writing any results): the summary metrics
+    checks, :func:`harness.run.runner.make_plan`; without writing any results): the summary metrics
     averaged after the warm-up iterations."""
     from omegaconf import OmegaConf
 
     from hydra.utils import get_class
 
-    from harness import metrics as mk
-    from harness.runner import build_context, iteration_rows, make_plan
-    from harness.validation import check_batch_sizes
+    from harness.core import metrics as mk
+    from harness.run.runner import build_context, iteration_rows, make_plan
+    from harness.checks.command_line import check_batch_sizes
 
     check_batch_sizes(cfg)
     run = OmegaConf.to_object(cfg)
@@ -194,8 +194,8 @@ def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
 
 def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iterations: int = 4):
     """Fitted constants on every point and, when ``cross_validate``, leave-one-source-out records
-    (each source's points predicted with constants fitted without them); see :mod:`harness.engine_fit`."""
-    from harness import engine_fit as ef
+    (each source's points predicted with constants fitted without them); see :mod:`harness.costmodel.engine_fit`."""
+    from harness.costmodel import engine_fit as ef
 
     cfgs = [_composed(p) for p in points]
     deps = [ef.point_constants(c) for c in cfgs]
@@ -247,7 +247,7 @@ def report(records: list[dict[str, Any]]) -> str:
 @interrupt_is_one_line
 def main(argv: list[str] | None = None) -> int:
     """The command line; Ctrl-C ends it with one line ``interrupted`` and exit code 130."""
-    p = argparse.ArgumentParser(prog="python -m harness.validate",
+    p = argparse.ArgumentParser(prog="python -m harness.replay",
                                 description="Replay published RLHF measurements in the simulator.")
     p.add_argument("file", type=Path, help="replay file (JSON lines)")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the records as a JSON list here")
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             points = [replace(pt, overrides=pt.overrides + ("engine.fitted=false",)) for pt in points]
         cv_records: list[dict[str, Any]] = []
         if args.fit:
-            from harness import engine_fit as ef
+            from harness.costmodel import engine_fit as ef
 
             values, cv_records = fit_and_cross_validate(points, args.cv)
             print("fitted constants (prior -> fitted):")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nleave-one-source-out (each source predicted with constants fitted without it):")
         print(report(cv_records))
     if args.fit and args.write:
-        from harness.engines import FITTED_PATH
+        from harness.core.engines import FITTED_PATH
 
         cv = None
         if cv_records:
@@ -305,6 +305,3 @@ def main(argv: list[str] | None = None) -> int:
                                                    for r in cv_records], indent=1) + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

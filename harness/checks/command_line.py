@@ -20,10 +20,10 @@ It also refuses ``+key=value`` overrides that add a key a typed config does not 
 accepts them and the run silently ignores them), and reads the input files each composed config
 names (:func:`check_input_files`: profile table, workload file, engine files, calibration), each
 distinct file once, so a bad file ends a sweep once, before any job. The entry point
-(:func:`harness.app.run`) prints the message on stderr and exits 2.
+(:func:`harness.cli.app.run`) prints the message on stderr and exits 2.
 
 :func:`check_batch_sizes` refuses a system's own batch sizes (``system.*batch_size``) that are zero
-or negative; the workload's are checked by :func:`harness.workload.validate_workload`.
+or negative; the workload's are checked by :func:`harness.core.workload.validate_workload`.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from harness.errors import ConfigError, OverrideError
-from harness.option_effects import check_option_effects
+from harness.core.option_effects import check_option_effects
 
 CONFIG_NAME = "config"
 # Hydra's own groups and the schemas' group: not something a user means at the top level.
@@ -99,8 +99,8 @@ def check_input_files(cfg: DictConfig, checked: Optional[dict[tuple[str, str], O
     so each distinct file is read once."""
     from harness.costmodel.calibrated import Calibration
     from harness.costmodel.profile import load_profile_table
-    from harness.engines import KINDS, load_engine
-    from harness.workload import resolve_workload_path
+    from harness.core.engines import KINDS, load_engine
+    from harness.core.workload import resolve_workload_path
 
     checked = {} if checked is None else checked
 
@@ -226,8 +226,8 @@ def _hydra() -> Iterator[Any]:
     from hydra.core.global_hydra import GlobalHydra
 
     from harness.backends import register_backend_configs
-    from harness.config import register_configs
-    from harness.discovery import discover_systems
+    from harness.core.config import register_configs
+    from harness.system import discover_systems
 
     register_configs()
     register_backend_configs()

@@ -9,7 +9,7 @@ A backend executes a plan as a sequence of *units*, in dependency order:
   section 4): they take samples as generation finishes them, so they run as one unit of kind
   ``inference`` with ``stream_from`` set.
 
-:class:`PlanInterpreter` walks the units and calls one handler per :class:`~harness.plan.TaskKind`.
+:class:`PlanInterpreter` walks the units and calls one handler per :class:`~harness.core.plan.TaskKind`.
 Backends (the simulator, the Ray driver) subclass it; nothing here or in a handler may branch on a
 system's or a task's name.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from harness.errors import PlanError
-from harness.plan import Plan, Task, TaskKind, TrainingStage
+from harness.core.plan import Plan, Task, TaskKind, TrainingStage
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Fit the execution engines' shared constants on published measurements, with leave-one-source-out
 cross-validation (issue 26, item 4).
 
-What is fitted: only the constants :data:`harness.engines.FITTED_PRIORS` names, one value per engine
+What is fitted: only the constants :data:`harness.core.engines.FITTED_PRIORS` names, one value per engine
 (``kind/fit_key``), shared by every point that runs on that engine: never one per point. Which
 constants a point informs follows from the engines its overrides resolve to.
 
@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from harness import engines as eng
+from harness.core import engines as eng
 
 PRIOR_WEIGHT = 0.1  # residual weight of log(constant / prior): a tenth of one point's
 STEP_LOG = math.log(2.0)  # finite-difference step: each constant doubled
@@ -145,10 +145,10 @@ def fit(num_points: int, deps: list[list[Constant]], measured: list[float], pred
 def write_fitted(values: dict[Constant, float], path: Path, replay_file: str, num_points: int,
                  cv: Optional[dict[str, Any]] = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"written_by": f"python -m harness.validate {replay_file} --fit --write",
+    doc = {"written_by": f"python -m harness.replay {replay_file} --fit --write",
            "date": datetime.date.today().isoformat(),
            "num_points": num_points,
-           "note": "per-engine constants shared by every run of the engine (harness/engines.py); "
+           "note": "per-engine constants shared by every run of the engine (harness/core/engines.py); "
                    "see docs/VALIDATION.md",
            "constants": table_of(values)}
     if cv is not None:

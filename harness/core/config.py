@@ -17,8 +17,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from harness.engines import EngineSelection
-from harness.option_effects import Condition, effective_when, existing_path
+from harness.core.engines import EngineSelection
+from harness.core.option_effects import Condition, effective_when, existing_path
 
 # The backends that load a model's weights (backend._target_): the simulator plans and times from
 # the dimensions alone.
@@ -132,7 +132,7 @@ class LengthDistConfig:
     max: int = MISSING
 
 
-# prompt_len / output_len apply to synthetic workloads only (harness.workload.resolve_workload)
+# prompt_len / output_len apply to synthetic workloads only (harness.core.workload.resolve_workload)
 SYNTHETIC_ONLY = effective_when(Condition("workload.path", "==", None, says="workload.path=null"),
                                 why="a file workload's lengths are the file's",
                                 fix="use a workload without a file (workload=hh_rlhf)")
@@ -151,7 +151,7 @@ class WorkloadConfig:
     output_len: LengthDistConfig = field(default=MISSING, metadata=SYNTHETIC_ONLY)
     activation_recompute: str = "selective"  # none | selective | full (Korthikanti et al. 2022)
     # A JSON-lines file of prompts (or prompt lengths) and response lengths (conf/workload/jsonl.yaml,
-    # harness/workload.py). Set: batches are drawn from its records and prompt_len / output_len are
+    # harness/core/workload.py). Set: batches are drawn from its records and prompt_len / output_len are
     # only summaries for the planners (replaced by the file's). None: lengths drawn from prompt_len / output_len.
     # Set on the command line it needs workload=jsonl (another workload's config describes drawn lengths).
     path: Optional[str] = field(default=None, metadata=effective_when(
@@ -191,7 +191,7 @@ class SystemConfig:
 
     name: str = MISSING
     impl: str = MISSING  # dotted path of a harness.system.System subclass
-    # The execution engines of the implementation this system reimplements (harness/engines.py,
+    # The execution engines of the implementation this system reimplements (harness/core/engines.py,
     # conf/engine/): the defaults that engine.generation / engine.training override.
     generation_engine: str = "cuda_graph"
     training_engine: str = "megatron"
@@ -212,7 +212,7 @@ class RunConfig:
     seed: int = 0
     results_dir: str = "results"
     overwrite: bool = False  # re-run even if a finished result exists
-    # Lift the size limits of harness/consistency.py (samples per iteration, devices): runs that large
+    # Lift the size limits of harness/checks/consistency.py (samples per iteration, devices): runs that large
     # plan and simulate for hours.
     allow_large: bool = False
     # Upper bound on any system's own search time (seconds); None = each system's default.

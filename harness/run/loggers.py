@@ -4,7 +4,7 @@ Runs are grouped by experiment and named ``<system>-<model>-seed<k>``; the W&B f
 run folder (``wandb/``), so an offline run can be synced later with ``wandb sync``. ``mode=auto``
 goes online only when an API key is configured (``WANDB_API_KEY`` or a netrc entry for the W&B
 host) and never prompts. The run config holds the resolved config plus ``provenance``
-(:mod:`harness.provenance`); the run summary holds summary.json's ``metrics`` under the same keys
+(:mod:`harness.run.provenance`); the run summary holds summary.json's ``metrics`` under the same keys
 as the history (averages after warm-up, not the last iteration's values).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from harness.config import LoggerConfig
+from harness.core.config import LoggerConfig
 from harness.errors import ConfigError
 
 MODES = ("auto", "online", "offline", "disabled")

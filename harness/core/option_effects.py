@@ -18,7 +18,7 @@ names a function of the value and the config instead (``effective_when(check=...
 why it does not apply.
 
 :func:`check_option_effects` takes the composed config and the command-line overrides the run
-received (``harness.runner.execute``; for a sweep, each job's, ``harness.validation.check_command_line``)
+received (``harness.run.runner.execute``; for a sweep, each job's, ``harness.checks.command_line.check_command_line``)
 and refuses the first override that sets an option whose conditions do not hold, naming the option
 and the condition::
 

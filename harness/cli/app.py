@@ -1,15 +1,15 @@
 """Entry point: ``python -m harness +system=<name> model=<size> [overrides]`` (docs/DESIGN.md sections 1, 9).
 
-Registers the typed schemas, discovers systems (:mod:`harness.discovery`: importing each registers
+Registers the typed schemas, discovers systems (:mod:`harness.system`: importing each registers
 its config schema; the harness never imports systems by name), checks the command line
-(:func:`harness.validation.check_command_line`: unknown keys and group options, values of the wrong
+(:func:`harness.checks.command_line.check_command_line`: unknown keys and group options, values of the wrong
 type, in a sweep for its jobs), then hands control to Hydra. Errors caused by input
 (:class:`harness.errors.HarnessError`) end a single run with one line ``error: ...`` on stderr and
 exit code 2, before any result is written; a bad command line ends a sweep the same way before any
 job starts. In a sweep (``-m``) every job reports its outcome to the sweep
-(:func:`harness.sweep.report_job_outcome`), a failing job is also recorded in
+(:func:`harness.cli.sweep.report_job_outcome`), a failing job is also recorded in
 ``results/<experiment>/failures.jsonl``, and the sweep goes on; at its end the sweep prints a table
-of its failed jobs (:class:`harness.sweep.SweepProgress`) and exits 1 if any job failed. Ctrl-C ends the command with
+of its failed jobs (:class:`harness.cli.sweep.SweepProgress`) and exits 1 if any job failed. Ctrl-C ends the command with
 one line and exit code 130; the interrupted run's staged folder is removed (finished runs stay).
 Each run ends by printing its summary table, or one line with ``logger.summary=line``.
 """
@@ -24,10 +24,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from harness.backends import register_backend_configs
-from harness.config import register_configs
-from harness.discovery import discover_systems
+from harness.core.config import register_configs
+from harness.system import discover_systems
 from harness.errors import HarnessError
-from harness.validation import check_command_line
+from harness.checks.command_line import check_command_line
 
 def _is_multirun() -> bool:
     try:
@@ -38,8 +38,9 @@ def _is_multirun() -> bool:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from harness import results, sweep
-    from harness.runner import execute, format_summary
+    from harness.run import results
+    from harness.cli import sweep
+    from harness.run.runner import execute, format_summary
 
     if cfg.get("experiment_runner"):  # a non-benchmark experiment (e.g. a schedule table)
         from hydra.utils import get_method
@@ -78,7 +79,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def run() -> None:
     """``python -m harness``: Ctrl-C at any point ends it with one line and exit code 130 (a run's
-    staged folder is discarded on the way out, :class:`harness.results.RunFolder`)."""
+    staged folder is discarded on the way out, :class:`harness.run.results.RunFolder`)."""
     try:
         _run()
     except KeyboardInterrupt:
@@ -87,13 +88,13 @@ def run() -> None:
 
 
 def _run() -> None:
-    from harness import sweep
+    from harness.cli import sweep
 
     register_configs()
     register_backend_configs()
     systems = discover_systems()
     if any(a in ("--help", "-h") for a in sys.argv[1:]):  # ours, not Hydra's generic page
-        from harness.cli_help import help_text
+        from harness.cli.help import help_text
 
         print(help_text(systems))
         sys.exit(0)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.config import LengthDistConfig, WorkloadConfig
+from harness.core.config import LengthDistConfig, WorkloadConfig
 from harness.errors import ConfigError
-from harness.files import file_kind
+from harness.core.files import file_kind
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def make_batch(w: WorkloadConfig, seed: int, iteration: int) -> Batch:
 
 PROMPT_KEYS = ("prompt", "prompt_ids", "prompt_len")
 RESPONSE_KEYS = ("response_len", "response")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What a path on disk is, in words for messages (:func:`file_kind`): shared by every check of an
-input or output path (:mod:`harness.consistency`, the readers of profile tables, engine files,
+input or output path (:mod:`harness.checks.consistency`, the readers of profile tables, engine files,
 calibrations, workloads and replay files), with no dependency on the rest of the harness.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Execution engines: how a framework's engines run a plan's work (issue 26).
 
-A system decides *where* and *in what layout* each PPO task runs (its :class:`~harness.plan.Plan`);
+A system decides *where* and *in what layout* each PPO task runs (its :class:`~harness.core.plan.Plan`);
 an execution engine is *how* the framework it reimplements runs that work on the GPUs: padding,
 host overhead per step, how weights reach generation, optimizer offload, and how far its kernels
 fall short of our per-op profiles. Two systems with the same plan differ by up to 10x in published
@@ -27,7 +27,7 @@ Fitted constants. Every mechanism constant is cited in its YAML file. The few co
 measurement gives (marked ``fitted`` below: a GPU-time factor per generation engine and, for
 eager ones, a host-time factor; a compute factor per training engine; the CPU optimizer's streaming
 rate) are
-fitted by ``python -m harness.validate FILE --fit`` on the published end-to-end measurements of
+fitted by ``python -m harness.replay FILE --fit`` on the published end-to-end measurements of
 ``data/published/replay.jsonl`` and stored, with their provenance, in ``data/engines/fitted.json``;
 they are shared by every run of an engine, never per point. ``engine.fitted=false`` runs with every
 fitted constant at its prior (factors 1, CPU Adam at its placeholder rate): the mechanisms alone. With
@@ -45,10 +45,10 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from harness.errors import ConfigError, PlanError
-from harness.files import file_kind
-from harness.option_effects import effective_when
+from harness.core.files import file_kind
+from harness.core.option_effects import effective_when
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = ROOT / "conf" / "engine"
 FITTED_PATH = ROOT / "data" / "engines" / "fitted.json"
 KINDS = ("generation", "training")
@@ -62,7 +62,7 @@ FITTED_PRIORS = {
 # DDR4-3200 each: 409.6 GB/s peak, AMD datasheet) streaming Adam's states at about an eighth of peak,
 # since eight ranks' optimizer processes share it. A placeholder until fitted (data/engines/fitted.json).
 
-# Set by harness.validate while fitting: replaces the fit file's table for every engine resolved.
+# Set by harness.cli.replay while fitting: replaces the fit file's table for every engine resolved.
 _TABLE_OVERRIDE: Optional[dict[str, dict[str, float]]] = None
 
 
@@ -393,7 +393,7 @@ def check_compatible(engines: Engines, allocations: dict[str, Any], migration: b
 
 
 def policy_fields(engines: Engines, zero3_actor: bool) -> dict[str, Any]:
-    """The :class:`~harness.plan.GenerationPolicy` fields the generation engine decides."""
+    """The :class:`~harness.core.plan.GenerationPolicy` fields the generation engine decides."""
     gen = engines.generation
     return {"batching": gen.batching, "engine": gen.kernels,
             "eager_launches_per_layer": gen.launches_per_layer if gen.kernels == "eager" else None,
@@ -427,7 +427,7 @@ class EngineCosts:
                       for key in FITTED_PRIORS[kind] if getattr(engine, key) is None]
         if unresolved:
             raise PlanError(f"engines with unresolved fitted constants {unresolved}: build them with "
-                            f"harness.engines.select_engines or resolve()")
+                            f"harness.core.engines.select_engines or resolve()")
         # read once: the generation simulator calls the step methods ~1e5 times per iteration
         from harness.costmodel.calibrated import (EAGER_HOST_S_PER_LAUNCH, GPT_FAST_LAUNCHES_PER_LAYER,
                                                   SHORT_SPAN_STEPS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 # Groups a user picks from, in the order a command line names them (``engine`` has two subgroups).
 GROUPS = ("model", "cluster", "workload", "backend", "logger", "experiment")
 EXAMPLES = (
@@ -54,7 +54,7 @@ def help_text(systems: list[str]) -> str:
     lines.append(f"  {'engine':<12}engine.generation=<{'|'.join(_options('engine/generation'))}>, "
                  f"engine.training=<{'|'.join(_options('engine/training'))}>")
     lines += ["", "any key of the composed config can be set (key=value); `--cfg job` prints the config.",
-              "results: results/<experiment_name>/<system>[,<variant>]/<model>/seed<k>/ (harness.report reads them)",
+              "results: results/<experiment_name>/<system>[,<variant>]/<model>/seed<k>/ (harness.cli.report reads them)",
               "", "examples:"]
     for what, cmd in EXAMPLES:
         lines += [f"  # {what}", f"  {cmd}"]

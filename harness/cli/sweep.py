@@ -12,7 +12,7 @@ if not, why (:func:`report_job_outcome`), and at the end the callback reads them
 left no outcome (a worker that died) counts as failed. The failed jobs are printed as a table on
 stderr (system, overrides, error) and kept for :func:`last_sweep_failures`, which the entry point
 turns into exit code 1. Each failure is also recorded in ``<results_dir>/<experiment_name>/
-failures.jsonl`` (:func:`harness.results.record_failure`), which lists a job once in its latest
+failures.jsonl`` (:func:`harness.run.results.record_failure`), which lists a job once in its latest
 state across sweeps; that file is a record for people, not the source of the exit status.
 """
 from __future__ import annotations

@@ -44,7 +44,7 @@ from typing import Iterable
 
 import numpy as np
 
-from harness.trace import COMPUTE_SPAN_KINDS, StepTrace
+from harness.core.trace import COMPUTE_SPAN_KINDS, StepTrace
 
 STEP_TIME = "timing_s/step"
 TRAIN_TIME = "timing_s/train"
