@@ -1,12 +1,5 @@
-"""``python -m harness.calibrate``: the cost model against measured profiles, and our own profiles (:mod:`harness.cli.calibrate`).
-
-Ctrl-C while the tool is still being imported ends it as it does later: one line, exit code 130."""
-import sys
-
+"""``python -m harness.calibrate``: the cost model against measured profiles, and our own profiles (:mod:`harness.cli.calibrate`)."""
 if __name__ == "__main__":
-    try:
-        from harness.cli.calibrate import main
-    except KeyboardInterrupt:
-        print("interrupted: nothing was run", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(main())
+    from harness.errors import run_command
+
+    run_command("harness.cli.calibrate")

@@ -6,7 +6,8 @@
 - :class:`PlanError`: a plan that is structurally impossible (mesh/strategy mismatch, cycles).
 - :class:`PlanMemoryError`: a plan that does not fit in device memory; the message carries the numbers.
 
-:func:`interrupt_is_one_line` makes a command's ``main`` end Ctrl-C with one line and exit code 130.
+:func:`interrupt_is_one_line` makes a command's ``main`` end Ctrl-C with one line and exit code 130;
+:func:`run_command` is the entry of each ``python -m harness.<tool>``.
 """
 import functools
 import sys
@@ -44,3 +45,16 @@ def interrupt_is_one_line(main: Callable[..., int]) -> Callable[..., int]:
             print("interrupted", file=sys.stderr)
             return 130
     return run
+
+
+def run_command(module: str) -> None:
+    """Import the command-line tool ``module`` and exit with what its ``main()`` returns; Ctrl-C
+    while it is still being imported ends it as it does later: one line and exit code 130."""
+    import importlib
+
+    try:
+        main = importlib.import_module(module).main
+    except KeyboardInterrupt:
+        print("interrupted: nothing was run", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(main())
