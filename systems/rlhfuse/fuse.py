@@ -34,6 +34,8 @@ from harness.schedule import ascii_grid, simulate, to_csv
 from systems.rlhfuse.intra import fused_costs, fused_pipes, search_fused_schedule
 from systems.rlhfuse.intra.config import DEFAULT_MAX_STEPS, FusedSearchConfig
 
+DEFAULTS = FusedSearchConfig()  # the options' defaults, as config.py writes them (the command line's too)
+
 
 class _OneLineParser(argparse.ArgumentParser):
     """Bad input ends with one line ``error: ...`` and exit code 2 (argparse's own errors too, without
@@ -43,7 +45,8 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The command line (one line ``error: ...`` and exit status 2 on bad input)."""
     p = _OneLineParser(prog="python -m systems.rlhfuse.fuse",
                                 description="Search a fused two-model pipeline schedule "
                                             "(RLHFuse section 5).")
@@ -59,24 +62,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-cap", type=float, help="cap on a rank's in-flight activation memory")
     p.add_argument("--p2p", type=float, default=0.0, help="time to move activations between ranks")
     p.add_argument("--models", nargs=2, default=("actor", "critic"), metavar=("NAME1", "NAME2"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.add_argument("--max-steps", type=int, metavar="STEPS",
                    help=f"trial moves per seed (deterministic budget; default {DEFAULT_MAX_STEPS} "
                         "unless --time-limit is given)")
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="wall-clock limit per seed (not deterministic)")
-    p.add_argument("--workers", type=int, default=1, help="seeds annealed in parallel processes")
+    p.add_argument("--workers", type=int, default=DEFAULTS.num_workers, help="seeds annealed in parallel processes")
     p.add_argument("--seeds", type=int, help="number of seeds (default: --workers)")
-    p.add_argument("--exact-effort", type=float, default=0.0, metavar="UNITS",
+    p.add_argument("--exact-effort", type=float, default=DEFAULTS.exact_effort, metavar="UNITS",
                    help="then refine the annealed best by constraint programming (CP-SAT) with this "
-                        "deterministic-time budget on --workers threads (default 0: off); proves "
-                        "bounds on the makespan and the peak")
-    p.add_argument("--exact-workers", type=int, default=2,
-                   help="threads of the constraint solver's portfolio (default 2; part of the "
-                        "result's inputs: the same number gives the same schedule on any machine)")
-    p.add_argument("--makespan-slack", type=float, default=0.0, metavar="FRAC",
-                   help="trade time for memory: the memory phase may lengthen the schedule up to "
-                        "(1 + FRAC) x the makespan phase's best (default 0: never)")
+                        f"deterministic-time budget on --workers threads (default {DEFAULTS.exact_effort:g}; "
+                        "0: off); proves bounds on the makespan and the peak")
+    p.add_argument("--exact-workers", type=int, default=DEFAULTS.exact_workers,
+                   help=f"threads of the constraint solver's portfolio (default {DEFAULTS.exact_workers}; part "
+                        "of the result's inputs: the same number gives the same schedule on any machine)")
+    p.add_argument("--makespan-slack", type=float, default=DEFAULTS.makespan_slack_frac, metavar="FRAC",
+                   help="trade time for memory: the memory phase may lengthen the schedule up to (1 + FRAC) x "
+                        f"the makespan phase's best (default {DEFAULTS.makespan_slack_frac:g}; 0: never)")
     p.add_argument("--out", help="write the schedule as CSV here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -145,8 +148,15 @@ def _table(summary: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def search_config(args: argparse.Namespace) -> FusedSearchConfig:
+    """The search's options as given on the command line (the others at their defaults)."""
+    return FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, max_steps=args.max_steps,
+                             num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
+                             exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = _parser()
+    p = parser()
     args = p.parse_args(argv)
     _check(p, args)
     (n1, n2), (m1, m2) = args.stages, args.microbatches
@@ -155,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         bwd1, bwd2 = args.bwd if args.bwd is not None else (None, None)
         costs = fused_costs(pipes, args.fwd[0], args.fwd[1], bwd1, bwd2, args.mem[0], args.mem[1],
                             p2p=args.p2p)
-        config = FusedSearchConfig(seed=args.seed, time_limit_s=args.time_limit, max_steps=args.max_steps,
-                                   num_workers=args.workers, num_seeds=args.seeds, exact_effort=args.exact_effort,
-                                   exact_workers=args.exact_workers, makespan_slack_frac=args.makespan_slack)
-        result = search_fused_schedule(pipes, costs, args.mem_cap, config)
+        result = search_fused_schedule(pipes, costs, args.mem_cap, search_config(args))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ from harness.schedule import ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
 from systems.rlhfuse.base import LAYOUT_KEYS, RLHFuseBaseConfig, layout_search
 from systems.rlhfuse.inter import choose_inter_stage
-from systems.rlhfuse.intra.config import FusedSearchConfig
+from systems.rlhfuse.intra.config import PLANNING_MAX_STEPS, FusedSearchConfig
 
 
 # Greedy policies used to score candidate fused layouts (the chosen layout's search tries all).
@@ -72,7 +72,7 @@ class RLHFuseConfig(RLHFuseBaseConfig):
     # the fused schedule's search (systems/rlhfuse/intra/config.py): a step budget by default (same
     # config and seed => same plan); a wall-clock limit (its time_limit_s or the run's
     # planning_budget_s) replaces it when set
-    fused_search: FusedSearchConfig = field(default_factory=lambda: FusedSearchConfig(max_steps=20000),
+    fused_search: FusedSearchConfig = field(default_factory=lambda: FusedSearchConfig(max_steps=PLANNING_MAX_STEPS),
                                             metadata=effective_when(("system.intra_stage", "==", True),
                                                                     why="the fused schedule is intra-stage fusion"))
 

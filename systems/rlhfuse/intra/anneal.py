@@ -25,18 +25,21 @@ from dataclasses import dataclass, field, replace
 from harness.schedule import SimModel
 from systems.rlhfuse.intra.incremental import OrderState, chain_tails
 from systems.rlhfuse.intra import loop
-from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS, DEFAULT_MEMORY_MAKESPAN_WEIGHTS
+from systems.rlhfuse.intra.config import DEFAULT_MEMORY_CAP_STEPS, DEFAULT_MEMORY_MAKESPAN_WEIGHTS, FusedSearchConfig
 from systems.rlhfuse.intra.memory import MemoryParams, MemorySearch
 
 _EPS = 1e-9
 MAX_DRAWS = 1000  # proposals tried per step before the step is counted as a rejected one
+_SEARCH = FusedSearchConfig()  # the search options' defaults (config.py), read by AnnealParams
 
 
 @dataclass
 class AnnealParams:
-    seed: int = 0
-    time_limit_s: float | None = 60.0
-    max_steps: int | None = None
+    """One seed's parameters: the search's options (defaults: :class:`FusedSearchConfig`'s, the
+    budget resolved) and the phases' own."""
+    seed: int = _SEARCH.seed
+    time_limit_s: float | None = _SEARCH.time_limit_s
+    max_steps: int | None = _SEARCH.step_budget
     phase1_frac: float = 0.5
     t0_rel: float = 1.0    # start temperature / mean action time
     t1_rel: float = 0.02   # final temperature / mean action time
@@ -44,10 +47,10 @@ class AnnealParams:
     phase1_cycle_steps: int | None = 20_000  # cooling cycle of phase 1 under long step budgets (None: one) ...
     phase1_cycle_sweeps: float = 25.0  # ... and at least this many steps per action (docs/FUSED_SEARCH.md)
     front_try_frac: float = 0.125  # share of phase 1's budget for each lower-memory start tried
-    makespan_slack_frac: float = 0.0  # the memory phase may return up to (1 + this) x phase 1's best
+    makespan_slack_frac: float = _SEARCH.makespan_slack_frac  # the memory phase may return (1 + this) x phase 1's best
     slack_polish_frac: float = 0.125  # with a slack: share kept to shorten its result (TimeForMemory)
     slack_at_target_frac: float = 0.375  # with a slack: share of the memory phase run at phase 1's makespan
-    memory_phase: bool = True
+    memory_phase: bool = _SEARCH.memory_phase
     memory: MemoryParams = field(default_factory=MemoryParams)
     memory_cap_steps: tuple[float, ...] = DEFAULT_MEMORY_CAP_STEPS  # by seed (anneal_seeds)
     memory_makespan_weights: tuple[float, ...] = DEFAULT_MEMORY_MAKESPAN_WEIGHTS  # by seed
@@ -156,14 +159,14 @@ class MakespanPhase:
         first, best, best_seqs, step = state.snapshot(), state.makespan(), None, 0
         rs, t_start = loop.mt_state(ctx.rng), time.perf_counter()
         while True:
-            run = loop.Loop(state, ctx.cls, loop.MAKESPAN, rs, (t0, t1, 0.0, p.q_critical, 0.0, 0.0, 0.0),
-                            (1, rung, MAX_DRAWS),
-                            {loop.F_TOL: goal + _EPS * max(1.0, abs(goal)), loop.F_BEST_MAKESPAN: best}, step)
+            params = loop.LoopParams(loop.MAKESPAN, t0, t1, rung, MAX_DRAWS, q_critical=p.q_critical,
+                                     tol=goal + _EPS * max(1.0, abs(goal)))
+            run = loop.Loop(state, ctx.cls, params, rs, best_makespan=best, step=step)
             out = run.run(budget.steps, None if budget.seconds is None else
                           budget.seconds - (time.perf_counter() - t_start), time_cools=not cycling)
             step, found = run.step, run.best_seqs()
             if found is not None:
-                best, best_seqs = float(run.fs[loop.F_BEST_MAKESPAN]), found
+                best, best_seqs = float(run.state.best_makespan), found
             if out != loop.CYCLE_END:
                 break
             state = ctx.state(first, state.mem_cap)  # cooled down above the bound: another try

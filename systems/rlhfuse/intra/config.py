@@ -1,7 +1,13 @@
-"""The fused-schedule search's options as one typed config (RLHFuse section 5; issue 29 item 1):
+"""The fused-schedule search's options as one typed config (RLHFuse section 5):
 :class:`FusedSearchConfig`, what :func:`systems.rlhfuse.intra.search_fused_schedule` takes and an
-RLHFuse run holds as ``system.fused_search`` (``conf/system/rlhfuse.yaml``). :meth:`~FusedSearchConfig.check`
-refuses a value out of range before any search starts.
+RLHFuse run holds as ``system.fused_search``. :meth:`~FusedSearchConfig.check` refuses a value out
+of range before any search starts.
+
+This module is the one home of every search option's default: the class's fields and the
+constants below. Everything else that offers an option reads its default here: the run's config
+(``RLHFuseConfig.fused_search``, with :data:`PLANNING_MAX_STEPS`; ``conf/system/rlhfuse.yaml``
+sets none of these options), the command line of ``python -m systems.rlhfuse.fuse``, the search's
+internal parameters (``anneal.AnnealParams``, ``memory.MemoryParams``) and the benchmarks.
 """
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 DEFAULT_MAX_STEPS = 100_000  # per seed, when neither a step nor a time budget is given
+PLANNING_MAX_STEPS = 20_000  # per seed, an RLHFuse run's planner (deterministic; seconds per plan)
 DEFAULT_MEMORY_MOVE_REACH = 8  # longest shift of a memory-phase move (docs/FUSED_SEARCH.md measures 64)
 DEFAULT_MEMORY_CAP_STEPS = (0.005, 0.1)  # cap below the best peak in smallest activations, by seed ("The cap step")
 DEFAULT_MEMORY_MAKESPAN_WEIGHTS = (8.0, 8.0)  # energy per mean action time over the target, by seed

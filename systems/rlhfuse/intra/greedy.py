@@ -73,30 +73,29 @@ _KEY_MODES = {"larger": kernel.KEY_STATIC, "critical_path": kernel.KEY_STATIC, "
 
 class _PassInputs:
     """Everything :func:`~systems.rlhfuse.intra.kernel.greedy_pass` reads that depends only on
-    (pipes, costs), as arrays; built once per :class:`SimModel` (the search runs ~90 passes over
-    one model: policies x windows x caps)."""
+    (pipes, costs): the pass's :class:`~systems.rlhfuse.intra.kernel.GreedyInputs` (``arrays``) and
+    what each policy's keys and each window's limits are made of; built once per :class:`SimModel`
+    (the search runs ~90 passes over one model: policies x windows x caps)."""
 
     def __init__(self, model: SimModel, pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts],
                  ranks: list[int]):
         acts, n = model.actions, model.num_actions
         rank_pos = {r: i for i, r in enumerate(ranks)}
-        self.home = np.array([rank_pos[r] for r in model.home], dtype=np.int64)
+        home = np.array([rank_pos[r] for r in model.home], dtype=np.int64)
         mindex = model_index(pipes)
-        self.act_model = np.array([mindex[a.pipe] for a in acts], dtype=np.int64)
-        self.delta = np.asarray(model.mem_delta, dtype=np.float64)
-        self.dur = np.asarray(model.dur, dtype=np.float64)
-        self.need = np.zeros((int(self.act_model.max()) + 1, len(ranks)))
-        np.maximum.at(self.need, (self.act_model, self.home), self.delta)  # largest activation per model, rank
-        self.present = np.zeros(self.need.shape[0], dtype=np.bool_)
-        self.present[self.act_model] = True
-        self.is_fwd = np.array([a.kind == "F" for a in acts], dtype=np.bool_)
-        # priority keys: ``srank`` ranks the static tuples (model priority, B before F, micro-batch,
-        # pipe, stage), which are distinct, so every policy's key is a total order and the pass
-        # never depends on the order it scans ready actions in
+        model_of = np.array([mindex[a.pipe] for a in acts], dtype=np.int64)
+        delta = np.asarray(model.mem_delta, dtype=np.float64)
+        need = np.zeros((int(model_of.max()) + 1, len(ranks)))
+        np.maximum.at(need, (model_of, home), delta)  # largest activation per model, rank
+        present = np.zeros(need.shape[0], dtype=np.bool_)
+        present[model_of] = True
+        # priority keys: ``static_rank`` ranks the static tuples (model priority, B before F,
+        # micro-batch, pipe, stage), which are distinct, so every policy's key is a total order and
+        # the pass never depends on the order it scans ready actions in
         prio = model_priority(pipes, costs)
         static = [(prio[a.pipe], 0 if a.kind == "B" else 1, a.mb, a.pipe, a.stage) for a in acts]
-        self.srank = np.empty(n, dtype=np.int64)
-        self.srank[sorted(range(n), key=static.__getitem__)] = np.arange(n)
+        static_rank = np.empty(n, dtype=np.int64)
+        static_rank[sorted(range(n), key=static.__getitem__)] = np.arange(n)
         self.neg_tail = -np.asarray(chain_tails(model), dtype=np.float64)
         self.zero = np.zeros(n)
         self.bf = np.array([st[1] for st in static], dtype=np.float64)
@@ -104,25 +103,33 @@ class _PassInputs:
         # per action: an id of its (pipe, stage) (the action of its micro-batch 0 forward), and
         # the number of stages after it (the window's in-flight limit is ceil(window * that))
         slot = {(a.pipe, a.stage): i for i, a in enumerate(acts) if a.kind == "F" and a.mb == 0}
-        self.stage_slot = np.array([slot[(a.pipe, a.stage)] for a in acts], dtype=np.int64)
+        stage_slot = np.array([slot[(a.pipe, a.stage)] for a in acts], dtype=np.int64)
         self.stages_left = np.array([pipes[a.pipe].num_stages - a.stage for a in acts], dtype=np.float64)
         # the dependency graph reversed, in CSR form, and how many dependencies each action has
-        self.succ_ptr, self.succ_idx, self.succ_lat = dependants(model)
-        self.missing = np.bincount(self.succ_idx, minlength=n).astype(np.int64)
+        succ_ptr, succ_idx, succ_lat = dependants(model)
+        self.arrays = kernel.GreedyInputs(
+            num_ranks=len(ranks), home=home, dur=np.asarray(model.dur, dtype=np.float64), delta=delta,
+            is_fwd=np.array([a.kind == "F" for a in acts], dtype=np.bool_), model_of=model_of,
+            static_rank=static_rank, stage_slot=stage_slot, succ_ptr=succ_ptr, succ_idx=succ_idx,
+            succ_lat=succ_lat, num_deps=np.bincount(succ_idx, minlength=n).astype(np.int64), need=need,
+            models_present=present)
 
-    def keys(self, policy: str) -> tuple[np.ndarray, np.ndarray]:
-        """``key_a``, ``key_b`` of a policy (see ``_KEY_MODES`` for where the dynamic flag goes)."""
-        return {"larger": (self.zero, self.zero), "critical_path": (self.neg_tail, self.zero),
-                "fifo": (self.mb, self.neg_tail), "alternate": (self.bf, self.zero),
-                "alternate_model": (self.bf, self.zero)}[policy]
+    def priority(self, policy: str) -> kernel.GreedyPriority:
+        """A policy's keys (see ``_KEY_MODES`` for where the dynamic flag goes)."""
+        key_a, key_b = {"larger": (self.zero, self.zero), "critical_path": (self.neg_tail, self.zero),
+                        "fifo": (self.mb, self.neg_tail), "alternate": (self.bf, self.zero),
+                        "alternate_model": (self.bf, self.zero)}[policy]
+        return kernel.GreedyPriority(_KEY_MODES[policy], key_a, key_b)
 
-    def limits(self, window: float | None) -> np.ndarray:
-        """In-flight limit per (pipe, stage) id: ``ceil(window * stages left)``, at least 1."""
-        n = len(self.stage_slot)
+    def limits(self, window: float | None, mem_cap: float | None) -> kernel.GreedyLimits:
+        """In-flight limit per (pipe, stage) id: ``ceil(window * stages left)``, at least 1 (none
+        without a window); and the memory cap."""
+        stage_slot = self.arrays.stage_slot
+        n = len(stage_slot)
         limit = np.full(n, n, dtype=np.int64)
         if window is not None:
-            limit[self.stage_slot] = np.maximum(1, np.ceil(window * self.stages_left)).astype(np.int64)
-        return limit
+            limit[stage_slot] = np.maximum(1, np.ceil(window * self.stages_left)).astype(np.int64)
+        return kernel.GreedyLimits(limit, inf if mem_cap is None else float(mem_cap), mem_cap is not None)
 
 
 _INPUTS: "weakref.WeakKeyDictionary[SimModel, _PassInputs]" = weakref.WeakKeyDictionary()
@@ -147,14 +154,10 @@ def greedy_schedule(pipes: Mapping[str, PipeSpec], costs: Mapping[str, PipeCosts
     x = _INPUTS.get(model)
     if x is None:
         x = _INPUTS[model] = _PassInputs(model, pipes, costs, ranks)
-    home = x.home
-    key_a, key_b = x.keys(policy)
+    home = x.arrays.home
     placed = np.empty(len(acts), dtype=np.int64)
     fn = kernel.greedy_pass if kernel.AVAILABLE else kernel.interpreted(kernel.greedy_pass)
-    num_placed, t = fn(len(ranks), home, x.dur, x.delta, x.is_fwd, x.act_model, key_a, key_b, x.srank,
-                       _KEY_MODES[policy], x.stage_slot, x.limits(window), x.succ_ptr, x.succ_idx, x.succ_lat,
-                       x.missing, inf if mem_cap is None else float(mem_cap), mem_cap is not None, x.need,
-                       x.present, placed)
+    num_placed, t = fn(x.arrays, x.priority(policy), x.limits(window, mem_cap), placed)
     order: list[list[int]] = [[] for _ in ranks]
     for v in placed[:num_placed].tolist():
         order[home[v]].append(v)

@@ -1,13 +1,27 @@
-"""Compiled inner loops of the fused-schedule annealer (RLHFuse, NSDI'25, arXiv 2409.13221,
-section 5: the search scores every trial move by re-timing the schedule): :func:`resim`, the
+"""Compiled inner loops of the fused-schedule search (RLHFuse, NSDI'25, arXiv 2409.13221, section 5:
+the search scores every trial move by re-timing the schedule) and the named arrays they work on.
+
+This module owns the structures every kernel reads (:class:`Orders`: a schedule as per-rank orders
+with times and work and memory profiles; :class:`Graph`: the actions' dependencies and costs;
+:class:`Scratch`: one trial move's work arrays) and the timing kernels over them: :func:`resim`, the
 resumed list-scheduling pass of :class:`~systems.rlhfuse.intra.incremental.OrderState`,
 :func:`move_closes_cycle`, the deadlock test before any timing, and :func:`critical_swaps`, the
 critical-path trace that proposes the makespan moves (the algorithms: docs/FUSED_SEARCH.md,
 "Timing engine"; why compiled: "Compiled kernels"). The annealing loop of both phases
-(:func:`systems.rlhfuse.intra.loop.anneal_loop`) calls these. Without numba (:mod:`harness.compiled`)
-they run interpreted, with the same results; the tests compare both move by move.
+(:func:`systems.rlhfuse.intra.loop.anneal_loop`) calls these. It also owns the greedy list
+scheduler's pass, :func:`greedy_pass`, over :class:`GreedyInputs`, :class:`GreedyPriority` and
+:class:`GreedyLimits`. Without numba (:mod:`harness.compiled`) they run interpreted, with the same
+results; the tests compare both move by move.
+
+Sizes in the field comments: ``R`` ranks, ``L`` actions on the longest rank, ``n`` actions. A
+compiled call passes a structure as the descriptors of all its arrays, so the kernels every step
+of the loop calls (:func:`resim`, :func:`move_closes_cycle`, the loop's proposal) are inlined into
+their compiled callers (numba's ``inline='always'``), and the greedy pass's helpers take only the
+arrays they read.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,13 +30,74 @@ from harness.compiled import AVAILABLE, interpreted, njit  # noqa: F401 (re-expo
 DEADLOCK = -1.0  # returned when a rank is left blocked
 
 
-@njit(cache=True)
-def resim(seq2d, lens, r, lo, t0, threshold, start, end, se, ss, dep_a, dep_b, lat_a, lat_b,
-          dur, tail, total, cum2d, waiter, next_waiter, blocked, firsts, clock, left, ready):
-    """Re-time every action that started at or after ``t0`` (rank ``r`` from position ``lo``) into
-    ``se``/``ss`` (end/start scratch, overwritten from ``end``/``start`` first). ``waiter`` must
-    be all -1 on entry and is left so. Returns the makespan, ``inf`` once an action provably ends
-    the schedule later than ``threshold``, or :data:`DEADLOCK`."""
+class Orders(NamedTuple):
+    """A schedule as per-rank orders with every action's times and each rank's running work and
+    activation memory (a committed move changes them in place)."""
+    seq: np.ndarray         # (R, L) int: per rank, the action ids in order (-1 past the rank's length)
+    lens: np.ndarray        # (R,) int: actions on each rank
+    rank_of: np.ndarray     # (n,) int: each action's rank
+    pos: np.ndarray         # (n,) int: each action's position on its rank
+    start: np.ndarray       # (n,) float: start times
+    end: np.ndarray         # (n,) float: end times
+    work_done: np.ndarray   # (R, L) float: the rank's work up to and including each position
+    work_total: np.ndarray  # (R,) float: each rank's work
+    held: np.ndarray        # (R, L) float: activation memory the rank holds after each position
+    peak: np.ndarray        # (R,) float: each rank's largest ``held``
+
+
+class Graph(NamedTuple):
+    """The actions' dependencies and costs (fixed for a model)."""
+    dep_a: np.ndarray     # (n,) int: an action's first dependency (-1: none)
+    dep_b: np.ndarray     # (n,) int: its second (-1: none)
+    lat_a: np.ndarray     # (n,) float: the delay after the first dependency ends
+    lat_b: np.ndarray     # (n,) float: after the second
+    dur: np.ndarray       # (n,) float: duration
+    tail: np.ndarray      # (n,) float: the longest chain of work that must still follow (incremental.chain_tails)
+    delta: np.ndarray     # (n,) float: activation memory an action takes (> 0) or frees (< 0)
+    succ_ptr: np.ndarray  # (n + 1,) int: dependants of v are succ_idx[succ_ptr[v]:succ_ptr[v + 1]]
+    succ_idx: np.ndarray  # (edges,) int
+
+
+class Scratch(NamedTuple):
+    """Work arrays of one trial move: its times and memory values, what re-timing keeps per rank,
+    and the deadlock test's depth-first search."""
+    start: np.ndarray        # (n,) float: the trial's start times
+    end: np.ndarray          # (n,) float: the trial's end times (-1: not re-timed yet)
+    held: np.ndarray         # (L + 1,) float: the changed positions' new ``Orders.held``
+    waiter: np.ndarray       # (n,) int: the first rank blocked on an action (-1: none; all -1 between calls)
+    next_waiter: np.ndarray  # (R,) int: the next rank blocked on the same action
+    blocked: np.ndarray      # (n,) int: actions some rank is blocked on
+    firsts: np.ndarray       # (R,) int: each rank's first position not re-timed yet
+    clock: np.ndarray        # (R,) float: each rank's time
+    left: np.ndarray         # (R,) float: each rank's work still to re-time
+    ready: np.ndarray        # (R,) int: stack of ranks that can go on
+    mark: np.ndarray         # (n,) int: the search's visit stamps
+    stack: np.ndarray        # (n,) int: its stack
+    epoch: np.ndarray        # (1,) int: the last stamp used
+
+
+def new_scratch(num_ranks: int, longest: int, num_actions: int) -> Scratch:
+    n, room = num_actions, max(num_actions, 1)
+    return Scratch(start=np.empty(n), end=np.empty(n), held=np.zeros(longest + 1),
+                   waiter=np.full(n, -1, dtype=np.int64), next_waiter=np.full(num_ranks, -1, dtype=np.int64),
+                   blocked=np.zeros(room, dtype=np.int64), firsts=np.zeros(num_ranks, dtype=np.int64),
+                   clock=np.zeros(num_ranks), left=np.zeros(num_ranks),
+                   ready=np.zeros(max(num_ranks, 1), dtype=np.int64),
+                   mark=np.full(room, -1, dtype=np.int64), stack=np.zeros(room, dtype=np.int64),
+                   epoch=np.zeros(1, dtype=np.int64))
+
+
+@njit(cache=True, inline='always')
+def resim(orders, graph, scratch, r, lo, t0, threshold):
+    """Re-time every action of ``orders`` that started at or after ``t0`` (rank ``r`` from position
+    ``lo``) into ``scratch.start`` / ``scratch.end`` (copied from ``orders`` first). Returns the
+    makespan, ``inf`` once an action provably ends the schedule later than ``threshold``, or
+    :data:`DEADLOCK`."""
+    seq2d, lens, start, end = orders.seq, orders.lens, orders.start, orders.end
+    dep_a, dep_b, lat_a, lat_b, dur, tail = graph.dep_a, graph.dep_b, graph.lat_a, graph.lat_b, graph.dur, graph.tail
+    se, ss, waiter, next_waiter = scratch.end, scratch.start, scratch.waiter, scratch.next_waiter
+    blocked, firsts, clock, left, ready = scratch.blocked, scratch.firsts, scratch.clock, scratch.left, scratch.ready
+    total, cum2d = orders.work_total, orders.work_done
     n_actions = end.shape[0]
     for v in range(n_actions):
         se[v] = end[v]
@@ -129,13 +204,17 @@ def _visit(w, limit, start, mark, epoch, stack, n):
     return n
 
 
-@njit(cache=True)
-def move_closes_cycle(seq2d, lens, rank_of, pos, start, succ_ptr, succ_idx, r, i, j, mark, epoch, stack):
+@njit(cache=True, inline='always')
+def move_closes_cycle(orders, graph, scratch, r, i, j):
     """Would moving the action at position ``i`` of rank ``r`` to position ``j`` close a cycle of
     dependency and same-rank edges (a deadlock)? The old graph is acyclic, so a new cycle must use
     the one new ordering the move makes (docs/FUSED_SEARCH.md, "Timing engine"); a DFS bounded by
-    start times (a path ``u -> w`` implies ``start[u] <= start[w]``) looks for it. ``mark`` holds
-    visit stamps, ``epoch`` a stamp not used before; ``stack`` has room for every action."""
+    start times (a path ``u -> w`` implies ``start[u] <= start[w]``) looks for it, stamping the
+    actions it visits in ``scratch.mark`` with a stamp not used before (``scratch.epoch``, raised)."""
+    seq2d, lens, rank_of, pos, start = orders.seq, orders.lens, orders.rank_of, orders.pos, orders.start
+    succ_ptr, succ_idx, mark, stack = graph.succ_ptr, graph.succ_idx, scratch.mark, scratch.stack
+    scratch.epoch[0] += 1
+    epoch = scratch.epoch[0]
     v = seq2d[r, i]
     n = 0
     if j < i:  # v goes before seq[j..i-1]: a cycle iff one of them reaches v other than along rank r
@@ -174,10 +253,13 @@ LEHMER_MULTIPLIER = 48271
 
 
 @njit(cache=True)
-def critical_swaps(seed, seq2d, lens, rank_of, pos, start, end, dep_a, dep_b, lat_a, lat_b, out):
-    """Trace one critical path back from a last-finishing action and write the adjacent swaps at
-    the two ends of each of its rank blocks into ``out`` (rows of (rank, position)); returns how
-    many. See ``OrderState.critical_swaps`` for the rule and why."""
+def critical_swaps(seed, orders, graph, out):
+    """Trace one critical path of ``orders`` back from a last-finishing action and write the
+    adjacent swaps at the two ends of each of its rank blocks into ``out`` (rows of (rank,
+    position)); returns how many. See ``OrderState.critical_swaps`` for the rule and why."""
+    seq2d, lens, rank_of, pos = orders.seq, orders.lens, orders.rank_of, orders.pos
+    start, end = orders.start, orders.end
+    dep_a, dep_b, lat_a, lat_b = graph.dep_a, graph.dep_b, graph.lat_a, graph.lat_b
     state = seed
     num_ranks = lens.shape[0]
     best = 0.0
@@ -243,14 +325,59 @@ KEY_STATIC, KEY_FLAG_SECOND, KEY_FLAG_FIRST = 0, 1, 2
 GREEDY_EPS = 1e-9
 
 
+class GreedyInputs(NamedTuple):
+    """What the greedy pass reads of a model (fixed for it; ``M`` models)."""
+    num_ranks: int
+    home: np.ndarray            # (n,) int: each action's rank, 0 .. R - 1
+    dur: np.ndarray             # (n,) float: duration
+    delta: np.ndarray           # (n,) float: activation memory an action takes (> 0) or frees (< 0)
+    is_fwd: np.ndarray          # (n,) bool: a forward
+    model_of: np.ndarray        # (n,) int: the action's model, 0 .. M - 1
+    static_rank: np.ndarray     # (n,) int: rank of the action's static priority (the last key, distinct)
+    stage_slot: np.ndarray      # (n,) int: an id of the action's (pipe, stage)
+    succ_ptr: np.ndarray        # (n + 1,) int: dependants of v are succ_idx[succ_ptr[v]:succ_ptr[v + 1]] ...
+    succ_idx: np.ndarray        # (edges,) int
+    succ_lat: np.ndarray        # (edges,) float: ... each after this delay
+    num_deps: np.ndarray        # (n,) int: each action's dependencies
+    need: np.ndarray            # (M, R) float: each model's largest activation on each rank
+    models_present: np.ndarray  # (M,) bool: a model of these pipes
+
+
+class GreedyPriority(NamedTuple):
+    """A policy's priority of action ``v`` on a rank, smallest first: ``(k0, k1, static_rank[v])``
+    with ``k0, k1 = key_a[v], key_b[v]`` (``mode`` ``KEY_STATIC``), ``key_a[v], same``
+    (``KEY_FLAG_SECOND``) or ``same, key_a[v]`` (``KEY_FLAG_FIRST``), ``same`` = 1 when ``v``'s
+    model ran the rank's previous action."""
+    mode: int
+    key_a: np.ndarray  # (n,) float
+    key_b: np.ndarray  # (n,) float
+
+
+class GreedyLimits(NamedTuple):
+    """What a forward may not exceed: micro-batches in flight per (pipe, stage) and, with
+    ``has_cap``, activation memory per rank (``cap``, with the banker's safety rule)."""
+    in_flight: np.ndarray  # (n,) int, read at a stage_slot id: the in-flight limit of that (pipe, stage)
+    cap: float
+    has_cap: bool
+
+
+class _GreedyMemory(NamedTuple):
+    held: np.ndarray      # (R,) activation memory each rank holds
+    held_by: np.ndarray   # (M, R) ... of each model
+    room: np.ndarray      # (M, R) what each rank would hold with one more activation of the model
+    room_max: np.ndarray  # (M,) the largest ``room`` of each model
+
+
 @njit(cache=True)
-def _greedy_allows(cap, has_cap, rank, model, act, held, room, room_max, present):
-    """The memory guard's test (cap and banker's safety rule; ``greedy`` module docstring)."""
-    if not has_cap or act <= 0:
+def _greedy_allows(limits, memory, present, rank, model, act):
+    """The memory guard's test (cap and banker's safety rule; ``greedy`` module docstring) of an
+    activation ``act`` of ``model`` on ``rank`` (``present``: the models of these pipes)."""
+    if not limits.has_cap or act <= 0:
         return True
-    limit = cap + GREEDY_EPS
-    if held[rank] + act > limit:
+    limit = limits.cap + GREEDY_EPS
+    if memory.held[rank] + act > limit:
         return False
+    room, room_max = memory.room, memory.room_max
     for x in range(room.shape[0]):
         if not present[x]:  # not a model of these pipes
             continue
@@ -261,7 +388,9 @@ def _greedy_allows(cap, has_cap, rank, model, act, held, room, room_max, present
 
 
 @njit(cache=True)
-def _greedy_add(has_cap, rank, model, delta, held, held_by, need, room, room_max, present):
+def _greedy_add(has_cap, memory, need, present, rank, model, delta):
+    """``rank`` takes (frees) ``delta`` of ``model``'s activations; with a cap, the room left anew."""
+    held, held_by, room, room_max = memory.held, memory.held_by, memory.room, memory.room_max
     held[rank] += delta
     held_by[model, rank] += delta
     if not has_cap:
@@ -278,20 +407,21 @@ def _greedy_add(has_cap, rank, model, delta, held, held_by, need, room, room_max
 
 
 @njit(cache=True)
-def greedy_pass(num_ranks, home, dur, delta, is_fwd, act_model, key_a, key_b, srank, key_mode, stage_slot,
-                limit, succ_ptr, succ_idx, succ_lat, missing, cap, has_cap, need, models_present, placed):
+def greedy_pass(inputs, priority, limits, placed):
     """The event-driven greedy list schedule of ``systems.rlhfuse.intra.greedy`` (read that
-    docstring for the rules) over arrays. Priority of action ``v`` on rank ``r``, smallest first:
-    ``(k0, k1, srank[v])`` with ``k0, k1 = key_a[v], key_b[v]`` (``KEY_STATIC``), ``key_a[v], same``
-    (``KEY_FLAG_SECOND``) or ``same, key_a[v]`` (``KEY_FLAG_FIRST``), ``same`` = 1 when ``v``'s
-    model ran the rank's previous action. Writes the actions in the order they start into
-    ``placed`` and returns how many (fewer than all: stuck; the time is returned beside)."""
+    docstring for the rules) over arrays, by ``priority`` (:class:`GreedyPriority`) within
+    ``limits``. Writes the actions in the order they start into ``placed`` and returns how many
+    (fewer than all: stuck; the time is returned beside)."""
+    num_ranks, home, dur, delta, is_fwd = inputs.num_ranks, inputs.home, inputs.dur, inputs.delta, inputs.is_fwd
+    act_model, srank, stage_slot, need = inputs.model_of, inputs.static_rank, inputs.stage_slot, inputs.need
+    succ_ptr, succ_idx, succ_lat = inputs.succ_ptr, inputs.succ_idx, inputs.succ_lat
+    models_present = inputs.models_present
+    key_mode, key_a, key_b, limit = priority.mode, priority.key_a, priority.key_b, limits.in_flight
     n = home.shape[0]
     num_models = need.shape[0]
-    held = np.zeros(num_ranks)
-    held_by = np.zeros((num_models, num_ranks))
-    room = np.zeros((num_models, num_ranks))
-    room_max = np.zeros(num_models)
+    memory = _GreedyMemory(np.zeros(num_ranks), np.zeros((num_models, num_ranks)), np.zeros((num_models, num_ranks)),
+                           np.zeros(num_models))
+    room, room_max = memory.room, memory.room_max
     for x in range(num_models):
         if models_present[x]:
             for q in range(num_ranks):
@@ -304,7 +434,7 @@ def greedy_pass(num_ranks, home, dur, delta, is_fwd, act_model, key_a, key_b, sr
     avail = np.empty((num_ranks, n), dtype=np.int64)  # per rank: actions whose inputs have ended
     num_avail = np.zeros(num_ranks, dtype=np.int64)
     for v in range(n):
-        if missing[v] == 0:
+        if inputs.num_deps[v] == 0:
             avail[home[v], num_avail[home[v]]] = v
             num_avail[home[v]] += 1
     ready_at = np.zeros(n)
@@ -312,7 +442,7 @@ def greedy_pass(num_ranks, home, dur, delta, is_fwd, act_model, key_a, key_b, sr
     last_model = np.full(num_ranks, -1, dtype=np.int64)
     run_end = np.full(num_ranks, np.inf)  # the one action a busy rank runs, and when it ends
     run_v = np.full(num_ranks, -1, dtype=np.int64)
-    missing = missing.copy()
+    missing = inputs.num_deps.copy()
     t = 0.0
     done = 0
     num_placed = 0
@@ -337,8 +467,7 @@ def greedy_pass(num_ranks, home, dur, delta, is_fwd, act_model, key_a, key_b, sr
                 if best >= 0 and not (k0 < b0 or (k0 == b0 and (k1 < b1 or (k1 == b1 and k2 < b2)))):
                     continue
                 if is_fwd[v] and (in_flight[stage_slot[v]] >= limit[stage_slot[v]] or
-                                  not _greedy_allows(cap, has_cap, r, act_model[v], delta[v], held, room, room_max,
-                                                 models_present)):
+                                  not _greedy_allows(limits, memory, models_present, r, act_model[v], delta[v])):
                     continue
                 best, best_i, b0, b1, b2 = v, i, k0, k1, k2
             if best < 0:
@@ -350,8 +479,7 @@ def greedy_pass(num_ranks, home, dur, delta, is_fwd, act_model, key_a, key_b, sr
             last_model[r] = act_model[best]
             if is_fwd[best]:
                 in_flight[stage_slot[best]] += 1
-                _greedy_add(has_cap, r, act_model[best], delta[best], held, held_by, need, room, room_max,
-                            models_present)
+                _greedy_add(limits.has_cap, memory, need, models_present, r, act_model[best], delta[best])
             run_v[r] = best
             run_end[r] = t + dur[best]
         # next event: an action ends, or an available action's input arrives on an idle rank
@@ -380,7 +508,7 @@ def greedy_pass(num_ranks, home, dur, delta, is_fwd, act_model, key_a, key_b, sr
             done += 1
             if not is_fwd[v]:
                 in_flight[stage_slot[v]] -= 1
-                _greedy_add(has_cap, r, act_model[v], delta[v], held, held_by, need, room, room_max, models_present)
+                _greedy_add(limits.has_cap, memory, need, models_present, r, act_model[v], delta[v])
             for j in range(succ_ptr[v], succ_ptr[v + 1]):
                 w = succ_idx[j]
                 if end + succ_lat[j] > ready_at[w]:

@@ -4,24 +4,27 @@ minimise the peak memory").
 
 This module owns :func:`anneal_loop`, one kernel (compiled with numba; its plain Python form is
 the fallback, and the tests compare the two step by step) that anneals per-rank orders towards
-either objective, and :class:`Loop`, which runs it on an
-:class:`~systems.rlhfuse.intra.incremental.OrderState`'s arrays within a budget and reads the best
-order back; its drivers are ``anneal.MakespanPhase`` (objective MAKESPAN: energy the makespan,
-critical-block and uniform swaps, a rung is a cooling cycle) and ``memory.MemorySearch``
-(MEMORY: the makespan's excess over the target plus the area above a cap that drops at every
-level, memory-targeted moves added; a new rung at every level). A step draws the Metropolis limit
-before timing, so the memory term rules a move out before any timing and re-timing aborts as
-soon as the limit is broken; no proposal lets two actions of one class trade places. Random
-numbers: MT19937 continued from the phase's ``random.Random`` (MAKESPAN: the moves the Python
-loop made) or L'Ecuyer's combined generator (CACM 31(6), 1988; MEMORY), exact integer arithmetic
-in both forms, so a run is a pure function of its inputs (docs/FUSED_SEARCH.md, "One annealing
-loop for both objectives").
+either objective, the trial-move kernels it shares with
+:class:`~systems.rlhfuse.intra.incremental.OrderState` (:func:`try_move`, :func:`commit_move`,
+:func:`shift`), what the loop is given and keeps (:class:`LoopParams`, the record :data:`LOOP_STATE`,
+:class:`OverCap`, :class:`Walk`), and :class:`Loop`, which runs the kernel on an ``OrderState``'s
+arrays within a budget and reads the best order back; its drivers are ``anneal.MakespanPhase``
+(objective MAKESPAN: energy the makespan, critical-block and uniform swaps, a rung is a cooling
+cycle) and ``memory.MemorySearch`` (MEMORY: the makespan's excess over the target plus the area
+above a cap that drops at every level, memory-targeted moves added; a new rung at every level). A
+step draws the Metropolis limit before timing, so the memory term rules a move out before any
+timing and re-timing aborts as soon as the limit is broken; no proposal lets two actions of one
+class trade places. Random numbers: MT19937 continued from the phase's ``random.Random``
+(MAKESPAN: the moves the Python loop made) or L'Ecuyer's combined generator (CACM 31(6), 1988;
+MEMORY), exact integer arithmetic in both forms, so a run is a pure function of its inputs
+(docs/FUSED_SEARCH.md, "One annealing loop for both objectives").
 """
 from __future__ import annotations
 
 import math
 import random
 import time
+from typing import NamedTuple, get_type_hints
 
 import numpy as np
 
@@ -33,12 +36,88 @@ L_ECUYER = (_M1, _M2)  # the moduli its two states are below
 NONE, SWAP, MOVE = 0, 1, 2  # proposal kinds
 MAKESPAN, MEMORY = 0, 1  # objectives
 STOPPED, DONE, CYCLE_END = 0, 1, 2  # what ``anneal_loop`` returns
-# slots of the kernel's float state ``fs``, integer state ``st`` and integer parameters ``par_i``
-(F_TARGET, F_TOL, F_UNIT, F_TIME_UNIT, F_CAPMAX, F_FLOOR, F_CAP, F_AREA, F_MAKESPAN, F_ENERGY, F_BEST_PEAK,
- F_BEST_MAKESPAN, F_TRIAL_AREA, F_LIMIT, F_RANK_PEAK, F_TRIAL_MAKESPAN, F_TIME_FRAC) = range(NUM_F := 17)
-(S_STEP, S_RUNG_START, S_NUM_OVER, S_LEVELS, S_CRIT, S_EPOCH, S_STARTED, S_R, S_LO, S_HI, S_COUNT,
- S_KIND, S_I, S_J, S_HAS_BEST, S_NUM_RANKS) = range(NUM_S := 16)
-I_MAX_SHIFT, I_RUNG, I_MAX_DRAWS, I_OBJECTIVE = range(4)
+SLICE_STEPS = 64  # steps per call of the kernel under a time limit (the clock is read between calls)
+
+
+class LoopParams(NamedTuple):
+    """What a run of the loop is given (fixed while it runs). The energy of an order is its
+    makespan's excess over ``target`` per ``time_unit`` plus its activation memory above the cap,
+    summed over every position, per ``mem_unit`` (the makespan's defaults: the makespan itself)."""
+    objective: int           # MAKESPAN or MEMORY
+    t0: float                # start temperature (energy)
+    t1: float                # final temperature
+    rung: int                # steps of one cooling from t0 to t1
+    max_draws: int           # proposals drawn per step before the step counts as an empty one
+    q_memory: float = 0.0    # share of proposals that lower a position over the cap (while one is)
+    q_critical: float = 0.0  # share of critical-block swaps (MEMORY: while the makespan is above tol)
+    q_move: float = 0.0      # share of moves (vs adjacent swaps) among memory-targeted and uniform proposals
+    max_shift: int = 1       # longest shift of a move
+    cap_step: float = 0.0    # MEMORY: the cap goes this many mem_units below each new best peak
+    accept_tol: float = 0.0  # a timed trial is kept up to this much above the step's limit
+    target: float = 0.0
+    time_unit: float = 1.0
+    mem_unit: float = 1.0
+    tol: float = 0.0         # the makespan goal: MAKESPAN is done at or below it, MEMORY records there
+    floor: float = 0.0       # MEMORY: done once the best peak is at most this
+    cap_max: float = math.inf  # hard cap on a rank's activation memory (Loop: its OrderState's)
+
+    def typed(self) -> LoopParams:
+        """The same values as the kernel's types (``int`` and ``float`` fields as declared), so that
+        one compiled version serves every run."""
+        return LoopParams(*(kind(value) for kind, value in zip(_PARAM_TYPES, self)))
+
+
+_PARAM_TYPES = tuple(get_type_hints(LoopParams)[name] for name in LoopParams._fields)  # int or float, by field
+
+
+# The loop's scalar state, one record (changed in place by the kernels; read back by name).
+LOOP_STATE = np.dtype([
+    ("step", np.int64),            # steps taken (a step: one proposal timed, or max_draws dropped)
+    ("rung_start", np.int64),      # the step the current cooling started at
+    ("started", np.int64),         # 1 once the first call set the cap and the energy
+    ("levels", np.int64),          # MEMORY: times the best peak was lowered
+    ("has_best", np.int64),        # 1 once a best order is recorded
+    ("num_over", np.int64),        # positions above the cap (OverCap)
+    ("num_critical", np.int64),    # critical swaps of the current order in Walk.critical (-1: not traced)
+    ("makespan", np.float64),      # of the current order
+    ("energy", np.float64),        # of the current order
+    ("limit", np.float64),         # the step's Metropolis limit on the energy
+    ("cap", np.float64),           # the soft cap (the area term's; MEMORY)
+    ("area", np.float64),          # activation memory above the cap, summed over every position
+    ("best_peak", np.float64),
+    ("best_makespan", np.float64),
+    # the trial move try_move leaves pending: position trial_i of rank trial_rank goes to trial_j,
+    # positions trial_lo..trial_hi (trial_count) change; its makespan, area and the rank's new peak
+    ("trial_kind", np.int64), ("trial_rank", np.int64), ("trial_i", np.int64), ("trial_j", np.int64),
+    ("trial_lo", np.int64), ("trial_hi", np.int64), ("trial_count", np.int64),
+    ("trial_makespan", np.float64), ("trial_area", np.float64), ("trial_peak", np.float64),
+], align=True)
+
+
+def new_state(**values: float) -> np.record:
+    """A :data:`LOOP_STATE` record, every field 0 but ``values`` (an unknown name is an error)."""
+    state = np.zeros(1, dtype=LOOP_STATE).view(np.recarray)[0]
+    for name, value in values.items():
+        if name not in LOOP_STATE.names:
+            raise AttributeError(f"the loop state has no field {name!r}")
+        setattr(state, name, value)
+    return state
+
+
+class OverCap(NamedTuple):
+    """The positions whose activation memory is above the cap, a set with constant-time insertion
+    and removal (its size: the state's ``num_over``)."""
+    at: np.ndarray         # (R, L) int: a position's row in ``positions`` (-1: not above the cap)
+    positions: np.ndarray  # (R L + 1, 2) int: (rank, position) of each, the first num_over rows
+
+
+class Walk(NamedTuple):
+    """The annealing loop's own arrays, beside the orders it changes."""
+    classes: np.ndarray   # (n,) int: each action's (pipe, kind) class; two of a class never trade places
+    ranks: np.ndarray     # int: the ranks with more than one action (where uniform proposals fall)
+    rng: np.ndarray       # int: the generator, MT19937 (624 words and the index) or L'Ecuyer's (2 states)
+    best: np.ndarray      # (R, L) int: the best order recorded (Orders.seq's layout)
+    critical: np.ndarray  # (2 n + 2, 2) int: the current order's critical swaps, (rank, position) rows
 
 
 @kernel.njit(cache=True)
@@ -100,8 +179,10 @@ def _fifo_ok(seq2d, cls, r, i, j):
 
 
 @kernel.njit(cache=True)
-def _set_cap(cap, seq2d, lens, pm2d, over_at, over_rk, fs, st):
-    fs[F_CAP] = cap
+def _set_cap(cap, orders, over, state):
+    """Put the cap at ``cap``: the set of positions above it and the area above it anew."""
+    state.cap = cap
+    lens, pm2d, over_at, over_rk = orders.lens, orders.held, over.at, over.positions
     num, area = 0, 0.0
     for r in range(lens.shape[0]):
         for k in range(lens[r]):
@@ -113,23 +194,24 @@ def _set_cap(cap, seq2d, lens, pm2d, over_at, over_rk, fs, st):
                 num += 1
             else:
                 over_at[r, k] = -1
-    st[S_NUM_OVER] = num
-    fs[F_AREA] = area
+    state.num_over = num
+    state.area = area
 
 
 @kernel.njit(cache=True)
-def _mark(r, k, val, over_at, over_rk, fs, st):
+def _mark(r, k, val, over, state):
     """Keep position (r, k) in the set of positions over the cap iff its new value ``val`` is."""
-    if val > fs[F_CAP] + _EPS:
+    over_at, over_rk = over.at, over.positions
+    if val > state.cap + _EPS:
         if over_at[r, k] < 0:
-            over_at[r, k] = st[S_NUM_OVER]
-            over_rk[st[S_NUM_OVER], 0], over_rk[st[S_NUM_OVER], 1] = r, k
-            st[S_NUM_OVER] += 1
+            over_at[r, k] = state.num_over
+            over_rk[state.num_over, 0], over_rk[state.num_over, 1] = r, k
+            state.num_over += 1
     elif over_at[r, k] >= 0:
         j = over_at[r, k]
         over_at[r, k] = -1
-        st[S_NUM_OVER] -= 1
-        last = st[S_NUM_OVER]
+        state.num_over -= 1
+        last = state.num_over
         if j < last:
             lr, lk = over_rk[last, 0], over_rk[last, 1]
             over_rk[j, 0], over_rk[j, 1] = lr, lk
@@ -137,34 +219,34 @@ def _mark(r, k, val, over_at, over_rk, fs, st):
 
 
 @kernel.njit(cache=True)
-def _energy(makespan, area, fs):
-    return max(0.0, makespan - fs[F_TARGET]) / fs[F_TIME_UNIT] + area / fs[F_UNIT]
+def _energy(makespan, area, params):
+    return max(0.0, makespan - params.target) / params.time_unit + area / params.mem_unit
 
 
 @kernel.njit(cache=True)
-def _record(seq2d, lens, pm2d, peak, best2d, over_at, over_rk, cap_step, fs, st):
+def _record(orders, over, walk, params, state):
     """The state is at the target makespan and under the cap or the best peak: keep it if it
     holds less than the best, and put the cap ``cap_step`` below the best."""
-    pk = max(0.0, peak.max())
-    if pk < fs[F_BEST_PEAK] - _EPS:
-        if fs[F_BEST_PEAK] < np.inf:  # the first record is where the phase starts
-            st[S_LEVELS] += 1
-        fs[F_BEST_PEAK], fs[F_BEST_MAKESPAN] = pk, fs[F_MAKESPAN]
-        best2d[:, :] = seq2d
-        st[S_HAS_BEST] = 1
-    _set_cap(fs[F_BEST_PEAK] - cap_step * fs[F_UNIT], seq2d, lens, pm2d, over_at, over_rk, fs, st)
+    pk = max(0.0, orders.peak.max())
+    if pk < state.best_peak - _EPS:
+        if state.best_peak < np.inf:  # the first record is where the phase starts
+            state.levels += 1
+        state.best_peak, state.best_makespan = pk, state.makespan
+        walk.best[:, :] = orders.seq
+        state.has_best = 1
+    _set_cap(state.best_peak - params.cap_step * params.mem_unit, orders, over, state)
 
 
-@kernel.njit(cache=True)
-def _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs, st):
+@kernel.njit(cache=True, inline='always')
+def _propose(orders, graph, over, walk, params, state):
     """One proposal: (kind, rank, i, j) with kind NONE (dropped), SWAP (i, i+1) or MOVE (i to j)."""
-    seq2d, lens, rank_of, pos, start, end = order
-    dep_a, dep_b, lat_a, lat_b, dur, tail, cls, delta = graph
-    q_memory, q_critical, q_move = par_f[2], par_f[3], par_f[4]
-    max_shift = par_i[I_MAX_SHIFT]
+    seq2d, lens, delta = orders.seq, orders.lens, graph.delta
+    cls, rs, over_rk, crit_out = walk.classes, walk.rng, over.positions, walk.critical
+    q_memory, q_critical, q_move = params.q_memory, params.q_critical, params.q_move
+    max_shift = params.max_shift
     x = _uniform(rs)
-    if st[S_NUM_OVER] > 0 and x < q_memory:  # lower a position over the cap
-        idx = _below(rs, st[S_NUM_OVER])
+    if state.num_over > 0 and x < q_memory:  # lower a position over the cap
+        idx = _below(rs, state.num_over)
         r, k = over_rk[idx, 0], over_rk[idx, 1]
         n = lens[r]
         if _uniform(rs) >= q_move:
@@ -190,20 +272,19 @@ def _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs,
         if not _fifo_ok(seq2d, cls, r, b, j):
             return NONE, 0, 0, 0
         return MOVE, r, b, j
-    if (par_i[I_OBJECTIVE] == MAKESPAN or fs[F_MAKESPAN] > fs[F_TOL]) and x < q_memory + q_critical:
+    if (params.objective == MAKESPAN or state.makespan > params.tol) and x < q_memory + q_critical:
         # an end of a critical block
-        if st[S_CRIT] < 0:
+        if state.num_critical < 0:
             seed = 1 + _below(rs, kernel.LEHMER_MODULUS - 1)
-            st[S_CRIT] = kernel.critical_swaps(seed, seq2d, lens, rank_of, pos, start, end, dep_a, dep_b,
-                                               lat_a, lat_b, crit_out)
-        if st[S_CRIT] == 0:
+            state.num_critical = kernel.critical_swaps(seed, orders, graph, crit_out)
+        if state.num_critical == 0:
             return NONE, 0, 0, 0
-        idx = _below(rs, st[S_CRIT])
+        idx = _below(rs, state.num_critical)
         r, i = crit_out[idx, 0], crit_out[idx, 1]
         if cls[seq2d[r, i]] == cls[seq2d[r, i + 1]]:
             return NONE, 0, 0, 0
         return SWAP, r, i, i + 1
-    r = ranks[_below(rs, st[S_NUM_RANKS])]  # uniform
+    r = walk.ranks[_below(rs, walk.ranks.shape[0])]  # uniform
     n = lens[r]
     if q_move > 0 and _uniform(rs) < q_move:
         i = _below(rs, n)
@@ -219,15 +300,14 @@ def _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs,
 
 
 @kernel.njit(cache=True)
-def _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
+def try_move(kind, r, i, j, orders, graph, scratch, params, state):
     """Time a proposal (``OrderState.try_swap`` / ``try_move`` with the memory phase's gate):
-    returns False if it is dropped before timing (dependency, cap, energy limit, deadlock),
-    otherwise leaves it pending (``st``: rank, range, move; ``fs``: makespan, rank peak) and
-    returns True."""
-    seq2d, lens, rank_of, pos, start, end = order
-    dep_a, dep_b, lat_a, lat_b, dur, tail, cls, delta = graph
-    total, cum2d, succ_ptr, succ_idx = work
-    ss, se, mark, stack, waiter, next_waiter, blocked, firsts, clock, left, ready = scratch
+    returns False if it is dropped before timing (dependency, cap, the state's energy ``limit``,
+    deadlock), otherwise leaves it pending (the state's ``trial_*``, the new times and memory
+    values in ``scratch``; the order already moved) and returns True."""
+    seq2d, pm2d, peak = orders.seq, orders.held, orders.peak
+    dep_a, dep_b, delta = graph.dep_a, graph.dep_b, graph.delta
+    nv = scratch.held
     v = seq2d[r, i]
     if kind == SWAP:
         b = seq2d[r, i + 1]
@@ -262,28 +342,25 @@ def _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
     for k in range(1, count):
         if nv[k] > new_max:
             new_max = nv[k]
-    if new_max > fs[F_CAPMAX] + _EPS:
+    if new_max > params.cap_max + _EPS:
         return False
     # the gate: the memory term is known before any timing
-    cap, area = fs[F_CAP], fs[F_AREA]
+    cap, area = state.cap, state.area
     for k in range(count):
         old, val = pm2d[r, lo + k], nv[k]
         area += (val - cap if val > cap else 0.0) - (old - cap if old > cap else 0.0)
-    mem_e = area / fs[F_UNIT]
-    if mem_e > fs[F_LIMIT] + _EPS:
+    mem_e = area / params.mem_unit
+    if mem_e > state.limit + _EPS:
         return False
-    fs[F_TRIAL_AREA] = area
-    threshold = fs[F_TARGET] + (fs[F_LIMIT] - mem_e) * fs[F_TIME_UNIT]
-    st[S_EPOCH] += 1
-    if kernel.move_closes_cycle(seq2d, lens, rank_of, pos, start, succ_ptr, succ_idx, r, i, j, mark, st[S_EPOCH],
-                                stack):
+    state.trial_area = area
+    threshold = params.target + (state.limit - mem_e) * params.time_unit
+    if kernel.move_closes_cycle(orders, graph, scratch, r, i, j):
         return False
-    t0 = start[seq2d[r, lo]]
-    _shift(seq2d, r, i, j)
-    makespan = kernel.resim(seq2d, lens, r, lo, t0, threshold, start, end, se, ss, dep_a, dep_b, lat_a, lat_b,
-                            dur, tail, total, cum2d, waiter, next_waiter, blocked, firsts, clock, left, ready)
+    t0 = orders.start[seq2d[r, lo]]
+    shift(seq2d, r, i, j)
+    makespan = kernel.resim(orders, graph, scratch, r, lo, t0, threshold)
     if makespan == kernel.DEADLOCK:  # cannot happen after the test above; never keep a bad order
-        _shift(seq2d, r, j, i)
+        shift(seq2d, r, j, i)
         return False
     # the rank's new peak
     old_peak = peak[r]
@@ -300,17 +377,19 @@ def _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
             for k in range(0, lo):
                 if pm2d[r, k] > rank_peak:
                     rank_peak = pm2d[r, k]
-            for k in range(lo + count, lens[r]):
+            for k in range(lo + count, orders.lens[r]):
                 if pm2d[r, k] > rank_peak:
                     rank_peak = pm2d[r, k]
-    st[S_R], st[S_LO], st[S_HI], st[S_COUNT], st[S_KIND], st[S_I], st[S_J] = r, lo, hi, count, kind, i, j
-    fs[F_RANK_PEAK], fs[F_TRIAL_MAKESPAN] = rank_peak, makespan
+    state.trial_rank, state.trial_lo, state.trial_hi, state.trial_count = r, lo, hi, count
+    state.trial_kind, state.trial_i, state.trial_j = kind, i, j
+    state.trial_peak, state.trial_makespan = rank_peak, makespan
     return True
 
 
 @kernel.njit(cache=True)
-def _shift(seq2d, r, i, j):
-    """The action at position ``i`` of rank ``r`` goes to ``j`` (a swap is ``j = i + 1``)."""
+def shift(seq2d, r, i, j):
+    """The action at position ``i`` of rank ``r`` goes to ``j`` (a swap is ``j = i + 1``; the pending
+    trial is reverted by ``shift(seq2d, trial_rank, trial_j, trial_i)``)."""
     v = seq2d[r, i]
     if j > i:
         for k in range(i, j):
@@ -322,18 +401,16 @@ def _shift(seq2d, r, i, j):
 
 
 @kernel.njit(cache=True)
-def _commit(order, graph, work, scratch, pm2d, peak, over_at, over_rk, nv, fs, st):
-    """Make the pending trial (``_try``) the state: times, positions, work sums, memory profile,
-    the over-cap set and the area above the cap."""
-    seq2d, lens, rank_of, pos, start, end = order
-    dur = graph[4]
-    cum2d = work[1]
-    r, lo, hi, count = st[S_R], st[S_LO], st[S_HI], st[S_COUNT]
-    start[:] = scratch[0]
-    end[:] = scratch[1]
+def commit_move(orders, graph, scratch, over, state):
+    """Make the pending trial (:func:`try_move`) the state: times, positions, work sums, memory
+    profile, the over-cap set and the area above the cap."""
+    seq2d, pos, pm2d, cum2d, dur, nv = orders.seq, orders.pos, orders.held, orders.work_done, graph.dur, scratch.held
+    r, lo, hi, count = state.trial_rank, state.trial_lo, state.trial_hi, state.trial_count
+    orders.start[:] = scratch.start
+    orders.end[:] = scratch.end
     for k in range(count):
         pm2d[r, lo + k] = nv[k]
-    peak[r] = fs[F_RANK_PEAK]
+    orders.peak[r] = state.trial_peak
     run = cum2d[r, lo - 1] if lo > 0 else 0.0
     for k in range(lo, hi + 1):
         v = seq2d[r, k]
@@ -341,82 +418,84 @@ def _commit(order, graph, work, scratch, pm2d, peak, over_at, over_rk, nv, fs, s
         run += dur[v]
         cum2d[r, k] = run
     for k in range(count):
-        _mark(r, lo + k, nv[k], over_at, over_rk, fs, st)
-    fs[F_AREA] = fs[F_TRIAL_AREA] if st[S_NUM_OVER] > 0 else 0.0
-    fs[F_MAKESPAN] = fs[F_TRIAL_MAKESPAN]
-    st[S_CRIT] = -1
+        _mark(r, lo + k, nv[k], over, state)
+    state.area = state.trial_area if state.num_over > 0 else 0.0
+    state.makespan = state.trial_makespan
+    state.num_critical = -1
 
 
 @kernel.njit(cache=True)
-def _done(fs, par_i):
-    if par_i[I_OBJECTIVE] == MAKESPAN:
-        return fs[F_BEST_MAKESPAN] <= fs[F_TOL]
-    return fs[F_BEST_PEAK] <= fs[F_FLOOR] + _EPS
+def _done(params, state):
+    if params.objective == MAKESPAN:
+        return state.best_makespan <= params.tol
+    return state.best_peak <= params.floor + _EPS
 
 
 @kernel.njit(cache=True)
-def anneal_loop(order, graph, work, scratch, pm2d, peak, best2d, over_at, over_rk, ranks, crit_out, nv, rs,
-                par_f, par_i, fs, st, stop_step, trace):
+def anneal_loop(orders, graph, scratch, over, walk, params, state, stop_step, time_frac, trace):
     """Anneal (module docstring) until step ``stop_step`` (returns STOPPED), the goal (DONE: the
     lower bound, or the trivial peak bound; also when nothing can move), or, for the makespan,
-    the end of a cooling cycle (CYCLE_END). All state lives in the arrays: ``order`` (orders,
-    positions, times), ``pm2d`` / ``peak`` (each rank's memory profile and peak), ``best2d`` (the
-    best order), the over-cap set, the generator ``rs`` and the scalars ``fs`` / ``st``; a run is
-    resumed by calling again with a later ``stop_step``. ``trace`` (length 0: off) receives, per
-    step, the makespan, area above the cap and peak of the order the step starts from (the tests
-    compare compiled and interpreted runs with it, step by step)."""
-    seq2d, lens = order[0], order[1]
-    t0, t1, cap_step, accept_tol = par_f[0], par_f[1], par_f[5], par_f[6]
-    rung, memory = par_i[I_RUNG], par_i[I_OBJECTIVE] == MEMORY
-    if st[S_STARTED] == 0:
-        st[S_STARTED] = 1
+    the end of a cooling cycle (CYCLE_END). All state lives in the arguments: ``orders`` (orders,
+    positions, times, each rank's memory profile and peak), ``over`` (the positions above the
+    cap), ``walk`` (the generator, the best order) and the record ``state`` (:data:`LOOP_STATE`:
+    step, energy, cap, best, ...); ``params`` (:class:`LoopParams`) are fixed. A run is resumed by
+    calling again with a later ``stop_step``. ``time_frac``: the share of a time limit used, the
+    least share of the cooling done. ``trace`` (length 0: off) receives, per step, the makespan,
+    area above the cap and peak of the order the step starts from (the tests compare compiled and
+    interpreted runs with it, step by step)."""
+    seq2d, peak = orders.seq, orders.peak
+    t0, t1, accept_tol = params.t0, params.t1, params.accept_tol
+    rung, memory = params.rung, params.objective == MEMORY
+    if state.started == 0:
+        state.started = 1
         cap = np.inf  # the makespan: no area term
         if memory:
-            cap = peak.max() if fs[F_BEST_PEAK] == np.inf else fs[F_BEST_PEAK] - cap_step * fs[F_UNIT]
-        _set_cap(cap, seq2d, lens, pm2d, over_at, over_rk, fs, st)
-        if memory and fs[F_MAKESPAN] <= fs[F_TOL] and fs[F_AREA] <= _EPS:
-            _record(seq2d, lens, pm2d, peak, best2d, over_at, over_rk, cap_step, fs, st)
-        fs[F_ENERGY] = _energy(fs[F_MAKESPAN], fs[F_AREA], fs)
-    if st[S_NUM_RANKS] == 0:
+            cap = peak.max() if state.best_peak == np.inf else state.best_peak - params.cap_step * params.mem_unit
+        _set_cap(cap, orders, over, state)
+        if memory and state.makespan <= params.tol and state.area <= _EPS:
+            _record(orders, over, walk, params, state)
+        state.energy = _energy(state.makespan, state.area, params)
+    if walk.ranks.shape[0] == 0:
         return DONE
-    while st[S_STEP] < stop_step:
-        if _done(fs, par_i):
+    while state.step < stop_step:
+        if _done(params, state):
             return DONE
-        since = st[S_STEP] - st[S_RUNG_START]
+        since = state.step - state.rung_start
         if since >= rung:  # cooled down without reaching the goal (the next level)
             if not memory:
                 return CYCLE_END  # the driver starts the next cycle from the first order
-            st[S_RUNG_START], since = st[S_STEP], 0  # reheat
-        temp = t0 * (t1 / t0) ** max(since / rung, fs[F_TIME_FRAC])
-        st[S_STEP] += 1
-        if trace.shape[0] >= st[S_STEP]:
-            row = st[S_STEP] - 1
-            trace[row, 0], trace[row, 1], trace[row, 2] = fs[F_MAKESPAN], fs[F_AREA], peak.max()
-        fs[F_LIMIT] = fs[F_ENERGY] - temp * np.log(1.0 - _uniform(rs))
+            state.rung_start = state.step  # reheat
+            since = 0
+        temp = t0 * (t1 / t0) ** max(since / rung, time_frac)
+        state.step += 1
+        if trace.shape[0] >= state.step:
+            row = state.step - 1
+            trace[row, 0], trace[row, 1], trace[row, 2] = state.makespan, state.area, peak.max()
+        state.limit = state.energy - temp * np.log(1.0 - _uniform(walk.rng))
         timed = False
-        for _ in range(par_i[I_MAX_DRAWS]):
-            kind, r, i, j = _propose(order, graph, pm2d, over_rk, ranks, crit_out, rs, par_f, par_i, fs, st)
-            if kind != NONE and _try(kind, r, i, j, order, graph, work, pm2d, peak, nv, scratch, fs, st):
+        for _ in range(params.max_draws):
+            kind, r, i, j = _propose(orders, graph, over, walk, params, state)
+            if kind != NONE and try_move(kind, r, i, j, orders, graph, scratch, params, state):
                 timed = True
                 break
         if not timed:
             continue
-        makespan = fs[F_TRIAL_MAKESPAN]
-        if makespan == np.inf or _energy(makespan, fs[F_TRIAL_AREA], fs) > fs[F_LIMIT] + accept_tol:
-            _shift(seq2d, st[S_R], st[S_J], st[S_I])  # revert
+        makespan = state.trial_makespan
+        if makespan == np.inf or _energy(makespan, state.trial_area, params) > state.limit + accept_tol:
+            shift(seq2d, state.trial_rank, state.trial_j, state.trial_i)  # revert
             continue
-        _commit(order, graph, work, scratch, pm2d, peak, over_at, over_rk, nv, fs, st)
-        fs[F_ENERGY] = _energy(makespan, fs[F_AREA], fs)
+        commit_move(orders, graph, scratch, over, state)
+        state.energy = _energy(makespan, state.area, params)
         if not memory:
-            if makespan < fs[F_BEST_MAKESPAN] - _EPS:
-                fs[F_BEST_MAKESPAN] = makespan
-                best2d[:, :] = seq2d
-                st[S_HAS_BEST] = 1
-        elif makespan <= fs[F_TOL] and (st[S_NUM_OVER] == 0 or peak.max() < fs[F_BEST_PEAK] - _EPS):
-            _record(seq2d, lens, pm2d, peak, best2d, over_at, over_rk, cap_step, fs, st)
-            st[S_RUNG_START] = st[S_STEP]
-            fs[F_ENERGY] = _energy(makespan, fs[F_AREA], fs)
-    return DONE if _done(fs, par_i) else STOPPED
+            if makespan < state.best_makespan - _EPS:
+                state.best_makespan = makespan
+                walk.best[:, :] = seq2d
+                state.has_best = 1
+        elif makespan <= params.tol and (state.num_over == 0 or peak.max() < state.best_peak - _EPS):
+            _record(orders, over, walk, params, state)
+            state.rung_start = state.step
+            state.energy = _energy(makespan, state.area, params)
+    return DONE if _done(params, state) else STOPPED
 
 
 def action_classes(model) -> np.ndarray:
@@ -437,58 +516,59 @@ def mt_restore(rng: random.Random, rs: np.ndarray) -> None:
 
 
 class Loop:
-    """One run of :func:`anneal_loop` on the arrays of ``state`` (an ``incremental.OrderState``,
-    changed in place: it holds the loop's current order after a run): ``objective`` (MAKESPAN or
-    MEMORY), the generator ``rs``, the float parameters ``(t0, t1, q_memory, q_critical, q_move,
-    cap_step, accept_tol)``, the integer ones ``(max_shift, rung, max_draws)`` and the float
-    state slots ``fs`` given by name (``F_TARGET``, ...; the makespan's defaults make the energy
-    the makespan). ``step``: the step count it goes on from. ``compiled``: run the kernel
-    compiled (default: whenever numba is available) or interpreted (the same steps)."""
+    """One run of :func:`anneal_loop` on the arrays of ``order_state`` (an
+    ``incremental.OrderState``, changed in place: it holds the loop's current order after a run)
+    with ``params`` (:class:`LoopParams`; the hard cap is the order state's), the action
+    ``classes`` (:func:`action_classes`) and the generator ``rng`` (:func:`mt_state`, or L'Ecuyer's
+    two states), from the best makespan and peak known (``inf``: none) and step ``step``.
+    ``compiled``: run the kernel compiled (default: whenever numba is available) or interpreted
+    (the same steps). After a run: ``state`` (the record :data:`LOOP_STATE`), :meth:`best_seqs`."""
 
-    def __init__(self, state, cls: np.ndarray, objective: int, rs: np.ndarray,
-                 par_f: tuple, par_i: tuple, fs: dict[int, float], step: int = 0, compiled: bool | None = None):
-        self.state, (R, L) = state, state._a_seq.shape
-        self.ranks = np.array([r for r, n in enumerate(state._a_len) if n > 1], dtype=np.int64)
-        self.fs, self.st = np.zeros(NUM_F), np.zeros(NUM_S, dtype=np.int64)
-        self.fs[[F_UNIT, F_TIME_UNIT, F_CAPMAX, F_BEST_PEAK, F_BEST_MAKESPAN, F_MAKESPAN]] = [
-            1.0, 1.0, math.inf if state.mem_cap is None else state.mem_cap, math.inf, math.inf, state.makespan()]
-        for slot, value in fs.items():
-            self.fs[slot] = value
-        self.st[S_CRIT], self.st[S_EPOCH], self.st[S_NUM_RANKS] = -1, state.st[S_EPOCH], len(self.ranks)
-        self.st[S_STEP] = self.st[S_RUNG_START] = step
-        self.rs, self.best2d = rs, np.zeros_like(state._a_seq)
-        self.args = (state.order, (*state.graph[:6], cls, state.graph[7]), state.work, state.scratch, state._pm,
-                     state._peak, self.best2d, np.full((R, L), -1, dtype=np.int64),
-                     np.zeros((R * L + 1, 2), dtype=np.int64), self.ranks, state._a_out, np.zeros(L + 1), rs,
-                     np.array(par_f, dtype=np.float64), np.array([*par_i, objective], dtype=np.int64), self.fs, self.st)
+    def __init__(self, order_state, classes: np.ndarray, params: LoopParams, rng: np.ndarray,
+                 best_makespan: float = math.inf, best_peak: float = math.inf, step: int = 0,
+                 compiled: bool | None = None):
+        self.order_state, orders = order_state, order_state.orders
+        (num_ranks, longest), num_actions = orders.seq.shape, orders.start.shape[0]
+        cap_max = math.inf if order_state.mem_cap is None else order_state.mem_cap
+        self.params = params._replace(cap_max=cap_max).typed()
+        self.state = new_state(makespan=order_state.makespan(), best_makespan=best_makespan, best_peak=best_peak,
+                               num_critical=-1, step=step, rung_start=step)
+        self.over = OverCap(np.full((num_ranks, longest), -1, dtype=np.int64),
+                            np.zeros((num_ranks * longest + 1, 2), dtype=np.int64))
+        movable = np.array([r for r, n in enumerate(orders.lens) if n > 1], dtype=np.int64)
+        self.walk = Walk(classes=classes, ranks=movable, rng=rng, best=np.zeros_like(orders.seq),
+                         critical=np.zeros((2 * num_actions + 2, 2), dtype=np.int64))
+        self.time_frac = 0.0  # the share of the time limit used (time_cools)
         self.compiled = kernel.AVAILABLE if compiled is None else bool(compiled and kernel.AVAILABLE)
         self.fn = anneal_loop if self.compiled else kernel.interpreted(anneal_loop)
 
     @property
     def step(self) -> int:
-        return int(self.st[S_STEP])
+        return int(self.state.step)
 
     def run(self, steps: int | None, seconds: float | None = None, trace: np.ndarray | None = None,
             time_cools: bool = False) -> int:
         """Anneal until ``steps`` (the loop's step count) or ``seconds`` from now, whichever comes
         first, or until the kernel returns DONE or CYCLE_END (what is returned; else STOPPED).
-        Under a time limit the kernel runs in slices of 64 steps with the clock read between
-        them; with ``time_cools`` the share of the time used also sets the temperature."""
+        Under a time limit the kernel runs in slices of :data:`SLICE_STEPS` steps with the clock
+        read between them; with ``time_cools`` the share of the time used also sets the temperature."""
         stop = 2**62 if steps is None else steps
         deadline = None if seconds is None else time.perf_counter() + seconds
         trace = np.zeros((0, 3)) if trace is None else trace
+        arrays = (self.order_state.orders, self.order_state.graph, self.order_state.scratch, self.over, self.walk,
+                  self.params, self.state)
         out = STOPPED
         while deadline is None or time.perf_counter() < deadline:
             if deadline is not None and time_cools:
-                self.fs[F_TIME_FRAC] = 1.0 - (deadline - time.perf_counter()) / seconds
-            out = self.fn(*self.args, min(stop, self.step + 64) if deadline is not None else stop, trace)
+                self.time_frac = 1.0 - (deadline - time.perf_counter()) / seconds
+            out = self.fn(*arrays, min(stop, self.step + SLICE_STEPS) if deadline is not None else stop,
+                          self.time_frac, trace)
             if out != STOPPED or self.step >= stop:
                 break
-        self.state.st[S_EPOCH] = self.st[S_EPOCH]  # the state's own deadlock tests go on from here
         return out
 
     def best_seqs(self) -> list[list[int]] | None:
         """The best order the run recorded (None: none)."""
-        if not self.st[S_HAS_BEST]:
+        if not self.state.has_best:
             return None
-        return [self.best2d[r, :n].tolist() for r, n in enumerate(self.state._a_len)]
+        return [self.walk.best[r, :n].tolist() for r, n in enumerate(self.order_state.orders.lens)]

@@ -77,18 +77,19 @@ class MemorySearch:
             raise ValueError("the memory phase needs a step or time budget")
         p, model = self.p, self.model
         rs = np.array([self.rng.randrange(1, m) for m in loop.L_ECUYER], dtype=np.int64)
-        run = loop.Loop(OrderState(model, seqs, self.mem_cap, self.tails), self.cls, loop.MEMORY, rs,
-                        (p.t0, p.t1, p.q_memory, p.q_critical, p.q_move, p.cap_step, _EPS),
-                        (int(p.max_shift), max(1, int(p.rung_steps)), MAX_DRAWS),
-                        {loop.F_TARGET: self.target, loop.F_TOL: self.target + _EPS * max(1.0, abs(self.target)),
-                         loop.F_UNIT: self.unit, loop.F_TIME_UNIT: self.mean_dur / p.makespan_weight,
-                         loop.F_FLOOR: self.floor, loop.F_BEST_PEAK: self.best_peak,
-                         loop.F_BEST_MAKESPAN: self.best_makespan}, compiled=self.compiled)
+        params = loop.LoopParams(loop.MEMORY, p.t0, p.t1, max(1, int(p.rung_steps)), MAX_DRAWS, q_memory=p.q_memory,
+                                 q_critical=p.q_critical, q_move=p.q_move, max_shift=int(p.max_shift),
+                                 cap_step=p.cap_step, accept_tol=_EPS, target=self.target,
+                                 time_unit=self.mean_dur / p.makespan_weight, mem_unit=self.unit,
+                                 tol=self.target + _EPS * max(1.0, abs(self.target)), floor=self.floor)
+        run = loop.Loop(OrderState(model, seqs, self.mem_cap, self.tails), self.cls, params, rs,
+                        best_makespan=self.best_makespan, best_peak=self.best_peak, compiled=self.compiled)
         run.run(steps, seconds, self.trace)
         best = run.best_seqs()
         if best is not None:
             self.best_seqs = best
-            self.best_peak, self.best_makespan = float(run.fs[loop.F_BEST_PEAK]), float(run.fs[loop.F_BEST_MAKESPAN])
-        self.levels_total += int(run.st[loop.S_LEVELS])
+            self.best_peak, self.best_makespan = float(run.state.best_peak), float(run.state.best_makespan)
+        levels = int(run.state.levels)
+        self.levels_total += levels
         return MemoryOutcome(None if self.best_seqs is None else [list(s) for s in self.best_seqs],
-                             self.best_peak, self.best_makespan, run.step, int(run.st[loop.S_LEVELS]))
+                             self.best_peak, self.best_makespan, run.step, levels)

@@ -7,7 +7,8 @@ from harness.core import metrics as mk
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.testing import simulate_iterations
 
-SMALL = ["model=7b", "cluster.num_nodes=2", "system.fused_search.max_steps=300"]
+SMALL = ["model=7b", "cluster.num_nodes=2"]
+SHORT = [*SMALL, "system.fused_search.max_steps=300"]  # with the fused search: a short one (refused without it)
 
 
 def _simulate(overrides, iterations=1):
@@ -16,7 +17,7 @@ def _simulate(overrides, iterations=1):
 
 def test_both_fusions_off_is_rlhfuse_base():
     """With both switches off RLHFuse must plan and run exactly like RLHFuse-Base."""
-    base_plan, base = _simulate(["+system=rlhfuse_base", *SMALL[:2]])
+    base_plan, base = _simulate(["+system=rlhfuse_base", *SMALL])
     plan, ours = _simulate(["+system=rlhfuse", *SMALL, "system.inter_stage=false", "system.intra_stage=false"])
     assert {t.name: str(t.allocation.strategy) for t in plan.tasks} == \
         {t.name: str(t.allocation.strategy) for t in base_plan.tasks}
@@ -24,7 +25,7 @@ def test_both_fusions_off_is_rlhfuse_base():
 
 
 def test_fused_stage_puts_both_models_on_the_same_ranks():
-    plan, _ = _simulate(["+system=rlhfuse", *SMALL, "system.inter_stage=false"])
+    plan, _ = _simulate(["+system=rlhfuse", *SHORT, "system.inter_stage=false"])
     (stage,) = plan.training
     assert stage.tasks == ("update_actor", "update_critic")
     devices = pipe_stage_devices(plan, stage)
@@ -41,7 +42,7 @@ def test_fused_stage_puts_both_models_on_the_same_ranks():
 
 def test_fused_training_is_not_slower_than_serial_stages():
     _, serial = _simulate(["+system=rlhfuse", *SMALL, "system.inter_stage=false", "system.intra_stage=false"])
-    plan, fused = _simulate(["+system=rlhfuse", *SMALL, "system.inter_stage=false"])
+    plan, fused = _simulate(["+system=rlhfuse", *SHORT, "system.inter_stage=false"])
     assert plan.notes["fused/makespan_s"] <= plan.notes["fused/serial_makespan_s"] + 1e-12
     assert plan.notes["fused/lower_bound_s"] <= plan.notes["fused/makespan_s"] + 1e-12
     label = "update_actor+update_critic"
@@ -84,14 +85,14 @@ def test_makespan_slack_reaches_the_search_and_is_checked():
     from harness.testing import plan_for
 
     with pytest.raises(ConfigError, match=r"system\.fused_search\.makespan_slack_frac=-0\.1: must be a finite number >= 0"):
-        plan_for(["+system=rlhfuse", *SMALL, "system.fused_search.makespan_slack_frac=-0.1"])
-    plan, _, _ = plan_for(["+system=rlhfuse", *SMALL, "system.inter_stage=false",
+        plan_for(["+system=rlhfuse", *SHORT, "system.fused_search.makespan_slack_frac=-0.1"])
+    plan, _, _ = plan_for(["+system=rlhfuse", *SHORT, "system.inter_stage=false",
                            "system.fused_search.makespan_slack_frac=0.05"])
     notes = plan.notes
     assert notes["fused/makespan_slack_frac"] == 0.05
     assert notes["fused/lower_bound_s"] <= notes["fused/phase1_makespan_s"] + 1e-12
     assert notes["fused/makespan_s"] <= notes["fused/phase1_makespan_s"] * 1.05 + 2e-6  # notes are rounded
-    plain, _, _ = plan_for(["+system=rlhfuse", *SMALL, "system.inter_stage=false"])
+    plain, _, _ = plan_for(["+system=rlhfuse", *SHORT, "system.inter_stage=false"])
     assert "fused/makespan_slack_frac" not in plain.notes  # the default plan's notes are unchanged
 
 
@@ -113,4 +114,4 @@ def test_fused_search_options_out_of_range_are_refused_before_planning(option, m
     from harness.testing import plan_for
 
     with pytest.raises(ConfigError, match=message):
-        plan_for(["+system=rlhfuse", *SMALL, f"system.fused_search.{option}"])
+        plan_for(["+system=rlhfuse", *SHORT, f"system.fused_search.{option}"])

@@ -123,7 +123,7 @@ def test_rejected_moves_are_exactly_the_deadlocking_ones(compiled, n1, n2, m1, m
                     except ScheduleError:
                         deadlocks = True
                     num_deadlocks += deadlocks
-                    assert state._closes_cycle(r, i, j) == deadlocks, (r, i, j)
+                    assert state.move_closes_cycle(r, i, j) == deadlocks, (r, i, j)
                     out = state.try_move(r, i, j)
                     if deadlocks:
                         assert out is None

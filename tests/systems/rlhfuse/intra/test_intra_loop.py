@@ -20,12 +20,11 @@ def _setup(n1=8, n2=4, m=8, p2p=0.1):
     return pipes, costs, start, model, [model.encode(start.order[r], r) for r in start.ranks]
 
 
-def _makespan_loop(model, seqs, rng, cap=None, rung=2**62, compiled=None, step=0):
+def _makespan_loop(model, seqs, rng, cap=None, rung=2**62, compiled=None, step=0, tol=0.0):
     mean = sum(model.dur) / model.num_actions
-    return loop.Loop(OrderState(model, seqs, cap), loop.action_classes(model), loop.MAKESPAN, loop.mt_state(rng),
-                     (1.0 * mean, 0.02 * mean, 0.0, 0.8, 0.0, 0.0, 0.0), (1, rung, 1000),
-                     {loop.F_TOL: 0.0, loop.F_BEST_MAKESPAN: OrderState(model, seqs).makespan()}, step,
-                     compiled=compiled)
+    params = loop.LoopParams(loop.MAKESPAN, 1.0 * mean, 0.02 * mean, rung, 1000, q_critical=0.8, tol=tol)
+    return loop.Loop(OrderState(model, seqs, cap), loop.action_classes(model), params, loop.mt_state(rng),
+                     best_makespan=OrderState(model, seqs).makespan(), step=step, compiled=compiled)
 
 
 @pytest.mark.parametrize("form", ["compiled", "interpreted"])
@@ -58,8 +57,8 @@ def test_makespan_objective_compiled_and_interpreted_step_for_step(capped):
         run = _makespan_loop(model, seqs, rng, cap, compiled=compiled)
         trace = np.full((800, 3), np.nan)
         out = run.run(800, trace=trace)
-        runs.append((run.compiled, out, run.step, trace, run.best_seqs(), float(run.fs[loop.F_BEST_MAKESPAN]),
-                     run.rs.tolist()))
+        runs.append((run.compiled, out, run.step, trace, run.best_seqs(), float(run.state.best_makespan),
+                     run.walk.rng.tolist()))
     (c_flag, *compiled), (p_flag, *interpreted) = runs
     assert c_flag and not p_flag
     assert np.array_equal(compiled[2], interpreted[2], equal_nan=True)
@@ -80,7 +79,7 @@ def test_makespan_objective_best_is_what_simulate_times_and_cap_holds(capped):
     assert best is not None, "3000 steps from the greedy start found nothing shorter"
     decoded = {r: [model.actions[v] for v in s] for r, s in zip(start.ranks, best)}
     timed = simulate(type(start)(pipes, decoded), costs)
-    assert timed.makespan == pytest.approx(run.fs[loop.F_BEST_MAKESPAN], rel=1e-12)
+    assert timed.makespan == pytest.approx(run.state.best_makespan, rel=1e-12)
     assert timed.makespan < sim.makespan
     assert np.nanmin(trace[:, 0]) >= timed.makespan - 1e-9
     if capped:
@@ -91,8 +90,7 @@ def test_cooling_cycle_ends_at_its_rung_and_a_goal_ends_the_run():
     pipes, costs, start, model, seqs = _setup(4, 2, 4, 0.0)
     run = _makespan_loop(model, seqs, random.Random(0), rung=50, step=120)
     assert run.run(1000) == loop.CYCLE_END and run.step == 170
-    reached = _makespan_loop(model, seqs, random.Random(0))
-    reached.fs[loop.F_TOL] = OrderState(model, seqs).makespan()  # the start is already at the goal
+    reached = _makespan_loop(model, seqs, random.Random(0), tol=OrderState(model, seqs).makespan())  # at the goal
     assert reached.run(1000) == loop.DONE and reached.step == 0
 
 
@@ -103,13 +101,13 @@ def test_memory_ladder_puts_the_next_cap_cap_step_activations_below_the_best_pea
     pipes, costs, start, model, seqs = _setup(4, 4, 6, 0.0)
     state = OrderState(model, seqs)
     peak, unit = state.max_peak(), min(d for d in model.mem_delta if d > 0)
-    run = loop.Loop(state, loop.action_classes(model), loop.MEMORY, np.array([1, 1], dtype=np.int64),
-                    (2.0, 0.02, 0.5, 0.25, 0.8, cap_step, 1e-9), (8, 10_000, 256),
-                    {loop.F_TARGET: state.makespan(), loop.F_TOL: state.makespan() * (1 + 1e-9), loop.F_UNIT: unit,
-                     loop.F_FLOOR: max(model.mem_delta)})
+    params = loop.LoopParams(loop.MEMORY, 2.0, 0.02, 10_000, 256, q_memory=0.5, q_critical=0.25, q_move=0.8,
+                             max_shift=8, cap_step=cap_step, accept_tol=1e-9, target=state.makespan(), mem_unit=unit,
+                             tol=state.makespan() * (1 + 1e-9), floor=max(model.mem_delta))
+    run = loop.Loop(state, loop.action_classes(model), params, np.array([1, 1], dtype=np.int64))
     assert run.run(0) == loop.STOPPED
-    assert run.best_seqs() == seqs and run.fs[loop.F_BEST_PEAK] == peak
-    assert run.fs[loop.F_CAP] == pytest.approx(peak - cap_step * unit, abs=1e-12)
+    assert run.best_seqs() == seqs and run.state.best_peak == peak
+    assert run.state.cap == pytest.approx(peak - cap_step * unit, abs=1e-12)
 
 
 @pytest.mark.parametrize("form", ["compiled", "interpreted"])
@@ -123,17 +121,18 @@ def test_memory_ladder_records_every_lower_peak_at_the_target_even_above_the_cap
     first, target, unit = state.max_peak(), state.makespan(), min(d for d in model.mem_delta if d > 0)
     tol, steps = target * (1 + 1e-9), 3000
     trace = np.zeros((steps, 3))
-    run = loop.Loop(state, loop.action_classes(model), loop.MEMORY, np.array([5, 7], dtype=np.int64),
-                    (2.0, 0.02, 0.5, 0.25, 0.8, 12.0, 1e-9), (8, 500, 256),
-                    {loop.F_TARGET: target, loop.F_TOL: tol, loop.F_UNIT: unit, loop.F_FLOOR: max(model.mem_delta)},
+    params = loop.LoopParams(loop.MEMORY, 2.0, 0.02, 500, 256, q_memory=0.5, q_critical=0.25, q_move=0.8,
+                             max_shift=8, cap_step=12.0, accept_tol=1e-9, target=target, mem_unit=unit, tol=tol,
+                             floor=max(model.mem_delta))
+    run = loop.Loop(state, loop.action_classes(model), params, np.array([5, 7], dtype=np.int64),
                     compiled=form == "compiled")
     run.run(steps, trace=trace)
     visited = [peak for makespan, _, peak in trace[:run.step] if makespan <= tol]
     visited += [state.max_peak()] if state.makespan() <= tol else []
-    best = run.fs[loop.F_BEST_PEAK]
-    assert best < first - 1e-9 and run.st[loop.S_LEVELS] >= 1
+    best = run.state.best_peak
+    assert best < first - 1e-9 and run.state.levels >= 1
     assert best == pytest.approx(min(visited), abs=1e-12)
-    assert min(visited) > run.fs[loop.F_CAP] + 1e-9  # never under the cap: recorded above it
+    assert min(visited) > run.state.cap + 1e-9  # never under the cap: recorded above it
     again = OrderState(model, run.best_seqs())
     assert again.max_peak() == pytest.approx(best, abs=1e-12) and again.makespan() <= tol
 

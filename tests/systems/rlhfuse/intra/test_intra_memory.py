@@ -206,7 +206,6 @@ def test_slack_search_stays_within_its_slack_and_is_deterministic(slack):
 def test_compiled_and_python_passes_give_the_same_search(monkeypatch, stages, m, p2p):
     """The numba kernels (re-timing, critical path) compiled against interpreted: the same trial
     results move by move, and the same two-phase search result from the same seed."""
-    from systems.rlhfuse.intra import incremental
     pipes = fused_pipes(*stages, m, m)
     costs = fused_costs(pipes, 1.0, 0.7, mem1=1.0, mem2=0.6, p2p=p2p)
     start = greedy_schedule(pipes, costs, policy="critical_path")
