@@ -212,7 +212,7 @@ class OpenRLHF(System):
                                 f"generate on the actor's GPUs, in its training layout, but this run's generation "
                                 f"engine {engine.name} generates from its own copy of the weights; run it with "
                                 f"system.generation_engine=hf_generate_fa2 (the default when system.split.gen=0)")
-            policy = GenerationPolicy(batching="static", engine="eager", max_batch_size=cfg.generation_batch_size,
+            policy = GenerationPolicy(batching="static", max_batch_size=cfg.generation_batch_size,
                                       synced_instances=cfg.zero_stage == 3, pad_to_longest=True)
             return actor, policy
         if engine is not None and engine.weights == "training_layout":
@@ -231,7 +231,7 @@ class OpenRLHF(System):
             slots = cfg.generation_batch_size * -(-len(pools["actor"]) // num_engines)
         elif slots < 1:
             raise ConfigError(f"system.vllm_max_num_seqs={slots} must be a positive number of sequences")
-        policy = GenerationPolicy(batching="continuous", engine="graph", max_batch_size=slots)
+        policy = GenerationPolicy(batching="continuous", max_batch_size=slots)
         return Allocation(mesh, ParallelStrategy(dp=num_engines, tp=tp)), policy
 
     def plan(self, ctx: PlanContext) -> Plan:

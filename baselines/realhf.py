@@ -73,7 +73,7 @@ class RealHFConfig(SystemConfig):
     # (here or the run's planning_budget_s) replaces the step budget when set.
     max_steps: Optional[int] = field(default=300, metadata=SEARCH_ONLY)
     # Coordinate-descent rounds after annealing (0 = none): an annealing run's last accepted moves
-    # leave strategies on their meshes that one change would improve (issue 28: at 4,096 GPUs the
+    # leave strategies on their meshes that one change would improve (at 4,096 GPUs the
     # 300 steps stopped 1.8% short of an earlier commit's plan; the refinement passes it).
     num_refine_rounds: int = field(default=3, metadata=SEARCH_ONLY)
     search_time_s: Optional[float] = field(default=None, metadata=SEARCH_ONLY)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from harness.core import metrics as mk
-from harness.testing import simulate_iterations
+from harness.run import pipeline
 
 ROWS = [mk.SAMPLES_PER_S, mk.STEP_TIME, mk.GEN_INFERENCE_TIME] + [mk.timing_key(t) for t in mk.TIMED_TASKS] + \
        [mk.REALLOC_TIME, mk.TRAIN_TIME, mk.GEN_TAIL_S, mk.BUSY_MEAN, mk.MAX_MEMORY_GB]
@@ -23,12 +23,12 @@ ROWS = [mk.SAMPLES_PER_S, mk.STEP_TIME, mk.GEN_INFERENCE_TIME] + [mk.timing_key(
 
 def simulate(entry: str, model: str, iterations: int, extra: list[str]) -> dict[str, float]:
     system, _, own = entry.partition(":")
-    plan, runs = simulate_iterations([f"+system={system}", f"model={model}", "logger=none", *extra,
-                                      *(o for o in own.split(",") if o)], iterations)
-    rows = [metrics for _, metrics in runs]
+    overrides = [f"+system={system}", f"model={model}", "logger=none", *extra, *(o for o in own.split(",") if o)]
+    planned = pipeline.plan(pipeline.prepare(pipeline.compose(overrides), overrides))
+    rows = [metrics for _, metrics in pipeline.simulate(planned, iterations)]
     summary = mk.summarize(rows, num_warmup=1)
-    summary.update({f"strategy/{t.name}": str(t.allocation.strategy) for t in plan.tasks})
-    for stage in plan.training:  # bubble fraction per training stage (fused or per task)
+    summary.update({f"strategy/{t.name}": str(t.allocation.strategy) for t in planned.plan.tasks})
+    for stage in planned.plan.training:  # bubble fraction per training stage (fused or per task)
         key = mk.bubble_key("+".join(stage.tasks) if len(stage.tasks) > 1 else stage.tasks[0])
         summary[f"bubble/{'+'.join(stage.tasks)}"] = summary.get(key, float("nan"))
     return summary

@@ -1,4 +1,4 @@
-"""Simulated stage times of every system under both cost models, on the Figure 7 setups (issue 12).
+"""Simulated stage times of every system under both cost models, on the Figure 7 setups.
 
     python benchmarks/cost_models.py                        # 4 paper pairs x 7 systems, max_gen_len 1024
     python benchmarks/cost_models.py --pairs 13b_33b --max-gen-len 512 2048
@@ -17,8 +17,7 @@ import time
 
 from harness.core import metrics as mk
 from harness.errors import HarnessError
-from harness.planning.estimate import simulate_plan
-from harness.testing import plan_for
+from harness.run import pipeline
 
 SYSTEMS = ("deepspeed_chat", "realhf_heuristic", "realhf", "rlhfuse_base", "rlhfuse", "interleaved",
            "disaggregated")
@@ -29,12 +28,17 @@ STAGES = (("gen", "timing_s/gen"), ("gen+inf", mk.GEN_INFERENCE_TIME), ("train",
 
 
 def run(system: str, pair: str, max_gen_len: int, cost_model: str) -> dict[str, float]:
-    plan, ctx, _ = plan_for([f"+system={system}", f"model={pair}", f"workload.max_gen_len={max_gen_len}",
-                             f"cluster.cost_model={cost_model}", *BUDGETS.get(system, [])])
-    trace = simulate_plan(ctx, plan)
-    m = mk.iteration_metrics(trace, 0, {t.name: t.model.value for t in plan.tasks}, 1.0)
+    return stage_times([f"+system={system}", f"model={pair}", f"workload.max_gen_len={max_gen_len}",
+                        f"cluster.cost_model={cost_model}", *BUDGETS.get(system, [])])
+
+
+def stage_times(overrides: list[str]) -> dict[str, float]:
+    """One simulated iteration (the workload's first batch) of the run ``overrides`` describe: each
+    of :data:`STAGES` in seconds, and samples/s; shared with ``fig7_engines.py``."""
+    planned = pipeline.plan(pipeline.prepare(pipeline.compose(overrides), overrides))
+    [(trace, m)] = pipeline.simulate(planned, num_iterations=1)
     out = {name: m.get(key, float("nan")) for name, key in STAGES}
-    out["samples/s"] = ctx.workload.global_batch_size / trace.makespan_s
+    out["samples/s"] = planned.prepared.ctx.workload.global_batch_size / trace.makespan_s
     return out
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from harness.real.engine import GenerationEngine, SamplingParams
+from harness.real.engine import SamplingParams, TorchGenerator
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 
 
@@ -25,8 +25,8 @@ def sync(device: str) -> None:
 
 
 def generate(model, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> int:
-    engine = GenerationEngine(model, max_batch_size=batch, kv_capacity=prompt_len + new_tokens,
-                              sampling=SamplingParams(max_new_tokens=new_tokens))
+    engine = TorchGenerator(model, max_batch_size=batch, kv_capacity=prompt_len + new_tokens,
+                            sampling=SamplingParams(max_new_tokens=new_tokens))
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):
         engine.submit(i, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), target_len=new_tokens)

@@ -46,12 +46,12 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_ours(model, batch: list[list[int]], new: int, threads: int) -> dict:
-    from harness.real.engine import GenerationEngine, SamplingParams
+    from harness.real.engine import SamplingParams, TorchGenerator
 
     torch.set_num_threads(threads)
     model.eval()
-    engine = GenerationEngine(model, max_batch_size=len(batch), sampling=SamplingParams(temperature=0.0),
-                              kv_capacity=len(batch[0]) + new)
+    engine = TorchGenerator(model, max_batch_size=len(batch), sampling=SamplingParams(temperature=0.0),
+                            kv_capacity=len(batch[0]) + new)
     for i, p in enumerate(batch):
         engine.submit(i, p, target_len=new)
     t0, c0 = time.perf_counter(), time.process_time()

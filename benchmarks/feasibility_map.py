@@ -1,4 +1,4 @@
-"""Which systems plan and fit where: every system x paper model pair x cluster size (issue 13, item 6).
+"""Which systems plan and fit where: every system x paper model pair x cluster size.
 
     python benchmarks/feasibility_map.py                      # 1, 2, 4, 8, 16, 32 nodes of 8 H100-class GPUs
     python benchmarks/feasibility_map.py --nodes 1 2 --systems rlhfuse_base
@@ -18,8 +18,7 @@ import sys
 import time
 
 from harness.errors import HarnessError
-from harness.planning.estimate import simulate_plan
-from harness.testing import plan_for
+from harness.run import pipeline
 
 SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse", "realhf", "realhf_heuristic", "interleaved",
            "disaggregated", "colocated")
@@ -49,10 +48,11 @@ def cell(system: str, pair: str, nodes: int) -> tuple[bool, str]:
     """(plans and fits, samples/s or why not); the time it took goes to stderr."""
     t0 = time.perf_counter()
     try:
-        plan, ctx, _ = plan_for([f"+system={system}", f"model={pair}", f"cluster.num_nodes={nodes}",
-                                 *SMALL_BUDGETS.get(system, [])])
-        trace = simulate_plan(ctx, plan)  # checks memory first
-        out = True, f"{ctx.workload.global_batch_size / trace.makespan_s:.1f}"
+        overrides = [f"+system={system}", f"model={pair}", f"cluster.num_nodes={nodes}",
+                     *SMALL_BUDGETS.get(system, [])]
+        planned = pipeline.plan(pipeline.prepare(pipeline.compose(overrides), overrides))  # checks memory
+        [(trace, _)] = pipeline.simulate(planned, num_iterations=1)
+        out = True, f"{planned.prepared.ctx.workload.global_batch_size / trace.makespan_s:.1f}"
     except HarnessError as e:
         out = False, f"no ({reason(str(e))})"
     print(f"{system} {pair} {nodes}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -1,12 +1,12 @@
 """Simulated stage times of every system on the Figure 7 setups, under the previous calibrated model
-and under the execution-engine defaults, side by side (issue 26).
+and under the execution-engine defaults, side by side.
 
     python benchmarks/fig7_engines.py                        # 13b_33b pair, max_gen_len 1024, 7 systems
     python benchmarks/fig7_engines.py --pairs 13b_33b 33b_13b 33b_65b 65b_33b --max-gen-len 512 1024 2048
 
-"before": the calibrated cost model as it was before issue 26: every fitted engine constant at its
-prior (``engine.fitted=false``) and DeepSpeed-Chat on its issue-12 generation policy
-(``benchmarks/engines_before/ds_hybrid_issue12.yaml``: prompts not padded to the maximum). "engines":
+"before": the calibrated cost model without execution engines: every fitted engine constant at its
+prior (``engine.fitted=false``) and DeepSpeed-Chat on its earlier generation policy
+(``benchmarks/engines_before/ds_hybrid_unpadded_prompts.yaml``: prompts not padded to the maximum). "engines":
 the defaults (each system's engines with the constants of ``data/engines/fitted.json``). Each system
 plans under each model (its searches score plans with the simulator), on the RLHFuse testbed model
 (32 x 8 H100-class GPUs, default workload). Searches use step budgets (deterministic): ReaLHF 50
@@ -18,25 +18,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cost_models import BUDGETS, STAGES, SYSTEMS, side_by_side  # the sibling benchmark (same directory)
-from harness.core import metrics as mk
-from harness.planning.estimate import simulate_plan
-from harness.testing import plan_for
+from cost_models import BUDGETS, SYSTEMS, side_by_side, stage_times  # the sibling benchmark (same directory)
 
 HERE = Path(__file__).resolve().parent
 BEFORE = {"*": ["engine.fitted=false"],
-          "deepspeed_chat": [f"engine.generation={HERE / 'engines_before' / 'ds_hybrid_issue12.yaml'}"]}
+          "deepspeed_chat": [f"engine.generation={HERE / 'engines_before' / 'ds_hybrid_unpadded_prompts.yaml'}"]}
 
 
 def run(system: str, pair: str, max_gen_len: int, before: bool) -> dict[str, float]:
     extra = (BEFORE["*"] + BEFORE.get(system, [])) if before else []
-    plan, ctx, _ = plan_for([f"+system={system}", f"model={pair}", f"workload.max_gen_len={max_gen_len}",
-                             *BUDGETS.get(system, []), *extra])
-    trace = simulate_plan(ctx, plan)
-    m = mk.iteration_metrics(trace, 0, {t.name: t.model.value for t in plan.tasks}, 1.0)
-    out = {name: m.get(key, float("nan")) for name, key in STAGES}
-    out["samples/s"] = ctx.workload.global_batch_size / trace.makespan_s
-    return out
+    return stage_times([f"+system={system}", f"model={pair}", f"workload.max_gen_len={max_gen_len}",
+                        *BUDGETS.get(system, []), *extra])
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Our fused-schedule search against the paper authors' solver, side by side, on the authors' own
-Table 3 instances (issue 29: "better or equal on all 16 rows, same wall time and cores").
+Table 3 instances (the bar: better or equal on all 16 rows, in the same wall time on the same cores).
 
     python benchmarks/flexfusion_compare.py --flexfusion-dir ~/FlexFusion       # every row
     python benchmarks/flexfusion_compare.py --flexfusion-dir ~/FlexFusion --pp 8/4 --microbatches 8

@@ -1,4 +1,4 @@
-"""Fused-schedule search quality and cost on the paper's Table 3 shapes (issue 13, items 1 and 5).
+"""Fused-schedule search quality and cost on the paper's Table 3 shapes.
 
     python benchmarks/fuse_search.py                          # 2 seeds on 2 worker processes
     python benchmarks/fuse_search.py --workers 1 --seeds 1    # one seed in this process
@@ -16,11 +16,11 @@ makespan over the lower bound, its peak activation memory over the paper's seria
 (actor 1F1B, barrier, critic 1F1B), the peak the makespan phase ended at (where the memory phase
 started), the speedup over the serial baseline, the search's wall time and CPU time (all
 processes: about twice the wall time when 2 workers have the 2 cores to themselves, less when the
-machine is shared) and its steps (trial moves per seed), with no memory cap, and whether the row meets issue 13's memory target
+machine is shared) and its steps (trial moves per seed), with no memory cap, and whether the row meets the memory target
 (peak <= 1.0x serial with 8-16 micro-batches, <= 1.3x with 32-64) at the lower bound.
 
 Budget: a trial move costs a fixed part plus a part proportional to the schedule (the schedule
-is re-timed from the first changed action on). With both phases in one compiled loop (issue 29)
+is re-timed from the first changed action on). With both phases in one compiled loop
 the fixed part is about 1.4 microseconds here and the proportional part about 5.8 ns per action
 (fitted to the default run's rows of 384 and 4 096 actions, 2026-11-27), so by default every row
 gets the same budget of *work units*, ``--action-steps`` per seed, a step costing
@@ -37,7 +37,7 @@ when the makespan is proven optimal; ``peak >=`` also rises where CP-SAT proves 
 is printed on every row: no schedule that short holds less, by the closed-form bound
 (``bounds.peak_lower_bound``) or the refinement's proof, whichever is higher; a missed target
 above which that bound lies is printed as ``unreachable``: no schedule that short meets it.
-``gap`` is issue 29's restated target: ``least`` where the peak is proven the least at its
+``gap`` is the restated target: ``least`` where the peak is proven the least at its
 makespan (the refinement proved it optimal, to its integer rounding, or the peak meets the
 bound), else the peak over the best bound. Why only the 8-micro-batch rows: on each of them CP-SAT
 proved the least peak (and 8/4's makespan) with effort 1.3-5.2, in 1-8 s; on the larger rows, in
@@ -57,10 +57,9 @@ from dataclasses import replace
 
 from omegaconf import OmegaConf
 
-from harness.cli.app import compose
-from harness.run.runner import build_context
+from harness.run.pipeline import build_context, compose
 from systems.rlhfuse.experiments import flexfusion_layout_costs, fused_layout_costs
-from systems.rlhfuse.intra import FusedSearchConfig, MemoryParams, search_fused_schedule
+from systems.rlhfuse.intra import FusedSearchConfig, search_fused_schedule
 from systems.rlhfuse.intra.config import (DEFAULT_GROW_MAKESPAN_WEIGHTS, DEFAULT_MEMORY_CAP_STEPS,
                                           DEFAULT_MEMORY_MAKESPAN_WEIGHTS)
 
@@ -69,6 +68,7 @@ DEFAULT_ACTION_STEPS = 1e10
 DEFAULT_EXACT_EFFORT = 10.0  # CP-SAT deterministic time of the exact refinement (see the docstring)
 DEFAULT_EXACT_MAX_MICROBATCHES = 8  # ... on rows with no pipe above this many micro-batches (0: every row)
 STEP_OVERHEAD_ACTIONS = 250  # the fixed cost of a step, in actions re-timed (see the docstring)
+SEARCH_DEFAULTS = FusedSearchConfig()  # the search's defaults (config.py) for the options this benchmark keeps
 
 
 def _cpu_s() -> float:
@@ -84,7 +84,7 @@ def work_budget(pipes, action_steps: float) -> tuple[int, int]:
 
 
 def memory_target(num_microbatches: int) -> float:
-    """Issue 13: no more than serial's peak with 8-16 micro-batches, at most 1.3x with 32-64."""
+    """The memory target: no more than serial's peak with 8-16 micro-batches, at most 1.3x with 32-64."""
     return 1.0 if num_microbatches <= 16 else 1.3
 
 
@@ -105,14 +105,16 @@ def main() -> None:
     p.add_argument("--exact-max-microbatches", type=int, default=DEFAULT_EXACT_MAX_MICROBATCHES,
                    help="refine only rows whose every pipe has at most this many micro-batches "
                         f"(default {DEFAULT_EXACT_MAX_MICROBATCHES}; 0: every row)")
-    p.add_argument("--exact-workers", type=int, default=2, help="threads of the CP-SAT portfolio")
-    p.add_argument("--makespan-slack", type=float, default=0.0,
-                   help="let the memory phase lengthen the schedule up to (1 + this) x the makespan "
-                        "phase's best (default 0; the time-for-memory trade in docs/FUSED_SEARCH.md)")
-    p.add_argument("--memory-move-reach", type=int, default=MemoryParams.max_shift,
+    p.add_argument("--exact-workers", type=int, default=SEARCH_DEFAULTS.exact_workers,
+                   help=f"threads of the CP-SAT portfolio (default {SEARCH_DEFAULTS.exact_workers})")
+    p.add_argument("--makespan-slack", type=float, default=SEARCH_DEFAULTS.makespan_slack_frac,
+                   help="let the memory phase lengthen the schedule up to (1 + this) x the makespan phase's best "
+                        f"(default {SEARCH_DEFAULTS.makespan_slack_frac:g}; the time-for-memory trade in "
+                        "docs/FUSED_SEARCH.md)")
+    p.add_argument("--memory-move-reach", type=int, default=SEARCH_DEFAULTS.memory_move_reach,
                    help="longest shift of the memory phase's moves along a rank's list "
-                        f"(default {MemoryParams.max_shift}; docs/FUSED_SEARCH.md, \"Against FlexFusion\", "
-                        "measures 64)")
+                        f"(default {SEARCH_DEFAULTS.memory_move_reach}; docs/FUSED_SEARCH.md, \"Against "
+                        "FlexFusion\", measures 64)")
     p.add_argument("--memory-cap-steps", type=float, nargs="+", default=list(DEFAULT_MEMORY_CAP_STEPS),
                    help="the memory phase's cap, in smallest activations below its best peak; seed k "
                         f"runs the (k mod n)-th (default {' '.join(f'{s:g}' for s in DEFAULT_MEMORY_CAP_STEPS)}; "
@@ -131,7 +133,7 @@ def main() -> None:
                         "\"Grown from half\")")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: --workers)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=SEARCH_DEFAULTS.seed)
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--costs", choices=("model", "flexfusion"), default="model",
                    help="stage costs: our calibrated cost model (default) or FlexFusion's integer "
@@ -199,7 +201,7 @@ def main() -> None:
                 verdict = (f"{'within' if fits else 'above'} {target:g}x at "
                            f"+{100 * res.gap_to_lower_bound_frac:.2f}% over the bound")
             proven = "opt" if res.makespan_optimal else f"{res.makespan_bound / res.lower_bound:.4f}"
-            # issue 29's target: the least peak provable at this makespan; else how far from the bound
+            # the target: the least peak provable at this makespan; else how far from the bound
             at_least = (res.exact.memory_status == "OPTIMAL"  # to the refinement's integer rounding
                         or res.peak_memory <= res.peak_lower_bound * (1 + 1e-9))
             least += at_least

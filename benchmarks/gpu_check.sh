@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine runs in one call (docs/GPU.md says what each showed):
 #   1. the CUDA environment;
-#   2. `python -m harness.cli.calibrate profile` rows (bf16 on CUDA) for the models whose H100 rows
+#   2. `python -m harness.calibrate profile` rows (bf16 on CUDA) for the models whose H100 rows
 #      Vidur published (data/profiles/vidur/compute/h100), to compare ours with theirs;
 #   3. benchmarks/engine_profile.py: our generation engine and a training step in one process;
 #   4. backend=ray on CUDA (NCCL, bf16): benchmarks/sim_vs_real.py with SmolLM2-135M's shape;
@@ -49,7 +49,7 @@ torch.cuda.is_available(), torch.cuda.get_device_name(0), 'nccl', torch.cuda.ncc
 
 profile() {
   for m in llama2_7b codellama_34b llama2_70b; do
-    $PY -m harness.cli.calibrate profile --model $m --device cuda --tp 1 2 4 8 \
+    $PY -m harness.calibrate profile --model $m --device cuda --tp 1 2 4 8 \
       --num-tokens 1 2 4 8 16 32 64 128 256 512 1024 2048 4096 --out "$W/profiles" || return
   done
 }

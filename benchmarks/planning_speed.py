@@ -1,20 +1,22 @@
-"""Planning CPU seconds of every system, and the estimated samples/s of the plan it returns (issue 28).
+"""Planning CPU seconds of every system, and the estimated samples/s of the plan it returns.
 
     python benchmarks/planning_speed.py                               # 13b and 65b_33b, default cluster (256 GPUs)
     python benchmarks/planning_speed.py --baseline 7e29151            # the same, beside another commit's planners
     python benchmarks/planning_speed.py --models 13b --nodes 512 --batch 8192   # 4,096 GPUs, 8,192 samples
 
-Each system plans as ``python -m harness +system=<name> model=<pair>`` would (its default budgets,
-which are in steps: the plans are deterministic; the runner's garbage-collector policy while
-planning, :mod:`harness.planning.collector`, where the tree has one), in a fresh Python process per
-(system, model), so no cache of one plan speeds up the next. Timed by that process's CPU clock (``time.process_time``:
-the planner's own work, whatever else runs on the machine; a system that plans in worker
-processes would need their CPU added, none does by default). The plan's samples/s is the
-simulator's, one iteration of the workload's first batch.
+Each system plans as ``python -m harness +system=<name> model=<pair>`` would, through the run
+pipeline (:func:`harness.run.pipeline.plan`: its default budgets, which are in steps, so the plans
+are deterministic; the garbage-collector policy while planning, :mod:`harness.planning.collector`;
+the plan's checks), in a fresh Python process per (system, model), so no cache of one plan speeds
+up the next. Timed by that process's CPU clock (``time.process_time``: the planner's own work and
+the plan's checks, whatever else runs on the machine; a system that plans in worker processes
+would need their CPU added, none does by default); the wall seconds are the planner's alone. The
+plan's samples/s is the simulator's, one iteration of the workload's first batch.
 
-``--baseline REV`` checks out commit ``REV`` into a temporary git worktree and times its planners
-the same way, each right after this tree's, and prints both with the ratios: planning speed and
-plan quality of two commits measured side by side in one run. Before timing, each tree's compiled
+``--baseline REV`` checks out commit ``REV`` (one that has the run pipeline,
+``harness/run/pipeline.py``) into a temporary git worktree and times its planners the same way,
+each right after this tree's, and prints both with the ratios: planning speed and plan quality of
+two commits measured side by side in one run. Before timing, each tree's compiled
 kernels (numba, cached on disk) are built by a small warm-up search, so the times are planning,
 not a one-off compilation. ``--json OUT`` writes the numbers.
 """
@@ -35,30 +37,21 @@ SYSTEMS = ("deepspeed_chat", "realhf_heuristic", "realhf", "rlhfuse_base", "rlhf
 # Run inside the tree being measured (its directory first on sys.path): plan once, print JSON.
 CHILD = r"""
 import json, sys, time
-from hydra.utils import get_class
 from harness.errors import PlanError
-from harness.planning.estimate import simulate_plan
-from harness.run.runner import build_context
-from harness.testing import run_config
+from harness.run import pipeline
 system, model, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
-run = run_config([f"+system={system}", f"model={model}", "logger=none", *extra])
-ctx = build_context(run)
-planner = get_class(run.system.impl)(run.system)
-try:  # plan as the tree's runner does (harness.run.runner.make_plan), collector policy included
-    from harness.planning.collector import full_collections_deferred as policy
-except ImportError:  # a tree from before the policy
-    from contextlib import nullcontext as policy
-start_cpu, start_wall = time.process_time(), time.perf_counter()
+overrides = [f"+system={system}", f"model={model}", "logger=none", *extra]
+prepared = pipeline.prepare(pipeline.compose(overrides), overrides)
+start_cpu = time.process_time()
 try:
-    with policy():
-        plan = planner.plan(ctx)
-    cpu_s, wall_s = time.process_time() - start_cpu, time.perf_counter() - start_wall
-    trace = simulate_plan(ctx, plan)
+    planned = pipeline.plan(prepared)
+    cpu_s = time.process_time() - start_cpu
+    [(trace, _)] = pipeline.simulate(planned, num_iterations=1)
 except PlanError as e:  # the system's defaults do not fit this setting: say so
     print(json.dumps({"refused": str(e)[:100]}))
     sys.exit(0)
-print(json.dumps({"plan_cpu_s": cpu_s, "plan_wall_s": wall_s,
-                  "samples_per_s": ctx.workload.global_batch_size / trace.makespan_s}))
+print(json.dumps({"plan_cpu_s": cpu_s, "plan_wall_s": planned.plan_s,
+                  "samples_per_s": prepared.ctx.workload.global_batch_size / trace.makespan_s}))
 """
 
 WARM_UP = r"""

@@ -2,7 +2,7 @@
 
     python benchmarks/sim_vs_real.py                       # rlhfuse_base vs rlhfuse, long-tailed tiny workload
     python benchmarks/sim_vs_real.py --systems rlhfuse --iterations 4 --devices 4
-    python benchmarks/sim_vs_real.py --device cuda --devices 1 --model smollm2_135m   # on a GPU (issue 27, item 6)
+    python benchmarks/sim_vs_real.py --device cuda --devices 1 --model smollm2_135m   # on a GPU 
     python benchmarks/sim_vs_real.py --device cuda --devices 1 --model smollm2_135m --override \
         model.actor.checkpoint=null model.critic.checkpoint=null model.ref.checkpoint=null model.reward.checkpoint=null
 
@@ -39,11 +39,8 @@ import numpy as np
 
 from harness.core import metrics as mk
 from harness.core.plan import Plan
-from harness.planning.memory import check_plan_memory
-from harness.planning.simulate import simulate_iteration
-from harness.testing import plan_for
 from harness.core.trace import StepTrace
-from harness.core.workload import make_batch
+from harness.run import pipeline
 
 LONG_TAIL = ["workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "workload.global_batch_size=16",
              "workload.output_len.sigma=1.0", "workload.max_gen_len=24", "workload.output_len.max=24", "seed=1"]
@@ -74,28 +71,26 @@ def with_overrides(base: list[str], extra: list[str]) -> list[str]:
 def run_both(system: str, devices: int, iterations: int, stream_rounds: str = "to_next_finish",
              model: str = "tiny", device: str = "cpu", extra: tuple[str, ...] = ()
              ) -> tuple[Plan, list[StepTrace], list[StepTrace], list[float]]:
-    from harness.backends.ray import RayBackend
-
     overrides = with_overrides(
         [f"+system={system}", f"model={model}", *LONG_TAIL, f"cluster.gpus_per_node={devices}", "backend=ray",
          f"backend.options.device={device}",
          "backend.options.digest=false", f"backend.options.stream_rounds={stream_rounds}",
          *PER_SYSTEM.get(system, lambda devices: [])(devices)], list(extra))
-    plan, ctx, run = plan_for(overrides)
-    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
-    batches = [make_batch(ctx.workload, ctx.seed, it) for it in range(iterations)]
-    sim = [simulate_iteration(ctx, plan, memory, it, b) for it, b in enumerate(batches)]
-    backend = RayBackend(run.backend, ctx)
+    planned = pipeline.plan(pipeline.prepare(pipeline.compose(overrides), overrides))
+    sim = [trace for trace, _ in pipeline.simulate(planned, iterations)]
+    backend = planned.prepared.new_backend()  # backend=ray
+    backend.check(planned.plan)
     real, wall = [], []
     try:
-        backend.setup(plan)
-        for it, b in enumerate(batches):
-            t0 = time.perf_counter()
-            real.append(backend.run_iteration(plan, it, b))
+        backend.setup(planned.plan)
+        t0 = time.perf_counter()
+        for trace, _ in pipeline.iterations(planned, backend, range(iterations)):
+            real.append(trace)
             wall.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
     finally:
         backend.close()
-    return plan, sim, real, wall
+    return planned.plan, sim, real, wall
 
 
 def report(system: str, plan: Plan, sim: StepTrace, real: StepTrace) -> None:

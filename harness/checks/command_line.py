@@ -93,7 +93,8 @@ def check_command_line(argv: Sequence[str]) -> None:
 def check_input_files(cfg: DictConfig, checked: Optional[dict[tuple[str, str], Optional[str]]] = None) -> None:
     """Read the input files the composed ``cfg`` names, as the run would: ``backend.profile_table``
     (parsed), ``workload.path`` (a regular file), ``engine.generation`` / ``engine.training`` (a
-    YAML path or an engine name: parsed) and, with ``cluster.cost_model=calibrated``,
+    YAML path or an engine name: parsed; an engine composed from its group: its values checked) and,
+    with ``cluster.cost_model=calibrated``,
     ``cluster.calibration`` (parsed). Raises :class:`ConfigError` (one line naming the file and the
     line) for the first bad one. ``checked`` holds the outcome per file across the jobs of a sweep,
     so each distinct file is read once."""
@@ -119,8 +120,11 @@ def check_input_files(cfg: DictConfig, checked: Optional[dict[tuple[str, str], O
 
     checks = [("backend.profile_table", value("backend.profile_table"), load_profile_table),
               ("workload.path", value("workload.path"), resolve_workload_path)]
-    checks += [(f"engine.{kind}", value(f"engine.{kind}"), lambda name, kind=kind: load_engine(kind, name))
-               for kind in KINDS]
+    for kind in KINDS:
+        if isinstance(OmegaConf.select(cfg, f"engine.{kind}", default=None), DictConfig):
+            OmegaConf.to_object(cfg.engine[kind])  # composed from engine/<kind>: the engine checks its values
+        else:
+            checks.append((f"engine.{kind}", value(f"engine.{kind}"), lambda name, kind=kind: load_engine(kind, name)))
     if value("cluster.cost_model") == "calibrated":
         checks.append(("cluster.calibration", value("cluster.calibration"), calibration))
     for key, name, check in checks:

@@ -1,6 +1,6 @@
-"""Physical and logical consistency of a composed run, checked before any work (issue 28, item 3).
+"""Physical and logical consistency of a composed run, checked before any work.
 
-:func:`check_run` is the first thing :func:`harness.run.runner.build_context` does, so every input
+:func:`check_run` is the first thing :func:`harness.run.pipeline.build_context` does, so every input
 below ends the run with one line naming the cause and the key to change (a
 :class:`~harness.errors.ConfigError`: ``error: ...`` on stderr, exit code 2) before planning starts
 and before anything is written:

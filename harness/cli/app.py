@@ -24,10 +24,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from harness.backends import register_backend_configs
-from harness.core.config import register_configs
-from harness.system import discover_systems
-from harness.errors import HarnessError
 from harness.checks.command_line import check_command_line
+from harness.cli import sweep
+from harness.core.config import register_configs
+from harness.core.engines import engine_group_overrides, engine_key_overrides
+from harness.errors import HarnessError
+from harness.run import results
+from harness.run.pipeline import execute, run_experiment
+from harness.run.runner import format_summary
+from harness.system import discover_systems
+
 
 def _is_multirun() -> bool:
     try:
@@ -38,21 +44,15 @@ def _is_multirun() -> bool:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from harness.run import results
-    from harness.cli import sweep
-    from harness.run.runner import execute, format_summary
-
     if cfg.get("experiment_runner"):  # a non-benchmark experiment (e.g. a schedule table)
-        from hydra.utils import get_method
-
-        print(f"[harness] experiment {cfg.experiment_name}: wrote {get_method(cfg.experiment_runner)(cfg)}")
+        print(f"[harness] experiment {cfg.experiment_name}: wrote {run_experiment(cfg)}")
         sweep.report_job_outcome({"system": None, "overrides": list(HydraConfig.get().overrides.task)}, None)
         return None
     multirun = _is_multirun()
-    job = {"system": cfg.system.name if "system" in cfg else None, "seed": cfg.seed,
-           "overrides": list(HydraConfig.get().overrides.task)}
+    overrides = engine_key_overrides(HydraConfig.get().overrides.task)  # engine.<kind>=, as the user wrote it
+    job = {"system": cfg.system.name if "system" in cfg else None, "seed": cfg.seed, "overrides": overrides}
     try:
-        outcome = execute(cfg, list(HydraConfig.get().overrides.task))
+        outcome = execute(cfg, overrides)
     except HarnessError as e:
         if not multirun:
             print(f"error: {e}", file=sys.stderr)
@@ -88,8 +88,6 @@ def run() -> None:
 
 
 def _run() -> None:
-    from harness.cli import sweep
-
     register_configs()
     register_backend_configs()
     systems = discover_systems()
@@ -98,6 +96,7 @@ def _run() -> None:
 
         print(help_text(systems))
         sys.exit(0)
+    sys.argv[1:] = engine_group_overrides(sys.argv[1:])  # engine.<kind>=<name>: Hydra composes the engine
     try:
         check_command_line(sys.argv[1:])  # a sweep's jobs too: minutes for a large one
     except HarnessError as e:
@@ -108,16 +107,3 @@ def _run() -> None:
     if failures:  # the table was printed at the end of the sweep
         sys.exit(1)
 
-
-def compose(overrides: list[str]) -> DictConfig:
-    """The config ``python -m harness <overrides>`` would run with (for scripts and tests)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_configs()
-    register_backend_configs()
-    discover_systems()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -1,17 +1,17 @@
-"""``python -m harness.cli.calibrate report [--gpu h100|a100] [--csv out.csv]``: the analytic cost
-model against the measured Vidur profiles (issue 12; see ``docs/CALIBRATION.md``).
+"""``python -m harness.calibrate report [--gpu h100|a100] [--csv out.csv]``: the analytic cost
+model against the measured Vidur profiles (``docs/CALIBRATION.md``).
 
-``python -m harness.cli.calibrate fit [--gpu h100 a100]``: fit the calibrated cost model
+``python -m harness.calibrate fit [--gpu h100 a100]``: fit the calibrated cost model
 (:mod:`harness.costmodel.calibrated`) on the shipped profiles and write
 ``data/profiles/fitted/<gpu>.json``, the file the H100/A100 cluster configs name.
 
-``python -m harness.cli.calibrate profile --model tiny --num-tokens 1 8 64 [--out DIR]``: time the
+``python -m harness.calibrate profile --model tiny --num-tokens 1 8 64 [--out DIR]``: time the
 same op table on the local device (:mod:`harness.costmodel.profiler`; CUDA in bf16 when
 available, else CPU in fp32) and write ``DIR/<device slug>/<model>/mlp.csv`` (default
 ``data/profiles/local``) in Vidur's format, readable with
 ``measured.load_compute(root=DIR)``.
 
-``python -m harness.cli.calibrate compare --local data/profiles/local [--gpu h100]``: our own
+``python -m harness.calibrate compare --local data/profiles/local [--gpu h100]``: our own
 profile rows (``profile`` on a GPU) against the Vidur rows of the same shapes (models matched by
 their dimensions, then tp, num_tokens and op): per op class and token range, and per layer, the
 median of ``ours / Vidur`` (``ratio``) and ``|ours / Vidur - 1|`` (docs/GPU.md shows an H100 run).
@@ -49,6 +49,7 @@ from omegaconf import OmegaConf
 from harness.core.config import LlamaConfig
 from harness.costmodel import CostModel, OpCost
 from harness.costmodel import measured as ms
+from harness.run import pipeline
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 CLUSTERS = {"h100": "h100_8x", "a100": "a100_8x"}
@@ -60,11 +61,9 @@ def cost_model_for(gpu: str, kind: str = "calibrated") -> CostModel:
     """The project's CostModel on ``conf/cluster/<gpu>_8x.yaml`` with ``cluster.cost_model=kind``
     (two nodes, so the cross-node network rows have somewhere to go; compute times do not depend
     on the node count)."""
-    from harness.testing import run_config
-
-    run = run_config(["+system=rlhfuse_base", f"cluster={CLUSTERS[gpu]}", "cluster.num_nodes=2",
-                      f"cluster.cost_model={kind}"])
-    return CostModel(run.cluster, run.workload)
+    overrides = ["+system=rlhfuse_base", f"cluster={CLUSTERS[gpu]}", "cluster.num_nodes=2",
+                 f"cluster.cost_model={kind}"]
+    return pipeline.prepare(pipeline.compose(overrides), overrides).ctx.cost_model
 
 
 def _layer_model_s(cm: CostModel, cfg: LlamaConfig, n: float, tp: int) -> float:
@@ -329,7 +328,7 @@ def compare(local_root: Path | str, gpu: str = "h100", root: Path | str = ms.PRO
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.cli.calibrate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="analytic cost model vs the measured Vidur profiles")

@@ -1,7 +1,8 @@
-"""``python -m harness --help``: what a new user needs on one screen (issue 28, item 5).
+"""``python -m harness --help``: what a new user needs on one screen.
 
 A usage line, every system with the first line of its ``conf/system/<name>.yaml``, the main config
-groups with their options, and three examples. Hydra's own page (``--hydra-help``) still lists
+groups with their options (a group of groups, ``engine``, by its subgroups: ``engine.generation=<option>``),
+and three examples. Hydra's own page (``--hydra-help``) still lists
 Hydra's flags; the internal ``schema`` group (typed configs behind every YAML file) is not offered.
 """
 from __future__ import annotations
@@ -10,8 +11,11 @@ import textwrap
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-# Groups a user picks from, in the order a command line names them (``engine`` has two subgroups).
-GROUPS = ("model", "cluster", "workload", "backend", "logger", "experiment")
+# Groups a user picks from, in the order a command line names them (``engine`` holds the groups
+# engine/generation and engine/training).
+GROUPS = ("model", "cluster", "workload", "backend", "logger", "engine", "experiment")
+# What a group of groups' options also take, beside their names.
+ALSO_TAKES = {"engine": "(each also takes the path of a .yaml file; unset: the system's own)"}
 EXAMPLES = (
     ("RLHFuse on the paper's 13B setting, simulated", "python -m harness +system=rlhfuse model=13b"),
     ("a sweep of two systems and two generation lengths",
@@ -39,6 +43,11 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+def _subgroups(group: str) -> list[str]:
+    """The groups inside ``group`` (``engine``: generation, training), chosen as ``group.sub=<option>``."""
+    return sorted(p.name for p in (CONF / group).iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+
+
 def help_text(systems: list[str]) -> str:
     width = max(len(s) for s in systems) + 2 if systems else 0
     lines = ["usage: python -m harness +system=<system> [group=option ...] [key=value ...]",
@@ -49,10 +58,16 @@ def help_text(systems: list[str]) -> str:
         lines.append(f"  {name:<{width}}{_summary(path) if path.is_file() else ''}")
     lines += ["", "config groups (group=option):"]
     for group in GROUPS:
-        lines += textwrap.wrap(", ".join(_options(group)), 100, initial_indent=f"  {group:<12}",
-                               subsequent_indent=" " * 14)
-    lines.append(f"  {'engine':<12}engine.generation=<{'|'.join(_options('engine/generation'))}>, "
-                 f"engine.training=<{'|'.join(_options('engine/training'))}>")
+        subgroups = _subgroups(group)
+        if not subgroups:
+            lines += textwrap.wrap(", ".join(_options(group)), 100, initial_indent=f"  {group:<12}",
+                                   subsequent_indent=" " * 14)
+        for i, sub in enumerate(subgroups):
+            text = f"{group}.{sub}=<option>: {', '.join(_options(f'{group}/{sub}'))}"
+            lines += textwrap.wrap(text, 100, initial_indent=f"  {group if i == 0 else '':<12}",
+                                   subsequent_indent=" " * 16)
+        if subgroups and group in ALSO_TAKES:
+            lines.append(" " * 14 + ALSO_TAKES[group])
     lines += ["", "any key of the composed config can be set (key=value); `--cfg job` prints the config.",
               "results: results/<experiment_name>/<system>[,<variant>]/<model>/seed<k>/ (harness.cli.report reads them)",
               "", "examples:"]

@@ -1,4 +1,4 @@
-"""Replay published measurements of real RLHF runs in the simulator (issue 26, item 3).
+"""Replay published measurements of real RLHF runs in the simulator.
 
     python -m harness.replay data/published/replay.jsonl                  # table + summaries
     python -m harness.replay data/published/replay.jsonl --json out.json  # and records for machines
@@ -47,6 +47,8 @@ import numpy as np
 from harness.checks.consistency import check_output_file
 from harness.errors import ConfigError, HarnessError, interrupt_is_one_line
 from harness.core.files import file_kind
+from harness.run.pipeline import compose, simulate_summary
+from harness.system import discover_systems
 
 # replay metric -> the simulator summary's key (harness.core.metrics)
 METRICS = {
@@ -121,13 +123,9 @@ def read_replay(path: Path) -> list[ReplayPoint]:
 
 
 def _composed(point: ReplayPoint):
-    from harness.cli.app import compose
-
     label = f"point {point.id}" + (f" ({point.where})" if point.where else "")
     overrides = [o for o in point.overrides if not o.startswith(("backend=", "logger="))]
     if not any(o.partition("=")[0] in ("+system", "++system", "system") for o in overrides):
-        from harness.system import discover_systems
-
         raise ConfigError(f"{label}: no system chosen: its overrides need +system=<name> "
                           f"(available: {', '.join(sorted(discover_systems()))})")
     try:
@@ -137,32 +135,6 @@ def _composed(point: ReplayPoint):
     if "system" not in cfg or cfg.system is None:
         raise ConfigError(f"{label}: no system chosen (add +system=<name> to its overrides)")
     return cfg
-
-
-def simulate_summary(cfg) -> dict[str, float]:
-    """Plan and simulate one composed config as ``python -m harness`` would (the same planning and
-    checks, :func:`harness.run.runner.make_plan`; without writing any results): the summary metrics
-    averaged after the warm-up iterations."""
-    from omegaconf import OmegaConf
-
-    from hydra.utils import get_class
-
-    from harness.core import metrics as mk
-    from harness.run.runner import build_context, iteration_rows, make_plan
-    from harness.checks.command_line import check_batch_sizes
-
-    check_batch_sizes(cfg)
-    run = OmegaConf.to_object(cfg)
-    ctx = build_context(run)
-    plan, _, _ = make_plan(get_class(run.system.impl)(run.system), ctx)
-    backend = get_class(cfg.backend._target_)(run.backend, ctx)
-    backend.check(plan)
-    backend.setup(plan)
-    try:
-        rows = [row for _, row in iteration_rows(run, plan, backend, range(run.backend.num_iterations))]
-    finally:
-        backend.close()
-    return mk.summarize(rows, run.backend.num_warmup_iterations)
 
 
 def _stats(ratios: list[float]) -> dict[str, float]:
@@ -183,7 +155,8 @@ def record(point: ReplayPoint, predicted: float) -> dict[str, Any]:
 
 def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
     """One record per point: id, source, metric, predicted, measured, ratio (predicted/measured as times:
-    :func:`time_ratio`)."""
+    :func:`time_ratio`); each point planned and simulated as ``python -m harness`` would
+    (:func:`harness.run.pipeline.simulate_summary`), without writing any results."""
     configs = [(p, _composed(p)) for p in points]  # every config composes before any work
     records = []
     for point, cfg in configs:
@@ -204,9 +177,8 @@ def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iter
 
     def predict(i: int, values: dict) -> float:
         key = (i, tuple(sorted((c.label, round(values.get(c, c.prior), 12)) for c in deps[i])))
-        if key not in cache:
-            with ef.constants(values):
-                cache[key] = simulate_summary(cfgs[i])[METRICS[points[i].metric]]
+        if key not in cache:  # point i's engines resolved with these constants (engine.constants)
+            cache[key] = simulate_summary(ef.with_constants(cfgs[i], values))[METRICS[points[i].metric]]
         return cache[key]
 
     values = ef.fit(len(points), deps, measured, predict, iterations=iterations)
@@ -280,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             print("fitted constants (prior -> fitted):")
             for c, v in sorted(values.items(), key=lambda kv: kv[0].label):
                 print(f"  {c.label:<48}{c.prior:>10.4g} -> {v:.4g}")
-            with ef.constants(values):
-                records = replay(points)
+            # the replay under the fitted constants: each point with engine.constants set to them
+            records = replay([replace(pt, overrides=pt.overrides + (ef.constants_override(values),))
+                              for pt in points])
         else:
             records = replay(points)
     except HarnessError as e:  # bad input, or a point whose plan is impossible

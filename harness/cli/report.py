@@ -1,4 +1,4 @@
-"""``python -m harness.cli.report results/<experiment> [...]``: one comparison table of finished runs.
+"""``python -m harness.report results/<experiment> [...]``: one comparison table of finished runs.
 
 Owns the command-line report of a results tree: it reads finished runs only through
 :func:`harness.run.results.load_results` and failed sweep jobs from ``results/<experiment>/failures.jsonl``
@@ -511,7 +511,7 @@ def _save(fig, path: Path) -> list[Path]:
 # ---- command line --------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m harness.cli.report",
+    parser = argparse.ArgumentParser(prog="python -m harness.report",
                                      description="One table of finished runs (and failed jobs) of experiments.",
                                      epilog="Speedup rule and row order: see the module docstring "
                                             "(python -c 'import harness.cli.report; help(harness.cli.report)').")

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from harness.core.engines import EngineSelection
+from harness.core.engines import ENGINE_TYPES, SCHEMA_NAMES, EngineSelection, schema_node
 from harness.core.option_effects import Condition, effective_when, existing_path
 
 # The backends that load a model's weights (backend._target_): the simulator plans and times from
@@ -218,13 +218,14 @@ class RunConfig:
     # Upper bound on any system's own search time (seconds); None = each system's default.
     planning_budget_s: Optional[float] = None
     # Experiments that are not benchmark runs (schedule tables) name a function to call instead
-    # (``module.function(cfg)``), with its parameters; see conf/experiment/.
+    # (``module.function(cfg, tools)``, harness.run.pipeline.run_experiment), with its parameters; see conf/experiment/.
     experiment_runner: Optional[str] = None
     experiment_params: Any = None
 
 
 # Schemas of the harness's own groups (everything else under ``schema/`` is a system's).
-CORE_SCHEMAS = ("llama", "models", "cluster", "workload", "logger", "backend_sim", "backend_ray")
+CORE_SCHEMAS = ("llama", "models", "cluster", "workload", "logger", "backend_sim", "backend_ray",
+                *SCHEMA_NAMES.values())
 
 
 def register_configs() -> None:
@@ -238,3 +239,6 @@ def register_configs() -> None:
     for name, node in (("llama", LlamaConfig), ("models", ModelsConfig), ("cluster", ClusterConfig),
                        ("workload", WorkloadConfig), ("logger", LoggerConfig)):
         cs.store(group="schema", name=name, node=node)
+    # the execution engines (groups engine/generation and engine/training; harness/core/engines.py)
+    for kind in ENGINE_TYPES:
+        cs.store(group="schema", name=SCHEMA_NAMES[kind], node=schema_node(kind))

@@ -18,7 +18,7 @@ names a function of the value and the config instead (``effective_when(check=...
 why it does not apply.
 
 :func:`check_option_effects` takes the composed config and the command-line overrides the run
-received (``harness.run.runner.execute``; for a sweep, each job's, ``harness.checks.command_line.check_command_line``)
+received (``harness.run.pipeline.execute``; for a sweep, each job's, ``harness.checks.command_line.check_command_line``)
 and refuses the first override that sets an option whose conditions do not hold, naming the option
 and the condition::
 
@@ -66,6 +66,8 @@ def show(value: Any) -> str:
         return "[" + ", ".join(show(v) for v in value) + "]"
     if isinstance(value, float):
         return repr(value).removesuffix(".0")
+    if isinstance(value, dict) and "name" in value:  # a group's option (engine.training=megatron), by its name
+        return show(value["name"])
     return str(value)
 
 
@@ -202,14 +204,14 @@ def declarations(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str, datac
 def set_keys(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
     """The config keys the command-line ``overrides`` set, in their order: ``key=value`` and
     ``+key=value`` of keys the config has (a mapping value sets each key below it); not group
-    choices (``workload=jsonl``, ``llama@model.critic=33b``), deletions, sweeps or ``hydra.*``."""
+    choices (``workload=jsonl``, ``llama@model.critic=33b``) unless a declaration covers the group's
+    key (``engine.training=megatron``), deletions, sweeps or ``hydra.*``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     keys: list[str] = []
     for o in OverridesParser.create().parse_overrides(list(overrides)):
-        key = o.key_or_group
-        if o.is_delete() or o.package is not None or o.is_sweep_override() or key.split(".")[0] == "hydra" \
-                or "/" in key:
+        key = o.key_or_group.replace("/", ".")  # a nested group's choice (engine/training=x) sets engine.training
+        if o.is_delete() or o.package is not None or o.is_sweep_override() or key.split(".")[0] == "hydra":
             continue
         node = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
         if node is _ABSENT:
@@ -218,6 +220,8 @@ def set_keys(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
             value = o.value()
             if isinstance(value, dict):
                 keys += _leaves(key, value)
+            elif effects_along(cfg, key):  # an option chosen where a declaration says when it applies
+                keys.append(key)
             continue
         keys.append(key)
     return keys

@@ -10,7 +10,9 @@ may choose by itself:
   waiting for the whole batch (RLHFuse section 4);
 - an **allocation** per task: a device mesh and a parallel strategy (dp, tp, pp), checked;
 - **training stages**: pipeline schedules (``harness.schedule``) run once per mini-batch;
-- a **generation policy** (static or continuous batching, streaming, migration) as data;
+- a **generation policy** (static or continuous batching, synced and padded rounds, migration) as
+  data, and the **execution engines** that run the plan (:class:`~harness.core.engines.Engines`:
+  how the generation engine's kernels run, how the training engine trains), each fact held once;
 - **weight movements** between layouts (:class:`MovementKind`: a reallocation task, a parameter
   sync to a separate pool, or a fetch by each replica of the consuming task as it starts), so their
   cost is simulated and their bytes moved for real;
@@ -221,37 +223,31 @@ class MigrationPolicy:
 
 @dataclass(frozen=True)
 class GenerationPolicy:
-    """How the actor generates, as its reference implementation does (issue 12):
+    """The schedule of the actor's generation in this plan, which backends execute:
 
     - ``batching``: ``continuous`` (Orca/vLLM) or ``static`` (every instance decodes a round until
       its longest sample ends);
-    - ``engine``: ``graph`` (CUDA-graph decode: vLLM, ReaLHF, RLHFuse) or ``eager`` (a Hugging
-      Face-style ``generate`` loop issuing every kernel from Python, ``eager_launches_per_layer``
-      of them per layer: DeepSpeed-Chat's hybrid engine); the calibrated cost model charges
-      their host overheads (:mod:`harness.costmodel.calibrated`);
+    - ``max_batch_size``: samples per instance at a time; ``migration``: long-tail migration;
     - ``synced_instances``: static rounds end together, when the longest sample of the round on
       *any* instance ends (``generate(synced_gpus=True)`` under ZeRO-3);
     - ``pad_to_longest``: later passes (inference, training) see every sample padded to the
       longest prompt + response of its generation round (``generate`` returns one padded tensor).
+
+    With engines (``Plan.engines``), the plan assembler sets batching, syncing and padding by the
+    generation engine's rules for the plan's layout (:func:`harness.core.engines.policy_fields`). How
+    the engine's kernels run (CUDA graphs or an eager loop of so many launches per layer) is not
+    here: the cost model reads it from the plan's engines (:mod:`harness.costmodel.engines`).
     """
 
     batching: str = "continuous"  # continuous | static (every instance decodes until its longest sample ends)
     max_batch_size: Optional[int] = None  # per instance; None = limited by KV capacity only
     migration: Optional[MigrationPolicy] = None
-    engine: str = "graph"  # graph | eager
-    # eager engine: kernels the host issues per layer per step (None: the cost model's plain-eager count)
-    eager_launches_per_layer: Optional[int] = None
     synced_instances: bool = False
     pad_to_longest: bool = False
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
             raise PlanError(f"generation batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.engine not in ("graph", "eager"):
-            raise PlanError(f"generation engine must be 'graph' or 'eager', got {self.engine!r}")
-        if self.eager_launches_per_layer is not None and (self.engine != "eager" or self.eager_launches_per_layer < 1):
-            raise PlanError(f"eager_launches_per_layer={self.eager_launches_per_layer} needs engine 'eager' and a "
-                            f"positive count")
         if (self.synced_instances or self.pad_to_longest) and self.batching != "static":
             raise PlanError("generation synced_instances / pad_to_longest need static batching (rounds)")
 
@@ -382,9 +378,23 @@ class Plan:
             raise PlanError(f"models {sorted(both)} are listed both as resident and as offloaded")
 
     # ---- JSON ----------------------------------------------------------------------------
+    def generation_kernels(self) -> dict[str, Any]:
+        """How the generation engine's kernels run, as plan.json's ``generation`` shows it: ``engine``
+        (``graph``: CUDA graphs, the cost model's steps without engines; ``eager``: a host loop) and
+        ``eager_launches_per_layer`` (its kernel launches per layer per step). Read from the plan's
+        engines, where the facts are held."""
+        gen = self.engines.generation if self.engines is not None else None
+        if gen is None or gen.kernels != "eager":
+            return {"engine": "graph", "eager_launches_per_layer": None}
+        return {"engine": "eager", "eager_launches_per_layer": gen.launches_per_layer}
+
     def to_dict(self) -> dict[str, Any]:
         d = _plain(asdict(self))
         d.pop("layout_keys")
+        g = d["generation"]  # in plan.json's order, with the engine's kernels shown where they always were
+        d["generation"] = {"batching": g["batching"], "max_batch_size": g["max_batch_size"],
+                           "migration": g["migration"], **self.generation_kernels(),
+                           "synced_instances": g["synced_instances"], "pad_to_longest": g["pad_to_longest"]}
         d["engines"] = None if self.engines is None else self.engines.to_dict()
         d["training"] = [
             {**{k: v for k, v in asdict(s).items() if k != "schedule"}, "schedule": schedule_to_dict(s.schedule)}
@@ -401,6 +411,8 @@ class Plan:
             return Allocation(tuple(a["mesh"]), ParallelStrategy(**a["strategy"]))
 
         gen = dict(d["generation"])
+        for shown in ("engine", "eager_launches_per_layer"):  # the engines' kernels (generation_kernels)
+            gen.pop(shown, None)
         if gen.get("migration"):
             gen["migration"] = MigrationPolicy(**gen["migration"])
         # plan.json written before the explicit IR: streaming was a generation flag, movements

@@ -1,6 +1,6 @@
-"""Execution units of a plan, and the one interpreter every backend runs them through.
+"""Execution units of a plan: what a backend starts as one piece of work.
 
-A backend executes a plan as a sequence of *units*, in dependency order:
+A backend executes a plan as a set of *units*:
 
 - a task on its own (``generate``, ``inference``, ``weight_movement``);
 - a training stage: its tasks share one pipeline schedule (two of them when the stage is fused,
@@ -9,15 +9,18 @@ A backend executes a plan as a sequence of *units*, in dependency order:
   section 4): they take samples as generation finishes them, so they run as one unit of kind
   ``inference`` with ``stream_from`` set.
 
-:class:`PlanInterpreter` walks the units and calls one handler per :class:`~harness.core.plan.TaskKind`.
-Backends (the simulator, the Ray driver) subclass it; nothing here or in a handler may branch on a
-system's or a task's name.
+:func:`execution_units` lists them in an order where each comes after the units it reads from.
+When a unit starts is the one scheduler's rule (:mod:`harness.planning.scheduler`), which both
+backends drive (the simulator with predicted times, the Ray driver with its workers' completions);
+each backend then runs a unit through its handler of the unit's :class:`~harness.core.plan.TaskKind`
+(:meth:`harness.planning.simulate.PlanSimulator.handlers`,
+:meth:`harness.backends.ray.driver.iteration.Iteration.handlers`). Nothing here or in a handler may
+branch on a system's or a task's name.
 """
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from harness.errors import PlanError
 from harness.core.plan import Plan, Task, TaskKind, TrainingStage
@@ -87,16 +90,3 @@ def execution_units(plan: Plan) -> list[Unit]:
         done.add(k)
         order.append(units[k])
     return order
-
-
-class PlanInterpreter(abc.ABC):
-    """Runs a plan's units in order through one handler per task kind."""
-
-    @abc.abstractmethod
-    def handlers(self) -> dict[TaskKind, Callable[[Unit], Any]]:
-        """The handler of each task kind this interpreter executes."""
-
-    def run_units(self, plan: Plan) -> None:
-        table = self.handlers()
-        for unit in execution_units(plan):
-            table[unit.kind](unit)

@@ -7,6 +7,8 @@
 * :mod:`.comm` -- alpha-beta point-to-point and ring collectives per network tier;
 * :mod:`.memory` -- per-device weights, training state (ZeRO), activations, KV cache;
 * :mod:`.profile` -- measured op times (CSV) that override the analytic ones;
+* :mod:`.engines` -- the rules by which a plan's execution engines change op times
+  (``CostModel.with_engines``);
 * :mod:`.model` -- ``CostModel``, bundling the above for one cluster and workload.
 """
 from harness.costmodel.comm import (

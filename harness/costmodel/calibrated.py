@@ -1,8 +1,8 @@
 """The calibrated compute and network model: op times from laws fitted on measured GPU profiles,
-plus the overheads a roofline ignores (issue 12; the default for the H100 and A100 clusters).
+plus the overheads a roofline ignores (the default for the H100 and A100 clusters).
 
 Owns :class:`Calibration` (the fitted data of one GPU: per-op-class laws, NCCL time curves; one
-JSON file per GPU under ``data/profiles/fitted/``, written by ``python -m harness.cli.calibrate fit``
+JSON file per GPU under ``data/profiles/fitted/``, written by ``python -m harness.calibrate fit``
 from the Vidur profiles and reproducible from them, see ``tests/harness/costmodel/
 test_calibrated.py``) and :class:`CalibratedCompute`, which answers the same questions as
 :class:`harness.costmodel.compute.Roofline` (forward, backward, prefill, decode step, optimizer
@@ -31,15 +31,12 @@ matmuls to the forward's two; Dao 2023, section 3.1.2), the same all-reduces; re
 in :mod:`.compute`. The LM head is a GEMM timed by the ``gemm`` law; the optimizer step streams
 ``ADAM_BYTES_PER_PARAM`` bytes per parameter at the measured elementwise rate.
 
-Generation engines (``GenerationPolicy.engine``): a decode or prefill step's host-side work
-(Python, kernel launches, sampling) overlaps the GPU's only partly:
-
-* ``graph`` (CUDA-graph engines: vLLM, ReaLHF's and RLHFuse's generation): step = GPU time +
-  ``graph_step_overhead_s``;
-* ``eager`` (a Hugging Face-style ``generate`` loop without CUDA graphs, DeepSpeed-Chat's hybrid
-  engine): step = ``max(GPU time, num_layers x launches_per_layer x EAGER_HOST_S_PER_LAUNCH)``
-  -- the GPU waits for the CPU to issue every kernel of every layer. ``launches_per_layer`` is
-  the engine's (the system knows its kernels; ``GenerationPolicy.eager_launches_per_layer``).
+Host overheads of generation: a decode or prefill step's host-side work (Python, kernel launches,
+sampling) overlaps the GPU's only partly. The prefill and decode steps timed here are those of a
+CUDA-graph engine (vLLM, ReaLHF's and RLHFuse's generation): GPU time + ``graph_step_overhead_s``.
+An eager engine (a Hugging Face-style ``generate`` loop without CUDA graphs) issues every kernel of
+every layer from the host, ``host_s_per_launch`` (``EAGER_HOST_S_PER_LAUNCH``) each; the rule that
+combines the two is the execution engines' (:mod:`harness.costmodel.engines`).
 
 Both constants come from one published measurement (PyTorch blog "Accelerating Generative AI
 with PyTorch II: GPT, Fast", Nov 2023: LLaMA-7B, batch 1, A100-80GB power-limited to 330 W:
@@ -109,7 +106,7 @@ def check_calibration_file(name_or_path: str) -> Path:
     if _is_bare_name(name_or_path) and not Path(name_or_path).exists():
         raise ValueError(f"cluster.calibration={name_or_path!r}: no calibration of that name (names: {names}) "
                          f"and no such file; give a name or the path of an existing calibration file "
-                         f"(python -m harness.cli.calibrate fit writes data/profiles/fitted/<gpu>.json)")
+                         f"(python -m harness.calibrate fit writes data/profiles/fitted/<gpu>.json)")
     if path.exists():
         raise ValueError(f"calibration file {path}: is {file_kind(path)}, not a file (cluster.calibration="
                          f"{name_or_path!r})")
@@ -143,7 +140,6 @@ LLAMA_7B = ModelDims("llama-7b", num_layers=32, hidden_size=4096, num_heads=32, 
 # decode spans up to this many steps are timed step by step, longer ones elementwise in numpy
 # (about 35% of a disaggregated 13b plan's spans are one step, 74% at most 8)
 SHORT_SPAN_STEPS = 8
-ENGINES = ("graph", "eager")
 CommFn = Callable[[float, int], float]
 
 
@@ -206,7 +202,7 @@ class Calibration:
     def from_dict(cls, data: dict[str, Any], source: str = "<memory>") -> "Calibration":
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{source}: calibration format_version {data.get('format_version')!r}, "
-                             f"expected {FORMAT_VERSION} (re-run python -m harness.cli.calibrate fit)")
+                             f"expected {FORMAT_VERSION} (re-run python -m harness.calibrate fit)")
         laws = {}
         for op_class, by_tp in data["laws"].items():
             for tp, coef in by_tp.items():
@@ -225,7 +221,7 @@ class Calibration:
 def _load_cached(path: str) -> Calibration:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"calibration file {path}: no such file (python -m harness.cli.calibrate fit "
+        raise ValueError(f"calibration file {path}: no such file (python -m harness.calibrate fit "
                          f"writes data/profiles/fitted/<gpu>.json)")
     try:
         data = json.loads(p.read_bytes().decode("utf-8"))
@@ -242,6 +238,8 @@ class CalibratedCompute:
     """Compute-op times on one GPU from a :class:`Calibration` (same interface as
     :class:`harness.costmodel.compute.Roofline`; ``allreduce_s(bytes, n)`` times a tp
     all-reduce and ``p2p_s(bytes, n)`` a pipeline hop inside an instance of ``n`` devices)."""
+
+    host_s_per_launch = EAGER_HOST_S_PER_LAUNCH  # an eager engine's host time per kernel launch
 
     def __init__(self, calibration: Calibration, peak_bf16_tflops: float,
                  allreduce_s: Optional[CommFn] = None, p2p_s: Optional[CommFn] = None,
@@ -403,17 +401,6 @@ class CalibratedCompute:
             time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
         return time_s
 
-    def _with_engine(self, d: ModelDims, gpu_s: float, engine: str,
-                     launches_per_layer: Optional[int]) -> float:
-        """Step time of ``engine``; an eager engine's ``launches_per_layer`` defaults (None) to
-        the plain-eager count ``GPT_FAST_LAUNCHES_PER_LAYER``."""
-        if engine == "graph":
-            return gpu_s + self.graph_step_overhead_s
-        if engine == "eager":
-            launches = launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
-            return max(gpu_s, d.num_layers * launches * EAGER_HOST_S_PER_LAUNCH)
-        raise ValueError(f"generation engine must be one of {ENGINES}, not {engine!r}")
-
     def _decode_span_gpu_s(self, d: ModelDims, batch_size: int, context_tokens_total: float, num_steps: int,
                            tp: int, pp: int) -> np.ndarray:
         """GPU time of ``num_steps`` consecutive decode steps (contexts ``c, c + b, ...``) by the
@@ -454,36 +441,29 @@ class CalibratedCompute:
         return time_s
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                      tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: Optional[int] = None) -> float:
+                      tp: int = 1, pp: int = 1) -> float:
+        """One decode step of a CUDA-graph engine: GPU time + the graph replay overhead."""
         if batch_size <= 0:
             return 0.0
-        gpu_s = self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp)
-        return self._with_engine(ModelDims.of(model), gpu_s, engine, launches_per_layer)
+        return self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp) + self.graph_step_overhead_s
 
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: float, num_steps: int,
-                      tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: Optional[int] = None) -> list[float]:
+                      tp: int = 1, pp: int = 1) -> list[float]:
         """:meth:`decode_step_s` of ``num_steps`` consecutive steps (contexts ``c, c + b, ...``),
         bit for bit: step by step up to ``SHORT_SPAN_STEPS`` steps, else in one elementwise pass
         (:meth:`_decode_span_gpu_s`; numpy's per-call cost is repaid only on longer spans)."""
         if batch_size <= 0:
             return [0.0] * num_steps
         if num_steps <= SHORT_SPAN_STEPS:
-            return [self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, engine,
-                                       launches_per_layer) for j in range(num_steps)]
+            return [self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp)
+                    for j in range(num_steps)]
         d = ModelDims.of(model)
         gpu_s = self._decode_span_gpu_s(d, batch_size, context_tokens_total, num_steps, tp, pp)
-        if engine == "graph":
-            return (gpu_s + self.graph_step_overhead_s).tolist()
-        if engine == "eager":
-            launches = launches_per_layer or GPT_FAST_LAUNCHES_PER_LAYER
-            return np.maximum(gpu_s, d.num_layers * launches * EAGER_HOST_S_PER_LAUNCH).tolist()
-        raise ValueError(f"generation engine must be one of {ENGINES}, not {engine!r}")
+        return (gpu_s + self.graph_step_overhead_s).tolist()
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                  seq_len: Optional[float] = None, engine: str = "graph",
-                  launches_per_layer: Optional[int] = None) -> float:
+                  seq_len: Optional[float] = None) -> float:
+        """A prefill of ``num_tokens`` by a CUDA-graph engine: GPU time + the graph replay overhead."""
         if num_tokens <= 0:
             return 0.0
         d = ModelDims.of(model)
@@ -492,7 +472,7 @@ class CalibratedCompute:
         num_mbs = max(1.0, min(pp, num_seqs))
         gpu_s = self._pipelined_s(d, num_tokens, seq_len / 2.0, num_tokens, num_seqs, tp, pp,
                                   num_mbs)
-        return self._with_engine(d, gpu_s, engine, launches_per_layer)
+        return gpu_s + self.graph_step_overhead_s
 
 
 # A100 SXM4 datasheet dense bf16 peak (the reference step below is bandwidth-bound anyway).
@@ -539,7 +519,7 @@ def _op_work(op: str, dims: tuple[float, float, float, float, float], tp: int,
     return 0.0, b * per_token * m, b * per_token
 
 
-# -- fitting (python -m harness.cli.calibrate fit) -----------------------------------------------
+# -- fitting (python -m harness.calibrate fit) -----------------------------------------------
 
 
 def fit_calibration(gpu: str, root: Any = None, max_curve_points: int = 48) -> dict[str, Any]:

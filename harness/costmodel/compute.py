@@ -75,7 +75,11 @@ class Roofline:
     ``allreduce_s(bytes, n)`` times a tensor-parallel all-reduce over ``n`` ranks and
     ``p2p_s(bytes, n)`` a pipeline hop inside an instance of ``n`` devices; both default
     to free (the caller, :class:`harness.costmodel.model.CostModel`, picks the tier).
+    The roofline has no host model: no graph replay overhead, no host time per kernel launch.
     """
+
+    graph_step_overhead_s = 0.0
+    host_s_per_launch = 0.0
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class Roofline:
     ) -> None:
         self.flops_per_s = float(gpu.peak_bf16_tflops) * 1e12 * float(gpu.matmul_efficiency_frac)
         self.bytes_per_s = float(gpu.hbm_bandwidth_gbps) * 1e9 * float(gpu.memory_efficiency_frac)
+        self.stream_s_per_byte = 1.0 / self.bytes_per_s  # streaming rate of elementwise traffic
         self._allreduce_s = allreduce_s or _no_comm
         self._p2p_s = p2p_s or _no_comm
 

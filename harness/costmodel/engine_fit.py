@@ -1,5 +1,5 @@
 """Fit the execution engines' shared constants on published measurements, with leave-one-source-out
-cross-validation (issue 26, item 4).
+cross-validation.
 
 What is fitted: only the constants :data:`harness.core.engines.FITTED_PRIORS` names, one value per engine
 (``kind/fit_key``), shared by every point that runs on that engine: never one per point. Which
@@ -15,21 +15,25 @@ further off about as its absolute log error, so a point whose setup the replay c
 published baseline with unknown configuration) cannot set an engine's constant on its own. Leave-one-source-out: the same
 fit without one source's points, whose predictions are then simulated with that fold's constants.
 
+Trial constants reach a simulation as the run config's ``engine.constants`` (:func:`with_constants`,
+:func:`constants_override`): the table the run's engines are resolved with instead of the fit file's.
+
 Runtime: every iteration simulates each point once per constant it depends on, plus once; about a
 minute per iteration for the committed replay file on one CPU core. The result is written to
 ``data/engines/fitted.json`` with what produced it.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
+from omegaconf import DictConfig, OmegaConf
 
 from harness.core import engines as eng
 
@@ -59,32 +63,35 @@ class Constant:
         return eng.FITTED_PRIORS[self.key.split("/")[0]][self.name]
 
 
-def table_of(values: dict[Constant, float]) -> dict[str, dict[str, float]]:
+def table_of(values: dict[Constant, float]) -> eng.FittedTable:
     out: dict[str, dict[str, float]] = {}
     for c, v in values.items():
         out.setdefault(c.key, {})[c.name] = float(v)
     return out
 
 
-@contextmanager
-def constants(values: dict[Constant, float]) -> Iterator[None]:
-    """Resolve every engine with ``values`` (the others at their priors) inside the block."""
-    saved = eng._TABLE_OVERRIDE
-    eng._TABLE_OVERRIDE = table_of(values)
-    try:
-        yield
-    finally:
-        eng._TABLE_OVERRIDE = saved
+def with_constants(cfg: DictConfig, values: dict[Constant, float]) -> DictConfig:
+    """A copy of the composed ``cfg`` whose engines are resolved with ``values`` (every other fitted
+    constant at its prior): ``engine.constants``."""
+    out = copy.deepcopy(cfg)
+    out.engine.constants = table_of(values)
+    return out
+
+
+def constants_override(values: dict[Constant, float]) -> str:
+    """The command-line override that puts ``values`` in force (``engine.constants={...}``); each value
+    written as Python's shortest round-trip repr, which Hydra reads back exactly."""
+    table = table_of(values)
+    body = ",".join(f"{key}:{{{','.join(f'{name}:{value!r}' for name, value in consts.items())}}}"
+                    for key, consts in table.items())
+    return f"engine.constants={{{body}}}"
 
 
 def point_constants(cfg: Any) -> list[Constant]:
     """The fitted constants the engines of one composed config depend on (those its YAML leaves free)."""
-    from omegaconf import OmegaConf
-
     run = OmegaConf.to_object(cfg)
     out = []
-    for kind, name in eng.chosen_engine_names(run.engine, run.system).items():
-        engine = eng.load_engine(kind, name)
+    for kind, engine in eng.chosen_engines(run.engine, run.system).items():
         for const in eng.FITTED_PRIORS[kind]:
             if getattr(engine, const) is None and _matters(kind, engine, const):
                 out.append(Constant(eng.fit_key(kind, engine), const))

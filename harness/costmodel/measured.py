@@ -1,5 +1,5 @@
 """Measured per-op GPU times (Vidur profiles) and a dimension-scaling rule fitted on them
-(issue 12, items 1 and 3; first step: nothing here changes the cost model's defaults).
+(nothing here changes the cost model's defaults).
 
 Data. ``data/profiles/vidur/compute/{h100,a100}/<model>/mlp.csv`` (Vidur, Agrawal et al.,
 MLSys 2024; MIT licence, see ``data/profiles/vidur/README.md``) holds, per (num_tokens, tp),
@@ -79,7 +79,7 @@ BYTES = 2  # bf16 / fp16
 def compute_files(root: Path | str = PROFILE_DIR) -> list[tuple[str, str, Path]]:
     """(gpu, model, path) of every compute CSV under ``root``: ``<root>/compute/<gpu>/<model>/
     mlp.csv`` (the Vidur layout), or ``<root>/<gpu>/<model>/mlp.csv`` when ``root`` has no
-    ``compute`` folder (the layout ``python -m harness.cli.calibrate profile`` writes, with a device
+    ``compute`` folder (the layout ``python -m harness.calibrate profile`` writes, with a device
     slug as ``gpu``)."""
     root = Path(root)
     base = root / "compute" if (root / "compute").is_dir() else root

@@ -9,6 +9,10 @@ times over device ids (measured NCCL curves where calibrated and measured, else 
 tier from :mod:`.comm`) and per-device memory footprints (:mod:`.memory`). Devices are global ids ``0 .. num_devices - 1``, device
 ``d`` on node ``d // gpus_per_node``.
 
+Execution engines: :meth:`CostModel.with_engines` gives the same cost model with its op times as a
+plan's engines run them (the rules of :mod:`.engines`); without engines, a prefill or decode step is
+that of a CUDA-graph engine and forward, backward and optimizer steps are our kernels'.
+
 Groups given by size only (the tp group of a compute op, the tp x pp devices of a
 generation instance) are assumed to be packed onto consecutive devices: they talk over
 NVLink when they fit on one node, else over the NICs.
@@ -20,6 +24,7 @@ memoised, so a call is a handful of float operations.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Optional, Sequence
 
@@ -27,6 +32,7 @@ from harness.core.config import GpuConfig, LinkConfig
 from harness.costmodel import comm, memory
 from harness.costmodel.calibrated import CalibratedCompute, Calibration
 from harness.costmodel.compute import Roofline
+from harness.costmodel.engines import EngineCosts
 from harness.costmodel.llama import ModelDims
 from harness.costmodel.memory import max_stage_params
 from harness.costmodel.profile import ProfileTable
@@ -37,7 +43,7 @@ MEMO_MAX_ENTRIES = 1 << 20
 
 
 def _memoised(method):
-    """Memoise a compute-time method of :class:`CostModel` on its arguments (issue 28).
+    """Memoise a compute-time method of :class:`CostModel` on its arguments.
 
     Planners ask for the same op times over and over: the generation task model asks for
     ~1e5-1e7 decode steps per plan, mostly repeats (migration replays, candidate layouts sharing
@@ -66,6 +72,8 @@ class CostModel:
     """Times (seconds) and footprints (GB) of RLHF ops on ``cluster``, for ``workload``."""
 
     def __init__(self, cluster: Any, workload: Any, profile: Optional[ProfileTable] = None):
+        # the rules of a plan's execution engines (with_engines); None: our kernels' op times as they are
+        self.engine_costs: Optional[EngineCosts] = None
         self.name = str(cluster.name)
         self.num_nodes = int(cluster.num_nodes)
         self.gpus_per_node = int(cluster.gpus_per_node)
@@ -112,6 +120,16 @@ class CostModel:
             self.compute = CalibratedCompute(self.calibration, self.gpu.peak_bf16_tflops,
                                              allreduce_s=self._packed_allreduce_s,
                                              p2p_s=self._packed_p2p_s)
+
+    def with_engines(self, engines: Any, gen_gather_s: float = 0.0) -> "CostModel":
+        """This cost model with every op timed as ``engines`` (:class:`harness.core.engines.Engines`,
+        fitted constants resolved) run it, ``gen_gather_s`` the all-gather of the actor's weights at
+        every generation step (:class:`harness.costmodel.engines.EngineCosts`). A shallow copy: it
+        shares this model's configs and op memo; memory, links and collectives are unchanged."""
+        plain = self if self.engine_costs is None else self.engine_costs.base
+        view = copy.copy(plain)
+        view.engine_costs = EngineCosts(plain, engines, gen_gather_s)
+        return view
 
     @property
     def identity(self) -> str:
@@ -224,13 +242,19 @@ class CostModel:
             return None
         return self.profile.lookup(op, d.name, tp, num_tokens)
 
-    @_memoised
     def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                   num_layers: Optional[float] = None,
                   include_head: Optional[bool] = None) -> float:
         """Forward of ``num_tokens`` tokens in causal sequences of ``seq_len`` through
         ``num_layers`` layers (a pipeline stage; all when ``None``). A profiled whole-model
         time is scaled by ``num_layers / model.num_layers``."""
+        if self.engine_costs is not None:
+            return self.engine_costs.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
+        return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
+
+    @_memoised
+    def _forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
+                   num_layers: Optional[float] = None, include_head: Optional[bool] = None) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("forward", d, tp, num_tokens)
         if measured is not None:
@@ -238,11 +262,18 @@ class CostModel:
         return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                       include_head)
 
-    @_memoised
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
                    recompute: Optional[str] = None) -> float:
         """Backward (with the workload's activation recomputation unless ``recompute``)."""
+        if self.engine_costs is not None:
+            return self.engine_costs.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
+        return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
+
+    @_memoised
+    def _backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
+                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
+                    recompute: Optional[str] = None) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("backward", d, tp, num_tokens)
         if measured is not None:
@@ -250,14 +281,17 @@ class CostModel:
         return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                        include_head, recompute or self.recompute)
 
-    @_memoised
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                  seq_len: Optional[float] = None, engine: str = "graph",
-                  launches_per_layer: Optional[int] = None) -> float:
+                  seq_len: Optional[float] = None) -> float:
         """Prefill of ``num_tokens`` prompt tokens (sequences of ``seq_len``, default one)
-        on a tp x pp generation instance run by ``engine`` (``graph``, or ``eager`` launching
-        ``launches_per_layer`` kernels per layer from the host, None = the plain-eager count; see :mod:`.calibrated`; the
-        roofline has no host model and ignores both)."""
+        on a tp x pp generation instance (a CUDA-graph engine's, without engines; see :mod:`.calibrated`)."""
+        if self.engine_costs is not None:
+            return self.engine_costs.prefill_s(model, num_tokens, tp, pp, seq_len)
+        return self._prefill_s(model, num_tokens, tp, pp, seq_len)
+
+    @_memoised
+    def _prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
+                   seq_len: Optional[float] = None) -> float:
         d = ModelDims.of(model)
         if self.profile is not None and num_tokens > 0:
             # Same steady-state pipeline rule as decode_step_s, micro-batches of whole
@@ -268,17 +302,22 @@ class CostModel:
             if measured is not None:
                 return measured + self._pp_hops_s(d, mb, tp, pp)
         if self.calibration is not None:
-            return self.compute.prefill_s(d, num_tokens, tp, pp, seq_len, engine, launches_per_layer)
+            return self.compute.prefill_s(d, num_tokens, tp, pp, seq_len)
         return self.roofline.prefill_s(d, num_tokens, tp, pp, seq_len)
 
-    @_memoised
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                      tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: Optional[int] = None) -> float:
+                      tp: int = 1, pp: int = 1) -> float:
         """One decode step of ``batch_size`` samples whose caches hold
         ``context_tokens_total`` tokens in all, on a tp x pp generation instance. A
         profiled time (measured at pp = 1 for the micro-batch size) stands for the
         ``pp`` stage times of a step (see :mod:`.compute`); the pipeline hops are added."""
+        if self.engine_costs is not None:
+            return self.engine_costs.decode_step_s(model, batch_size, context_tokens_total, tp, pp)
+        return self._decode_step_s(model, batch_size, context_tokens_total, tp, pp)
+
+    @_memoised
+    def _decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
+                       tp: int = 1, pp: int = 1) -> float:
         d = ModelDims.of(model)
         if self.profile is not None and batch_size > 0:
             mb = batch_size / min(pp, batch_size)
@@ -286,23 +325,26 @@ class CostModel:
             if measured is not None:
                 return measured + self._pp_hops_s(d, mb, tp, pp)
         if self.calibration is not None:
-            return self.compute.decode_step_s(d, batch_size, context_tokens_total, tp, pp, engine,
-                                              launches_per_layer)
+            return self.compute.decode_step_s(d, batch_size, context_tokens_total, tp, pp)
         return self.roofline.decode_step_s(d, batch_size, context_tokens_total, tp, pp)
 
-    @_memoised
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
-                      tp: int = 1, pp: int = 1, engine: str = "graph",
-                      launches_per_layer: Optional[int] = None) -> tuple[float, ...]:
+                      tp: int = 1, pp: int = 1) -> tuple[float, ...]:
         """The :meth:`decode_step_s` times of ``num_steps`` consecutive steps of one batch, each
         step adding a token to every sample: contexts ``c, c + b, c + 2b, ...``. One memo hit
         per span instead of one per step (the generation task model's inner loop); the
         calibrated model times a span in one pass."""
+        if self.engine_costs is not None:
+            return self.engine_costs.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp)
+        return self._decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp)
+
+    @_memoised
+    def _decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
+                       tp: int = 1, pp: int = 1) -> tuple[float, ...]:
         if self.profile is None and self.calibration is not None:
-            return tuple(self.compute.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp,
-                                                    engine, launches_per_layer))
-        return tuple(self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, engine,
-                                        launches_per_layer) for j in range(num_steps))
+            return tuple(self.compute.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp))
+        return tuple(self._decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp)
+                     for j in range(num_steps))
 
     def _pp_hops_s(self, d: ModelDims, mb_tokens: float, tp: int, pp: int) -> float:
         if pp <= 1:
@@ -313,6 +355,8 @@ class CostModel:
                          zero_stage: int = 0) -> float:
         """Adam step on the most loaded device: its stage's parameters / tp, further / dp
         when ZeRO (any stage >= 1) shards the optimizer states."""
+        if self.engine_costs is not None:
+            return self.engine_costs.optimizer_step_s(model, dp, tp, pp, zero_stage)
         d = ModelDims.of(model)
         params = max_stage_params(d, pp) / tp / (dp if zero_stage >= 1 else 1)
         measured = self._profiled("optimizer_step", d, tp, 0)

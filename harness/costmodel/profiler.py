@@ -1,4 +1,4 @@
-"""Time the Vidur op table of one transformer layer on the local device (issue 12, item 4).
+"""Time the Vidur op table of one transformer layer on the local device.
 
 :func:`profile_ops` runs, for each ``num_tokens``, every non-attention op of one LLaMA decoder
 layer as Vidur lists them (``measured.OPS``: ``emb, input_layernorm, attn_pre_proj, attn_rope,
@@ -32,7 +32,7 @@ Rows (:func:`write_profile_csv`) have Vidur's ``mlp.csv`` columns, so
 then ``n_head, n_kv_head, n_embd, n_expanded_embd, vocab_size, use_gated_mlp, num_tokens,
 num_tensor_parallel_workers``, then extra columns the loader ignores: ``device_name`` (e.g.
 ``NVIDIA H100 80GB HBM3`` or the CPU model), ``device`` (``cuda`` / ``cpu``), ``dtype``,
-``threads`` (torch's CPU threads during the run), ``repeats``, ``warmup``, ``model``. ``python -m harness.cli.calibrate profile`` writes them to
+``threads`` (torch's CPU threads during the run), ``repeats``, ``warmup``, ``model``. ``python -m harness.calibrate profile`` writes them to
 ``<out>/<device_slug>/<model>/mlp.csv`` (default ``data/profiles/local``); read them back with
 ``measured.load_compute(root=<out>)`` (the device slug plays the role of the GPU name).
 """

@@ -8,28 +8,32 @@ The experiment is a runner rather than a Hydra sweep because its systems need di
 overrides (DeepSpeed-Chat's mini-batch must be set to the workload's): :func:`run_experiment`
 runs ``python -m harness`` once per system and seed as ``conf/experiment/learning_curves.yaml``
 says, then measures the untrained actor's reward in-process
-(:func:`harness.backends.ray.rewards.policy_reward`) and writes ``untrained.csv``.
+(:func:`harness.backends.ray.driver.experience.policy_reward`) and writes ``untrained.csv``.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from harness.run import results
 from harness.figures import style
+from harness.run import results
+
+if TYPE_CHECKING:  # drawing needs none of the pipeline's imports
+    from harness.run.pipeline import ExperimentTools
 
 EXPERIMENT = "learning_curves"
 UNTRAINED_FILE = "untrained.csv"
 REWARD = "rl/reward_mean"
 
 
-def run_experiment(cfg) -> Path:
+def run_experiment(cfg, tools: ExperimentTools) -> Path:
     """``experiment_runner`` of ``conf/experiment/learning_curves.yaml``: every system x seed as
     its own ``python -m harness`` run, then the untrained-policy baseline. Returns the experiment's
     results folder."""
     params = cfg.experiment_params
-    root = Path(cfg.results_dir) / cfg.experiment_name
+    root = tools.folder
     logger = [f"logger={cfg.logger.name}"] + ([f"logger.mode={cfg.logger.mode}"] if cfg.logger.wandb else [])
     failed = []
     for seed in params.seeds:
@@ -53,7 +57,7 @@ def write_untrained(root: Path, num_seeds: int, num_iterations: int) -> Path:
     import torch
     from omegaconf import OmegaConf
 
-    from harness.backends.ray.rewards import policy_reward
+    from harness.backends.ray.driver.experience import policy_reward
 
     configs = sorted(root.glob(f"*/*/seed*/{results.CONFIG_FILE}"))
     if not configs:

@@ -1,4 +1,4 @@
-"""CPython's cyclic garbage collector while a system plans (issue 28, fast planning).
+"""CPython's cyclic garbage collector while a system plans (planning fast).
 
 Planning builds large tables that live until the plan is returned (the cost model's memos, 1e5 to
 1e6 entries; candidate caches) and makes almost no reference cycles: a disaggregated 13b plan at

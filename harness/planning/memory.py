@@ -133,7 +133,7 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
             resident[d].append((term, gb))
     # A device's resident total, summed once (in the order the states were listed), and each task's
     # devices as one array operation: at 4,096 devices the per-device, per-task Python loop was most
-    # of ReaLHF's search (issue 28). NumPy's float64 addition and maximum are Python's, so the
+    # of ReaLHF's search. NumPy's float64 addition and maximum are Python's, so the
     # numbers are the same.
     resident_gb = {d: sum(gb for _, gb in held) for d, held in resident.items()}
     num_devices = 1 + max((max(t.allocation.mesh) for t in plan.tasks if t.allocation.mesh), default=-1)

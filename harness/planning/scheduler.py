@@ -1,4 +1,4 @@
-"""When a plan's units run: the one scheduler of the project, for every driver (issue 27).
+"""When a plan's units run: the one scheduler of the project, for every driver.
 
 A unit (:mod:`harness.core.units`) may start when every task it reads from has ended and every
 device it occupies is free, and no unit earlier in the plan's unit order that is still waiting
@@ -19,7 +19,7 @@ start now, and says when tasks have finished and devices were released. Two driv
   tasks end and its devices are released (:class:`Timing`), and the queue is advanced event by
   event in time order. The simulator (:mod:`harness.planning.simulate`) and the planners that
   score candidate plans by their makespan (ReaLHF's search, :func:`schedule_durations`) use it.
-- ``backend=ray``'s dispatcher (:mod:`harness.backends.ray.iteration`) drives it with the
+- ``backend=ray``'s dispatcher (:mod:`harness.backends.ray.driver.iteration`) drives it with the
   completions of its workers' calls.
 
 Which devices a unit occupies is :func:`unit_devices`, the same for both drivers. Inside a

@@ -21,9 +21,8 @@ from typing import Callable
 import numpy as np
 
 from harness.core import metrics as mk
-from harness.core.engines import EngineCosts
 from harness.errors import PlanError
-from harness.core.units import PlanInterpreter, Unit
+from harness.core.units import Unit
 from harness.core.plan import Plan, TaskKind
 from harness.planning.memory import MemoryReport
 from harness.planning.scheduler import Timeline, Timing, UnitQueue, run_timed, unit_devices
@@ -36,7 +35,7 @@ from harness.core.trace import UNITS, StepTrace
 from harness.core.workload import Batch
 
 
-class PlanSimulator(PlanInterpreter):
+class PlanSimulator:
     """Simulates one iteration of ``plan`` on ``batch``; ``memory`` is the plan's memory report
     (KV capacity per generate task, per-device peaks). The project's scheduler
     (:func:`harness.planning.scheduler.run_timed`) starts each unit; its handler predicts when the
@@ -51,7 +50,7 @@ class PlanSimulator(PlanInterpreter):
         self.timeline: Timeline | None = None
         self.prompt_lens = batch.prompt_lens
         if plan.engines is not None:  # ops as the plan's execution engines run them
-            self.cm = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
+            self.cm = ctx.cost_model.with_engines(plan.engines, generation_gather_s(ctx, plan))
             if plan.engines.generation.pad_prompts_to_max:  # every prompt padded to the longest allowed
                 self.prompt_lens = np.full_like(batch.prompt_lens, ctx.workload.prompt_len.max)
         self.trace = StepTrace(iteration=iteration, num_devices=ctx.num_devices)

@@ -70,7 +70,7 @@ class MeshOptions(abc.Sequence):
     """ReaLHF's meshes, in a fixed order: every contiguous aligned slice of one node (sizes dividing
     the node, smaller than it), node by node, then every range of whole nodes, by first node and
     length. A sequence made on demand: at 512 nodes it holds 138,496 meshes, most of them thousands
-    of devices long, and a search draws a few hundred (issue 28; building them took ~10 CPU s)."""
+    of devices long, and a search draws a few hundred (building them took ~10 CPU s)."""
 
     def __init__(self, num_nodes: int, gpus_per_node: int):
         self.num_nodes, self.gpus_per_node = num_nodes, gpus_per_node

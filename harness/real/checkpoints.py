@@ -1,4 +1,4 @@
-"""Initial weights from checkpoints named in the config (``model.<role>.checkpoint``, issue 14).
+"""Initial weights from checkpoints named in the config (``model.<role>.checkpoint``).
 
 The driver checks every checkpoint from its headers (:func:`harness.real.hf.inspect_checkpoint`:
 config or GGUF metadata, tensor names, shapes and types; no weights read) before any worker

@@ -1,11 +1,11 @@
 """Continuous-batching generation with a KV cache and sample migration (docs/DESIGN.md section 6).
 
 Owns the real generation stage of a PPO iteration: iteration-level scheduling as in Orca (Yu et
-al. 2022, section 3.1) -- every :meth:`GenerationEngine.step` admits waiting samples into free
+al. 2022, section 3.1) -- every :meth:`TorchGenerator.step` admits waiting samples into free
 batch slots (up to ``max_batch_size``), prefills them, and advances every running sample by one
 token; a sample leaves the batch and is reported the moment it finishes, which is the hook
 RLHFuse's inter-stage fusion (section 4) streams finished samples through, and
-:meth:`~GenerationEngine.export_unfinished` / :meth:`~GenerationEngine.import_samples` move the
+:meth:`~TorchGenerator.export_unfinished` / :meth:`~TorchGenerator.import_samples` move the
 long-tail samples to another engine (RLHFuse section 4.1), with their KV cache or as tokens that
 the receiver prefills again.
 
@@ -121,7 +121,7 @@ class _Sample:
 
 class EngineLoop:
     """The loop every engine shares: step until no sample is left. Engines implement ``has_work``
-    and ``step(on_finish)``; both :class:`GenerationEngine` and the vLLM adapter use this one."""
+    and ``step(on_finish)``; both :class:`TorchGenerator` and the vLLM adapter use this one."""
 
     def run(self, on_finish: Callable[[FinishedSample], None] | None = None) -> list[FinishedSample]:
         """Step until no sample is left; return all finished samples in finish order."""
@@ -137,7 +137,7 @@ class EngineLoop:
         return 1
 
 
-class GenerationEngine(EngineLoop):
+class TorchGenerator(EngineLoop):
     """Continuous batching over a :class:`~harness.real.model.LlamaModel` (or a last-and-first
     :class:`~harness.real.model.PipelineStage`) with a slot-based KV cache."""
 

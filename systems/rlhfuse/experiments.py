@@ -3,8 +3,9 @@
 Both are searches over the pipeline schedule IR with per-stage costs from the cost model, not
 benchmark runs, so they are experiment *runners*: ``conf/experiment/{table3_schedules,
 fig10_schedule}.yaml`` name them (``experiment_runner``) and ``python -m harness
-+experiment=<name>`` calls them. They write CSV tables under ``results/<experiment>/`` that the
-figure modules read through :mod:`harness.run.results`.
++experiment=<name>`` calls them with the config and the harness's :class:`ExperimentTools` (the
+planning context of a command line, and the experiment's results folder to write CSV tables to,
+which the figure modules read).
 
 - Table 3: for 33B/13B at (actor pp, critic pp) = (8, 4) and (8, 8) and 65B/33B at (16, 8) and
   (16, 16), each with 8-64 micro-batches per actor pipeline: serial 1F1B (actor then critic),
@@ -19,17 +20,30 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from harness.run import results
 from harness.planning.taskmodels.passes import training_pipe_costs
-from harness.run.runner import build_context
 from harness.schedule import PipeCosts, Schedule, simulate
+from harness.system import PlanContext
 from systems.rlhfuse.intra import fused_pipes, greedy_schedule, search_fused_schedule, serial_schedule
 from systems.rlhfuse.intra.config import FusedSearchConfig
 from systems.rlhfuse.intra.search import paper_serial
+
+
+class ExperimentTools(Protocol):
+    """What these runners need from the harness (it hands them :class:`harness.run.pipeline.ExperimentTools`)."""
+
+    @property
+    def folder(self) -> Path:
+        """The experiment's results folder, ``<results_dir>/<experiment_name>``."""
+
+    def context(self, overrides: Sequence[str]) -> PlanContext:
+        """The planning context ``python -m harness <overrides>`` would plan with."""
+
+    def write_table(self, name: str, rows: list[dict[str, Any]]) -> Path:
+        """Write ``rows`` as the CSV file ``name`` of :attr:`folder`; its path."""
 
 
 def _fused_layout(pp_a: int, pp_c: int, m_a: int):
@@ -87,11 +101,11 @@ def _one_f_one_b_plus(ctx, pp_a: int, pp_c: int, m_a: int, m_c: int, tp: int) ->
     return paper_serial(pipes, costs)
 
 
-def table3_schedules(cfg: DictConfig) -> Path:
+def table3_schedules(cfg: DictConfig, tools: ExperimentTools) -> Path:
     params = cfg.experiment_params
     out = []
     for case in params.cases:
-        ctx = build_context(OmegaConf.to_object(_with_models(cfg, case.actor, case.critic)))
+        ctx = _pair_context(tools, case.actor, case.critic)
         for m_a in params.microbatches:
             pipes, costs, m_c = fused_layout_costs(ctx, case.actor, case.critic, case.pp_actor, case.pp_critic, m_a,
                                                  params.tp)
@@ -116,9 +130,7 @@ def table3_schedules(cfg: DictConfig) -> Path:
             })
             print(f"[table3] {case.actor}/{case.critic} pp {case.pp_actor}/{case.pp_critic} M={m_a}: "
                   f"serial {serial_s:.4f} fused {fused.makespan:.4f} LB {fused.lower_bound:.4f}")
-    path = Path(cfg.results_dir) / cfg.experiment_name / "table3.csv"
-    results.write_table(path, out)
-    return path
+    return tools.write_table("table3.csv", out)
 
 
 DEFAULT_SEARCH_ACTION_STEPS = 2e7
@@ -143,11 +155,9 @@ def _memory_cap(params, serial_peak: float) -> float | None:
     return None if frac is None else frac * serial_peak
 
 
-def _with_models(cfg: DictConfig, actor: str, critic: str) -> DictConfig:
-    """The run config with actor/ref = ``actor`` and critic/reward = ``critic`` (paper pairs)."""
-    from harness.cli.app import compose
-
-    return compose([f"model={actor}_{critic}", "+system=rlhfuse_base", f"results_dir={cfg.results_dir}"])
+def _pair_context(tools: ExperimentTools, actor: str, critic: str) -> PlanContext:
+    """The planning context with actor/ref = ``actor`` and critic/reward = ``critic`` (paper pairs)."""
+    return tools.context([f"model={actor}_{critic}", "+system=rlhfuse_base"])
 
 
 def _timeline(schedule: Schedule, costs: dict, label: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -170,9 +180,9 @@ def _timeline(schedule: Schedule, costs: dict, label: str) -> tuple[list[dict[st
     return actions, memory
 
 
-def fig10_schedule(cfg: DictConfig) -> Path:
+def fig10_schedule(cfg: DictConfig, tools: ExperimentTools) -> Path:
     params = cfg.experiment_params
-    ctx = build_context(OmegaConf.to_object(_with_models(cfg, "65b", "33b")))
+    ctx = _pair_context(tools, "65b", "33b")
     pipes, costs, _ = fused_layout_costs(ctx, "65b", "33b", 16, 8, params.microbatches, params.tp)
     serial_peak = paper_serial(pipes, costs)[1]
     fused = search_fused_schedule(pipes, costs, _memory_cap(params, serial_peak),
@@ -184,13 +194,12 @@ def fig10_schedule(cfg: DictConfig) -> Path:
         mem += m
     actor_alone = {k: v for k, v in pipes.items() if v.model == "actor"}
     alone = simulate(serial_schedule(actor_alone), {k: costs[k] for k in actor_alone}, record_times=False)
-    folder = Path(cfg.results_dir) / cfg.experiment_name
-    results.write_table(folder / "actions.csv", rows)
-    results.write_table(folder / "memory.csv", mem)
-    results.write_table(folder / "summary.csv", [{
+    tools.write_table("actions.csv", rows)
+    tools.write_table("memory.csv", mem)
+    tools.write_table("summary.csv", [{
         "fused_s": fused.makespan, "serial_s": fused.serial_makespan,
         "serial_no_barrier_s": fused.serial_no_barrier_makespan, "actor_alone_1f1b_s": alone.makespan,
         "lower_bound_s": fused.lower_bound, "fused_peak_gb": fused.peak_memory,
         "serial_peak_gb": fused.serial_peak_memory, "search_s": fused.search_s}])
     print(f"[fig10] fused {fused.makespan:.4f} s, 65B actor alone {alone.makespan:.4f} s, serial {fused.serial_makespan:.4f} s")
-    return folder
+    return tools.folder

@@ -136,23 +136,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
                   for dep in deps if not dep.startswith("conf") and layer_of(dep) > layer_of(mod))
 
 
-# Arrows still to be removed while the packages settle: the engine rules move into the cost model,
-# and the schedule experiments and the calibration report go through the run pipeline.
-PENDING = {
-    "harness.cli.calibrate (layer 10) imports harness.testing (layer 11)",
-    "harness.core.engines (layer 2) imports harness.costmodel.calibrated (layer 4)",
-    "harness.core.engines (layer 2) imports harness.costmodel.compute (layer 4)",
-    "harness.core.engines (layer 2) imports harness.costmodel.llama (layer 4)",
-    "harness.core.engines (layer 2) imports harness.costmodel.memory (layer 4)",
-    "systems.rlhfuse.experiments (layer 6) imports harness.cli.app (layer 10)",
-    "systems.rlhfuse.experiments (layer 6) imports harness.run (layer 9)",
-    "systems.rlhfuse.experiments (layer 6) imports harness.run.results (layer 9)",
-    "systems.rlhfuse.experiments (layer 6) imports harness.run.runner (layer 9)",
-}
-
-
 def test_no_import_reaches_a_higher_layer():
-    assert sorted(set(upward_imports(import_graph())) - PENDING) == []
+    assert upward_imports(import_graph()) == []
 
 
 def test_layer_checker_sees_an_upward_import():

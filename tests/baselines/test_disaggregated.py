@@ -18,14 +18,10 @@ SMALL = ["model=7b", "cluster.num_nodes=2"]
 TRAINING_TASKS = ("update_actor", "update_critic", "ref", "reward", "values")
 
 
-def simulate(plan, ctx):
-    return simulate_plan_metrics(plan, ctx)
-
-
 @pytest.fixture(scope="module")
 def small():
     plan, ctx, _ = plan_for(["+system=disaggregated"] + SMALL)
-    trace, row = simulate(plan, ctx)
+    trace, row = simulate_plan_metrics(plan, ctx)
     return plan, ctx, trace, row
 
 
@@ -93,7 +89,7 @@ def test_plan_validates_and_round_trips(small):
 def test_metric_keys_are_rlhfuse_base_plus_param_sync(small):
     plan, _, _, row = small
     base_plan, base_ctx, _ = plan_for(["+system=rlhfuse_base"] + SMALL)
-    _, base_row = simulate(base_plan, base_ctx)
+    _, base_row = simulate_plan_metrics(base_plan, base_ctx)
     # realloc appears iff a layout change happens on shared devices (plan-dependent in both systems)
     ignore = {mk.REALLOC_TIME}
     # which stages ran at the same time is plan-dependent too (overlap_s/*: disjoint pools at once)
@@ -108,7 +104,7 @@ def test_auto_split_is_the_best_tried():
     best = plan.notes["split/gen_nodes"]
     assert curve[best] == min(curve.values())
     assert len(plan.task("gen").allocation.mesh) == best * ctx.cluster.gpus_per_node
-    _, row = simulate(plan, ctx)
+    _, row = simulate_plan_metrics(plan, ctx)
     assert row[mk.STEP_TIME] == pytest.approx(curve[best], rel=1e-5)
 
 

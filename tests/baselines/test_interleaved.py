@@ -10,10 +10,6 @@ from baselines.interleaved import ref_reward_groups
 SMALL = ["model=7b", "cluster.num_nodes=2"]
 
 
-def simulate(plan, ctx):
-    return simulate_plan_metrics(plan, ctx)
-
-
 def task_window(trace, task):
     window = trace.task_window(task)
     assert window is not None, f"no spans for {task}"
@@ -23,7 +19,7 @@ def task_window(trace, task):
 @pytest.fixture(scope="module")
 def small():
     plan, ctx, _ = plan_for(["+system=interleaved"] + SMALL)
-    trace, row = simulate(plan, ctx)
+    trace, row = simulate_plan_metrics(plan, ctx)
     return plan, ctx, trace, row
 
 
@@ -60,7 +56,7 @@ def test_ref_and_reward_run_concurrently_after_generation(small):
 def test_metric_keys_match_rlhfuse_base(small):
     plan, ctx, _, row = small
     base_plan, base_ctx, _ = plan_for(["+system=rlhfuse_base"] + SMALL)
-    _, base_row = simulate(base_plan, base_ctx)
+    _, base_row = simulate_plan_metrics(base_plan, base_ctx)
     # ref and reward run at once on disjoint halves: their overlap is the one key rlhfuse_base lacks
     assert set(row) == set(base_row) | {"overlap_s/ref/reward"}
 

@@ -66,8 +66,8 @@ def overrides(system: str, model: str, results_dir: str) -> list[str]:
 
 
 def run(system: str, model: str) -> dict:
-    from harness.cli.app import compose
-    from harness.run.runner import execute
+    from harness.run.pipeline import compose
+    from harness.run.pipeline import execute
 
     with tempfile.TemporaryDirectory() as tmp:
         outcome = execute(compose(overrides(system, model, tmp)), [])

@@ -2,7 +2,7 @@
 
 Each input below is a :class:`~harness.errors.ConfigError` (``error: ...`` on stderr, exit code 2,
 nothing written) raised before planning or, for ``python -m harness.replay`` and
-``python -m harness.cli.report``, before any work, not a traceback, a misleading message or work lost
+``python -m harness.report``, before any work, not a traceback, a misleading message or work lost
 at the end:
 
 - an ``experiment_name`` folder name over the file system's name limit, or a path over its limit;
@@ -19,7 +19,7 @@ at the end:
 Also: a run's lock file is removed when the run ends and concurrent holders still exclude each
 other, and Ctrl-C ends ``python -m harness.replay`` / ``report`` with ``interrupted`` and exit 130.
 
-Most checks run in-process (:func:`refused`: the run's own entry, :func:`harness.run.runner.execute`);
+Most checks run in-process (:func:`refused`: the run's own entry, :func:`harness.run.pipeline.execute`);
 two subprocesses check the command line end to end.
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ import pytest
 from harness.checks import consistency as cons
 from harness.cli import report, replay as validate
 from harness.run import results
-from harness.cli.app import compose
+from harness.run.pipeline import compose
 from harness.costmodel.calibrated import FITTED_DIR, Calibration, calibration_path
 from harness.errors import ConfigError
-from harness.run.runner import execute
+from harness.run.pipeline import execute
 from harness.checks.command_line import check_command_line
 from harness.core.workload import resolve_workload_path
 
@@ -381,7 +381,7 @@ def test_ctrl_c_in_validate_is_one_line_and_exit_130(tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == "interrupted\n"
 
 
-# ---- python -m harness.cli.report ---------------------------------------------------------------------
+# ---- python -m harness.report ---------------------------------------------------------------------
 
 @needs_proc
 @pytest.mark.parametrize("option,shown", [("-o", "--output"), ("--plot", "--plot")])

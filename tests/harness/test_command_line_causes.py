@@ -27,7 +27,7 @@ from harness.checks import command_line as validation
 from harness.errors import ConfigError, OverrideError
 from harness.checks.command_line import check_command_line
 
-from tests.harness.test_errors import run_refused
+from tests.conftest import run_refused
 
 TINY = ["+system=rlhfuse_base", "model=tiny", "workload=tiny"]
 
@@ -182,7 +182,7 @@ def test_progress_is_erased_when_the_check_passes_or_is_interrupted(progress_at_
 # ---- backend=ray: the embedded local Ray's cap on CPU workers -------------------------------------
 
 def test_embedded_ray_worker_cap(monkeypatch):
-    from harness.backends.ray import cluster
+    from harness.backends.ray.driver import cluster
 
     monkeypatch.setattr(cluster, "usable_cpus", lambda: 2)
     assert cluster.embedded_worker_cap() == 2 * cluster.EMBEDDED_WORKERS_PER_CPU
@@ -197,15 +197,15 @@ def test_embedded_ray_worker_cap(monkeypatch):
 @pytest.mark.parametrize("address", [None, "auto"])
 def test_ray_backend_refuses_more_cpu_workers_than_the_cap_before_any_starts(monkeypatch, address):
     ray = pytest.importorskip("ray")
-    from harness.backends.ray import cluster
-    from harness.backends.ray.backend import RayBackend
+    from harness.backends.ray.driver import cluster
+    from harness.backends.ray import RayBackend
     from harness.testing import plan_for
 
-    monkeypatch.setattr(cluster, "usable_cpus", lambda: 1)
-    monkeypatch.setattr(cluster, "EMBEDDED_WORKERS_PER_CPU", 2)  # a cap of 2 below the 4 devices
     overrides = [*TINY, "backend=ray", "backend.options.device=cpu", "cluster=h100_8x", "cluster.num_nodes=1",
                  "cluster.gpus_per_node=4"] + ([f"backend.address={address}"] if address else [])
     plan, ctx, run = plan_for(overrides)
+    monkeypatch.setattr(cluster, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(cluster, "EMBEDDED_WORKERS_PER_CPU", 2)  # a cap of 2 below the 4 devices
     backend = RayBackend(run.backend, ctx)
     if address is None:
         with pytest.raises(ConfigError, match=r"the embedded local Ray \(backend\.address null\) would start 4 CPU "

@@ -2,7 +2,8 @@
 
 Each input the issue lists under "Why" ends ``python -m harness`` with exit code 2, exactly one line
 ``error: ...`` on stderr naming the cause (the key to change), nothing on stdout and nothing under
-results_dir (:func:`run_refused`, a subprocess each). The rules themselves are checked in-process
+results_dir (the ``refused_in_process`` fixture: the command's entry point in this process; the
+interpreter's start is tests/harness/test_entrypoint.py's). The rules themselves are checked in-process
 around their boundaries, and nodes whose GPU count does not divide a model's heads now plan with a
 tensor-parallel degree that does (a legal configuration: planned, not refused).
 """
@@ -16,7 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.checks import consistency as cons
-from harness.cli.app import compose
+from harness.run.pipeline import compose
 from harness.errors import ConfigError
 from harness.planning.strategies import check_tensor_parallel
 from harness.planning.strategies import largest_tp, tp_splits_heads
@@ -66,38 +67,29 @@ REFUSED = {
 }
 
 
-def run_refused(run_harness, tmp_path: Path, args: list[str]) -> str:
-    results_dir = tmp_path / "results"
-    if not any(a.startswith("results_dir=") for a in args):
-        args = [*args, f"results_dir={results_dir}"]
-    proc = run_harness(args, cwd=tmp_path / "cwd")
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert proc.stdout == ""
-    assert not results_dir.exists() or not any(results_dir.rglob("*")), sorted(results_dir.rglob("*"))
-    assert not (tmp_path / "escaped").exists()
-    return lines[0]
+def escaped(tmp_path: Path) -> Path:
+    """Where ``experiment_name=../../escaped`` would lead from the results_dir the checks use."""
+    return (tmp_path / "results" / ".." / ".." / "escaped").resolve()
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_every_impossible_input_is_one_line_and_exit_2(name, run_harness, tmp_path):
+def test_every_impossible_input_is_one_line_and_exit_2(name, refused_in_process, tmp_path):
     overrides, text = REFUSED[name]
-    line = run_refused(run_harness, tmp_path, command(overrides))
+    line = refused_in_process(*command(overrides))
     assert text in line, line
+    assert not escaped(tmp_path).exists()
 
 
-def test_a_key_given_twice_is_refused(run_harness, tmp_path):
-    line = run_refused(run_harness, tmp_path, [*BASE, *FAST, "seed=1", "seed=2"])
+def test_a_key_given_twice_is_refused(refused_in_process):
+    line = refused_in_process(*BASE, *FAST, "seed=1", "seed=2")
     assert "seed is given twice on the command line (seed=1 and seed=2)" in line
 
 
-def test_a_file_record_over_the_context_is_refused_naming_its_line(run_harness, tmp_path):
+def test_a_file_record_over_the_context_is_refused_naming_its_line(refused_in_process, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt_len": 10, "response_len": 10}) + "\n"
                     + json.dumps({"prompt_len": 4000, "response_len": 1000}) + "\n")
-    line = run_refused(run_harness, tmp_path, command(["workload=jsonl", f"workload.path={path}",
-                                                       "workload.max_gen_len=2048"]))
+    line = refused_in_process(*command(["workload=jsonl", f"workload.path={path}", "workload.max_gen_len=2048"]))
     assert f"{path}:2: prompt of 4000 + response of 1000 tokens exceeds the models' context of 4096" in line
 
 
@@ -190,7 +182,7 @@ def test_a_pinned_layout_that_cannot_shard_the_heads_is_refused():
     from hydra.utils import get_class
 
     from harness.errors import PlanError
-    from harness.run.runner import build_context, make_plan
+    from harness.run.pipeline import build_context, make_plan
 
     run = run_config(["+system=rlhfuse_base", "model=13b_33b", "cluster.num_nodes=2",
                       "system.layouts.update_critic=dp2tp8pp1"])

@@ -1,23 +1,30 @@
-"""Execution engines (harness/core/engines.py, conf/engine/; issue 26).
+"""Execution engines: the facts (harness/core/engines.py, the Hydra groups engine/generation and
+engine/training under conf/engine/) and the cost model's rules (harness/costmodel/engines.py).
 
 Oracles, not mocks:
 
-- every engine file under conf/engine/ loads and resolves; malformed engines (unknown keys, unknown
-  names, bad batching / kernels / parallelism values) are refused with a ConfigError naming the fault;
+- every engine file under conf/engine/ loads and resolves, and composes through Hydra as its group's
+  option into the same engine the harness reads from the file (by name or by path);
+  ``engine.<kind>=<name>`` is that group choice; malformed engines (unknown keys, unknown names, bad
+  batching / kernels / parallelism values) are refused with a ConfigError naming the fault;
 - direction of the overrides on one DeepSpeed-Chat setup (the issue's acceptance test): vLLM
   generates faster than the hybrid engine, generate() on ZeRO-3 shards in place slower, ZeRO-Offload
   trains slower;
 - ``engine.fitted=false`` resolves every fitted constant to its prior (FITTED_PRIORS); a fitted
-  table reaches the plan's engines, and doubling the hybrid engine's GPU-time factor cannot speed up
-  generation, cannot more than double it, and leaves training untouched;
+  table given as ``engine.constants`` reaches the plan's engines, and doubling the hybrid engine's
+  GPU-time factor cannot speed up generation, cannot more than double it, and leaves training untouched;
 - identical runs give identical summaries;
 - plans an engine cannot run are refused (static batching under long-tail migration; DeepSpeed ZeRO
   under a tensor/pipeline-parallel layout);
-- :class:`EngineCosts` against its closed forms (GPU-time factor, eager host floor, ZeRO-3 gather
-  floor, KV-cache passes, host syncs, compute factor, eager attention-score traffic, CPU-Adam optimizer step recomputed from its docstring) and the plan memory
-  check against cost-model primitives (ZeRO-Offload's freed optimizer states, in-place generation's
-  two gathered layers);
-- plans round-trip their engines through to_dict / from_dict / JSON.
+- the cost model under engines (``CostModel.with_engines``) against its closed forms (GPU-time
+  factor, eager host floor, ZeRO-3 gather floor, KV-cache passes, host syncs, compute factor, eager
+  attention-score traffic, CPU-Adam optimizer step recomputed from its docstring), spans equal to
+  their steps bit for bit, and the plan memory check against cost-model primitives (ZeRO-Offload's
+  freed optimizer states, in-place generation's two gathered layers);
+- plans round-trip their engines through to_dict / from_dict / JSON, and plan.json shows the
+  generation engine's kernels where it always did (the plan holds them once, in its engines);
+- a malformed ``engine.constants`` table is refused, and so is one given with ``engine.fitted=false``;
+  a training engine chosen by either spelling of the group choice is checked against the system.
 """
 from __future__ import annotations
 
@@ -29,15 +36,16 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from harness.core import engines as eng
-from harness.cli.app import compose
-from harness.costmodel.engine_fit import Constant, constants
+from harness.run.pipeline import compose
+from harness.costmodel.engine_fit import Constant, constants_override, with_constants
 from harness.costmodel.memory import OFFLOAD_GRAD_BUCKET_PARAMS
-from harness.core.engines import (FITTED_PRIORS, EngineCosts, Engines, GenerationEngine, TrainingEngine,
-                             available, load_engine, resolve)
+from harness.core.engines import (FITTED_PRIORS, Engines, GenerationEngine, TrainingEngine, available,
+                                  engine_group_overrides, engine_key_overrides, fitted_table, load_engine,
+                                  resolve)
 from harness.errors import ConfigError, PlanError
 from harness.core.plan import Plan, TaskKind
 from harness.planning.simulate import generation_gather_s
-from harness.run.runner import build_context, make_plan
+from harness.run.pipeline import build_context, make_plan
 from harness.cli.replay import simulate_summary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,13 +61,16 @@ COLOCATED = ["+system=colocated", "model=tiny", "workload=tiny", "cluster=h100_8
 PRIORS = ["engine.fitted=false"]
 
 
-def summary(overrides: list[str]) -> dict[str, float]:
-    return simulate_summary(compose(overrides))
+def summary(overrides: list[str], constants: dict | None = None) -> dict[str, float]:
+    """The summary of a run; ``constants`` (:class:`Constant` -> value) in force as ``engine.constants``."""
+    cfg = compose(overrides)
+    return simulate_summary(cfg if constants is None else with_constants(cfg, constants))
 
 
-def planned(overrides: list[str]):
+def planned(overrides: list[str], constants: dict | None = None):
     """(context, plan, memory report) of a composed config, as ``python -m harness`` plans it."""
-    run = OmegaConf.to_object(compose(overrides))
+    cfg = compose(overrides)
+    run = OmegaConf.to_object(cfg if constants is None else with_constants(cfg, constants))
     ctx = build_context(run)
     plan, _, memory = make_plan(get_class(run.system.impl)(run.system), ctx)
     return ctx, plan, memory
@@ -80,22 +91,56 @@ def test_engine_files_are_the_available_engines():
 def test_every_engine_file_loads_and_resolves(path):
     kind, name = path.parent.name, path.stem
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert raw.pop("defaults") == [{"/schema@_here_": f"{kind}_engine"}, "_self_"]  # its group's schema
     engine = load_engine(kind, name)
     assert isinstance(engine, GenerationEngine if kind == "generation" else TrainingEngine)
-    assert engine.name == name
+    assert engine.name == name == raw["name"]
     for key, value in raw.items():  # the file's values, as written
         assert getattr(engine, key) == value, key
     assert load_engine(kind, str(path)) == engine  # by path, the same engine
-    for use_fitted in (False, True):
-        resolved = resolve(kind, engine, use_fitted=use_fitted)
+    for table in (None, fitted_table()):
+        resolved = resolve(kind, engine, table)
         for const, prior in FITTED_PRIORS[kind].items():
             value = getattr(resolved, const)
             assert isinstance(value, float) and value > 0
             pinned = raw.get(const)
             if pinned is not None:
                 assert value == pinned
-            elif not use_fitted:
+            elif table is None:
                 assert value == prior
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_engine_composes_through_its_hydra_group_as_the_harness_reads_it(path):
+    """``engine/<kind>=<name>`` (and ``engine.<kind>=<name>``, the same choice) composes the engine file
+    into ``engine.<kind>`` with its typed schema: the same engine, field for field and type for type
+    (a number written as an integer is a number), as the harness's own reader of the file."""
+    kind, name = path.parent.name, path.stem
+    for choice in (f"engine/{kind}={name}", f"engine.{kind}={name}"):
+        composed = OmegaConf.to_object(compose([choice]).engine)
+        assert getattr(composed, kind) == load_engine(kind, name), choice
+        assert [type(v) for v in vars(getattr(composed, kind)).values()] == \
+            [type(v) for v in vars(load_engine(kind, name)).values()]
+
+
+def test_the_group_choice_is_written_back_as_the_key_the_user_wrote():
+    assert engine_group_overrides(["engine.generation=vllm", "engine.training=deepspeed,megatron",
+                                   "engine.generation=/x/mine.yaml", "engine.generation=nope",
+                                   "engine.generation.kernels=eager", "+system=rlhfuse"]) == [
+        "engine/generation=vllm", "engine/training=deepspeed,megatron", "engine.generation=/x/mine.yaml",
+        "engine.generation=nope", "engine.generation.kernels=eager", "+system=rlhfuse"]
+    assert engine_key_overrides(["engine/generation=vllm", "engine/training=deepspeed", "seed=1"]) == [
+        "engine.generation=vllm", "engine.training=deepspeed", "seed=1"]
+
+
+def test_a_composed_engine_field_can_be_set_on_the_command_line():
+    cfg = compose([*DSCHAT, *PRIORS, "engine.generation=hf_generate", "engine.generation.launches_per_layer=74"])
+    assert cfg.engine.generation.launches_per_layer == 74 and cfg.engine.generation.name == "hf_generate"
+    _, plan, _ = planned([*DSCHAT, *PRIORS, "engine.generation=hf_generate", "engine.generation.launches_per_layer=74"])
+    assert plan.engines.generation == resolve("generation", GenerationEngine(
+        **{**vars(load_engine("generation", "hf_generate")), "launches_per_layer": 74}), None)
+    with pytest.raises(ConfigError, match="launches_per_layer"):  # the engine's own checks still apply
+        planned([*DSCHAT, "engine.generation=hf_generate", "engine.generation.kernels=graph"])
 
 
 def test_every_system_default_engine_exists():
@@ -240,23 +285,22 @@ def test_unfitted_engines_resolve_to_the_priors():
                   ["engine.training=deepspeed_offload"]):
         _, plan, _ = planned([*DSCHAT, *PRIORS, *extra])
         _priors_of(plan.engines)
-    # even while a fitted table is in force
-    with constants({Constant("generation/ds_hybrid", "gpu_time_scale"): 2.0,
-                    Constant("training/deepspeed", "cpu_adam_gbps"): 7.0}):
-        _, plan, _ = planned([*DSCHAT, *PRIORS])
+    # even with a table of fitted constants given
+    _, plan, _ = planned([*DSCHAT, *PRIORS], {Constant("generation/ds_hybrid", "gpu_time_scale"): 2.0,
+                                              Constant("training/deepspeed", "cpu_adam_gbps"): 7.0})
     _priors_of(plan.engines)
 
 
 def test_a_fitted_table_reaches_the_plan_and_scales_generation_only():
     key = Constant("generation/ds_hybrid", "gpu_time_scale")
-    with constants({key: 2.0}):
-        _, plan, _ = planned(DSCHAT)
-        doubled = summary(DSCHAT)
+    _, plan, _ = planned(DSCHAT, {key: 2.0})
+    doubled = summary(DSCHAT, {key: 2.0})
     assert plan.engines.generation.name == "ds_hybrid" and plan.engines.generation.gpu_time_scale == 2.0
     assert plan.engines.training.compute_time_scale == FITTED_PRIORS["training"]["compute_time_scale"]
-    with constants({key: 1.0}):
-        single = summary(DSCHAT)
+    single = summary(DSCHAT, {key: 1.0})
     assert single == summary([*DSCHAT, *PRIORS])  # a table at the priors is the mechanism model alone
+    # the same table given on the command line (as python -m harness.replay --fit gives it)
+    assert summary([*DSCHAT, constants_override({key: 2.0})]) == doubled
     # each step is max(GPU x scale, host, gather): doubling the GPU factor cannot speed generation
     # up, nor more than double it; training does not run on the generation engine
     assert single["timing_s/gen"] <= doubled["timing_s/gen"] <= 2 * single["timing_s/gen"] * (1 + 1e-12)
@@ -269,9 +313,9 @@ def test_a_fitted_table_reaches_the_plan_and_scales_generation_only():
 
 
 def test_fitted_constants_of_another_engine_do_not_apply():
-    with constants({Constant("generation/vllm", "gpu_time_scale"): 5.0}):
-        _, plan, _ = planned(DSCHAT)
-        other = summary(DSCHAT)
+    other_engine = {Constant("generation/vllm", "gpu_time_scale"): 5.0}
+    _, plan, _ = planned(DSCHAT, other_engine)
+    other = summary(DSCHAT, other_engine)
     assert plan.engines.generation.gpu_time_scale == 1.0
     assert other == summary([*DSCHAT, *PRIORS])
 
@@ -305,7 +349,7 @@ def test_deepspeed_training_refuses_tensor_and_pipeline_parallel_layouts():
     assert plan.engines.training.name == "deepspeed"
 
 
-# ---- 6. EngineCosts closed forms -----------------------------------------------------------------
+# ---- 6. the cost model under engines: closed forms --------------------------------------------
 @pytest.fixture(scope="module")
 def ctx():
     return build_context(OmegaConf.to_object(compose([*DSCHAT, *PRIORS])))
@@ -323,13 +367,13 @@ DECODE_CASES = [(1, 300, 1, 1), (64, 64 * 500, 8, 1), (16, 16 * 700, 2, 2), (256
 @pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)
 def test_gpu_time_scale_multiplies_graph_steps(ctx, batch, context, tp, pp):
     cm, model = ctx.cost_model, ctx.models.actor
-    ec = EngineCosts(cm, _engines({"gpu_time_scale": 3.0}, {}))
-    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == \
-        pytest.approx(3 * cm.decode_step_s(model, batch, context, tp, pp, "graph"), rel=1e-12)
-    assert ec.prefill_s(model, context, tp, pp, context / batch, "graph") == \
-        pytest.approx(3 * cm.prefill_s(model, context, tp, pp, context / batch, "graph"), rel=1e-12)
+    ec = cm.with_engines(_engines({"gpu_time_scale": 3.0}, {}))
+    assert ec.decode_step_s(model, batch, context, tp, pp) == \
+        pytest.approx(3 * cm.decode_step_s(model, batch, context, tp, pp), rel=1e-12)
+    assert ec.prefill_s(model, context, tp, pp, context / batch) == \
+        pytest.approx(3 * cm.prefill_s(model, context, tp, pp, context / batch), rel=1e-12)
     assert ec.decode_step_s(model, 0, 0.0, tp, pp) == 0.0 and ec.prefill_s(model, 0, tp, pp) == 0.0
-    unit = EngineCosts(cm, _engines({"gpu_time_scale": 1.0}, {}))  # the prior: the cost model as is
+    unit = cm.with_engines(_engines({"gpu_time_scale": 1.0}, {}))  # the prior: the cost model as is
     assert unit.decode_step_s(model, batch, context, tp, pp) == cm.decode_step_s(model, batch, context, tp, pp)
 
 
@@ -338,29 +382,29 @@ def test_eager_steps_are_floored_by_the_host_and_steps_by_the_gather(ctx, batch,
     from harness.costmodel.calibrated import EAGER_HOST_S_PER_LAUNCH
 
     cm, model = ctx.cost_model, ctx.models.actor
-    gpu = cm.decode_step_s(model, batch, context, tp, pp, "graph")
+    gpu = cm.decode_step_s(model, batch, context, tp, pp)
     launches = 6
-    ec = EngineCosts(cm, _engines({"gpu_time_scale": 1.5, "host_time_scale": 2.0, "kernels": "eager",
+    ec = cm.with_engines(_engines({"gpu_time_scale": 1.5, "host_time_scale": 2.0, "kernels": "eager",
                                    "launches_per_layer": launches, "batching": "static"}, {}))
     host = 2.0 * model.num_layers * launches * EAGER_HOST_S_PER_LAUNCH
-    assert ec.decode_step_s(model, batch, context, tp, pp, "eager", launches) == pytest.approx(
+    assert ec.decode_step_s(model, batch, context, tp, pp) == pytest.approx(
         max(1.5 * gpu, host), rel=1e-12)
     gather = 10 * max(gpu, host)  # a ZeRO-3 gather longer than the step bounds it
-    ec = EngineCosts(cm, _engines({"gpu_time_scale": 3.0}, {}), gen_gather_s=gather)
-    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == gather
+    ec = cm.with_engines(_engines({"gpu_time_scale": 3.0}, {}), gen_gather_s=gather)
+    assert ec.decode_step_s(model, batch, context, tp, pp) == gather
     tiny = 1e-12
-    ec = EngineCosts(cm, _engines({"gpu_time_scale": 3.0}, {}), gen_gather_s=tiny)
-    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == pytest.approx(3 * gpu, rel=1e-12)
+    ec = cm.with_engines(_engines({"gpu_time_scale": 3.0}, {}), gen_gather_s=tiny)
+    assert ec.decode_step_s(model, batch, context, tp, pp) == pytest.approx(3 * gpu, rel=1e-12)
 
 
 @pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)
 def test_without_a_kv_cache_a_decode_step_is_a_prefill_of_the_whole_context(ctx, batch, context, tp, pp):
     cm, model = ctx.cost_model, ctx.models.actor
-    ec = EngineCosts(cm, _engines({"gpu_time_scale": 2.0, "kv_cache": False}, {}))
+    ec = cm.with_engines(_engines({"gpu_time_scale": 2.0, "kv_cache": False}, {}))
     tokens = context + batch  # every sequence's context and the token being produced
-    assert ec.decode_step_s(model, batch, context, tp, pp, "graph") == pytest.approx(
-        2.0 * cm.prefill_s(model, tokens, tp, pp, tokens / batch, "graph"), rel=1e-12)
-    cached = EngineCosts(cm, _engines({"gpu_time_scale": 2.0}, {}))
+    assert ec.decode_step_s(model, batch, context, tp, pp) == pytest.approx(
+        2.0 * cm.prefill_s(model, tokens, tp, pp, tokens / batch), rel=1e-12)
+    cached = cm.with_engines(_engines({"gpu_time_scale": 2.0}, {}))
     assert ec.decode_step_s(model, batch, context, tp, pp) > cached.decode_step_s(model, batch, context, tp, pp)
 
 
@@ -377,7 +421,7 @@ def test_coati_generation_without_kv_cache_is_slower_than_hf_generate():
 @pytest.mark.parametrize("tp,num_layers,head", [(1, None, None), (2, 16, True), (8, 8, False)])
 def test_compute_time_scale_multiplies_forward_and_backward_exactly(ctx, tp, num_layers, head):
     cm, model = ctx.cost_model, ctx.models.actor
-    ec = EngineCosts(cm, _engines({}, {"compute_time_scale": 1.7}))
+    ec = cm.with_engines(_engines({}, {"compute_time_scale": 1.7}))
     args = (model, 4 * 600.0, 600.0, tp, num_layers, head)
     assert ec.forward_s(*args) == cm.forward_s(*args) * 1.7
     assert ec.backward_s(*args) == cm.backward_s(*args) * 1.7
@@ -394,7 +438,7 @@ def test_eager_attention_score_traffic_is_its_closed_form(ctx, tp, num_layers, r
     factor; the backward pays the forward's bytes again when it recomputes the attention."""
     cm, model = ctx.cost_model, ctx.models.actor
     fwd_b, bwd_b, scale = 24.0, 30.0, 1.3
-    ec = EngineCosts(cm, _engines({}, {"compute_time_scale": scale, "attention_score_bytes_forward": fwd_b,
+    ec = cm.with_engines(_engines({}, {"compute_time_scale": scale, "attention_score_bytes_forward": fwd_b,
                                        "attention_score_bytes_backward": bwd_b}))
     tokens, seq = 4 * 512.0, 512.0
     layers = model.num_layers if num_layers is None else num_layers
@@ -437,7 +481,7 @@ def test_optimizer_offload_is_the_cpu_adam_step(ctx, dp, tp, pp, zero):
 
     cm, model = ctx.cost_model, ctx.models.actor
     gbps = 37.0
-    ec = EngineCosts(cm, _engines({}, {"optimizer_offload": True, "cpu_adam_gbps": gbps}))
+    ec = cm.with_engines(_engines({}, {"optimizer_offload": True, "cpu_adam_gbps": gbps}))
     stage_params = num_params(model) if pp == 1 else max_stage_params(ModelDims.of(model), pp)
     params = stage_params / tp / (dp if zero >= 1 else 1)  # one rank's share of the optimizer states
     ranks_per_node = min(dp * tp * pp, cm.gpus_per_node)
@@ -445,7 +489,7 @@ def test_optimizer_offload_is_the_cpu_adam_step(ctx, dp, tp, pp, zero):
     pcie_s = 2 * cm.host_transfer_s(2 * params)  # fp16 gradients down, fp16 parameters up
     assert ec.optimizer_step_s(model, dp, tp, pp, zero) == pytest.approx(cpu_adam_s + pcie_s, rel=1e-12)
     # and it replaces the GPU's step: without offload the cost model's
-    plain = EngineCosts(cm, _engines({}, {"cpu_adam_gbps": gbps}))
+    plain = cm.with_engines(_engines({}, {"cpu_adam_gbps": gbps}))
     assert plain.optimizer_step_s(model, dp, tp, pp, zero) == cm.optimizer_step_s(model, dp, tp, pp, zero)
 
 
@@ -514,16 +558,16 @@ def test_kv_cache_passes_and_host_syncs_are_their_closed_forms(ctx, batch, conte
     from harness.costmodel.llama import ModelDims
     cm, model = ctx.cost_model, ctx.models.actor
     d = ModelDims.of(model)
-    gpu = cm.decode_step_s(model, batch, context, tp, pp, "graph") - cm.compute.graph_step_overhead_s
+    gpu = cm.decode_step_s(model, batch, context, tp, pp) - cm.compute.graph_step_overhead_s
     kv = kv_bytes_per_token(d) * context / (min(tp, d.num_kv_heads) * min(pp, batch)) * cm.compute.stream_s_per_byte
-    graph = EngineCosts(cm, _engines({"gpu_time_scale": 2.0, "kv_cache_passes": 3.5}, {}))
-    assert graph.decode_step_s(model, batch, context, tp, pp, "graph") == pytest.approx(
+    graph = cm.with_engines(_engines({"gpu_time_scale": 2.0, "kv_cache_passes": 3.5}, {}))
+    assert graph.decode_step_s(model, batch, context, tp, pp) == pytest.approx(
         2.0 * (gpu + 2.5 * kv) + cm.compute.graph_step_overhead_s, rel=1e-12)
     launches, syncs = 40, 2
-    eager = EngineCosts(cm, _engines({"host_time_scale": 1.5, "kernels": "eager", "launches_per_layer": launches,
+    eager = cm.with_engines(_engines({"host_time_scale": 1.5, "kernels": "eager", "launches_per_layer": launches,
                                       "batching": "static", "kv_cache_passes": 7, "host_syncs_per_layer": syncs}, {}))
     host_launch = 1.5 * EAGER_HOST_S_PER_LAUNCH
-    assert eager.decode_step_s(model, batch, context, tp, pp, "eager", launches) == pytest.approx(
+    assert eager.decode_step_s(model, batch, context, tp, pp) == pytest.approx(
         max(gpu + 6 * kv, d.num_layers * launches * host_launch) + d.num_layers * syncs * host_launch, rel=1e-12)
 
 
@@ -541,17 +585,72 @@ def test_flash_attention_generation_of_openrlhf_is_slower_than_sdpa():
     assert eng.fit_key("generation", load_engine("generation", "hf_generate_fa2")) == "generation/hf_generate"
 
 
+@pytest.mark.parametrize("fitted", [False, True], ids=["priors", "fitted"])
 @pytest.mark.parametrize("generation", ["ds_hybrid", "vllm", "coati_generate", "ds_chat_generate",
                                         "hf_generate_fa2"])
-def test_a_decode_span_under_an_engine_is_its_steps_bit_for_bit(generation):
-    """``EngineCosts.decode_span_s`` (the cost model's one-pass span, then the engine's step rule;
-    or step by step without a KV cache) equals the engine's per-step times."""
-    ctx, plan, _ = planned([*DSCHAT, *PRIORS, f"engine.generation={generation}"])
-    costs = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
+def test_a_decode_span_under_an_engine_is_its_steps_bit_for_bit(generation, fitted):
+    """A decode span under an engine (the cost model's one-pass span, then the engine's step rule;
+    or step by step without a KV cache) equals the engine's per-step times, bit for bit: CUDA-graph
+    and eager engines, at the priors and with the fitted factors."""
+    ctx, plan, _ = planned([*DSCHAT, *([] if fitted else PRIORS), f"engine.generation={generation}"])
+    costs = ctx.cost_model.with_engines(plan.engines, generation_gather_s(ctx, plan))
     model = ctx.models.actor
-    for batch, tp, pp, kernels, num_steps in ((8, 1, 1, "graph", 40), (8, 2, 2, "eager", 40), (33, 4, 1, "eager", 40),
-                                              (8, 2, 2, "graph", 5), (33, 4, 1, "eager", 2)):  # short: step by step
-        span = costs.decode_span_s(model, batch, batch * 100, num_steps, tp, pp, kernels, 9)
-        fresh = EngineCosts(ctx.cost_model, plan.engines, generation_gather_s(ctx, plan))
-        assert span == tuple(fresh.decode_step_s(model, batch, batch * 100 + j * batch, tp, pp, kernels, 9)
+    for batch, tp, pp, num_steps in ((8, 1, 1, 40), (8, 2, 2, 40), (33, 4, 1, 40),
+                                     (8, 2, 2, 5), (33, 4, 1, 2)):  # short: step by step
+        span = costs.decode_span_s(model, batch, batch * 100, num_steps, tp, pp)
+        fresh = ctx.cost_model.with_engines(plan.engines, generation_gather_s(ctx, plan))
+        assert span == tuple(fresh.decode_step_s(model, batch, batch * 100 + j * batch, tp, pp)
                              for j in range(num_steps))
+        assert all(type(t) is float for t in span)
+
+
+def test_with_engines_is_a_view_of_the_same_cost_model(ctx):
+    """The cost model under engines shares the plain one's configs and memo, times memory, links and
+    collectives as it does, and is built from the plain one again when asked twice."""
+    cm, model = ctx.cost_model, ctx.models.actor
+    engines = _engines({"gpu_time_scale": 2.0}, {"compute_time_scale": 3.0})
+    view = cm.with_engines(engines)
+    assert cm.engine_costs is None and view.engine_costs.base is cm
+    assert view.weights_gb(model, 2) == cm.weights_gb(model, 2)
+    assert view.allgather_s(1e9, list(range(8))) == cm.allgather_s(1e9, list(range(8)))
+    again = view.with_engines(engines)
+    assert again.engine_costs.base is cm
+    assert again.forward_s(model, 1024.0, 512.0) == view.forward_s(model, 1024.0, 512.0) == \
+        3.0 * cm.forward_s(model, 1024.0, 512.0)
+
+
+# ---- 8. the selection: a table of constants, refusals by option, plan.json -----------------------
+@pytest.mark.parametrize("table,fault", [("[1, 2]", "maps kind/fit_key"),
+                                         ("{generation/vllm:{gpu_time_scael:2.0}}", "generation/vllm"),
+                                         ("{inference/vllm:{gpu_time_scale:2.0}}", "inference/vllm"),
+                                         ("{generation/vllm:{gpu_time_scale:fast}}", "generation/vllm")])
+def test_a_malformed_table_of_constants_is_refused(table, fault):
+    with pytest.raises(ConfigError, match=fault):
+        planned([*DSCHAT, f"engine.constants={table}"])
+
+
+def test_constants_without_fitted_constants_are_refused_and_engine_choices_are_checked_by_group_too():
+    from harness.core.option_effects import check_option_effects
+    from harness.errors import OverrideError
+
+    option = constants_override({Constant("generation/ds_hybrid", "gpu_time_scale"): 2.0})
+    refusal = r"^engine\.constants\.generation/ds_hybrid\.gpu_time_scale=2 has no effect with engine\.fitted=false"
+    with pytest.raises(OverrideError, match=refusal):
+        check_option_effects(compose([*DSCHAT, *PRIORS, option]), [*DSCHAT, *PRIORS, option])
+    for choice in ("engine.training=megatron", "engine/training=megatron"):  # either spelling of the choice
+        with pytest.raises(OverrideError, match=r"^engine\.training=megatron does not apply to deepspeed_chat's"):
+            check_option_effects(compose(["+system=deepspeed_chat", choice]), ["+system=deepspeed_chat", choice])
+
+
+@pytest.mark.parametrize("generation,kernels,launches", [("ds_hybrid", "eager", 6), ("vllm", "graph", None),
+                                                         ("hf_generate_fa2", "eager", 51)])
+def test_plan_json_shows_the_engines_kernels_where_it_always_did(generation, kernels, launches):
+    """The plan holds the generation engine's kernels once (its engines); plan.json's ``generation``
+    still shows them, in its fixed order, read from there."""
+    _, plan, _ = planned([*DSCHAT, f"engine.generation={generation}"])
+    assert not hasattr(plan.generation, "engine") and not hasattr(plan.generation, "eager_launches_per_layer")
+    shown = plan.to_dict()["generation"]
+    assert list(shown) == ["batching", "max_batch_size", "migration", "engine", "eager_launches_per_layer",
+                           "synced_instances", "pad_to_longest"]
+    assert (shown["engine"], shown["eager_launches_per_layer"]) == (kernels, launches)
+    assert Plan.from_json(plan.to_json()) == plan

@@ -6,46 +6,45 @@
 - degenerate batch sizes (zero, negative, micro > mini > global): one line, exit 2, nothing written;
 - cluster-dependent system defaults are derived: every system runs ``model=tiny workload=tiny`` on
   4 devices with no per-system override of its batch sizes (a placement with more pools than 4
-  devices, OpenRLHF's, is given a split that fits: :data:`FOUR_DEVICE_PLACEMENTS`);
-- a sweep with a failing job exits 1 and ends with a table of this sweep's failures only.
+  devices, OpenRLHF's, is given a split that fits: :data:`FOUR_DEVICE_PLACEMENTS`).
 
-Exit codes and stderr are checked in subprocesses (``python -m harness``, a few seconds each); the
-messages for every config group are checked in-process (:func:`harness.checks.command_line.check_command_line`).
+A sweep with a failing job (exit 1, a table of this sweep's failures only) is tests/harness/test_sweep.py's.
+Exit codes and stderr are checked through the command's entry point in this process (the
+``refused_in_process`` fixture); the
+messages for every config group are checked with
+:func:`harness.checks.command_line.check_command_line`.
 """
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
 from harness.system import discover_systems
 from harness.errors import ConfigError, OverrideError, PlanError
 from harness.checks.command_line import check_command_line
-from tests.conftest import run_refused
 
-FAST = ["logger=none", "logger.progress_bar=false", "cluster.num_nodes=1", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]
 TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
 # Placements whose default needs more devices than 4: OpenRLHF's ref:reward:actor:critic:vLLM =
 # 1:1:2:2:2 is 8 units of whole GPUs; on 4, one GPU per model and no vLLM pool (its "ray" mode).
 FOUR_DEVICE_PLACEMENTS = {"openrlhf": ["system.split.actor=1", "system.split.critic=1", "system.split.gen=0"]}
 
 
-# ---- unknown keys and options: subprocesses for the exit code -----------------------------------------
+# ---- unknown keys and options: the exit code ---------------------------------------------------------
 
-def test_unknown_key_is_one_line_with_suggestion(tmp_path, run_harness):
-    line = run_refused(run_harness, tmp_path, "+system=rlhfuse", "model=13b", "system.migraton_frac=0.1")
+def test_unknown_key_is_one_line_with_suggestion(refused_in_process):
+    line = refused_in_process("+system=rlhfuse", "model=13b", "system.migraton_frac=0.1")
     assert line.startswith("error: unknown key system.migraton_frac (did you mean system.migration_frac"), line
 
 
-def test_misspelt_group_option_is_one_line_with_suggestion(tmp_path, run_harness):
-    line = run_refused(run_harness, tmp_path, "+system=rlhfuse_base", "model=13bb")
+def test_misspelt_group_option_is_one_line_with_suggestion(refused_in_process):
+    line = refused_in_process("+system=rlhfuse_base", "model=13bb")
     assert line.startswith("error: unknown option model=13bb (did you mean model=13b"), line
 
 
-def test_sweep_with_unknown_key_is_refused_before_any_job(tmp_path, run_harness):
-    # multirun.yaml, run folders, failures.jsonl: nothing is written (run_refused checks results_dir)
-    line = run_refused(run_harness, tmp_path, "-m", "+system=rlhfuse_base", "model=7b,13b", "workload.mini_bach_size=4")
+def test_sweep_with_unknown_key_is_refused_before_any_job(refused_in_process):
+    # multirun.yaml, run folders, failures.jsonl: nothing is written (refused_in_process checks results_dir)
+    line = refused_in_process("-m", "+system=rlhfuse_base", "model=7b,13b", "workload.mini_bach_size=4")
     assert line.startswith("error: unknown key workload.mini_bach_size (did you mean workload.mini_batch_size"), line
 
 
@@ -108,8 +107,8 @@ def test_valid_command_lines_pass(argv):
 
 # ---- degenerate batch sizes --------------------------------------------------------------------------
 
-def test_zero_global_batch_is_refused(tmp_path, run_harness):
-    line = run_refused(run_harness, tmp_path, "+system=rlhfuse_base", "model=7b", "workload.global_batch_size=0")
+def test_zero_global_batch_is_refused(refused_in_process):
+    line = refused_in_process("+system=rlhfuse_base", "model=7b", "workload.global_batch_size=0")
     assert line == "error: workload.global_batch_size=0 must be a positive number of samples"
 
 
@@ -139,7 +138,7 @@ def test_degenerate_batch_sizes_are_refused(case):
 
 
 def test_system_batch_sizes_of_any_system_must_be_positive():
-    from harness.cli.app import compose
+    from harness.run.pipeline import compose
     from harness.checks.command_line import check_batch_sizes
 
     with pytest.raises(ConfigError, match=r"system\.max_gen_batch_size=0 must be a positive"):
@@ -150,7 +149,7 @@ def test_system_batch_sizes_of_any_system_must_be_positive():
 # ---- derived defaults: every system runs tiny on 4 devices ------------------------------------------
 
 def test_deepspeed_chat_mini_batch_rule():
-    from harness.cli.app import compose
+    from harness.run.pipeline import compose
     from harness.core.config import WorkloadConfig
     from omegaconf import OmegaConf
 
@@ -173,8 +172,8 @@ def test_deepspeed_chat_mini_batch_rule():
 
 @pytest.mark.parametrize("system", sorted(discover_systems()))
 def test_every_system_runs_tiny_on_four_devices(system, tmp_path):
-    from harness.cli.app import compose
-    from harness.run.runner import execute
+    from harness.run.pipeline import compose
+    from harness.run.pipeline import execute
 
     cfg = compose([f"+system={system}", *TINY_4, *FOUR_DEVICE_PLACEMENTS.get(system, []), "logger=none",
                    "logger.progress_bar=false", "backend.num_iterations=1", "backend.num_warmup_iterations=0",
@@ -183,27 +182,3 @@ def test_every_system_runs_tiny_on_four_devices(system, tmp_path):
     assert outcome.summary["perf/samples_per_s"] > 0
     plan = json.loads((outcome.path / "plan.json").read_text())
     assert plan["mini_batch_size"] >= 4 and 8 % plan["mini_batch_size"] == 0
-
-
-# ---- a sweep with a failing job -----------------------------------------------------------------------
-
-def test_sweep_with_a_failing_job_exits_1_with_a_table_of_this_sweeps_failures(tmp_path, run_harness):
-    results_dir = tmp_path / "results"
-    failures = results_dir / "default" / "failures.jsonl"
-    failures.parent.mkdir(parents=True)
-    old = {"system": "realhf", "seed": 0, "overrides": ["+system=realhf", "model=70b"], "error_type": "PlanError",
-           "error": "an earlier sweep's failure", "time": 0.0}
-    failures.write_text(json.dumps(old) + "\n")
-    # deepspeed_chat needs one sample per GPU per step: a global batch of 4 fails on 8 GPUs; rlhfuse_base runs.
-    proc = run_harness(["-m", "+system=deepspeed_chat,rlhfuse_base", "model=7b", "workload.global_batch_size=4",
-                        "workload.mini_batch_size=4", *FAST, f"results_dir={results_dir}"], cwd=tmp_path / "cwd")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    table = proc.stderr[proc.stderr.index("[harness] sweep: 1 of 2 jobs failed"):].splitlines()
-    assert re.match(r"\s+system\s+overrides\s+error$", table[1]), table
-    assert re.match(r"\s+deepspeed_chat\s+model=7b workload\.global_batch_size=4 .*PlanError: .*"
-                    r"workload\.global_batch_size=4 must be a multiple of 8", table[2]), table
-    assert len(table) == 3  # the table ends the output; the earlier sweep's failure is not in it
-    assert "earlier sweep" not in proc.stderr
-    assert len(failures.read_text().splitlines()) == 2
-    assert list((results_dir / "default").glob("rlhfuse_base,*/7b/seed0/summary.json"))

@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.app import compose
+from harness.run.pipeline import compose
 from harness.system import discover_systems
 from harness.errors import ConfigError, OverrideError
 from harness.core.option_effects import (EFFECT, EXISTING_PATH, DeclarationError, check_option_effects, declarations,
                                     lookup, set_keys)
 from harness.checks.command_line import check_command_line
-from tests.conftest import run_refused
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = "data/workloads/sample.jsonl"
@@ -282,7 +281,7 @@ def test_the_experiments_pass(experiment):
 # ---- the wiring -------------------------------------------------------------------------------------
 
 def test_the_runner_refuses_before_anything_is_written(tmp_path):
-    from harness.run.runner import execute
+    from harness.run.pipeline import execute
 
     overrides = ["+system=rlhfuse", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
                  "system.intra_stage=false", "system.fused_search.max_steps=100", "logger=none"]
@@ -302,18 +301,18 @@ def test_the_command_line_check_refuses_a_sweep_job():
 
 
 
-def test_end_to_end_a_single_run(run_harness, tmp_path):
+def test_end_to_end_a_single_run(refused_in_process):
     base, option, message = REFUSED["migration_transfer_without_inter_stage"]
-    assert run_refused(run_harness, tmp_path, *base, "model=13b", option) == f"error: {message}"
+    assert refused_in_process(*base, "model=13b", option) == f"error: {message}"
 
 
-def test_end_to_end_an_engine_that_does_not_apply(run_harness, tmp_path):
+def test_end_to_end_an_engine_that_does_not_apply(refused_in_process):
     base, option, message = REFUSED["megatron_on_deepspeed_chat"]
-    assert run_refused(run_harness, tmp_path, *base, "model=7b", option) == f"error: {message}"
+    assert refused_in_process(*base, "model=7b", option) == f"error: {message}"
 
 
-def test_end_to_end_a_sweep_job_before_any_job_starts(run_harness, tmp_path):
-    line = run_refused(run_harness, tmp_path, "-m", "+system=rlhfuse", "model=7b", "system.intra_stage=true,false",
+def test_end_to_end_a_sweep_job_before_any_job_starts(refused_in_process):
+    line = refused_in_process("-m", "+system=rlhfuse", "model=7b", "system.intra_stage=true,false",
                        "system.fused_search.max_steps=50")
     assert line.startswith("error: system.fused_search.max_steps=50 has no effect with system.intra_stage=false "
                            "(it applies only when system.intra_stage=true"), line

@@ -10,17 +10,10 @@ from harness.core.plan import (Allocation, Feature, GenerationPolicy, MigrationP
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.workflow import PPO_TASKS
 from harness.schedule import PipeSpec, build
-from harness.testing import context
 
-OVERRIDES = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
 FULL = Allocation((0, 1, 2, 3), ParallelStrategy(dp=2, tp=2))
 OTHER = Allocation((0, 1, 2, 3), ParallelStrategy(dp=4))
 ONE = Allocation((0,), ParallelStrategy())
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    return context(OVERRIDES)
 
 
 def stage(tasks, num_pipes=None) -> TrainingStage:
@@ -29,11 +22,11 @@ def stage(tasks, num_pipes=None) -> TrainingStage:
     return TrainingStage(tuple(tasks), build("1f1b", pipes), num_minibatches=1, micro_batch_size=1)
 
 
-def ppo_plan(ctx, allocations=None, **kw) -> Plan:
+def ppo_plan(tiny_ctx, allocations=None, **kw) -> Plan:
     allocs = {n: FULL for n in PPO_TASKS}
     allocs.update(allocations or {})
     generation = kw.pop("generation", GenerationPolicy())
-    plan = assemble_ppo_plan(ctx, "test", allocs, generation, **kw)
+    plan = assemble_ppo_plan(tiny_ctx, "test", allocs, generation, **kw)
     plan.validate(4)
     return plan
 
@@ -76,12 +69,12 @@ def test_resident_state_and_generation_policy_checks():
 
 
 # ---- features -------------------------------------------------------------------------------------
-def test_plain_plan_has_no_features(ctx):
-    assert ppo_plan(ctx).features() == []
+def test_plain_plan_has_no_features(tiny_ctx):
+    assert ppo_plan(tiny_ctx).features() == []
 
 
-def test_features_are_listed_in_order(ctx):
-    plan = ppo_plan(ctx, {"values": OTHER, "ref": OTHER, "reward": OTHER}, stream_inference=True,
+def test_features_are_listed_in_order(tiny_ctx):
+    plan = ppo_plan(tiny_ctx, {"values": OTHER, "ref": OTHER, "reward": OTHER}, stream_inference=True,
                     generation=GenerationPolicy(migration=MigrationPolicy(0.1, 1)),
                     training=[stage(("update_actor", "update_critic"))], offloaded=("ref",))
     assert plan.features() == [Feature.STREAMING, Feature.MIGRATION, Feature.FUSED_TRAINING, Feature.OFFLOAD,
@@ -93,18 +86,18 @@ def test_features_are_listed_in_order(ctx):
     ({"generation": GenerationPolicy(migration=MigrationPolicy(0.2, 2, "tokens"))}, Feature.MIGRATION),
     ({"offloaded": ("reward",)}, Feature.OFFLOAD),
 ])
-def test_each_feature_alone(ctx, kw, feature):
-    assert ppo_plan(ctx, **kw).features() == [feature]
+def test_each_feature_alone(tiny_ctx, kw, feature):
+    assert ppo_plan(tiny_ctx, **kw).features() == [feature]
 
 
-def test_fused_training_from_several_tasks_or_several_pipes(ctx):
-    two_tasks = ppo_plan(ctx, training=[stage(("update_actor", "update_critic"))])
+def test_fused_training_from_several_tasks_or_several_pipes(tiny_ctx):
+    two_tasks = ppo_plan(tiny_ctx, training=[stage(("update_actor", "update_critic"))])
     assert two_tasks.features() == [Feature.FUSED_TRAINING]
     # one task whose stage runs several pipes (e.g. several pipes of one model) is fused too
-    two_pipes = ppo_plan(ctx, training=[stage(("update_actor",), num_pipes=2), stage(("update_critic",))])
+    two_pipes = ppo_plan(tiny_ctx, training=[stage(("update_actor",), num_pipes=2), stage(("update_critic",))])
     assert not two_pipes.training[0].fused
     assert two_pipes.features() == [Feature.FUSED_TRAINING]
-    assert ppo_plan(ctx, training=[stage(("update_actor",)), stage(("update_critic",))]).features() == []
+    assert ppo_plan(tiny_ctx, training=[stage(("update_actor",)), stage(("update_critic",))]).features() == []
 
 
 def test_per_replica_movement_feature_alone():
@@ -178,8 +171,8 @@ def test_validate_rejects_movement_of_a_missing_task_and_other_structure():
 
 
 # ---- JSON -----------------------------------------------------------------------------------------
-def _rich_plan(ctx) -> Plan:
-    return ppo_plan(ctx, {"gen": OTHER, "values": OTHER, "ref": OTHER, "reward": OTHER},
+def _rich_plan(tiny_ctx) -> Plan:
+    return ppo_plan(tiny_ctx, {"gen": OTHER, "values": OTHER, "ref": OTHER, "reward": OTHER},
                     stream_inference=True, actor_sync=MovementKind.PARAM_SYNC,
                     generation=GenerationPolicy("continuous", 8, MigrationPolicy(0.25, 1, "tokens")),
                     training=[stage(("update_actor", "update_critic"))], offloaded=("reward",),
@@ -187,8 +180,8 @@ def _rich_plan(ctx) -> Plan:
 
 
 @pytest.mark.parametrize("rich", [False, True])
-def test_json_round_trip(ctx, rich):
-    plan = _rich_plan(ctx) if rich else ppo_plan(ctx, {"gen": OTHER})
+def test_json_round_trip(tiny_ctx, rich):
+    plan = _rich_plan(tiny_ctx) if rich else ppo_plan(tiny_ctx, {"gen": OTHER})
     again = Plan.from_json(plan.to_json())
     assert again.to_dict() == plan.to_dict()
     assert again.to_json() == plan.to_json()
@@ -200,9 +193,9 @@ def test_json_round_trip(ctx, rich):
     again.validate(4)
 
 
-def test_to_dict_is_plain_json(ctx):
-    d = _rich_plan(ctx).to_dict()
-    assert json.loads(json.dumps(d)) == json.loads(_rich_plan(ctx).to_json())
+def test_to_dict_is_plain_json(tiny_ctx):
+    d = _rich_plan(tiny_ctx).to_dict()
+    assert json.loads(json.dumps(d)) == json.loads(_rich_plan(tiny_ctx).to_json())
     task = next(t for t in d["tasks"] if t["name"] == "ref")
     assert task["kind"] == "inference" and type(task["kind"]) is str and task["stream_from"] == "gen"
     assert {m["kind"] for m in d["weight_movements"]} == {"param_sync", "per_replica"}
@@ -221,8 +214,8 @@ def _legacy(d: dict) -> dict:
     return d
 
 
-def test_legacy_plan_json_is_read_with_explicit_streams_and_movement_kinds(ctx):
-    plan = ppo_plan(ctx, {"gen": OTHER, "values": OTHER}, stream_inference=True)
+def test_legacy_plan_json_is_read_with_explicit_streams_and_movement_kinds(tiny_ctx):
+    plan = ppo_plan(tiny_ctx, {"gen": OTHER, "values": OTHER}, stream_inference=True)
     legacy = _legacy(json.loads(plan.to_json()))
     assert legacy["generation"]["stream_to_inference"] is True and legacy["overlaps"]
     assert [w["task"] for w in legacy["weight_movements"]] == ["realloc_actor_gen", "values"]
@@ -236,8 +229,8 @@ def test_legacy_plan_json_is_read_with_explicit_streams_and_movement_kinds(ctx):
     again.validate(4)
 
 
-def test_legacy_param_sync_and_no_streaming(ctx):
-    plan = ppo_plan(ctx, {"values": OTHER}, actor_sync=MovementKind.PARAM_SYNC)
+def test_legacy_param_sync_and_no_streaming(tiny_ctx):
+    plan = ppo_plan(tiny_ctx, {"values": OTHER}, actor_sync=MovementKind.PARAM_SYNC)
     legacy = _legacy(json.loads(plan.to_json()))
     assert legacy["generation"]["stream_to_inference"] is False and legacy["overlaps"] == []
     again = Plan.from_json(json.dumps(legacy))

@@ -22,10 +22,10 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from harness.run import provenance
-from harness.cli.app import compose
+from harness.run.pipeline import compose
 from harness.backends.base import Backend
 from harness.costmodel.calibrated import FITTED_DIR
-from harness.run.runner import build_context, execute
+from harness.run.pipeline import build_context, execute
 
 TINY = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
         "logger=none", "logger.progress_bar=false", "backend.num_iterations=2", "experiment_name=provenance"]

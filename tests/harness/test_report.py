@@ -1,4 +1,4 @@
-"""``python -m harness.cli.report``: the comparison table of a results tree (issue 15).
+"""``python -m harness.report``: the comparison table of a results tree (issue 15).
 
 The tree is written by the real harness (sim backend, tiny model and workload, one node of 2 GPUs)
 for DeepSpeed-Chat and RLHFuse-Base at two workload variants, plus a failed job recorded through
@@ -32,8 +32,8 @@ WORKLOADS = ([], ["workload.max_gen_len=8"])
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
-    from harness.cli.app import compose
-    from harness.run.runner import execute
+    from harness.run.pipeline import compose
+    from harness.run.pipeline import execute
 
     root = tmp_path_factory.mktemp("results")
     for system, extra in SYSTEMS.items():
@@ -171,7 +171,7 @@ def test_bad_folders_exit_2_with_one_line(tmp_path, capsys):
         assert code == 2 and out == ""
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and str(folder) in err
     # As a user runs it: no traceback.
-    proc = subprocess.run([sys.executable, "-m", "harness.cli.report", str(tmp_path / "missing")],
+    proc = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "missing")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1

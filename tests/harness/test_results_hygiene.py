@@ -7,7 +7,8 @@
 - Ctrl-C (SIGINT) ends a run with one line and exit code 130, and nothing of it is kept;
 - ``failures.jsonl`` holds each job once, in its latest state, and loses it when it succeeds.
 Subprocesses for the signal cases (a run of ``model=tiny`` with many simulated iterations, so that
-it is still writing when the signal comes).
+it is still writing when the signal comes). The first of two identical runs is paused (SIGSTOP)
+while it holds its result, so the second finds it writing however fast either starts.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +50,36 @@ def wait_for_staging(root: Path, proc: subprocess.Popen, timeout_s: float = 120)
     raise AssertionError("the run never started writing")
 
 
+class LineReader:
+    """The lines of a process's text stream, read by a thread as they come (so a test can wait for
+    one line while the process runs on)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self.ended = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float = 120) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.ended or any(text in line for line in self.lines), timeout_s)
+            assert any(text in line for line in self.lines), "".join(self.lines)
+
+    def text(self) -> str:
+        self._thread.join(timeout=60)
+        return "".join(self.lines)
+
+
 def finished_runs(root: Path) -> list[Path]:
     return sorted(p.parent for p in root.rglob(results.SUMMARY_FILE))
 
@@ -69,16 +101,21 @@ def test_a_killed_run_leaves_staging_that_the_next_run_removes(tmp_path):
 
 def test_concurrent_identical_runs_do_the_work_once(tmp_path):
     root = tmp_path / "results"
-    # the first run must still be writing when the second has started up (~3 s here): ~10 s of
-    # simulation (1,500 iterations had become too short a margin once the simulator got faster)
-    args = [*RUN, "backend.num_iterations=6000", f"results_dir={root}"]
+    args = [*RUN, *LONG, f"results_dir={root}"]
     first = start(args, tmp_path / "a")
     wait_for_staging(root, first)
-    second = start(args, tmp_path / "b")
+    first.send_signal(signal.SIGSTOP)  # paused while it holds the result it is writing
+    try:
+        second = start(args, tmp_path / "b")
+        out2, err2 = LineReader(second.stdout), LineReader(second.stderr)
+        err2.wait_for("waiting: another run is writing")
+    finally:
+        first.send_signal(signal.SIGCONT)
     out1, err1 = first.communicate(timeout=300)
-    out2, err2 = second.communicate(timeout=300)
+    second.wait(timeout=300)
+    out2, err2 = out2.text(), err2.text()
     assert first.returncode == 0 and second.returncode == 0, err1 + err2
-    assert "waiting: another run is writing" in err2 and "already finished" in out2
+    assert "already finished" in out2 and "already finished" not in out1
     assert len(finished_runs(root)) == 1 and not list(root.rglob(f".*{results.PARTIAL_MARK}*"))
 
 

@@ -1,7 +1,9 @@
 """A sweep's jobs and outcomes (harness/cli/sweep.py): counting jobs (the command line replaces the
 experiment's sweep of the same key, as Hydra's basic sweeper does), and the exit status taken from
-the jobs' own outcomes."""
+the jobs' own outcomes: a sweep with a failing job exits 1 and ends with a table of this sweep's
+failures only."""
 import json
+import re
 import subprocess
 import sys
 
@@ -46,8 +48,14 @@ for _ in range(repeats):
 
 def test_repeated_failing_sweeps_always_exit_1_with_their_table(tmp_path):
     """The same failing sweep again and again (each rewrites its failures.jsonl line in place, so the
-    file need not grow): every repeat exits 1 and ends with the table of its failed job."""
+    file need not grow): every repeat exits 1 and ends with the table of its failed job, without the
+    failure an earlier sweep recorded in the same file."""
     results_dir = tmp_path / "results"
+    failures = results_dir / "default" / "failures.jsonl"
+    failures.parent.mkdir(parents=True)
+    old = {"system": "realhf", "seed": 0, "overrides": ["+system=realhf", "model=70b"], "error_type": "PlanError",
+           "error": "an earlier sweep's failure", "time": 0.0}
+    failures.write_text(json.dumps(old) + "\n")
     # deepspeed_chat needs one sample per GPU per step: a global batch of 4 fails on 8 GPUs; rlhfuse_base runs.
     argv = ["-m", "+system=deepspeed_chat,rlhfuse_base", "model=7b", "workload.global_batch_size=4",
             "workload.mini_batch_size=4", "logger=none", "logger.progress_bar=false", "cluster.num_nodes=1",
@@ -59,10 +67,15 @@ def test_repeated_failing_sweeps_always_exit_1_with_their_table(tmp_path):
     assert len(repeats) == REPEATS, proc.stdout + proc.stderr
     for i, r in enumerate(repeats):
         assert r["code"] == 1, (i, r["stderr"])
-        assert "[harness] sweep: 1 of 2 jobs failed" in r["stderr"], (i, r["stderr"])
-        assert "Traceback" not in r["stderr"]
-    failures = results_dir / "default" / "failures.jsonl"
-    assert len(failures.read_text().splitlines()) == 1  # one job, in its latest state
+        assert "Traceback" not in r["stderr"] and "earlier sweep" not in r["stderr"], (i, r["stderr"])
+        table = r["stderr"][r["stderr"].index("[harness] sweep: 1 of 2 jobs failed"):].splitlines()
+        assert re.match(r"\s+system\s+overrides\s+error$", table[1]), (i, table)
+        assert re.match(r"\s+deepspeed_chat\s+model=7b workload\.global_batch_size=4 .*PlanError: .*"
+                        r"workload\.global_batch_size=4 must be a multiple of 8", table[2]), (i, table)
+        assert len(table) == 3, (i, table)  # the table ends the output
+    # the earlier sweep's failure and this sweep's job, in its latest state
+    assert [json.loads(line)["system"] for line in failures.read_text().splitlines()] == ["realhf", "deepspeed_chat"]
+    assert list((results_dir / "default").glob("rlhfuse_base,*/7b/seed0/summary.json"))
 
 
 def test_a_job_without_outcome_counts_as_failed():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from harness.cli.app import compose
+from harness.run.pipeline import compose
 from harness.core.config import LengthDistConfig, WorkloadConfig
 from harness.errors import ConfigError
 from harness.core.workload import (REPO_ROOT, load_workload_file, make_batch, resolve_workload, text_token_ids)
@@ -104,7 +104,7 @@ def test_resolve_workload_gives_planners_the_files_lengths():
 
 
 def test_sim_run_on_the_sample_file_generates_the_files_lengths(tmp_path):
-    from harness.run.runner import execute
+    from harness.run.pipeline import execute
 
     out = execute(compose([*SIM, f"results_dir={tmp_path}"]), SIM)
     run = OmegaConf.to_object(compose(SIM))
@@ -174,7 +174,7 @@ def test_missing_empty_and_directory_paths_are_named(tmp_path):
 
 
 def test_a_bad_file_fails_the_run_before_any_result_is_written(tmp_path):
-    from harness.run.runner import execute
+    from harness.run.pipeline import execute
 
     path = write(tmp_path, '{"prompt_len": 4, "response_len": 2}\n{"prompt_len": 4, "respone_len": 2}\n')
     overrides = [*SIM, f"workload.path={path}"]
@@ -203,7 +203,7 @@ RAY_FILE = "".join(json.dumps(r) + "\n" for r in [
 
 def test_prompt_tokens_come_from_the_file(tmp_path):
     pytest.importorskip("torch")
-    from harness.backends.ray.experience import prompt_tokens
+    from harness.backends.ray.driver.experience import prompt_tokens
 
     path = write(tmp_path, RAY_FILE)
     batch = make_batch(file_workload(path, global_batch_size=8), 0, 0)
@@ -222,7 +222,7 @@ def test_prompt_tokens_come_from_the_file(tmp_path):
 def test_synthetic_prompts_are_unchanged():
     """prompt_ids=None keeps the seeded random prompts bit for bit (golden digests depend on them)."""
     torch = pytest.importorskip("torch")
-    from harness.backends.ray.experience import prompt_tokens, stable_seed
+    from harness.backends.ray.driver.experience import prompt_tokens, stable_seed
 
     w = workload_of("tiny")
     batch = make_batch(w, 0, 1)

@@ -1,15 +1,19 @@
 """``backend=ray``: real execution of a Plan on Ray actors, one per device (docs/DESIGN.md sections 2, 6).
 
-Modules: :mod:`.backend` (the driver: Ray, workers, bounded waits), :mod:`.iteration` (a PPO
-iteration task by task), :mod:`.experience` (prompts, rollout tensors, rewards, GAE, mini-batches),
-:mod:`.worker` (the per-device actor), :mod:`.passes` (generation, inference, training with
-pipeline schedules), :mod:`.replica` / :mod:`.zero3` (a model in a layout; DeepSpeed ZeRO-3),
-:mod:`.layout` / :mod:`.tp` (pieces of a model per (dp, tp, pp) coordinate; Megatron-style tensor
-parallelism), :mod:`.movement` (weight movement with collectives), :mod:`.optim` (dp gradient
-sync and Adam, ZeRO 0-3), :mod:`.comm` (process groups, point-to-point), :mod:`.options`.
+- :mod:`.driver`: the driver (the Backend, the cluster, the worker group, a PPO iteration's
+  dispatch and data);
+- :mod:`.worker`: the per-device actor and the work it does (generation, inference, training with
+  pipeline schedules, streamed generation);
+- the boundary between them, typed: :mod:`.protocol` (one request per worker method, dispatch
+  modes), :mod:`.replies` (each method's result), :mod:`.settings` (a worker's options and set-up);
+- :mod:`.config` (the typed ``backend.options``) and :mod:`.rewards` (the programmatic reward, which
+  the driver requests and the worker computes).
 
-Importing this package does not import Ray; :class:`RayBackend` does when it starts.
+Models, layouts, weight movement and optimizers on each device are the model-parallel runtime
+:mod:`harness.real.parallel`. Importing this package does not import Ray; :class:`RayBackend` does
+when it starts.
 """
-from harness.backends.ray.backend import RayBackend, WorkerFailedError
+from harness.backends.ray.driver.backend import RayBackend
+from harness.backends.ray.driver.calls import WorkerFailedError
 
 __all__ = ["RayBackend", "WorkerFailedError"]

@@ -90,7 +90,7 @@ class RayOptions:
     p2p_matching: str = "in_order"
     # streamed generation (RLHFuse section 4): the driver advances every instance to the next step in
     # which some sample finishes (to_next_finish: one round trip per finish event) or one engine step
-    # per round trip (one_step, as before issue 27); the same samples finish and migrate at the same
+    # per round trip (one_step); the same samples finish and migrate at the same
     # engine steps either way
     stream_rounds: str = "to_next_finish"
     # failure handling (seconds)
@@ -150,9 +150,6 @@ class RayOptions:
         if unknown:
             raise ConfigError(f"backend.options: unknown key(s) {unknown} for backend=ray; known: {sorted(names)}")
         return RayOptions(**options)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     def resolved_dtype(self, device: str) -> str:
         """``fp32`` or ``bf16`` for a run on ``device`` (``cpu`` or ``cuda``)."""

@@ -1,9 +1,11 @@
-"""The driver-worker protocol of ``backend=ray`` (issue 27, item 2): one request dataclass per
-worker method, one result type, and how a request reaches the devices of a call.
+"""What the driver of ``backend=ray`` sends its device workers: one frozen request per worker
+method, and how a request reaches the devices of a call. What the workers answer is
+:mod:`harness.backends.ray.replies`; what they are started with, :mod:`harness.backends.ray.settings`.
 
 Every request names its task (for spans and errors), its model role and the layout it computes in
-(``allocation``); its class says which :class:`~harness.backends.ray.worker.DeviceWorker` method
-runs it (``Request.method``). A worker answers every request with a :class:`Result`.
+(``allocation``); its class says which :class:`~harness.backends.ray.worker.device.DeviceWorker`
+method runs it (``Request.method``). Everything in a request is a typed value (no string-keyed
+records), so both sides read the same fields and Ray pickles it as it is.
 
 How a call reaches its devices is explicit (:class:`Dispatch`, as the dispatch modes of verl's and
 OpenRLHF's worker groups):
@@ -21,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
+
+import numpy as np
 
 from harness.core.plan import Allocation
-
-SpanT = tuple[str, float, float, float, float]  # (kind, start, end, flops, bytes) on the worker's clock
 
 
 class Dispatch(Enum):
@@ -43,6 +45,15 @@ class Request:
 
     def replace(self, **changes) -> "Request":
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TaskReward:
+    """A programmatic reward (:mod:`harness.backends.ray.rewards`): the score of a sample is the
+    fraction of its response tokens whose id lies in ``[low, high)``."""
+    kind: str
+    low: int
+    high: int
 
 
 @dataclass(frozen=True)
@@ -69,22 +80,40 @@ class Generate(Sampling):
 class Infer(Request):
     """Forward passes of the rollout: log-probs, values or scores (``what``). ``rows``: the samples
     of this replica (None: dealt round-robin by dp replica on the worker)."""
-    tokens: Any = None
-    attn: Any = None
-    last_index: Any = None
+    tokens: Optional[np.ndarray] = None
+    attn: Optional[np.ndarray] = None
+    last_index: Optional[np.ndarray] = None
     what: str = "logprobs"
     micro_batch_size: int = 1
     temperature: float = 1.0
     rows: Optional[list] = None
-    task_reward: Optional[dict] = None  # a programmatic reward replaces the reward model's score
+    task_reward: Optional[TaskReward] = None  # a programmatic reward replaces the reward model's score
     prompt_lens: Optional[list] = None
     method: ClassVar[str] = "infer"
 
 
 @dataclass(frozen=True)
+class LossInputs:
+    """One training loss's per-sample inputs over the whole batch, under the workflow's names
+    (:data:`harness.planning.dataflow.LOSS_INPUTS`): the actor's loss reads ``old_logprobs`` and
+    ``advantages``, the critic's ``old_values`` and ``returns``; the others stay None."""
+    tokens: np.ndarray
+    attn: np.ndarray
+    action_mask: np.ndarray
+    old_logprobs: Optional[np.ndarray] = None
+    advantages: Optional[np.ndarray] = None
+    old_values: Optional[np.ndarray] = None
+    returns: Optional[np.ndarray] = None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The inputs present, by name (the worker's micro-batches are cut from them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
 class TrainPart:
     """One model's share of a training stage: its loss inputs and micro-batch size."""
-    data: dict
+    inputs: LossInputs
     micro_batch_size: int
 
 
@@ -92,11 +121,11 @@ class TrainPart:
 class Train(Request):
     """One PPO epoch of the models of a training stage on this device: ``actions``, its logical
     rank's lowered action list, in order (one optimizer step per mini-batch). ``parts`` and
-    ``allocations`` per model role; ``pipe_role`` maps each pipe of the schedule to its role."""
-    parts: dict = field(default_factory=dict)
-    allocations: dict = field(default_factory=dict)
-    pipe_role: dict = field(default_factory=dict)
-    actions: tuple = ()
+    ``allocations`` by model role; ``pipe_role`` maps each pipe of the schedule to its role."""
+    parts: dict[str, TrainPart] = field(default_factory=dict)
+    allocations: dict[str, Allocation] = field(default_factory=dict)
+    pipe_role: dict[str, str] = field(default_factory=dict)
+    actions: tuple[str, ...] = ()
     minibatches: list = field(default_factory=list)
     temperature: float = 1.0
     clip_eps: float = 0.2
@@ -145,9 +174,32 @@ class Export(Request):
 
 
 @dataclass(frozen=True)
+class ExportedSample:
+    """An unfinished sample taken out of a generation session: everything but its KV cache, which
+    stays on the devices of its instance until :class:`Migrate` sends it."""
+    sample_id: int
+    prompt: list
+    tokens: list
+    logprobs: list
+    target_len: Optional[int]
+    max_new_tokens: int
+    rng_state: Optional[list]  # the sampler's generator state (bytes as ints)
+
+
+@dataclass(frozen=True)
+class KvMove:
+    """One sample's KV shard from device ``src`` (tp rank t of its instance) to ``dst`` (tp rank t of
+    the destination); ``kv_shapes``: the shard's key (and value) shape per layer."""
+    src: int
+    dst: int
+    sample: ExportedSample
+    kv_shapes: dict[int, list]
+
+
+@dataclass(frozen=True)
 class Migrate(Request):
     """Send the exported samples' KV shards and import the samples moved here (``moves``)."""
-    moves: list = field(default_factory=list)
+    moves: tuple[KvMove, ...] = ()
     with_kv: bool = True
     method: ClassVar[str] = "migrate"
 
@@ -155,14 +207,3 @@ class Migrate(Request):
 @dataclass(frozen=True)
 class CloseSession(Request):
     method: ClassVar[str] = "close_session"
-
-
-@dataclass
-class Result:
-    """A worker's answer: its rank, its spans, the request's output, and its memory peaks."""
-    rank: int
-    spans: list
-    out: Any
-    memory_gb: float = 0.0
-    memory: dict = field(default_factory=dict)
-    task_spans: Optional[dict] = None  # a fused stage: spans per model role

@@ -19,10 +19,11 @@ links between the instances) or only the tokens (tiny transfer; the receiver re-
 context). Instances are independent until the migration, so the migration time is found from an
 unmigrated run and the instances are then replayed up to it, which is exact.
 
-Each decode step costs ``CostModel.decode_step_s(batch, context tokens, tp, pp, engine)`` (the
-policy's engine: ``graph`` or ``eager`` host overheads under the calibrated cost model). Steps
-between two batch changes form one span, timed by one ``decode_span_s`` call (memoised: replays
-and candidate layouts ask for the same spans).
+Each decode step costs ``CostModel.decode_step_s(batch, context tokens, tp, pp)``: as the plan's
+generation engine runs it when the cost model carries the plan's engines
+(:meth:`~harness.costmodel.CostModel.with_engines`: an eager host loop, CUDA graphs, ...), else a
+CUDA-graph engine's step. Steps between two batch changes form one span, timed by one
+``decode_span_s`` call (memoised: replays and candidate layouts ask for the same spans).
 
 Static rounds may be **synced** across instances (``GenerationPolicy.synced_instances``:
 ``generate(synced_gpus=True)`` under ZeRO-3 keeps every rank stepping until all ranks' rounds
@@ -75,7 +76,7 @@ class InstanceResult:
 class ContinuousInstance:
     """One generation instance with continuous batching; can stop at a time and take or give samples.
 
-    Bookkeeping is per span, not per running sample (issue 28: at 256 samples a batch the per-sample
+    Bookkeeping is per span, not per running sample (at 256 samples a batch the per-sample
     sums were most of the planner's time): the instance counts its decode steps, each running
     sample is due at step ``admitted step + tokens left`` (a heap gives the next span's length), and
     the running context and target totals are kept incrementally. A sample's ``generated`` is
@@ -83,9 +84,8 @@ class ContinuousInstance:
 
     def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
                  max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
-                 task_name: str, engine: str = "graph", launches_per_layer: int | None = None):
+                 task_name: str):
         self.cm, self.model, self.devices, self.tp, self.pp = cm, model, devices, tp, pp
-        self.engine, self.launches = engine, launches_per_layer
         self.task_name = task_name
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
@@ -118,8 +118,7 @@ class ContinuousInstance:
             admitted.append(sample)
         to_prefill = sum(s.context for s in admitted if not s.has_kv)
         if to_prefill:
-            dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp, engine=self.engine,
-                                   launches_per_layer=self.launches)
+            dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp)
             self._span(self.now, self.now + dt, "prefill")
             self.now += dt
         for s in admitted:
@@ -137,8 +136,7 @@ class ContinuousInstance:
             batch = len(self.running)
             self.result.peak_kv_tokens = max(self.result.peak_kv_tokens, self._target_total)
             num_steps, start = self._due[0][0] - self.steps, self.now
-            span = self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp,
-                                         self.engine, self.launches)
+            span = self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp)
             # the clock after each step, added in order; a step starts only while the clock is before
             # until_s (step times are non-negative, so the clocks are sorted and bisect finds the stop)
             clocks = list(itertools.accumulate(span, initial=self.now))
@@ -199,7 +197,6 @@ def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts:
     s = task.allocation.strategy
     tp, pp = s.tp, s.pp
     round_size = policy.max_batch_size or max(1, math.ceil(len(prompts) / s.dp))
-    launches = policy.eager_launches_per_layer
     results = [InstanceResult(task.allocation.replica_devices(k), start) for k in range(s.dp)]
     nows = [start] * s.dp
     for members in _rounds(len(prompts), s.dp, round_size):
@@ -210,12 +207,11 @@ def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts:
             res, now, batch = results[k], nows[k], len(ids)
             span_of = ids if not policy.synced_instances else everyone
             padded_prompt = int(prompts[span_of].max())
-            dt = cm.prefill_s(model, padded_prompt * batch, tp, pp, engine=policy.engine,
-                              launches_per_layer=launches)
+            dt = cm.prefill_s(model, padded_prompt * batch, tp, pp)
             res.spans.append(Span(res.devices, task.name, "prefill", now, now + dt))
             now += dt
             num_steps = int(outputs[span_of].max())
-            step_times = cm.decode_span_s(model, batch, padded_prompt * batch, num_steps, tp, pp, policy.engine, launches)
+            step_times = cm.decode_span_s(model, batch, padded_prompt * batch, num_steps, tp, pp)
             elapsed = np.cumsum(step_times)
             for i in ids:  # a row's last token comes out at the end of its own step
                 finishes.append(SampleRecord(int(i), int(prompts[i]), int(outputs[i]),
@@ -254,7 +250,7 @@ def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, ou
     for k in range(s.dp):
         inst = ContinuousInstance(cm, model, task.allocation.replica_devices(k), s.tp, s.pp, start_s,
                                   policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes,
-                                  task.name, policy.engine, policy.eager_launches_per_layer)
+                                  task.name)
         inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in range(k, len(prompts), s.dp)]
         instances.append(inst)
     return instances

@@ -8,7 +8,7 @@ sub-group is created, its members take part in one collective on it, and every r
 default group right after ``init_process_group`` (:meth:`Groups.first_collective`, called by the
 worker): ``batch_isend_irecv`` is undefined when it is the first collective call of its group and
 not every rank of the group takes part (its docs), and on CUDA each worker has set its current
-device before (harness/backends/ray/worker.py).
+device before (harness/backends/ray/worker/device.py).
 
 Point-to-point traffic (pipeline activations, weight reallocation) uses the default group with
 global ranks, after its all-rank first collective. :func:`exchange` sends one flat buffer per

@@ -25,7 +25,7 @@ def layout_key(alloc: Allocation) -> str:
 
 class ReplicaStore:
     """``setup``: ``model_args``, ``seeds`` and optional ``checkpoints`` per role (the driver's
-    :mod:`harness.backends.ray.homes`); ``engine_options``: what the generation engine of every
+    :mod:`harness.backends.ray.driver.homes`); ``engine_options``: what the generation engine of every
     replica is (``generation_engine``, ``vllm``)."""
 
     def __init__(self, rank: int, device: Any, dtype: Any, groups: Any, plan: Plan, setup: dict[str, Any],

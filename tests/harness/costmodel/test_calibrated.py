@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from harness.costmodel import measured as ms
+from harness.core.engines import GenerationEngine
+from harness.costmodel.engines import generation_step_s
 from harness.costmodel.calibrated import (EAGER_HOST_S_PER_LAUNCH, FITTED_DIR, GPT_FAST_GRAPH_TOKENS_PER_S,
                                           LLAMA_7B, CalibratedCompute, Calibration, Curve, _op_work,
                                           _vidur_dims, derived_graph_step_overhead_s, fit_calibration)
@@ -113,17 +115,25 @@ def test_curve_interpolates_and_extends_with_the_tail_bandwidth():
 
 
 def test_eager_engine_is_host_bound_at_small_batches_and_gpu_bound_at_large_ones():
+    """The calibrated steps are a CUDA-graph engine's (GPU time + the replay overhead); an eager
+    engine's step (the execution engines' rule) is floored by the measured host time per launch."""
     compute = CalibratedCompute(Calibration.load("h100"), PEAK["h100"])
     d = ModelDims("13b", 40, 5120, 40, 40, 13824)
+    eager = GenerationEngine(name="eager", batching="static", kernels="eager", launches_per_layer=6,
+                             gpu_time_scale=1.0, host_time_scale=1.0)
+
+    def eager_step_s(batch: int, context: int, tp: int) -> float:
+        return generation_step_s(compute.decode_step_s(d, batch, context, tp), 0.0, d.num_layers, eager,
+                                 compute.host_s_per_launch, compute.graph_step_overhead_s, 0.0)
+
     host_s = 40 * 6 * EAGER_HOST_S_PER_LAUNCH
-    assert compute.decode_step_s(d, 1, 512, tp=8, engine="eager", launches_per_layer=6) == pytest.approx(host_s)
+    assert compute.host_s_per_launch == EAGER_HOST_S_PER_LAUNCH
+    assert eager_step_s(1, 512, 8) == pytest.approx(host_s)
     big = compute.decode_step_gpu_s(d, 4096, 4096 * 2048, tp=1)
     assert big > host_s
-    assert compute.decode_step_s(d, 4096, 4096 * 2048, tp=1, engine="eager", launches_per_layer=6) == big
-    graph = compute.decode_step_s(d, 1, 512, tp=8, engine="graph")
+    assert eager_step_s(4096, 4096 * 2048, 1) == pytest.approx(big, rel=1e-12)
+    graph = compute.decode_step_s(d, 1, 512, tp=8)
     assert graph == compute.decode_step_gpu_s(d, 1, 512, tp=8) + compute.graph_step_overhead_s
-    with pytest.raises(ValueError, match="engine"):
-        compute.decode_step_s(d, 1, 512, engine="turbo")
 
 
 def test_graph_overhead_is_derived_from_the_measurement_not_tuned():

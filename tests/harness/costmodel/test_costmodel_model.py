@@ -94,23 +94,22 @@ def test_decode_step_is_cheap_to_call(cost_model):
 
 
 @pytest.mark.parametrize("kind", ["roofline", "calibrated"])
-@pytest.mark.parametrize("batch,tp,pp,engine,launches", [(1, 1, 1, "graph", None), (64, 8, 2, "graph", None),
-                                                         (7, 2, 4, "eager", None), (300, 4, 1, "eager", 12)])
+@pytest.mark.parametrize("batch,tp,pp", [(1, 1, 1), (64, 8, 2), (7, 2, 4), (300, 4, 1)])
 @pytest.mark.parametrize("num_steps", [3, 57])  # step by step, and elementwise (SHORT_SPAN_STEPS)
-def test_decode_span_is_its_steps_bit_for_bit(testbed, kind, batch, tp, pp, engine, launches, num_steps):
+def test_decode_span_is_its_steps_bit_for_bit(testbed, kind, batch, tp, pp, num_steps):
     """A span (the calibrated model's one-pass timing, or the roofline's per-step loop) is exactly
     the per-step times, step j at context c + j * batch, whatever the memo already holds."""
     testbed.cost_model = kind
     testbed.calibration = "h100"
     cm = CostModel(testbed, workload())
     model = LLAMA["13b"]
-    span = cm.decode_span_s(model, batch, batch * 333, num_steps, tp, pp, engine, launches)
+    span = cm.decode_span_s(model, batch, batch * 333, num_steps, tp, pp)
     fresh = CostModel(testbed, workload())  # an empty memo: every step computed on its own
-    steps = tuple(fresh.decode_step_s(model, batch, batch * 333 + j * batch, tp, pp, engine, launches)
+    steps = tuple(fresh.decode_step_s(model, batch, batch * 333 + j * batch, tp, pp)
                   for j in range(num_steps))
     assert span == steps
-    assert cm.decode_span_s(model, batch, batch * 333, num_steps, tp, pp, engine, launches) is span  # memoised
-    assert cm.decode_span_s(model, 0, 0, 3, tp, pp, engine) == (0.0, 0.0, 0.0)
+    assert cm.decode_span_s(model, batch, batch * 333, num_steps, tp, pp) is span  # memoised
+    assert cm.decode_span_s(model, 0, 0, 3, tp, pp) == (0.0, 0.0, 0.0)
 
 
 def test_memoised_op_times_equal_fresh_ones(testbed):

@@ -128,7 +128,7 @@ def test_heldout_refuses_a_heldout_model_among_the_fit_models():
 def test_report_command_prints_a_table(tmp_path):
     out_csv = tmp_path / "report.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli.calibrate", "report", "--gpu", "h100", "--csv",
+        [sys.executable, "-m", "harness.calibrate", "report", "--gpu", "h100", "--csv",
          str(out_csv)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -1,4 +1,4 @@
-"""The local op profiler (issue 12, item 4): ``python -m harness.cli.calibrate profile`` writes a
+"""The local op profiler (issue 12, item 4): ``python -m harness.calibrate profile`` writes a
 Vidur-format ``mlp.csv`` that ``measured.load_compute`` reads like the public profiles."""
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_compute_files_reads_both_layouts(tmp_path):
 
 def test_cli_subprocess(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli.calibrate", "profile", "--model", "tiny",
+        [sys.executable, "-m", "harness.calibrate", "profile", "--model", "tiny",
          "--num-tokens", "1", "8", "--repeats", "3", "--warmup", "1", "--threads", "1",
          "--device", "cpu", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -158,6 +158,6 @@ def test_compare_refuses_unmatched_shapes(tmp_path, profiled):
     out, _, _ = profiled  # the tiny model: no Vidur file has its shape
     with pytest.raises(ValueError, match="no profile row"):
         calibrate.compare(out, "h100")
-    proc = subprocess.run([sys.executable, "-m", "harness.cli.calibrate", "compare", "--local", str(tmp_path / "none")],
+    proc = subprocess.run([sys.executable, "-m", "harness.calibrate", "compare", "--local", str(tmp_path / "none")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no such folder" in proc.stderr

@@ -11,9 +11,13 @@ development machine: about 5-9 s per figure; ``learning_curves`` (real PPO on Ra
 iterations) about 22 s.
 
 Also: missing results end every figure with one ``error:`` line naming the experiment and exit 2,
-and a command line the harness refuses stops the figure with exit 2 before drawing.
+and a command line the harness refuses stops the figure with exit 2 before drawing; ``python -m
+harness.figures`` exits with its ``main``'s status.
 """
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -106,6 +110,13 @@ def test_missing_results_end_with_one_error_line_and_exit_2(tmp_path, capfd, nam
     assert len(lines) == 1 and lines[0].startswith(f"error: {name}: "), err
     assert f"python -m harness +experiment={name} results_dir={tmp_path}" in lines[0]
     assert f"python -m harness.figures {name} --run --results {tmp_path}" in lines[0]
+
+
+def test_the_module_command_exits_with_mains_status(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness.figures", "fig8_breakdown", "--results", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: fig8_breakdown: "), proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 def test_a_refused_command_line_stops_the_figure_with_exit_2(tmp_path, capfd):

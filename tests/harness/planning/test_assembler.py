@@ -6,18 +6,9 @@ from harness.core.plan import (Allocation, Feature, GenerationPolicy, MovementKi
                           TaskKind, WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan, needs_movement
 from harness.planning.workflow import PPO_TASKS
-from harness.testing import context
 
-OVERRIDES = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
 N = 4
 FULL = tuple(range(N))
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    c = context(OVERRIDES)
-    assert c.num_devices == N
-    return c
 
 
 def A(mesh=FULL, dp=1, tp=1, pp=1, zero=0) -> Allocation:
@@ -34,8 +25,8 @@ def allocs(**over) -> dict[str, Allocation]:
     return out
 
 
-def assemble(ctx, allocations, **kw):
-    plan = assemble_ppo_plan(ctx, "test", allocations, GenerationPolicy(), **kw)
+def assemble(tiny_ctx, allocations, **kw):
+    plan = assemble_ppo_plan(tiny_ctx, "test", allocations, GenerationPolicy(), **kw)
     plan.validate(N)
     return plan
 
@@ -64,8 +55,8 @@ def test_needs_movement_truth_table(source, target, expected):
 
 
 # ---- assemble_ppo_plan ---------------------------------------------------------------------------
-def test_one_shared_allocation_moves_nothing(ctx):
-    plan = assemble(ctx, allocs(update_actor=A(dp=2, tp=2, zero=1), update_critic=A(dp=2, tp=2, zero=1)))
+def test_one_shared_allocation_moves_nothing(tiny_ctx):
+    plan = assemble(tiny_ctx, allocs(update_actor=A(dp=2, tp=2, zero=1), update_critic=A(dp=2, tp=2, zero=1)))
     assert [t.name for t in plan.tasks] == list(PPO_TASKS)
     assert movement_tasks(plan) == [] and plan.weight_movements == []
     assert "actor_weights" in plan.task("gen").reads
@@ -79,13 +70,13 @@ def test_one_shared_allocation_moves_nothing(ctx):
     # default training: each training task its own single-pipe stage
     assert [st.tasks for st in plan.training] == [("update_actor",), ("update_critic",)]
     assert not any(st.fused for st in plan.training)
-    assert plan.global_batch_size == ctx.workload.global_batch_size
-    assert plan.mini_batch_size == ctx.workload.mini_batch_size
+    assert plan.global_batch_size == tiny_ctx.workload.global_batch_size
+    assert plan.mini_batch_size == tiny_ctx.workload.mini_batch_size
 
 
-def test_other_generation_layout_adds_a_realloc_task(ctx):
+def test_other_generation_layout_adds_a_realloc_task(tiny_ctx):
     gen = A(dp=1, tp=4)
-    plan = assemble(ctx, allocs(gen=gen))
+    plan = assemble(tiny_ctx, allocs(gen=gen))
     assert movement_tasks(plan) == ["realloc_actor_gen"]
     task = plan.task("realloc_actor_gen")
     assert task.model == "actor" and task.allocation == gen
@@ -98,9 +89,9 @@ def test_other_generation_layout_adds_a_realloc_task(ctx):
     assert order.index("realloc_actor_gen") < order.index("gen")
 
 
-def test_other_values_layout_adds_a_critic_realloc_task(ctx):
+def test_other_values_layout_adds_a_critic_realloc_task(tiny_ctx):
     values = A(dp=4)
-    plan = assemble(ctx, allocs(values=values))
+    plan = assemble(tiny_ctx, allocs(values=values))
     assert movement_tasks(plan) == ["realloc_critic_values"]
     assert plan.dependencies()["values"] == ["gen", "realloc_critic_values"]
     assert "critic_weights@values" in plan.task("values").reads and "critic_weights" not in plan.task("values").reads
@@ -109,13 +100,13 @@ def test_other_values_layout_adds_a_critic_realloc_task(ctx):
 
 
 @pytest.mark.parametrize("gen", [SHARED, A((2, 3), dp=2)])
-def test_param_sync_always_moves_and_keeps_a_shadow_copy(ctx, gen):
+def test_param_sync_always_moves_and_keeps_a_shadow_copy(tiny_ctx, gen):
     train = A((0, 1), dp=2) if gen.mesh == (2, 3) else SHARED
     allocations = allocs(gen=gen, update_actor=train)
     if gen.mesh == (2, 3):  # a separate generation pool
         allocations.update(ref=A((0, 1), dp=2), reward=A((0, 1), dp=2), values=A((0, 1), dp=2),
                            update_critic=A((0, 1), dp=2))
-    plan = assemble(ctx, allocations, actor_sync=MovementKind.PARAM_SYNC)
+    plan = assemble(tiny_ctx, allocations, actor_sync=MovementKind.PARAM_SYNC)
     assert movement_tasks(plan) == ["param_sync"]
     assert plan.task("param_sync").allocation == gen
     assert plan.weight_movements == [WeightMovement("param_sync", "actor", train, gen, MovementKind.PARAM_SYNC)]
@@ -124,9 +115,9 @@ def test_param_sync_always_moves_and_keeps_a_shadow_copy(ctx, gen):
     assert len(plan.resident) == 5
 
 
-def test_streaming_inference_fetches_the_critic_per_replica(ctx):
+def test_streaming_inference_fetches_the_critic_per_replica(tiny_ctx):
     values = A(dp=4)
-    plan = assemble(ctx, allocs(values=values, ref=values, reward=values), stream_inference=True)
+    plan = assemble(tiny_ctx, allocs(values=values, ref=values, reward=values), stream_inference=True)
     assert sorted(plan.stream_edges()) == [("gen", "ref"), ("gen", "reward"), ("gen", "values")]
     for name in ("ref", "reward", "values"):
         assert plan.task(name).stream_from == "gen"
@@ -140,41 +131,41 @@ def test_streaming_inference_fetches_the_critic_per_replica(ctx):
     assert set(plan.features()) == {Feature.STREAMING, Feature.PER_REPLICA_MOVEMENT}
 
 
-def test_streaming_with_the_critic_in_place_moves_nothing(ctx):
-    plan = assemble(ctx, allocs(), stream_inference=True)
+def test_streaming_with_the_critic_in_place_moves_nothing(tiny_ctx):
+    plan = assemble(tiny_ctx, allocs(), stream_inference=True)
     assert plan.weight_movements == [] and movement_tasks(plan) == []
     assert plan.features() == [Feature.STREAMING]
 
 
-def test_streaming_still_reallocates_the_actor_as_a_task(ctx):
-    plan = assemble(ctx, allocs(gen=A(dp=4), values=A(dp=4)), stream_inference=True)
+def test_streaming_still_reallocates_the_actor_as_a_task(tiny_ctx):
+    plan = assemble(tiny_ctx, allocs(gen=A(dp=4), values=A(dp=4)), stream_inference=True)
     assert movement_tasks(plan) == ["realloc_actor_gen"]
     kinds = {m.task: m.kind for m in plan.weight_movements}
     assert kinds == {"realloc_actor_gen": MovementKind.REALLOC, "values": MovementKind.PER_REPLICA}
 
 
-def test_offloaded_models_are_not_resident(ctx):
-    plan = assemble(ctx, allocs(), offloaded=("ref", "reward"))
+def test_offloaded_models_are_not_resident(tiny_ctx):
+    plan = assemble(tiny_ctx, allocs(), offloaded=("ref", "reward"))
     assert plan.offloaded == ["ref", "reward"]
     assert {r.model for r in plan.resident} == {"actor", "critic"}
     assert Feature.OFFLOAD in plan.features()
-    plan = assemble(ctx, allocs(), offloaded=("reward",))
+    plan = assemble(tiny_ctx, allocs(), offloaded=("reward",))
     assert [r.model.value for r in plan.resident] == ["actor", "critic", "ref"]
 
 
-def test_passed_training_stages_and_batch_sizes_are_kept(ctx):
-    plan = assemble(ctx, allocs(), training=[], mini_batch_size=2, notes={"k": 1})
+def test_passed_training_stages_and_batch_sizes_are_kept(tiny_ctx):
+    plan = assemble(tiny_ctx, allocs(), training=[], mini_batch_size=2, notes={"k": 1})
     assert plan.training == [] and plan.mini_batch_size == 2 and plan.notes == {"k": 1}
 
 
 @pytest.mark.parametrize("missing", list(PPO_TASKS))
-def test_missing_allocation_raises(ctx, missing):
+def test_missing_allocation_raises(tiny_ctx, missing):
     allocations = allocs()
     del allocations[missing]
     with pytest.raises(PlanError, match=missing):
-        assemble_ppo_plan(ctx, "test", allocations, GenerationPolicy())
+        assemble_ppo_plan(tiny_ctx, "test", allocations, GenerationPolicy())
 
 
-def test_actor_cannot_reach_generation_per_replica(ctx):
+def test_actor_cannot_reach_generation_per_replica(tiny_ctx):
     with pytest.raises(PlanError, match="per replica"):
-        assemble_ppo_plan(ctx, "test", allocs(), GenerationPolicy(), actor_sync=MovementKind.PER_REPLICA)
+        assemble_ppo_plan(tiny_ctx, "test", allocs(), GenerationPolicy(), actor_sync=MovementKind.PER_REPLICA)

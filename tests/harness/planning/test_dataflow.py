@@ -1,6 +1,6 @@
 """The training tasks' declared reads against the PPO math that builds their training data.
 
-The math is the Ray driver's own (``harness.backends.ray.experience``: the data it has under the
+The math is the Ray driver's own (``harness.backends.ray.driver.experience``: the data it has under the
 workflow's keys, then KL-penalised rewards, GAE and returns from :mod:`harness.real.ppo`), run
 through :class:`TaskInputs`, which holds only the keys a task declares and raises on any other.
 """
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.backends.ray import experience as ex
+from harness.backends.ray.driver import experience as ex
 from harness.core.plan import Allocation, ParallelStrategy, Plan
 from harness.planning.dataflow import (LOSS_INPUTS, SAMPLE_DATA, TaskInputs, UndeclaredRead, sample_data_behind,
                                        training_reads)

@@ -64,10 +64,10 @@ def test_value_clipfrac_hand_example():
 
 
 def test_ray_training_pass_reports_the_same_clip_fractions():
-    """The backend's per-micro-batch stats (harness.backends.ray.pipeline._loss) on the same cases,
+    """The backend's per-micro-batch stats (harness.backends.ray.worker.pipeline._loss) on the same cases,
     from model outputs: logits whose log-probabilities give exactly RATIO against old log-probs."""
-    from harness.backends.ray.passes import _head_output
-    from harness.backends.ray.pipeline import _loss
+    from harness.backends.ray.worker.passes import _head_output
+    from harness.backends.ray.worker.pipeline import _loss
     from harness.backends.ray.protocol import Train
 
     gen = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from harness.real.engine import GenerationEngine, SamplingParams, sample_seed, sample_tokens
+from harness.real.engine import SamplingParams, TorchGenerator, sample_seed, sample_tokens
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
@@ -50,7 +50,7 @@ def _check_against_reference(model, finished, prompts, targets, sampling):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_engine_equals_reference_decode(tiny_model, sampling):
     prompts, targets = _workload()
-    engine = GenerationEngine(tiny_model, max_batch_size=3, sampling=sampling, kv_capacity=8)
+    engine = TorchGenerator(tiny_model, max_batch_size=3, sampling=sampling, kv_capacity=8)
     for i in range(5):
         engine.submit(i, prompts[i], targets[i])
     finished = engine.step() + engine.step()
@@ -66,7 +66,7 @@ def test_results_do_not_depend_on_batch_size(tiny_model):
     prompts, targets = _workload(seed=1)
     runs = []
     for batch in (1, 4, 7):
-        engine = GenerationEngine(tiny_model, max_batch_size=batch, sampling=SAMPLED)
+        engine = TorchGenerator(tiny_model, max_batch_size=batch, sampling=SAMPLED)
         for i, (p, t) in enumerate(zip(prompts, targets)):
             engine.submit(i, p, t)
         runs.append({f.sample_id: f.tokens for f in engine.run()})
@@ -78,7 +78,7 @@ def test_eos_mode(tiny_model):
     free = reference_decode(tiny_model, prompts[0], SamplingParams(max_new_tokens=12), 0)[0]
     eos = free[5]  # a token the greedy decode of sample 0 produces
     sampling = SamplingParams(eos_token_id=eos, max_new_tokens=12)
-    engine = GenerationEngine(tiny_model, max_batch_size=2, sampling=sampling)
+    engine = TorchGenerator(tiny_model, max_batch_size=2, sampling=sampling)
     for i, p in enumerate(prompts):
         engine.submit(i, p)
     engine.submit("fixed", prompts[0], target_len=12)  # length-controlled: EOS ignored
@@ -95,7 +95,7 @@ def test_eos_mode(tiny_model):
 
 def test_finish_callbacks_fire_once_in_finish_order(tiny_model):
     prompts, targets = _workload(n=6, seed=3)
-    engine = GenerationEngine(tiny_model, max_batch_size=2)
+    engine = TorchGenerator(tiny_model, max_batch_size=2)
     seen = []
     for i, (p, t) in enumerate(zip(prompts, targets)):
         engine.submit(i, p, t)
@@ -115,12 +115,12 @@ def test_finish_callbacks_fire_once_in_finish_order(tiny_model):
 def test_migration_continues_exactly(tiny_model, with_kv, sampling):
     prompts, targets = _workload(seed=4)
     targets = [t + 6 for t in targets]
-    baseline = GenerationEngine(tiny_model, max_batch_size=4, sampling=sampling)
+    baseline = TorchGenerator(tiny_model, max_batch_size=4, sampling=sampling)
     for i, (p, t) in enumerate(zip(prompts, targets)):
         baseline.submit(i, p, t)
     expected = {f.sample_id: f for f in baseline.run()}
 
-    source = GenerationEngine(tiny_model, max_batch_size=4, sampling=sampling)
+    source = TorchGenerator(tiny_model, max_batch_size=4, sampling=sampling)
     for i, (p, t) in enumerate(zip(prompts, targets)):
         source.submit(i, p, t)
     finished = source.step() + source.step() + source.step() + source.step()
@@ -131,7 +131,7 @@ def test_migration_continues_exactly(tiny_model, with_kv, sampling):
     for m in running:
         assert (m.kv is not None) == with_kv
         assert m.kv is None or m.kv_len == len(m.prompt_tokens) + len(m.tokens) - 1
-    target = GenerationEngine(tiny_model, max_batch_size=3, sampling=sampling)
+    target = TorchGenerator(tiny_model, max_batch_size=3, sampling=sampling)
     target.import_samples(migrated)
     finished += target.run()
     assert sorted(f.sample_id for f in finished) == list(range(7))
@@ -157,7 +157,7 @@ def test_sample_tokens():
 
 
 def test_submit_errors(tiny_model):
-    engine = GenerationEngine(tiny_model, max_batch_size=2)
+    engine = TorchGenerator(tiny_model, max_batch_size=2)
     engine.submit("a", [1, 2, 3], 4)
     with pytest.raises(ValueError, match="already"):
         engine.submit("a", [1], 1)
@@ -182,7 +182,7 @@ def test_steps_to_next_finish_is_exact_for_length_controlled_samples(tiny_model,
     """After ``steps_to_next_finish()`` steps some sample has finished, and in none of the steps
     before (the driver's round length in streamed generation); samples submitted mid-flight count."""
     prompts, targets = _workload(n=7, seed=3)
-    engine = GenerationEngine(tiny_model, max_batch_size=batch, sampling=SAMPLED)
+    engine = TorchGenerator(tiny_model, max_batch_size=batch, sampling=SAMPLED)
     for i in range(5):
         engine.submit(i, prompts[i], targets[i])
     rounds = 0
@@ -201,7 +201,7 @@ def test_steps_to_next_finish_is_exact_for_length_controlled_samples(tiny_model,
 
 def test_steps_to_next_finish_is_one_when_eos_may_end_a_sample(tiny_model):
     prompts, _ = _workload(n=2, seed=4)
-    engine = GenerationEngine(tiny_model, max_batch_size=2, sampling=SamplingParams(eos_token_id=3, max_new_tokens=9))
+    engine = TorchGenerator(tiny_model, max_batch_size=2, sampling=SamplingParams(eos_token_id=3, max_new_tokens=9))
     engine.submit(0, prompts[0], target_len=9)
     assert engine.steps_to_next_finish() == 9
     engine.submit(1, prompts[1])  # EOS-controlled

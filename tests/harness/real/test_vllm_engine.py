@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from harness.real.engine import GenerationEngine, MigratedSample, SamplingParams
+from harness.real.engine import MigratedSample, SamplingParams, TorchGenerator
 from harness.real.model import LlamaModel, ModelArgs
 from harness.real.vllm_engine import (EngineUnavailableError, VllmEngine, hf_tensor_name, save_hf_llama,
                                       vllm_available)
@@ -195,7 +195,7 @@ def test_without_vllm_building_an_engine_names_the_recipe(monkeypatch):
 def test_real_vllm_greedy_tokens_equal_ours(tmp_path):
     model = LlamaModel(ARGS, seed=1).eval()
     prompts = torch.randint(3, ARGS.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = GenerationEngine(model, max_batch_size=4, kv_capacity=32)
+    ours = TorchGenerator(model, max_batch_size=4, kv_capacity=32)
     theirs = VllmEngine(save_hf_llama(model.state_dict(), ARGS, tmp_path / "ckpt"), max_batch_size=4,
                         dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=32)
     for i, p in enumerate(prompts):
@@ -227,7 +227,9 @@ def test_ray_worker_builds_one_vllm_engine_and_refreshes_it(fake_vllm, tmp_path)
     """backend=ray's engine choice (passes.make_engine) on a replica: vLLM is built once from the
     replica's weights written as a checkpoint, later calls refresh the weights in place."""
     from harness.real.parallel.comm import Groups
-    from harness.backends.ray.passes import make_engine
+    from harness.backends.ray.config import VllmOptions
+    from harness.backends.ray.settings import EngineOptions
+    from harness.backends.ray.worker.passes import make_engine
     from harness.real.parallel.replica import LocalReplica
     from harness.core.plan import Allocation, ParallelStrategy
     from harness.real.hf import load_hf_llama
@@ -235,8 +237,8 @@ def test_ray_worker_builds_one_vllm_engine_and_refreshes_it(fake_vllm, tmp_path)
     replica = LocalReplica("actor", ARGS, Allocation((0,), ParallelStrategy(1, 1, 1)), 0, Groups(0, 1, []),
                            torch.device("cpu"), None, seed=3)
     assert isinstance(make_engine(replica, max_batch_size=2, sampling=SamplingParams(), kv_capacity=32),
-                      GenerationEngine)
-    replica.engine_options = {"generation_engine": "vllm", "vllm": {"workdir": str(tmp_path)}}
+                      TorchGenerator)
+    replica.engine_options = EngineOptions("vllm", VllmOptions(workdir=str(tmp_path)))
     first = make_engine(replica, max_batch_size=2, sampling=SamplingParams(seed=1), kv_capacity=32)
     assert isinstance(first, VllmEngine) and len(_LLMEngine.instances) == 1
     written = load_hf_llama(tmp_path / "rank0")

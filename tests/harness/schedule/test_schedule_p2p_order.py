@@ -66,8 +66,8 @@ def test_plain_one_f_one_b_is_consistent_and_left_as_lowered(stages, mbs):
 
 @pytest.fixture(scope="module")
 def table3_schedules():
-    from harness.cli.app import compose
-    from harness.run.runner import build_context
+    from harness.run.pipeline import compose
+    from harness.run.pipeline import build_context
     from systems.rlhfuse.experiments import fused_layout_costs
     from systems.rlhfuse.intra import FusedSearchConfig, search_fused_schedule
 

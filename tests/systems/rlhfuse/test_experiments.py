@@ -1,14 +1,19 @@
 """The schedule experiments (Table 3, Figure 10) search with a step budget by default, so the same
-config and seed give the same schedule; a wall-clock budget only when asked. FlexFusion's integer
-instances of the same shapes are its own problems, and its published schedules check our bound."""
+config and seed give the same schedule; a wall-clock budget only when asked. They plan in the
+context the harness hands them and write where it says. FlexFusion's integer instances of the same
+shapes are its own problems, and its published schedules check our bound."""
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
+from harness.run.pipeline import ExperimentTools
 from harness.schedule import PipeSpec
-from systems.rlhfuse.experiments import DEFAULT_SEARCH_ACTION_STEPS, flexfusion_layout_costs, search_budget
+from systems.rlhfuse.experiments import (DEFAULT_SEARCH_ACTION_STEPS, flexfusion_layout_costs, fused_layout_costs,
+                                         search_budget, table3_schedules)
 from systems.rlhfuse.intra.bounds import lower_bound_terms
+from systems.rlhfuse.intra.search import paper_serial
 
 PIPES = {"A0": PipeSpec("A0", num_stages=4, num_mbs=8, stage_to_rank=(0, 1, 2, 3), model="actor"),
          "C0": PipeSpec("C0", num_stages=2, num_mbs=8, stage_to_rank=(3, 2), model="critic")}
@@ -30,6 +35,25 @@ def test_shipped_experiment_configs_are_step_budgeted():
     for name in ("table3_schedules", "fig10_schedule"):
         params = OmegaConf.load(CONF / f"{name}.yaml").experiment_params
         assert "max_steps" in search_budget(params, PIPES), name
+
+
+def test_table3_plans_in_the_harness_context_and_writes_its_table_there(tmp_path):
+    cfg = OmegaConf.create({"experiment_params": {
+        "tp": 8, "seed": 0, "memory_cap_vs_serial": 1.0, "search_action_steps": 1e4, "search_time_s": None,
+        "microbatches": [4, 8], "cases": [{"actor": "33b", "critic": "13b", "pp_actor": 4, "pp_critic": 2}]}})
+    tools = ExperimentTools(tmp_path / "table3_schedules")
+    path = table3_schedules(cfg, tools)
+    assert path == tools.folder / "table3.csv"
+    table = pd.read_csv(path)
+    assert table["microbatches_actor"].tolist() == [4, 8]
+    ctx = tools.context(["model=33b_13b", "+system=rlhfuse_base"])
+    for row in table.itertuples():
+        pipes, costs, m_c = fused_layout_costs(ctx, "33b", "13b", 4, 2, row.microbatches_actor, 8)
+        serial_s, _ = paper_serial(pipes, costs)
+        assert row.microbatches_critic == m_c
+        assert row.serial_s == pytest.approx(serial_s, rel=1e-12)
+        assert row.lower_bound_s <= row.fused_s * (1 + 1e-12)
+        assert row.fused_speedup == pytest.approx(row.serial_s / row.fused_s, rel=1e-12)
 
 
 # Makespans of the schedules FlexFusion (the paper authors' solver) published for its own instances

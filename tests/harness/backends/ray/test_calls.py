@@ -2,10 +2,9 @@
 a small in-process fake whose object refs are settled by the test.
 
 A worker runs its calls in submission order, so its death belongs to the earliest call still
-pending on it, whichever call -- and whichever driver thread -- sees the death first. The case
-that failed in CI: a streamed generation's closing request (``task gen``), waited on alone by the
-stream's thread, surfaced the death of the worker that was running the streamed inference
-(``task ref``, waited on by the same thread a moment later) and named the wrong task.
+pending on it, whichever call sees the death first. The case: a streamed generation's closing
+request (``task gen``), waited on alone, surfaces the death of the worker that was running the
+streamed inference (``task ref``, not waited on at that moment): the error must name ``ref``.
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import types
 
 import pytest
 
-from harness.backends.ray.calls import WorkerFailedError, WorkerGroup
+from harness.backends.ray.driver.calls import WorkerFailedError, WorkerGroup
 
 
 class _ActorDied(Exception):

@@ -168,7 +168,7 @@ def test_critic_checkpoint_without_score_head_takes_the_reward_models(ckpts):
 def test_value_head_is_seeded_when_no_checkpoint_has_a_score_head(ckpts):
     """A reward model from a language-model checkpoint: body from the checkpoint, value head
     N(0, 0.02^2) from the role's seed; the critic (same dimensions) starts with the same head."""
-    from harness.backends.ray.homes import role_seeds
+    from harness.backends.ray.driver.homes import role_seeds
 
     args, specs = resolve_checkpoints(_models(f"model.reward.checkpoint={ckpts / 'policy'}"))
     seeds = role_seeds(0, args)

@@ -81,7 +81,7 @@ def _flat(path: Path) -> torch.Tensor:
 
 def _initial(role: str) -> torch.Tensor:
     """The seeded initial weights of ``role`` (seed 0), as the backend builds them."""
-    from harness.backends.ray.homes import role_seeds
+    from harness.backends.ray.driver.homes import role_seeds
     from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 
     args = {r: ModelArgs.from_llama_config(load_llama_config("tiny"), value_head=r in ("critic", "reward"))
@@ -139,11 +139,12 @@ PROBE = r"""
 import json, sys
 import torch
 from harness.real.parallel.comm import Groups
-from harness.backends.ray.worker import DeviceWorker
+from harness.backends.ray.settings import WorkerOptions
+from harness.backends.ray.worker.device import DeviceWorker
 from harness.core.plan import Allocation, ParallelStrategy
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 
-worker = DeviceWorker(0, 1, {"device": "cpu", "torch_threads": 1, "dtype": "bf16"})  # sets DS_ACCELERATOR=cpu
+worker = DeviceWorker(0, 1, WorkerOptions(device="cpu", dtype="bf16"))  # sets DS_ACCELERATOR=cpu
 worker.init_distributed("127.0.0.1", int(sys.argv[1]), 60.0)
 from harness.real.parallel.zero3 import DeepSpeedReplica
 

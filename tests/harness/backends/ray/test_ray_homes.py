@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from harness.backends.ray.homes import ModelHomes, model_args, stale_movement_sources  # noqa: E402
-from harness.backends.ray.options import unsupported_features  # noqa: E402
+from harness.backends.ray.driver.homes import ModelHomes, model_args, stale_movement_sources  # noqa: E402
+from harness.backends.ray.driver.options import unsupported_features  # noqa: E402
 from harness.testing import plan_for  # noqa: E402
 
 TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]

@@ -52,7 +52,7 @@ def test_bf16_run_frees_transient_copies_and_reports_memory(run):
 
 
 def test_bf16_weights_stay_close_to_the_initial_model(run):
-    from harness.backends.ray.experience import stable_seed
+    from harness.backends.ray.driver.experience import stable_seed
     from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 
     cwd, _, _ = run

@@ -19,11 +19,11 @@ import pytest
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from harness.cli.app import compose
+from harness.run.pipeline import compose
 from harness.backends.ray.config import RayOptions
-from harness.backends.ray.options import option_conflicts, zero3_engine
+from harness.backends.ray.driver.options import option_conflicts, zero3_engine
 from harness.errors import ConfigError
-from harness.run.runner import build_context
+from harness.run.pipeline import build_context
 
 torch = pytest.importorskip("torch")
 
@@ -48,7 +48,7 @@ def no_ray(monkeypatch):
 
     ray = pytest.importorskip("ray")
     monkeypatch.setattr(ray, "init", refuse)
-    from harness.backends.ray import cluster
+    from harness.backends.ray.driver import cluster
 
     monkeypatch.setattr(cluster.Cluster, "start_ray", refuse)
 

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from harness.backends.ray.homes import model_args  # noqa: E402
-from harness.backends.ray.options import unsupported_features  # noqa: E402
+from harness.backends.ray.driver.homes import model_args  # noqa: E402
+from harness.backends.ray.driver.options import unsupported_features  # noqa: E402
 from harness.core.plan import Plan  # noqa: E402
 from harness.testing import plan_for  # noqa: E402
 

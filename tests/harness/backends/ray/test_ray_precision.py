@@ -27,7 +27,7 @@ from harness.backends.ray.config import RayOptions, check_address
 from harness.real.parallel.layout import (build_local_module, flat_init_shard, full_shapes, init_local_module, load_pieces,
                                          param_bytes)
 from harness.real.parallel.optim import FlatAdam
-from harness.backends.ray.options import engine_unsupported
+from harness.backends.ray.driver.options import engine_unsupported
 from harness.real.parallel.replica import LocalReplica, NativeZero3Replica
 from harness.errors import ConfigError
 from harness.core.plan import Allocation, ParallelStrategy

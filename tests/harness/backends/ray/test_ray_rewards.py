@@ -7,8 +7,10 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-from harness.backends.ray.config import RayOptions
-from harness.backends.ray.rewards import policy_reward, reward_fields, task_scores
+from harness.backends.ray.config import RayOptions, RewardOptions
+from harness.backends.ray.driver.experience import policy_reward
+from harness.backends.ray.protocol import TaskReward
+from harness.backends.ray.rewards import task_reward, task_scores
 from harness.errors import ConfigError
 from harness.testing import context, run_config
 
@@ -20,17 +22,17 @@ def test_token_range_score_counts_only_response_tokens():
     # row 0: prompt of 3 tokens, response [5, 40, 31, 32] -> 5 and 31 are in [0, 32): 2/4
     # row 1: prompt of 2 tokens, response [0, 200], then padding (the 7s are not counted): 1/2
     tokens = torch.tensor([[99, 1, 2, 5, 40, 31, 32], [3, 4, 0, 200, 7, 7, 7]])
-    scores = task_scores(tokens, torch.tensor([3, 2]), torch.tensor([6, 3]), SPEC)
+    scores = task_scores(tokens, torch.tensor([3, 2]), torch.tensor([6, 3]), TaskReward(**SPEC))
     torch.testing.assert_close(scores, torch.tensor([0.5, 0.5]))
     with pytest.raises(ValueError):
-        task_scores(tokens, torch.tensor([3, 2]), torch.tensor([6, 3]), {"kind": "model"})
+        task_scores(tokens, torch.tensor([3, 2]), torch.tensor([6, 3]), TaskReward("model", 0, 32))
 
 
 def test_only_the_reward_pass_gets_the_task():
-    lens = np.array([3, 4])
-    assert reward_fields("reward", lens, SPEC) == {"task_reward": SPEC, "prompt_lens": [3, 4]}
-    assert reward_fields("ref", lens, SPEC) == {} and reward_fields("critic", lens, SPEC) == {}
-    assert reward_fields("reward", lens, {"kind": "model", "low": 0, "high": 32}) == {}
+    options = RewardOptions(**SPEC)
+    assert task_reward("reward", options) == TaskReward("token_range", 0, 32)
+    assert task_reward("ref", options) is None and task_reward("critic", options) is None
+    assert task_reward("reward", RewardOptions(kind="model")) is None
 
 
 def test_reward_config_is_typed():

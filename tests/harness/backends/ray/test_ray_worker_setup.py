@@ -30,8 +30,9 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
+from harness.backends.ray.settings import WorkerOptions  # noqa: E402
+from harness.backends.ray.worker.device import DeviceWorker, cuda_local_index  # noqa: E402
 from harness.real.parallel import comm  # noqa: E402
-from harness.backends.ray.worker import DeviceWorker, cuda_local_index  # noqa: E402
 
 WORLD = 4
 # as plan_group_ranks orders them: by size, then ranks; (0, 1, 2, 3) is the default group
@@ -117,7 +118,7 @@ def _record_rank(monkeypatch, rank: int, device: str, visible: str = "3", gpu_id
     monkeypatch.setattr(dist, "P2POp", FakeP2POp)
     monkeypatch.setattr(comm, "torch", CpuTorch())
 
-    worker = DeviceWorker(rank, WORLD, {"device": device, "torch_threads": 1})
+    worker = DeviceWorker(rank, WORLD, WorkerOptions(device=device))
     worker.init_distributed("127.0.0.1", 29500, 60.0)
     worker.groups = comm.Groups(rank, WORLD, RANK_SETS, worker.device)
     # the first point-to-point traffic after set-up: a weight movement between ranks 1 and 2 only
@@ -186,7 +187,8 @@ import json, sys
 import torch
 import torch.distributed as dist
 from harness.real.parallel import comm
-from harness.backends.ray.worker import DeviceWorker
+from harness.backends.ray.settings import WorkerOptions
+from harness.backends.ray.worker.device import DeviceWorker
 
 rank, world, port, sets = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 log = []
@@ -206,7 +208,7 @@ def batch_isend_irecv(ops):
     return real_p2p(ops)
 
 dist.all_reduce, dist.new_group, dist.batch_isend_irecv = all_reduce, new_group, batch_isend_irecv
-worker = DeviceWorker(rank, world, {"device": "cpu", "torch_threads": 1})
+worker = DeviceWorker(rank, world, WorkerOptions(device="cpu"))
 worker.init_distributed("127.0.0.1", port, 60.0)
 worker.groups = comm.Groups(rank, world, [tuple(s) for s in sets], worker.device)
 got = {}

@@ -9,7 +9,7 @@ from hydra.utils import get_class
 from harness.planning.taskmodels.generation import simulate_generation
 from harness.planning.taskmodels.passes import simulate_inference, simulate_training
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
-from harness.run.runner import build_context
+from harness.run.pipeline import build_context
 from harness.testing import run_config
 from harness.core.workload import make_batch
 

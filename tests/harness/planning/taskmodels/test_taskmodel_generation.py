@@ -93,5 +93,3 @@ def test_padding_and_sync_need_static_rounds():
 
     with pytest.raises(PlanError, match="static"):
         GenerationPolicy("continuous", pad_to_longest=True)
-    with pytest.raises(PlanError, match="engine"):
-        GenerationPolicy("static", engine="jit")

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from harness.backends.ray.experience import minibatch_indices
+from harness.backends.ray.driver.experience import minibatch_indices
 from harness.real.parallel.layout import (assemble, build_local_module, coords, full_shapes, load_pieces, local_args,
                                          received_bytes, transfer_plan)
 from harness.costmodel.llama import matmul_params_per_layer

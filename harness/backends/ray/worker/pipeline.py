@@ -8,21 +8,23 @@ activation/gradient, ``F`` runs the stage, ``SF`` sends its output on; ``B`` bac
 are asynchronous and receives block, so any schedule that ``harness.schedule.checks`` accepts
 runs without deadlock, and messages match in posting order per rank pair, as under NCCL (which
 ignores tags). A training mini-batch is cut into dp contiguous shares, each share into
-micro-batches of ``micro_batch_size``. Functions return ``(spans, outputs)`` as in
-:mod:`harness.backends.ray.passes`.
+micro-batches of ``micro_batch_size``. :func:`train` returns the device's
+:class:`~harness.backends.ray.replies.Trained`: per model, its spans, the start and end of its part
+of each mini-batch's schedule, and its loss statistics where it computes the loss.
 """
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from harness.backends.ray.protocol import Train
+from harness.backends.ray.replies import ModelTrained, PpoStats, SpanT, Trained
+from harness.backends.ray.worker.passes import _flops, _head_output
+from harness.costmodel.llama import ModelDims
 from harness.real.parallel.comm import PipeChannel
-from harness.backends.ray.passes import _flops, _head_output
-from harness.backends.ray.protocol import SpanT, Train
 from harness.real.parallel.replica import Replica
 from harness.real.ppo import policy_loss, value_loss
 from harness.schedule.ir import Action
@@ -55,14 +57,14 @@ def _message_tag(tag_base: dict[str, int], act: Action) -> int:
     return tag_base[act.pipe] + 2 * act.mb + (act.kind in ("SB", "RB"))
 
 
-def train(replicas: dict[str, Replica], p: Train, model_cfgs: dict[str, dict], in_order: bool = True
-          ) -> tuple[dict[str, list[SpanT]], dict[str, Any]]:
+def train(replicas: dict[str, Replica], p: Train, model_dims: dict[str, ModelDims], in_order: bool = True
+          ) -> Trained:
     """One PPO epoch of every model in ``replicas`` (role -> this device's replica: one model, or two
     in a fused stage) through one pipeline schedule: this device's logical rank runs ``p.actions`` in
     order, each action of the pipe ``p.pipe_role`` maps to a model (RLHFuse section 5: actor and
     critic share ranks and fill each other's bubbles). Per mini-batch, after the schedule, each model
-    steps its optimizer (in ``replicas`` order, the same on every device). Returns spans and outputs
-    per role. ``in_order``: pipeline messages matched in posting order per rank pair, as NCCL does.
+    steps its optimizer (in ``replicas`` order, the same on every device). Returns what each model
+    did here. ``in_order``: pipeline messages matched in posting order per rank pair, as NCCL does.
 
     ``p.actions`` is the *lowered* list (``harness.schedule.lower``) with its receives in the
     senders' order (``harness.schedule.p2p_order.order_receives``), executed verbatim by
@@ -75,7 +77,7 @@ def train(replicas: dict[str, Replica], p: Train, model_cfgs: dict[str, dict], i
         raise ValueError("train needs the lowered action list (sends and receives), got compute actions only")
     pipes = sorted({a.pipe for a in actions})
     tag_base = {name: i * 8192 for i, name in enumerate(pipes)}  # keeps every pipe's messages apart (tag mode)
-    data = {r: {n: torch.tensor(v, device=dev) for n, v in p.parts[r].data.items()} for r in roles}
+    data = {r: {n: torch.tensor(v, device=dev) for n, v in p.parts[r].inputs.arrays().items()} for r in roles}
     spans: dict[str, list[SpanT]] = {r: [] for r in roles}
     totals: dict[str, dict[str, float]] = {r: {} for r in roles}
     runs: dict[str, list] = {r: [] for r in roles}
@@ -86,7 +88,7 @@ def train(replicas: dict[str, Replica], p: Train, model_cfgs: dict[str, dict], i
         for r in roles:
             replicas[r].set_train(True)
         for index in p.minibatches:
-            run = _ScheduleRun(replicas, p, model_cfgs, data, np.array(index), tag_base, spans, totals, in_order)
+            run = _ScheduleRun(replicas, p, model_dims, data, np.array(index), tag_base, spans, totals, in_order)
             for act in actions:
                 run.handlers[act.kind](act)
             end = run.end()
@@ -97,8 +99,15 @@ def train(replicas: dict[str, Replica], p: Train, model_cfgs: dict[str, dict], i
     finally:
         for c in reversed(contexts):
             c.__exit__(None, None, None)
-    outs = {r: ({"stats": totals[r], "runs": runs[r]} if replicas[r].reports else {"runs": runs[r]}) for r in roles}
-    return spans, outs
+    return Trained({r: ModelTrained(spans[r], runs[r], _stats(totals[r]) if replicas[r].reports else None)
+                    for r in roles})
+
+
+def _stats(totals: dict[str, float]) -> PpoStats | None:
+    """A model's summed loss statistics (None when it computed no loss here)."""
+    if not totals:
+        return None
+    return PpoStats(totals["loss"], totals["clipfrac"], totals.get("approx_kl"))
 
 
 class _ScheduleRun:
@@ -114,10 +123,10 @@ class _ScheduleRun:
     Posting follows the list, so messages match in posting order per rank pair, as under NCCL
     (which ignores tags). The optimizer steps after the schedule (:func:`train`)."""
 
-    def __init__(self, replicas: dict[str, Replica], p: Train, model_cfgs: dict[str, dict],
+    def __init__(self, replicas: dict[str, Replica], p: Train, model_dims: dict[str, ModelDims],
                  data: dict[str, dict[str, Tensor]], index: np.ndarray, tag_base: dict[str, int],
                  spans: dict[str, list[SpanT]], totals: dict[str, dict[str, float]], in_order: bool):
-        self.replicas, self.p, self.model_cfgs, self.tag_base = replicas, p, model_cfgs, tag_base
+        self.replicas, self.p, self.model_dims, self.tag_base = replicas, p, model_dims, tag_base
         self.spans, self.totals = spans, totals
         self.roles = list(replicas)
         self.pipe_role = p.pipe_role or {}
@@ -197,7 +206,7 @@ class _ScheduleRun:
     def _span(self, r: str, kind: str, factor: float, t0: float, mb: dict[str, Tensor]) -> None:
         t1 = time.time()
         self.first_start[r] = t0 if self.first_start[r] is None else self.first_start[r]
-        flops = factor * _flops(self.model_cfgs[r], self.replicas[r], float(mb["attn"].sum()), mb["attn"].shape[1])
+        flops = factor * _flops(self.model_dims[r], self.replicas[r], float(mb["attn"].sum()), mb["attn"].shape[1])
         self.spans[r].append((kind, t0, t1, flops, 0.0))
 
     def end(self) -> float:

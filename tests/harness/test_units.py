@@ -1,8 +1,9 @@
-"""Execution units of a plan and the shared interpreter."""
+"""Execution units of a plan (harness/core/units.py): what both backends start as one piece of work,
+and the order they are listed in."""
 import pytest
 
 from harness.errors import PlanError
-from harness.core.units import PlanInterpreter, Unit, execution_units
+from harness.core.units import execution_units
 from harness.core.plan import (Allocation, GenerationPolicy, ParallelStrategy, Plan, Task, TaskKind, TrainingStage)
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.workflow import PPO_TASKS
@@ -121,48 +122,25 @@ def test_units_come_after_every_task_they_depend_on(make):
         done.update(unit.names)
 
 
-class Recorder(PlanInterpreter):
-    def __init__(self):
-        self.calls: list[tuple[str, TaskKind, tuple[str, ...]]] = []
-
-    def _record(self, handler_kind: TaskKind):
-        def handle(unit: Unit):
-            self.calls.append((handler_kind.value, unit.kind, unit.names))
-        return handle
-
-    def handlers(self):
-        return {k: self._record(k) for k in TaskKind}
-
-
 @pytest.mark.parametrize("fused,stream", [(False, False), (True, False), (False, True), (True, True)])
-def test_interpreter_runs_every_task_exactly_once(ctx, fused, stream):
+def test_units_partition_the_plan_into_tasks_of_one_kind(ctx, fused, stream):
+    """Every task is in exactly one unit, a unit's tasks are of its kind, a fused stage is one unit
+    and the consumers of a stream one unit; every unit comes after the units it reads from."""
     plan = ppo_plan(ctx, allocations={"gen": Allocation((0, 1, 2, 3), ParallelStrategy(dp=4)),
                                       "values": Allocation((0, 1, 2, 3), ParallelStrategy(tp=4))},
                     training=[fused_stage()] if fused else None, stream_inference=stream)
-    rec = Recorder()
-    rec.run_units(plan)
-    ran = [n for _, _, names in rec.calls for n in names]
-    assert sorted(ran) == sorted(t.name for t in plan.tasks)
-    assert len(ran) == len(set(ran))
-    for handler_kind, unit_kind, names in rec.calls:
-        assert handler_kind == unit_kind.value  # dispatched on the unit's kind
-        for n in names:
-            kind = plan.task(n).kind
-            assert kind == unit_kind
-    # dependencies are respected in call order
+    units = execution_units(plan)
+    ran = [n for unit in units for n in unit.names]
+    assert sorted(ran) == sorted(t.name for t in plan.tasks) and len(ran) == len(set(ran))
+    for unit in units:
+        assert {plan.task(n).kind for n in unit.names} == {unit.kind}, unit.label
+        assert (unit.stage is not None) == (unit.kind == TaskKind.TRAIN)
+        assert {plan.task(n).stream_from for n in unit.names} == {unit.stream_from}
+    by_task = {n: unit for unit in units for n in unit.names}
+    assert (by_task["update_actor"] is by_task["update_critic"]) == fused
+    consumers = [t.name for t in plan.tasks if t.stream_from == "gen"]
+    assert len({id(by_task[n]) for n in consumers}) == (1 if stream else 0)
     deps, seen = plan.dependencies(), set()
-    for _, _, names in rec.calls:
-        assert {d for n in names for d in deps[n]} - set(names) <= seen
-        seen.update(names)
-    # 6 PPO tasks + 2 realloc tasks; fusing joins the two training tasks; streaming joins the three
-    # inference tasks and turns the critic's realloc task into a per-replica fetch
-    assert len(rec.calls) == 8 - fused - 3 * stream
-
-
-def test_interpreter_without_a_handler_for_a_kind_fails(ctx):
-    class TrainOnly(PlanInterpreter):
-        def handlers(self):
-            return {TaskKind.TRAIN: lambda unit: None}
-
-    with pytest.raises(KeyError):
-        TrainOnly().run_units(ppo_plan(ctx))
+    for unit in units:
+        assert {d for n in unit.names for d in deps[n]} - set(unit.names) <= seen, unit.label
+        seen.update(unit.names)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from harness.backends.ray.config import RayOptions
-from harness.backends.ray.homes import stale_movement_sources
+from harness.backends.ray.driver.homes import stale_movement_sources
 from harness.real.parallel.layout import check_tp
 from harness.errors import ConfigError, PlanError
 from harness.core.plan import Feature, ModelRole, Plan, TaskKind

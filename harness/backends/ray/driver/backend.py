@@ -1,46 +1,42 @@
-"""``backend=ray``: execute a Plan for real on Ray actors, one per device (docs/DESIGN.md sections 2, 6).
+"""``backend=ray``'s Backend: execute a Plan for real on Ray actors, one per device (docs/DESIGN.md
+sections 2, 6), through the driver's modules (:mod:`harness.backends.ray.driver`).
 
-The driver is a single controller (as in verl/HybridFlow). It is split by responsibility:
-
-- :mod:`.cluster`: starts or joins Ray, places one worker per device and wires the workers into
-  one ``torch.distributed`` job;
-- :mod:`.calls` and :mod:`.protocol`: the workers as one group, typed requests sent in explicit
-  dispatch modes, bounded waits and failures named by device and task;
-- :mod:`.homes`: each model's home layout and which copies of its weights are current;
-- :mod:`.iteration`: one PPO iteration, its units started by the planning library's one scheduler.
-
-Weights never pass through the driver during an iteration: they move between workers with
-collectives; the driver routes only the small per-sample data between tasks.
+Set-up: the workers are started (:mod:`.cluster`) and given the plan and a typed
+:class:`~harness.backends.ray.settings.WorkerSetup` (process groups, each model's home layout,
+seeds, checkpoints); then each iteration is an :class:`~.iteration.Iteration`.
 
 Failure: every wait on workers is bounded. A worker whose process dies surfaces on its own call at
 once, even while its peers are blocked in a collective with it; the driver then raises
-:class:`~harness.backends.ray.calls.WorkerFailedError` naming the device and task, and
+:class:`~.calls.WorkerFailedError` naming the device and task, and
 :meth:`RayBackend.close` kills every worker rather than waiting on them.
 
 Before Ray or any worker starts, :meth:`RayBackend.check` refuses, with one clear error, conflicting
-options (a ConfigError: :func:`~harness.backends.ray.options.option_conflicts`, and a ZeRO-3 engine
-that cannot run a home layout, :func:`~harness.backends.ray.options.zero3_engine`), more CPU workers
-than the embedded local Ray starts on this machine
-(:func:`~harness.backends.ray.cluster.embedded_worker_cap`), and plan features this backend does
-not execute (a PlanError).
+options (a ConfigError: :func:`~.options.option_conflicts`, and a ZeRO-3 engine that cannot run a
+home layout, :func:`~.options.zero3_engine`), more CPU workers than the embedded local Ray starts on
+this machine (:func:`~.cluster.embedded_worker_cap`), and plan features this backend does not
+execute (a PlanError).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from harness.backends.base import Backend
-from harness.backends.ray.calls import WorkerFailedError, WorkerGroup
-from harness.real.checkpoints import describe, initial_state, resolve_checkpoints
-from harness.backends.ray.cluster import Cluster, embedded_workers_problem
 from harness.backends.ray.config import RayOptions, check_address
-from harness.backends.ray.homes import ROLES, ModelHomes, home_task, role_seeds
-from harness.backends.ray.options import option_conflicts, unsupported_features, zero3_engine
-from harness.errors import ConfigError
-from harness.core.plan import Plan, TrainingStage
-from harness.real.model import check_models_architecture
-from harness.core.trace import Span, StepTrace
+from harness.backends.ray.driver.calls import WorkerFailedError, WorkerGroup
+from harness.backends.ray.driver.cluster import Cluster, embedded_workers_problem
+from harness.backends.ray.driver.homes import ROLES, ModelHomes, home_task, role_seeds
+from harness.backends.ray.driver.iteration import Iteration
+from harness.backends.ray.driver.options import (engine_unsupported, option_conflicts, unsupported_features,
+                                                 zero3_engine)
+from harness.backends.ray.settings import HomeSetup, OptimizerSettings, WorkerSetup
+from harness.core.plan import Plan, TaskKind, TrainingStage
+from harness.core.trace import StepTrace
 from harness.core.workload import Batch
+from harness.costmodel.llama import ModelDims
+from harness.errors import ConfigError
+from harness.real.checkpoints import describe, initial_state, resolve_checkpoints
+from harness.real.model import check_models_architecture
+from harness.real.parallel.comm import plan_group_ranks
 
 __all__ = ["RayBackend", "WorkerFailedError"]
 
@@ -53,7 +49,6 @@ class RayBackend(Backend):
         # dimensions, and checkpoints checked from their headers (a bad one fails here, one line)
         check_models_architecture(ctx.models)  # OPT/GPT shapes: simulator only
         self.args, self.checkpoints = resolve_checkpoints(ctx.models)
-        self.reward_spec = dataclasses.asdict(self.opts.reward)  # the reward stage's scores (rewards.py)
         vocab = self.args["actor"].vocab_size
         if self.opts.reward.kind == "token_range" and self.opts.reward.high > vocab:
             raise ConfigError(f"backend.options.reward.high={self.opts.reward.high} exceeds the actor's vocabulary "
@@ -75,13 +70,11 @@ class RayBackend(Backend):
     def unsupported(self, plan: Plan) -> list[str]:
         """Plan features and layouts this backend cannot execute (options.py), and what in the plan
         the chosen generation engine cannot."""
-        from harness.backends.ray.options import engine_unsupported
-
         return unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
 
     def check_before_planning(self) -> None:
         """Refuse more CPU workers than the embedded local Ray starts on this machine
-        (:func:`~harness.backends.ray.cluster.embedded_worker_cap`), before planning."""
+        (:func:`~.cluster.embedded_worker_cap`), before planning."""
         if self.address is None and self.cluster.device() == "cpu":
             problem = embedded_workers_problem(self.ctx.num_devices)
             if problem:
@@ -164,25 +157,22 @@ class RayBackend(Backend):
               + (f", ZeRO-3 by {'/'.join(zero3)}" if zero3 else "")
               + (f"; weights: {describe(self.checkpoints)}" if any(self.checkpoints.values()) else ""))
 
-    def _setup_info(self, plan: Plan) -> dict[str, Any]:
-        from harness.real.parallel.comm import plan_group_ranks
-
+    def _setup_info(self, plan: Plan) -> WorkerSetup:
         seeds = role_seeds(self.ctx.seed, self.args)
         stages = {name: st for st in plan.training for name in st.tasks}
         homes = {}
         for role in ROLES:
             task = home_task(plan, role)
-            task_name = task.name
-            alloc = task.allocation
             # the ZeRO-3 engine chosen (and any conflict refused) by check_options before workers started
-            home: dict[str, Any] = {"allocation": alloc, "zero3_impl": self.zero3[role]}
-            if task.kind == "train":
+            home = HomeSetup(task.allocation, self.zero3[role])
+            if task.kind == TaskKind.TRAIN:
                 lr = self.opts.actor_lr if role == "actor" else self.opts.critic_lr
-                home["hparams"] = {"lr": lr, "betas": tuple(self.opts.adam_betas), "eps": self.opts.adam_eps,
-                                   "weight_decay": self.opts.weight_decay}
-                stage: TrainingStage = stages[task_name]
-                home["micro_batch_size"] = stage.micro_batch_size
-                home["grad_accum"] = next(p for p in stage.schedule.pipes.values() if p.model == role).num_mbs
+                stage: TrainingStage = stages[task.name]
+                home = HomeSetup(task.allocation, self.zero3[role],
+                                 OptimizerSettings(lr, tuple(self.opts.adam_betas), self.opts.adam_eps,
+                                                   self.opts.weight_decay),
+                                 micro_batch_size=stage.micro_batch_size,
+                                 grad_accum=next(p for p in stage.schedule.pipes.values() if p.model == role).num_mbs)
             homes[role] = home
         self.seeds = seeds
         if self.opts.digest:
@@ -193,13 +183,10 @@ class RayBackend(Backend):
             self.init_states = {r: {n: v.to(dtype).float() for n, v in
                                     initial_state(self.args[r], seeds[r], self.checkpoints[r]).items()}
                                 for r in ("actor", "critic")}
-        return {
-            "groups": [list(r) for r in plan_group_ranks(plan)],
-            "homes": homes, "seeds": seeds, "checkpoints": self.checkpoints,
-            "model_args": {r: dataclasses.asdict(a) for r, a in self.args.items()},
-            "model_cfgs": {r: dataclasses.asdict(getattr(self.ctx.models, r)) for r in self.args},
-            "zero3": {r: h["zero3_impl"] for r, h in homes.items()},
-        }
+        return WorkerSetup(groups=tuple(tuple(r) for r in plan_group_ranks(plan)), homes=homes, seeds=seeds,
+                           model_args=dict(self.args),
+                           model_dims={r: ModelDims.of(getattr(self.ctx.models, r)) for r in self.args},
+                           checkpoints=dict(self.checkpoints))
 
     @property
     def num_calls(self) -> int:
@@ -208,8 +195,6 @@ class RayBackend(Backend):
 
     # ---- iteration ------------------------------------------------------------------------
     def run_iteration(self, plan: Plan, iteration: int, batch: Batch) -> StepTrace:
-        from harness.backends.ray.iteration import Iteration
-
         if self.group is None:
             self.setup(plan)
         try:
@@ -221,20 +206,3 @@ class RayBackend(Backend):
     def close(self) -> None:
         self.cluster.close(self.group)
         self.group = None
-
-    # ---- helpers for Iteration ------------------------------------------------------------
-    @staticmethod
-    def spans_from(task: str, results: list, t0: float, trace: StepTrace) -> None:
-        """Workers' spans (on their own clocks) and memory peaks into ``trace``."""
-        for r in results:
-            for kind, start, end, flops, nbytes in r.spans:
-                trace.spans.append(Span((r.rank,), task, kind, start - t0, end - t0, flops, nbytes))
-            trace.memory_gb[r.rank] = max(trace.memory_gb.get(r.rank, 0.0), r.memory_gb)
-            for key, value in (r.memory or {}).items():  # worker.DeviceWorker.memory_stats
-                name = f"perf/{key}/dev{r.rank}"
-                trace.counters[name] = max(trace.counters.get(name, 0.0), float(value))
-                trace.extra.setdefault("memory", {}).setdefault(r.rank, {})[key] = trace.counters[name]
-
-    @staticmethod
-    def outputs(results: list) -> list:
-        return [r.out for r in results if r.out is not None]

@@ -1,68 +1,68 @@
-"""The work one device does for a task: generation, an inference pass, a training stage.
+"""The work one device does for generation and inference tasks.
 
 Each function runs on every device of the task's mesh with that device's :class:`Replica` and
-returns ``(spans, outputs)``: spans as ``(kind, start, end, flops, bytes)`` in ``time.time()``
-seconds, outputs only on the device that reports for its dp replica (last pipeline stage, tp
-rank 0). Samples are dealt to dp replicas round-robin (as the simulator deals them to generation
-instances and inference replicas); a training mini-batch is cut into dp contiguous shares, each
-share into micro-batches of ``micro_batch_size``.
+returns ``(spans, output)``: spans as ``(kind, start, end, flops, bytes)`` in ``time.time()``
+seconds, the output (:mod:`harness.backends.ray.replies`) only on the device that reports for its
+dp replica (last pipeline stage, tp rank 0). Samples are dealt to dp replicas round-robin (as the
+simulator deals them to generation instances and inference replicas).
 
-Training (pipeline schedules, PPO losses, optimizer steps) is in :mod:`harness.backends.ray.pipeline`.
+Training (pipeline schedules, PPO losses, optimizer steps) is in :mod:`harness.backends.ray.worker.pipeline`.
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from harness.real.parallel.comm import PipeChannel
-from harness.backends.ray.protocol import Generate, Infer, SpanT
-from harness.real.parallel.replica import Replica
+from harness.backends.ray.protocol import Generate, Infer
+from harness.backends.ray.replies import FinishedSample, Generated, Inferred, SpanT
 from harness.backends.ray.rewards import task_scores
-from harness.costmodel.llama import forward_flops
-from harness.real.engine import GenerationEngine, SamplingParams
+from harness.backends.ray.settings import EngineOptions
+from harness.costmodel.llama import ModelDims, forward_flops
+from harness.real.engine import SamplingParams, TorchGenerator
 from harness.real.model import split_layers
+from harness.real.parallel.comm import PipeChannel
+from harness.real.parallel.replica import Replica
 
 
-
-def _flops(model_cfg: dict, replica: Replica, num_tokens: float, seq_len: float) -> float:
+def _flops(dims: ModelDims, replica: Replica, num_tokens: float, seq_len: float) -> float:
     s = replica.strategy
     lo, hi = split_layers(replica.args.num_layers, s.pp)[replica.coord[1]]
-    return forward_flops(model_cfg, num_tokens, seq_len / 2, num_layers=hi - lo, include_head=replica.is_last) / s.tp
+    return forward_flops(dims, num_tokens, seq_len / 2, num_layers=hi - lo, include_head=replica.is_last) / s.tp
 
 
 # ---- generation -------------------------------------------------------------------------
 
 def make_engine(replica: Replica, *, max_batch_size: int, sampling: SamplingParams, kv_capacity: int):
     """The generation engine of one instance: ours over the replica's module, or -- with
-    ``backend.options.generation_engine=vllm`` (``replica.engine_options``) -- a vLLM engine kept on
-    the replica across calls, built once from the replica's weights written as a Hugging Face
-    checkpoint and refreshed in place (``VllmEngine.load_state``) before each use."""
-    opts = getattr(replica, "engine_options", None) or {}
-    if opts.get("generation_engine", "ours") != "vllm":
-        return GenerationEngine(replica.module, max_batch_size=max_batch_size, sampling=sampling,
-                                kv_capacity=kv_capacity)
+    ``backend.options.generation_engine=vllm`` (``replica.engine_options``, an
+    :class:`~harness.backends.ray.settings.EngineOptions`) -- a vLLM engine kept on the replica across
+    calls, built once from the replica's weights written as a Hugging Face checkpoint and refreshed
+    in place (``VllmEngine.load_state``) before each use."""
+    opts: EngineOptions = getattr(replica, "engine_options", None) or EngineOptions()
+    if opts.name != "vllm":
+        return TorchGenerator(replica.module, max_batch_size=max_batch_size, sampling=sampling,
+                              kv_capacity=kv_capacity)
     import tempfile
 
     from harness.real.vllm_engine import VllmEngine, save_hf_llama
 
-    v = opts.get("vllm") or {}
+    v = opts.vllm
     state = {n: p.detach() for n, p in replica.module.named_parameters()}
     engine = getattr(replica, "vllm_engine", None)
-    max_len = int(v.get("max_model_len") or kv_capacity)
+    max_len = int(v.max_model_len or kv_capacity)
     if engine is None or engine.max_batch_size < max_batch_size or replica.vllm_max_len < max_len:
-        workdir = v.get("workdir") or tempfile.mkdtemp(prefix=f"vllm_{replica.role}_{replica.rank}_")
+        workdir = v.workdir or tempfile.mkdtemp(prefix=f"vllm_{replica.role}_{replica.rank}_")
         dtype = replica.dtype
         path = save_hf_llama(state, replica.args, f"{workdir}/rank{replica.rank}", dtype=dtype)
-        extra = {"kv_cache_memory_bytes": int(v["kv_cache_memory_bytes"])} if v.get("kv_cache_memory_bytes") else {}
+        extra = {"kv_cache_memory_bytes": int(v.kv_cache_memory_bytes)} if v.kv_cache_memory_bytes else {}
         engine = VllmEngine(path, max_batch_size=max_batch_size, sampling=sampling,
                             dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
-                            enforce_eager=bool(v.get("enforce_eager", True)),
-                            gpu_memory_utilization=float(v.get("gpu_memory_utilization", 0.3)), **extra)
+                            enforce_eager=bool(v.enforce_eager),
+                            gpu_memory_utilization=float(v.gpu_memory_utilization), **extra)
         replica.vllm_engine, replica.vllm_max_len = engine, max_len
     else:
         engine.load_state(state)
@@ -70,7 +70,7 @@ def make_engine(replica: Replica, *, max_batch_size: int, sampling: SamplingPara
     return engine
 
 
-def generate(replica: Replica, p: Generate) -> tuple[list[SpanT], Any]:
+def generate(replica: Replica, p: Generate) -> tuple[list[SpanT], Generated | None]:
     """Length-controlled generation of this replica's samples (continuous batching, or static
     rounds of ``max_batch_size`` that each wait for their longest sample)."""
     k, dp = replica.coord[0], replica.strategy.dp
@@ -81,7 +81,7 @@ def generate(replica: Replica, p: Generate) -> tuple[list[SpanT], Any]:
     spans, finished = [], []
 
     def on_finish(f):
-        finished.append((f.sample_id, f.tokens, f.logprobs, time.time()))
+        finished.append(FinishedSample(f.sample_id, f.tokens, f.logprobs, time.time()))
 
     with torch.no_grad(), replica.compute():
         replica.set_train(False)
@@ -93,7 +93,7 @@ def generate(replica: Replica, p: Generate) -> tuple[list[SpanT], Any]:
             t0 = time.time()
             engine.run(on_finish)
             spans.append(("decode", t0, time.time(), 0.0, 0.0))
-    return spans, (finished if replica.coord[2] == 0 else None)
+    return spans, (Generated(finished) if replica.coord[2] == 0 else None)
 
 
 # ---- inference --------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def _head_output(out: Tensor, tokens: Tensor, what: str, temperature: float, las
     return out[torch.arange(out.shape[0]), last_index].float()  # score of the last token
 
 
-def infer(replica: Replica, p: Infer, model_cfg: dict, in_order: bool = True) -> tuple[list[SpanT], Any]:
+def infer(replica: Replica, p: Infer, dims: ModelDims, in_order: bool = True) -> tuple[list[SpanT], Inferred | None]:
     """Forward passes over this replica's rows, micro-batch by micro-batch through its pipeline
     stages; ``in_order``: pipeline messages matched in posting order, as NCCL does."""
     tokens, attn = torch.tensor(p.tokens), torch.tensor(p.attn)
@@ -137,7 +137,7 @@ def infer(replica: Replica, p: Infer, model_cfg: dict, in_order: bool = True) ->
             t0 = time.time()
             out = replica(x, attention_mask=x_attn.to(dev))
             t1 = time.time()
-            spans.append(("forward", t0, t1, _flops(model_cfg, replica, float(x_attn.sum()), x_attn.shape[1]), 0.0))
+            spans.append(("forward", t0, t1, _flops(dims, replica, float(x_attn.sum()), x_attn.shape[1]), 0.0))
             if not replica.is_last:
                 chan.send(out, replica.neighbour(1), tag=m)
             elif not dummy and p.task_reward:  # a programmatic reward replaces the model's score
@@ -149,7 +149,4 @@ def infer(replica: Replica, p: Infer, model_cfg: dict, in_order: bool = True) ->
     if not replica.reports:
         return spans, None
     out = torch.cat(outputs).numpy() if outputs else np.zeros((0,), dtype=np.float32)
-    return spans, {"index": mine, "out": out}
-
-
-# ---- training ---------------------------------------------------------------------------
+    return spans, Inferred(mine, out)

@@ -3,7 +3,8 @@ short rounds, reports finished samples as they finish, and whose long tail migra
 instances with its KV cache sent over point-to-point collectives.
 
 A :class:`GenerationSession` lives on every device of one generation instance (tp ranks step in
-lockstep; tp rank 0 reports) between the ``OpenSession`` and ``CloseSession`` requests (protocol.py):
+lockstep; tp rank 0 reports) between the ``OpenSession`` and ``CloseSession`` requests
+(:mod:`harness.backends.ray.protocol`):
 
 - :meth:`steps`: up to ``max_steps`` engine steps (continuous batching); returns the samples that
   finished, each with the wall-clock time it finished, how many are left, and how many steps
@@ -19,15 +20,15 @@ lockstep; tp rank 0 reports) between the ``OpenSession`` and ``CloseSession`` re
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
+from harness.backends.ray.protocol import ExportedSample, Migrate, OpenSession
+from harness.backends.ray.replies import Exported, FinishedSample, SessionProgress, SpanT
+from harness.backends.ray.worker.passes import make_engine
+from harness.real.engine import MigratedSample, SamplingParams
 from harness.real.parallel.comm import exchange
 from harness.real.parallel.replica import Replica
-from harness.backends.ray.passes import make_engine
-from harness.backends.ray.protocol import Migrate, OpenSession, SpanT
-from harness.real.engine import MigratedSample, SamplingParams
 
 
 class GenerationSession:
@@ -43,7 +44,7 @@ class GenerationSession:
             self.engine.submit(i, p.prompts[i], target_len=int(p.target_lens[i]))
         self.exported: list[MigratedSample] = []
 
-    def steps(self, max_steps: int) -> tuple[list[SpanT], dict[str, Any]]:
+    def steps(self, max_steps: int) -> tuple[list[SpanT], SessionProgress]:
         finished = []
         t0 = time.time()
         with torch.no_grad(), self.replica.compute():
@@ -52,23 +53,22 @@ class GenerationSession:
                 if not self.engine.has_work:
                     break
                 for f in self.engine.step():
-                    finished.append((f.sample_id, f.tokens, f.logprobs, time.time()))
+                    finished.append(FinishedSample(f.sample_id, f.tokens, f.logprobs, time.time()))
         spans = [("decode", t0, time.time(), 0.0, 0.0)] if finished or self.engine.has_work else []
-        left = self.engine.num_running + self.engine.num_waiting
-        return spans, {"finished": finished if self.reports else [], "left": left, "next_finish": self.next_finish()}
+        return spans, self.progress(finished)
 
-    def next_finish(self) -> int:
-        """Engine steps until this instance's next sample finishes (1 when not known in advance)."""
-        return self.engine.steps_to_next_finish()
+    def progress(self, finished: list[FinishedSample]) -> SessionProgress:
+        """The session now, with the samples that just finished (reported by tp rank 0 only)."""
+        return SessionProgress(finished if self.reports else [], self.engine.num_running + self.engine.num_waiting,
+                               self.engine.steps_to_next_finish())
 
-    def export(self, with_kv: bool) -> dict[str, Any]:
+    def export(self, with_kv: bool) -> Exported:
         self.exported = self.engine.export_unfinished(with_kv=with_kv)
-        meta = [{"sample_id": m.sample_id, "prompt": m.prompt_tokens, "tokens": m.tokens, "logprobs": m.logprobs,
-                 "target_len": m.target_len, "max_new_tokens": m.max_new_tokens,
-                 "rng_state": m.rng_state.tolist() if m.rng_state is not None else None}
+        meta = [ExportedSample(m.sample_id, m.prompt_tokens, m.tokens, m.logprobs, m.target_len, m.max_new_tokens,
+                               m.rng_state.tolist() if m.rng_state is not None else None)
                 for m in self.exported]
         shapes = {m.sample_id: {layer: list(k.shape) for layer, (k, _) in (m.kv or {}).items()} for m in self.exported}
-        return {"samples": meta if self.reports else None, "kv_shapes": shapes}
+        return Exported(meta if self.reports else None, shapes)
 
 
 def _flat_kv(m: MigratedSample) -> torch.Tensor:
@@ -91,18 +91,18 @@ def migrate(rank: int, session: GenerationSession | None, p: Migrate, device,
             dtype: torch.dtype = torch.float32) -> list[SpanT]:
     """Send this device's exported KV shards and/or receive and import the samples moved here.
 
-    ``p.moves``: one entry per (sample, tp rank) with ``src`` and ``dst`` devices, the sample's
-    state (``sample``) and its KV ``shapes``; ``p.with_kv`` says whether KV travels."""
+    ``p.moves``: one :class:`~harness.backends.ray.protocol.KvMove` per (sample, tp rank);
+    ``p.with_kv`` says whether KV travels."""
     t0 = time.time()
     sends, recv_numel, incoming = {}, {}, {}
     by_id = {m.sample_id: m for m in (session.exported if session is not None else [])}
     for move in p.moves:
-        numel = 2 * sum(int(torch.tensor(s).prod()) for s in move["shapes"].values()) if p.with_kv else 0
-        if move["src"] == rank and numel:
-            sends.setdefault(move["dst"], []).append(_flat_kv(by_id[move["sample"]["sample_id"]]))
-        if move["dst"] == rank:
-            incoming.setdefault(move["src"], []).append((move, numel))
-            recv_numel[move["src"]] = recv_numel.get(move["src"], 0) + numel
+        numel = 2 * sum(int(torch.tensor(s).prod()) for s in move.kv_shapes.values()) if p.with_kv else 0
+        if move.src == rank and numel:
+            sends.setdefault(move.dst, []).append(_flat_kv(by_id[move.sample.sample_id]))
+        if move.dst == rank:
+            incoming.setdefault(move.src, []).append((move, numel))
+            recv_numel[move.src] = recv_numel.get(move.src, 0) + numel
     # KV caches travel in the model's dtype (bf16 on CUDA)
     flat_sends = {dst: torch.cat(parts).to(dtype) for dst, parts in sends.items()}
     received = exchange(rank, flat_sends, {s: n for s, n in recv_numel.items() if n}, dtype, device)
@@ -111,12 +111,12 @@ def migrate(rank: int, session: GenerationSession | None, p: Migrate, device,
         for src, moves in sorted(incoming.items()):
             pos = 0
             for move, numel in moves:
-                kv = _unflat_kv(received[src][pos:pos + numel], move["shapes"]) if numel else None
+                kv = _unflat_kv(received[src][pos:pos + numel], move.kv_shapes) if numel else None
                 pos += numel
-                s = move["sample"]
-                rng = torch.tensor(s["rng_state"], dtype=torch.uint8) if s["rng_state"] is not None else None
-                samples.append(MigratedSample(s["sample_id"], s["prompt"], s["tokens"], s["logprobs"], s["target_len"],
-                                              s["max_new_tokens"], rng, kv))
+                s = move.sample
+                rng = torch.tensor(s.rng_state, dtype=torch.uint8) if s.rng_state is not None else None
+                samples.append(MigratedSample(s.sample_id, s.prompt, s.tokens, s.logprobs, s.target_len,
+                                              s.max_new_tokens, rng, kv))
         if samples:
             session.engine.import_samples(samples)
         session.exported = []

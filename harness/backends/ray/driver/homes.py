@@ -8,11 +8,12 @@ compute with a stale copy has it refreshed first.
 """
 from __future__ import annotations
 
-from harness.backends.ray.experience import stable_seed
-from harness.real.parallel.store import layout_key
-from harness.errors import PlanError
+from harness.backends.ray.driver.experience import stable_seed
 from harness.core.plan import Allocation, Plan, TaskKind
+from harness.core.units import execution_units
+from harness.errors import PlanError
 from harness.real.model import ModelArgs
+from harness.real.parallel.store import layout_key
 
 ROLES = ("actor", "critic", "ref", "reward")
 
@@ -92,8 +93,6 @@ def stale_movement_sources(plan: Plan) -> list[str]:
     since that copy was last filled), replaying two iterations in the plan's unit order. Such a plan
     is refused: moving from the home layout instead would use devices the scheduler did not give
     the movement (:func:`harness.planning.scheduler.unit_devices` claims the source layout's)."""
-    from harness.core.units import execution_units
-
     homes, stale = ModelHomes(plan), []
     for _ in range(2):  # the second iteration starts from the first's versions
         for unit in execution_units(plan):

@@ -3,8 +3,9 @@ from the stage's lowered schedule, the loss inputs each training task declares i
 workers report back (spans, PPO statistics, one :class:`~harness.core.trace.PipelineRun` per mini-batch).
 
 A stage trains one model's pipeline, or actor and critic fused into one bidirectional schedule
-(RLHFuse section 5); every device runs its logical rank's actions (:mod:`harness.backends.ray.pipeline`).
-``it`` is the :class:`harness.backends.ray.iteration.Iteration` the unit belongs to.
+(RLHFuse section 5); every device runs its logical rank's actions
+(:mod:`harness.backends.ray.worker.pipeline`). ``it`` is the
+:class:`harness.backends.ray.driver.iteration.Iteration` the unit belongs to.
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import dataclasses
 
 import numpy as np
 
-from harness.backends.ray import experience as ex
-from harness.backends.ray.protocol import Dispatch, Train, TrainPart
-from harness.core.units import Unit
+from harness.backends.ray.driver import experience as ex
+from harness.backends.ray.driver.dispatch import UnitRun, outputs
+from harness.backends.ray.protocol import Dispatch, LossInputs, Train, TrainPart
+from harness.backends.ray.replies import ModelTrained, Result
 from harness.core.plan import Task
+from harness.core.units import Unit
 from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.schedule.p2p_order import in_posting_order
@@ -42,7 +45,7 @@ def minibatch_order(it) -> list:
     return ex.minibatch_indices(it.batch.num_samples, it.plan.mini_batch_size, it.ctx.seed, it.iteration)
 
 
-def start_training(it, unit: Unit):
+def train_unit(it, unit: Unit) -> UnitRun:
     """A training stage: every device runs its logical rank's lowered action list from the
     stage's schedule (one model's pipeline, or actor and critic fused, RLHFuse section 5), each
     device its own list (dispatched by device)."""
@@ -59,7 +62,7 @@ def start_training(it, unit: Unit):
             held.setdefault(d, set()).add((pipe, st))
     first = unit.tasks[0]
     request = Train(unit.label, first.model.value, first.allocation,
-                    parts={t.model.value: TrainPart(training_data(it, t), stage.micro_batch_size)
+                    parts={t.model.value: TrainPart(LossInputs(**training_data(it, t)), stage.micro_batch_size)
                            for t in unit.tasks},
                     allocations={t.model.value: t.allocation for t in unit.tasks},
                     pipe_role={name: pipe.model for name, pipe in stage.schedule.pipes.items()},
@@ -68,40 +71,37 @@ def start_training(it, unit: Unit):
     shares = {d: request.replace(actions=tuple(a.token() for a in ordered.order.get(rank_of[d], [])
                                                if (a.pipe, a.stage) in held[d]))
               for d in rank_of}
-    call = it.group.start(request, mode=Dispatch.BY_DEVICE, shares=shares)
     group0 = {devices[0] for devices in pipe_stage_devices(it.plan, stage).values()}
-
-    def finish(results: list) -> None:
-        for task in unit.tasks:
-            role = task.model.value
-            per_task = [dataclasses.replace(r, spans=r.task_spans[role], out=r.out.get(role)) for r in results
-                        if role in r.task_spans]
-            record_trained(it, task.name, role, per_task, len(minibatches))
-        record_pipelines(it, unit.label, group0, results, len(minibatches))
-    return call, finish
+    done = yield [it.group.start(request, mode=Dispatch.BY_DEVICE, shares=shares)]
+    for task in unit.tasks:
+        role = task.model.value
+        per_task = [dataclasses.replace(r, spans=r.out.models[role].spans, out=r.out.models[role])
+                    for r in done.results if role in r.out.models]
+        record_trained(it, task.name, role, per_task, len(minibatches))
+    record_pipelines(it, unit.label, group0, done.results, len(minibatches))
 
 
-def record_pipelines(it, label: str, ranks: set[int], results: list, num_minibatches: int) -> None:
+def record_pipelines(it, label: str, ranks: set[int], results: list[Result], num_minibatches: int) -> None:
     """One PipelineRun per mini-batch over the stage's logical ranks of group 0 (tp rank 0)."""
     mine = [r for r in results if r.rank in ranks]
     for j in range(num_minibatches):
-        start = min(run[j][0] for r in mine for run in (o["runs"] for o in r.out.values()))
-        end = max(run[j][1] for r in mine for run in (o["runs"] for o in r.out.values()))
-        compute = sum(min(e, end) - max(st, start) for r in mine for spans in r.task_spans.values()
-                      for kind, st, e, *_ in spans if kind in ("forward", "backward") and st < end and e > start)
+        start = min(m.runs[j][0] for r in mine for m in r.out.models.values())
+        end = max(m.runs[j][1] for r in mine for m in r.out.models.values())
+        compute = sum(min(e, end) - max(st, start) for r in mine for m in r.out.models.values()
+                      for kind, st, e, *_ in m.spans if kind in ("forward", "backward") and st < end and e > start)
         it.trace.pipelines.append(PipelineRun(label, start - it.t0, end - start, len(mine), compute, 0.0))
 
 
-def record_trained(it, name: str, role: str, results: list, n: int) -> None:
-    it.b.spans_from(name, results, it.t0, it.trace)
+def record_trained(it, name: str, role: str, results: list[Result[ModelTrained]], n: int) -> None:
+    """A training task's spans, its model's new version, and its mean loss statistics per
+    mini-batch (``n``) from the devices that computed the loss."""
+    it.record(name, results)
     it.homes.trained(role)
-    totals: dict[str, float] = {}
-    for part in it.b.outputs(results):
-        for key, value in part.get("stats", {}).items():
-            totals[key] = totals.get(key, 0.0) + value
+    stats = [m.stats for m in outputs(results) if m.stats is not None]
     prefix = "policy" if role == "actor" else "value"
-    if "loss" in totals:
-        it.trace.counters[f"rl/{prefix}_loss"] = totals["loss"] / n
-        it.trace.counters[f"rl/{prefix}_clipfrac"] = totals["clipfrac"] / n
-    if "approx_kl" in totals:
-        it.trace.counters["rl/ppo_kl"] = totals["approx_kl"] / n
+    if stats:
+        it.trace.counters[f"rl/{prefix}_loss"] = sum(s.loss for s in stats) / n
+        it.trace.counters[f"rl/{prefix}_clipfrac"] = sum(s.clipfrac for s in stats) / n
+    kls = [s.approx_kl for s in stats if s.approx_kl is not None]
+    if kls:
+        it.trace.counters["rl/ppo_kl"] = sum(kls) / n

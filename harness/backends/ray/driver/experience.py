@@ -6,6 +6,8 @@ advantages (the matrix form, RLHFuse section 6) and returns, computed once over 
 float32 from the data under the workflow's keys (:func:`sample_data`, :func:`training_data`);
 whitening over the whole batch; and the mini-batch partition, a permutation drawn from
 (seed, iteration). None of it depends on layouts, so every system trains on identical numbers.
+It also measures the reward of the untrained policy on a run's batches in-process
+(:func:`policy_reward`), the bar a learning run must clear (docs/LEARNING.md).
 
 Token positions: for a sequence of ``P`` prompt and ``R`` response tokens, the "action" at index
 ``j`` of a (B, W-1) tensor is the prediction of token ``j + 1``; response actions are indices
@@ -21,10 +23,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
+from harness.backends.ray.protocol import TaskReward
+from harness.backends.ray.replies import Inferred
+from harness.backends.ray.rewards import task_scores
+from harness.core.workload import Batch, make_batch
 from harness.errors import ConfigError
+from harness.real.engine import SamplingParams, TorchGenerator
+from harness.real.model import LlamaModel, ModelArgs
 from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, masked_whiten
-from harness.core.workload import Batch
 
 
 # what each inference model's pass produces, and the workflow data key it is written under
@@ -93,12 +101,12 @@ def build_rollout(prompts: list[list[int]], responses: dict[int, tuple[list[int]
     return Rollout(tokens, attn, mask, old, p_len, r_len)
 
 
-def scatter_rows(parts: list[dict], shape: tuple[int, ...]) -> np.ndarray:
-    """Put each replica's outputs (``{"index", "out"}``) back in batch order."""
+def scatter_rows(parts: list[Inferred], shape: tuple[int, ...]) -> np.ndarray:
+    """Put each replica's outputs back in batch order."""
     full = np.zeros(shape, dtype=np.float32)
     for part in parts:
-        if len(part["index"]):
-            full[part["index"]] = part["out"]
+        if len(part.rows):
+            full[part.rows] = part.values
     return full
 
 
@@ -147,3 +155,31 @@ def minibatch_indices(num_samples: int, mini_batch_size: int, seed: int, iterati
     order = np.random.default_rng([seed, iteration, 0x5EED]).permutation(num_samples)
     return [order[i:i + mini_batch_size] for i in range(0, num_samples, mini_batch_size)]
 
+
+def policy_reward(actor_cfg, workload, seed: int, iteration: int, spec: Mapping[str, Any], *,
+                  temperature: float = 1.0, state: dict[str, Tensor] | None = None) -> float:
+    """Mean task score of one iteration's batch generated in-process (no Ray) by the actor a run
+    with ``seed`` starts from (or by the weights ``state``): the same prompts, target lengths and
+    sampling seeds as ``backend=ray``'s iteration ``iteration``, so with the initial weights it
+    reproduces that run's first ``rl/reward_mean``. Measured over several seeds and iterations it
+    gives the reward of the untrained policy, the bar a learning run has to clear. ``spec``: a run's
+    ``backend.options.reward`` as a mapping (as its saved config holds it)."""
+    reward = TaskReward(spec["kind"], int(spec["low"]), int(spec["high"]))
+    args = ModelArgs.from_llama_config(actor_cfg)
+    model = LlamaModel(args, seed=stable_seed("init", seed, "actor"))
+    if state is not None:
+        model.load_state_dict(state)
+    model.eval()
+    batch = make_batch(workload, seed, iteration)
+    prompts = prompt_tokens(seed, iteration, batch, args.vocab_size)
+    engine = TorchGenerator(model, max_batch_size=batch.num_samples,
+                            sampling=SamplingParams(temperature=temperature,
+                                                    seed=stable_seed("sampling", seed, iteration)),
+                            kv_capacity=int(batch.prompt_lens.max() + workload.max_gen_len))
+    for i, p in enumerate(prompts):
+        engine.submit(i, p, target_len=int(batch.output_lens[i]))
+    scores = []
+    for f in engine.run():
+        toks = torch.tensor(f.tokens)
+        scores.append(float(task_scores(toks[None], torch.tensor([0]), torch.tensor([len(toks) - 1]), reward)[0]))
+    return float(np.mean(scores))

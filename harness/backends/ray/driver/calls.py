@@ -2,22 +2,24 @@
 
 :class:`WorkerGroup` sends a request (:mod:`harness.backends.ray.protocol`) to the devices of a
 call in one of the protocol's dispatch modes and tracks the call (:class:`Call`, one Ray object
-ref per device) until :meth:`WorkerGroup.collect` has every result. Every wait is bounded: a worker
-whose process dies surfaces as ``RayActorError`` on its own call at once, even while its peers are
-blocked in a collective with it, and :meth:`~WorkerGroup.collect` raises
+ref per device) until :meth:`WorkerGroup.collect` has every result
+(:class:`~harness.backends.ray.replies.Result`, one per device). One thread starts and collects
+every call (the iteration's dispatch loop, :mod:`harness.backends.ray.driver.iteration`).
+
+Every wait is bounded: a worker whose process dies surfaces as ``RayActorError`` on its own call
+at once, even while its peers are blocked in a collective with it, and :meth:`~WorkerGroup.collect` raises
 :class:`WorkerFailedError` naming the device, its process and the task; a call that outlives its
 deadline does the same. After a failure the group is unhealthy: closing it kills the workers
 rather than waiting on them.
 """
 from __future__ import annotations
 
-import math
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from harness.backends.ray.protocol import Dispatch, Request
+from harness.backends.ray.replies import Result
 
 
 class WorkerFailedError(RuntimeError):
@@ -43,33 +45,6 @@ class Call:
         self.left = set(range(len(self.refs)))
 
 
-class BackgroundCall(Call):
-    """Driver-side work that makes calls of its own (a streamed generation and its inference,
-    inter_stage.py), run in a thread beside the driver's other units and collected like a call:
-    done when the thread ends, its exception (a worker failure, named) raised by
-    :meth:`WorkerGroup.collect`. Its own calls bound its time."""
-
-    POLL_S = 0.002  # how often collect looks at background work while it waits on the workers
-
-    def __init__(self, what: str, devices: list[int], work: Callable[[], None]):
-        super().__init__(what, [], list(devices), math.inf, math.inf)
-        self.left, self.error = {0}, None
-
-        def target() -> None:
-            try:
-                work()
-            except BaseException as e:  # noqa: BLE001 - handed to the driver thread by collect
-                self.error = e
-        self.thread = threading.Thread(target=target, name=what, daemon=True)
-        self.thread.start()
-
-    def poll(self) -> None:
-        if not self.thread.is_alive():
-            if self.error is not None:
-                raise self.error
-            self.left = set()
-
-
 class WorkerGroup:
     """One Ray actor per device (``workers[d]``), and the calls in flight on them."""
 
@@ -77,9 +52,8 @@ class WorkerGroup:
         self.ray, self.workers, self.pids, self.task_timeout_s = ray, workers, pids, task_timeout_s
         self.healthy = True
         self.num_calls = 0  # calls submitted so far (one per request sent, whatever its devices)
-        self._count = threading.Lock()  # calls are submitted from the driver's thread and a stream's
-        # every submitted call not yet collected whole, from any thread: a worker's death is charged to
-        # the call it was running, which may be one another thread is waiting on (_running_when_died)
+        # every submitted call not yet collected whole: a worker's death is charged to the call it was
+        # running, which may be one the driver is not waiting on at the moment (_running_when_died)
         self._in_flight: dict[int, Call] = {}
 
     def start(self, request: Request, devices: Sequence[int] | None = None, mode: Dispatch = Dispatch.ONE_TO_ALL,
@@ -100,18 +74,16 @@ class WorkerGroup:
         refs = [getattr(self.workers[d], request.method).remote(per_device[d]) for d in devices]
         return self.submit(refs, devices, f"task {request.task}")
 
-    def call(self, request: Request, devices: Sequence[int] | None = None, **kwargs) -> list:
+    def call(self, request: Request, devices: Sequence[int] | None = None, **kwargs) -> list[Result]:
         """:meth:`start` and wait for every result (in device order)."""
         return self.collect([self.start(request, devices, **kwargs)]).results
 
     def submit(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> Call:
         """Track ``refs`` (one per device, in order) as one call that must finish within ``timeout_s``."""
         timeout_s = self.task_timeout_s if timeout_s is None else timeout_s
-        with self._count:
-            self.num_calls += 1
-            seq = self.num_calls
-            call = Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s, seq=seq)
-            self._in_flight[seq] = call
+        self.num_calls += 1
+        call = Call(what, list(refs), list(devices), timeout_s, time.monotonic() + timeout_s, seq=self.num_calls)
+        self._in_flight[call.seq] = call
         return call
 
     def wait(self, refs: list, devices: list[int], what: str, timeout_s: float | None = None) -> list:
@@ -120,16 +92,16 @@ class WorkerGroup:
         return self.collect([self.submit(refs, devices, what, timeout_s)]).results
 
     def _running_when_died(self, device: int, failed: Call) -> Call:
-        """The call the dead worker of ``device`` was running, among every call in flight on it from
-        any thread (the death can surface first on a later call another thread waits on: a stream's
-        closing request queued behind the inference that died). A worker runs its calls in
-        submission order, so it is the earliest one whose result on ``device`` is not a success: an
-        earlier call can have finished on the worker with its result not yet collected here (a
-        streamed generation step beside the inference that died). The death reaches every pending
-        result within moments; a result still unknown after a second counts as not a success."""
+        """The call the dead worker of ``device`` was running, among every call in flight on it (the
+        death can surface first on a later call the driver waits on while it does not wait on the
+        earlier one: a stream's closing request queued behind the inference that died). A worker
+        runs its calls in submission order, so it is the earliest one whose result on ``device`` is
+        not a success: an earlier call can have finished on the worker with its result not yet
+        collected here (a streamed generation step beside the inference that died). The death
+        reaches every pending result within moments; a result still unknown after a second counts
+        as not a success."""
         ray = self.ray
-        with self._count:
-            calls = list(self._in_flight.values())
+        calls = list(self._in_flight.values())
         mine = sorted(((c, c.refs[j]) for c in calls for j in list(c.left) if c.devices[j] == device),
                       key=lambda cr: cr[0].seq)
         if not mine:
@@ -148,18 +120,10 @@ class WorkerGroup:
         the others (their workers may be blocked in a collective with a dead peer)."""
         ray = self.ray
         owner = {ref: (call, i) for call in calls for i, ref in enumerate(call.refs) if i in call.left}
-        background = [c for c in calls if isinstance(c, BackgroundCall)]
         while True:
-            for call in background:
-                try:
-                    call.poll()
-                except BaseException:
-                    self.healthy = False
-                    raise
             for call in calls:
                 if not call.left:
-                    with self._count:
-                        self._in_flight.pop(call.seq, None)
+                    self._in_flight.pop(call.seq, None)
                     return call
             now = time.monotonic()
             first = min(calls, key=lambda c: c.deadline)
@@ -168,11 +132,7 @@ class WorkerGroup:
                 stuck = sorted(first.devices[i] for i in first.left)
                 raise WorkerFailedError(f"{first.what}: devices {stuck} did not finish within {first.timeout_s:.0f} s "
                                         f"(backend.options.task_timeout_s); the run is aborted")
-            timeout = min(first.deadline - now, BackgroundCall.POLL_S) if background else first.deadline - now
-            if not owner:
-                time.sleep(timeout)
-                continue
-            ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
+            ready, _ = ray.wait(list(owner), num_returns=1, timeout=first.deadline - now)
             for ref in ready:
                 call, i = owner.pop(ref)
                 d = call.devices[i]

@@ -5,17 +5,22 @@ The driver starts its own local Ray instance (``backend.address`` null, whatever
 the machine) or joins the cluster ``backend.address`` names; it then reserves one bundle per device
 (1 GPU, or 1 logical CPU on a CPU run) in a placement group packed onto as few nodes as possible, in
 rank order, so consecutive ranks (tp groups) share a node, and creates one
-:class:`~harness.backends.ray.worker.DeviceWorker` per bundle. A cluster without the devices is
+:class:`~harness.backends.ray.worker.device.DeviceWorker` per bundle with its
+:class:`~harness.backends.ray.settings.WorkerOptions` (:func:`worker_options`). A cluster without the devices is
 refused before any worker starts, and so is an embedded Ray with more CPU workers than
 :func:`embedded_worker_cap` allows on this machine.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
-from harness.backends.ray.calls import WorkerFailedError, WorkerGroup
+from harness.backends.ray.config import RayOptions
+from harness.backends.ray.driver.calls import WorkerFailedError, WorkerGroup
+from harness.backends.ray.settings import EngineOptions, Fault, WorkerOptions
+from harness.backends.ray.worker.device import DeviceWorker
 from harness.errors import ConfigError
 
 
@@ -50,6 +55,17 @@ def embedded_workers_problem(num_workers: int) -> str | None:
             f"{cap} ({EMBEDDED_WORKERS_PER_CPU} per CPU core, {usable_cpus()} cores); use fewer devices, or a Ray "
             f"cluster with {num_workers} CPUs (`ray start --head --num-cpus=...` on its nodes) and "
             f"backend.address=auto (or <host>:<port>)")
+
+
+def worker_options(opts: RayOptions) -> WorkerOptions:
+    """What every worker is created with, from ``backend.options`` once the driver has resolved the
+    device and dtype (:meth:`harness.backends.ray.RayBackend.setup`)."""
+    fault = opts.fault_injection
+    return WorkerOptions(device=opts.device, dtype=opts.dtype, torch_threads=opts.torch_threads,
+                         multi_node=opts.multi_node,
+                         engine=EngineOptions(opts.generation_engine, dataclasses.replace(opts.vllm)),
+                         p2p_in_order=opts.p2p_matching == "in_order",
+                         fault=Fault(fault.task, fault.device, fault.op) if fault.task is not None else None)
 
 
 class Cluster:
@@ -142,13 +158,11 @@ class Cluster:
 
     def spawn(self, n: int, device: str) -> WorkerGroup:
         """Start ``n`` workers (one per device), rendezvous, and join them into one process group."""
-        from harness.backends.ray.worker import DeviceWorker
-
         ray = self.start_ray(n, device == "cuda")
         resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
         placement = self._place(n, device)
         actor_cls = ray.remote(DeviceWorker)
-        opts = self.opts.to_dict()
+        opts = worker_options(self.opts)
         workers = [actor_cls.options(max_restarts=0, max_task_retries=0, scheduling_strategy=placement[rank],
                                      **resources).remote(rank, n, opts) for rank in range(n)]
         group = WorkerGroup(ray, workers, [], self.opts.task_timeout_s)

@@ -1,11 +1,13 @@
 """One device's worker process (a Ray actor): process groups, model replicas, task execution.
 
-The driver (:class:`harness.backends.ray.RayBackend`) creates one ``DeviceWorker`` per device,
-wires them into one ``torch.distributed`` job (gloo on CPU, NCCL on CUDA), hands every worker the
-plan, then sends the devices of each task its typed requests (:mod:`harness.backends.ray.protocol`):
-one worker method per request class, each answering with a ``Result``. A worker's model replicas
-(a home replica per role, copies in other tasks' layouts) are a
-:class:`harness.real.parallel.store.ReplicaStore`.
+The driver (:class:`harness.backends.ray.RayBackend`) creates one ``DeviceWorker`` per device with
+its :class:`~harness.backends.ray.settings.WorkerOptions`, wires them into one ``torch.distributed``
+job (gloo on CPU, NCCL on CUDA), hands every worker the plan and its
+:class:`~harness.backends.ray.settings.WorkerSetup`, then sends the devices of each task its typed
+requests (:mod:`harness.backends.ray.protocol`): one worker method per request class, each
+answering with a :class:`~harness.backends.ray.replies.Result` holding that method's typed output
+(:mod:`harness.backends.ray.replies`). A worker's model replicas (a home replica per role, copies in
+other tasks' layouts) are a :class:`harness.real.parallel.store.ReplicaStore`.
 
 CUDA set-up follows the torch.distributed docs: each worker makes the one GPU Ray gave it its
 current device (``torch.cuda.set_device``, :func:`cuda_local_index`) before anything else touches
@@ -23,6 +25,7 @@ torch 2.13 aborts the process at exit).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import resource
@@ -31,7 +34,11 @@ import time
 from typing import Any
 
 from harness.backends.ray.protocol import (CloseSession, Export, Generate, Infer, Migrate, Move, OpenSession,
-                                           Release, Request, Result, State, Steps, Train)
+                                           Release, Request, State, Steps, Train)
+from harness.backends.ray.replies import (Exported, Generated, Inferred, MemoryPeaks, Moved, Released, Result,
+                                          SessionProgress, StatePiece, Trained)
+from harness.backends.ray.settings import HomeSetup, WorkerOptions, WorkerSetup
+from harness.backends.ray.worker import passes, pipeline, streaming
 from harness.core.plan import Plan
 
 
@@ -53,15 +60,30 @@ def cuda_local_index(gpu_ids: list, visible: str | None) -> int:
     return listed.index(gpu)
 
 
+def store_setup(setup: WorkerSetup) -> dict[str, Any]:
+    """``setup`` in the form :class:`harness.real.parallel.store.ReplicaStore` reads it."""
+    return {"model_args": {role: dataclasses.asdict(a) for role, a in setup.model_args.items()},
+            "seeds": dict(setup.seeds), "checkpoints": dict(setup.checkpoints)}
+
+
+def store_home(home: HomeSetup) -> dict[str, Any]:
+    """A home replica in the form :meth:`harness.real.parallel.store.ReplicaStore.create` reads it."""
+    out: dict[str, Any] = {"allocation": home.allocation, "zero3_impl": home.zero3_impl}
+    if home.optimizer is not None:
+        out["hparams"] = dataclasses.asdict(home.optimizer)
+        out.update(micro_batch_size=home.micro_batch_size, grad_accum=home.grad_accum)
+    return out
+
+
 class DeviceWorker:
-    def __init__(self, rank: int, world_size: int, options: dict[str, Any]):
+    def __init__(self, rank: int, world_size: int, options: WorkerOptions):
         self.rank, self.world_size, self.options = rank, world_size, options
-        self.use_cuda = options["device"] == "cuda"
+        self.use_cuda = options.device == "cuda"
         if not self.use_cuda:
             os.environ["DS_ACCELERATOR"] = "cpu"
         import torch
 
-        torch.set_num_threads(int(options["torch_threads"]))
+        torch.set_num_threads(int(options.torch_threads))
         self.device = torch.device("cpu")
         if self.use_cuda:  # the current device is set before anything touches CUDA or torch.distributed
             import ray
@@ -70,16 +92,17 @@ class DeviceWorker:
                                                                 os.environ.get("CUDA_VISIBLE_DEVICES")))
             torch.cuda.set_device(self.device)
         # parameter/activation dtype of every replica (resolved by the driver: bf16 on CUDA, fp32 on CPU)
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.get("dtype", "fp32")]
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.dtype]
         self.store = None  # the device's model replicas (ReplicaStore), made by setup()
-        self.sessions: dict[str, Any] = {}  # generate task -> streamed generation session
+        self.setup_info: WorkerSetup | None = None
+        self.sessions: dict[str, streaming.GenerationSession] = {}  # generate task -> its session here
         self.plan: Plan | None = None
 
     # ---- set-up -------------------------------------------------------------------------
     def address(self, multi_node: bool | None = None) -> tuple[str, int]:
         """This node's IP (127.0.0.1 when every worker is on one node) and a free TCP port for the
         rendezvous (asked of worker 0)."""
-        if self.options.get("multi_node") if multi_node is None else multi_node:
+        if self.options.multi_node if multi_node is None else multi_node:
             import ray
 
             ip = ray.util.get_node_ip_address()
@@ -116,7 +139,7 @@ class DeviceWorker:
         Groups.first_collective(None, self.device)
         return self.rank
 
-    def setup(self, plan_json: str, setup: dict[str, Any]) -> float:
+    def setup(self, plan_json: str, setup: WorkerSetup) -> float:
         """Create process groups and the home replica of every model; returns seconds taken."""
         from harness.real.parallel.comm import Groups
         from harness.real.parallel.store import ReplicaStore
@@ -124,121 +147,100 @@ class DeviceWorker:
         t0 = time.time()
         self.plan = Plan.from_json(plan_json)
         self.setup_info = setup
-        groups = Groups(self.rank, self.world_size, [tuple(r) for r in setup["groups"]], self.device)
-        engine = {"generation_engine": self.options.get("generation_engine", "ours"),
-                  "vllm": self.options.get("vllm") or {}}
-        self.store = ReplicaStore(self.rank, self.device, self.dtype, groups, self.plan, setup, engine,
-                                  release_cache=self.use_cuda)
-        for role, home in setup["homes"].items():
-            if self.rank in home["allocation"].mesh:
-                self.store.create(role, home["allocation"], home)
+        groups = Groups(self.rank, self.world_size, [tuple(r) for r in setup.groups], self.device)
+        self.store = ReplicaStore(self.rank, self.device, self.dtype, groups, self.plan, store_setup(setup),
+                                  self.options.engine, release_cache=self.use_cuda)
+        for role, home in setup.homes.items():
+            if self.rank in home.allocation.mesh:
+                self.store.create(role, home.allocation, store_home(home))
         return time.time() - t0
 
     # ---- requests (protocol.py), one method each ---------------------------------------------
     def _enter(self, req: Request) -> None:
-        fault = self.options.get("fault_injection")
-        if fault and fault.get("task") == req.task and fault.get("device") in (None, self.rank) \
-                and fault.get("op") in (None, req.method):
+        fault = self.options.fault
+        if fault is not None and fault.hits(req.task, self.rank, req.method):
             os._exit(17)  # test hook: die as a crashed worker would, without cleaning up
 
-    @property
-    def _in_order(self) -> bool:
-        """Pipeline messages matched in posting order, as NCCL does (backend.options.p2p_matching)."""
-        return self.options.get("p2p_matching", "in_order") == "in_order"
-
-    def generate(self, req: Generate) -> Result:
-        from harness.backends.ray import passes
-
+    def generate(self, req: Generate) -> Result[Generated]:
         self._enter(req)
         return self._result(*passes.generate(self.store.get(req.role, req.allocation), req))
 
-    def infer(self, req: Infer) -> Result:
-        from harness.backends.ray import passes
-
+    def infer(self, req: Infer) -> Result[Inferred]:
         self._enter(req)
         replica = self.store.get(req.role, req.allocation)
-        return self._result(*passes.infer(replica, req, self.setup_info["model_cfgs"][req.role], self._in_order))
+        return self._result(*passes.infer(replica, req, self.setup_info.model_dims[req.role],
+                                          self.options.p2p_in_order))
 
-    def train(self, req: Train) -> Result:
+    def train(self, req: Train) -> Result[Trained]:
         """This device's share of a training stage: its replica of every model the stage trains
         here, running this device's logical rank's action list (one model, or two fused)."""
-        from harness.backends.ray import pipeline
-
         self._enter(req)
         replicas = {role: self.store.get(role, alloc) for role, alloc in req.allocations.items() if self.rank in alloc.mesh}
-        cfgs = {r: self.setup_info["model_cfgs"][r] for r in replicas}
-        spans, outs = pipeline.train(replicas, req, cfgs, self._in_order)
-        return self._result([], outs, task_spans=spans)
+        dims = {r: self.setup_info.model_dims[r] for r in replicas}
+        return self._result([], pipeline.train(replicas, req, dims, self.options.p2p_in_order))
 
-    def move(self, req: Move) -> Result:
+    def move(self, req: Move) -> Result[Moved]:
         from harness.real.parallel.movement import move_weights
 
         self._enter(req)
         source = self.store.get(req.role, req.source) if self.rank in req.source.mesh else None
         target = self.store.get(req.role, req.allocation, create=True) if self.rank in req.allocation.mesh else None
-        return self._result(*move_weights(self.store, req.role, source, target, req.source, req.allocation))
+        spans, out = move_weights(self.store, req.role, source, target, req.source, req.allocation)
+        return self._result(spans, Moved(out["bytes"]))
 
-    def state(self, req: State) -> Result:
+    def state(self, req: State) -> Result[StatePiece]:
         from harness.real.parallel.movement import gather_state
 
         self._enter(req)
-        return self._result([], gather_state(self.store.get(req.role, req.allocation)))
+        piece = gather_state(self.store.get(req.role, req.allocation))
+        return self._result([], None if piece is None else StatePiece(tuple(piece["coord"]), piece["state"]))
 
-    def release(self, req: Release) -> Result:
+    def release(self, req: Release) -> Result[Released]:
         self._enter(req)
-        return self._result([], {"freed_bytes": self.store.free(req.role, req.allocation)
-                                 if self.rank in req.allocation.mesh else 0})
+        return self._result([], Released(self.store.free(req.role, req.allocation)
+                                         if self.rank in req.allocation.mesh else 0))
 
     # streamed generation (RLHFuse section 4): a session per generate task (streaming.py)
-    def open_session(self, req: OpenSession) -> Result:
-        from harness.backends.ray import streaming
-
+    def open_session(self, req: OpenSession) -> Result[SessionProgress]:
         self._enter(req)
-        self.sessions[req.task] = streaming.GenerationSession(self.store.get(req.role, req.allocation), req)
-        return self._result([], {"next_finish": self.sessions[req.task].next_finish()})
+        session = streaming.GenerationSession(self.store.get(req.role, req.allocation), req)
+        self.sessions[req.task] = session
+        return self._result([], session.progress([]))
 
-    def steps(self, req: Steps) -> Result:
+    def steps(self, req: Steps) -> Result[SessionProgress]:
         self._enter(req)
         return self._result(*self.sessions[req.task].steps(req.max_steps))
 
-    def export(self, req: Export) -> Result:
+    def export(self, req: Export) -> Result[Exported]:
         self._enter(req)
         return self._result([], self.sessions[req.task].export(req.with_kv))
 
-    def migrate(self, req: Migrate) -> Result:
-        from harness.backends.ray import streaming
-
+    def migrate(self, req: Migrate) -> Result[None]:
         self._enter(req)
         return self._result(streaming.migrate(self.rank, self.sessions.get(req.task), req, self.device, self.dtype),
                             None)
 
-    def close_session(self, req: CloseSession) -> Result:
+    def close_session(self, req: CloseSession) -> Result[None]:
         self._enter(req)
         self.sessions.pop(req.task, None)
         return self._result([], None)
 
-    def _result(self, spans, out, task_spans: dict | None = None) -> Result:
+    def _result(self, spans: list, out: Any) -> Result:
         self.store.note_memory()
-        return Result(self.rank, spans, out, self.memory_gb(), self.memory_stats(), task_spans)
+        return Result(self.rank, spans, out, self.memory_peaks())
 
-    def memory_gb(self) -> float:
-        """Peak device memory: CUDA allocator peak, or the process's peak resident set on CPU."""
+    def memory_peaks(self) -> MemoryPeaks:
+        """Peaks since the worker started (:class:`~harness.backends.ray.replies.MemoryPeaks`): CUDA's
+        ``torch.cuda.max_memory_allocated``, or on CPU the process's peak resident set; and the
+        largest model state this worker held at once."""
         if self.use_cuda:
             import torch
 
-            return torch.cuda.max_memory_allocated() / 1e9
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-
-    def memory_stats(self) -> dict[str, float]:
-        """Peaks since the worker started, in GB, each named for what it measures:
-        ``peak_allocated_gb`` (CUDA: ``torch.cuda.max_memory_allocated``), ``peak_rss_gb`` (CPU:
-        the process's peak resident set, which includes the Python/torch runtime), and
-        ``model_state_gb`` (both: the largest model state this worker held at once, counted from
-        its tensors: parameters materialised on the device, float32 master weights and Adam
-        states; native ZeRO-3's gathered parameters included)."""
-        key = "peak_allocated_gb" if self.use_cuda else "peak_rss_gb"
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         state = self.store.model_state_bytes if self.store is not None else 0
-        return {key: self.memory_gb(), "model_state_gb": state / 1e9}
+        return MemoryPeaks(peak / 1e9, state / 1e9, self.use_cuda)
 
     def shutdown(self) -> bool:
         import torch.distributed as dist
