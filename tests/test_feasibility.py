@@ -1,4 +1,4 @@
-"""The smallest cluster on which each system plans and fits, for every paper model pair (issue 13).
+"""The smallest cluster on which each system plans and fits, for every paper model pair.
 
 For each system and each of RLHFuse's model pairs (``conf/model/<actor>_<critic>.yaml``) on the
 RLHFuse testbed (nodes of 8 x 80 GB H100-class GPUs, 72 GB usable each) and the default workload,

@@ -1,4 +1,4 @@
-"""Behaviour preserved across the planning-library redesign (issue 10).
+"""Behaviour preserved across the planning-library redesign.
 
 Every system plans and runs (sim backend, 5 iterations, fixed seed, step-budgeted searches) on
 ``model=13b`` and ``model=65b_33b``; the plan and the summary metrics must equal the golden files
@@ -12,13 +12,13 @@ source and target layouts are the same (same mesh and (dp, tp, pp), source not Z
 bytes, and the one resharding rule of the plan assembler no longer emits a task for it (ReaLHF's
 heuristic plan had two such zero-byte tasks; their duration was 0, so no metric changes).
 
-A second intentional difference (issue 13, item 2): RLHFuse's note ``fused/serial_makespan_s``
+A second intentional difference: RLHFuse's note ``fused/serial_makespan_s``
 is now the paper's serial baseline (actor 1F1B, a barrier, critic 1F1B); the reference recorded
 in the golden files (1F1B back to back without the barrier) is kept as
 ``fused/serial_no_barrier_makespan_s`` and must equal the golden value; the new note
 ``fused/peak_memory_vs_serial`` did not exist before.
 
-Re-recorded on purpose (issue 13), each difference inspected before re-recording:
+Re-recorded on purpose, each difference inspected before re-recording:
 - ``rlhfuse``: the fused-schedule search gained the paper's memory phase (items 1 and 3), so the
   searched per-rank orders differ; with the same step budget the fused makespan went 0.05364 ->
   0.05288 s on 13b and 1.32329 -> 1.32336 s on 65b_33b (+0.006%), the peak activation memory
@@ -27,7 +27,7 @@ Re-recorded on purpose (issue 13), each difference inspected before re-recording
   with 31 generation nodes that the old search refused; the chosen split, the plan and every
   metric are unchanged (only the split-curve note gained a point).
 The golden files of these two systems are therefore in the current IR and carry both serial notes.
-- ``rlhfuse`` on ``65b_33b`` once more (issue 13, phase 1's lower-memory starts): with the same
+- ``rlhfuse`` on ``65b_33b`` once more (phase 1's lower-memory starts): with the same
   step budget the fused makespan went 1.32336 -> 1.32329 s and the peak activation memory
   2.811 -> 2.824 GB (the search keeps the shorter schedule first); nothing else in the plan
   changed. ``13b`` was unchanged by that; it changed with the compiled search kernels, whose
@@ -43,7 +43,7 @@ The golden files of these two systems are therefore in the current IR and carry 
   realhf 13b ``search/best_estimate_s`` 3.5666 -> 3.5711, disaggregated ``search/gen`` est.
   2.60 -> 2.63 s (13b) and 9.18 -> 9.28 s (65b_33b).
 
-Re-recorded on purpose (issue 28, item 3): tensor parallelism must divide a model's attention heads
+Re-recorded on purpose: tensor parallelism must divide a model's attention heads
 (and divide or be a multiple of its KV heads), as Megatron-LM and vLLM assert. LLaMA-33B has 52
 heads, so the 33B critic and reward of ``65b_33b`` can no longer run at tp = 8, which every
 system except DeepSpeed-Chat had chosen for some task; ``13b`` (40 heads) and DeepSpeed-Chat
@@ -61,7 +61,7 @@ layout changed):
 - ``interleaved`` 42.65 -> 41.93 (0.983x), ``disaggregated`` 38.32 -> 37.62 (0.982x): update_critic
   tp 8 -> 4 (dp 1 -> 2).
 
-A third intentional difference (issue 25, item 4), applied to the golden plan explicitly here: the
+A third intentional difference, applied to the golden plan explicitly here: the
 training tasks' reads now come from what their losses consume
 (:func:`harness.planning.dataflow.training_reads`), so ``update_critic`` reads ``old_logprobs``
 and ``ref_logprobs`` as well as ``responses, rewards, values`` (its returns use the KL-penalised
@@ -70,7 +70,7 @@ model the plan is otherwise identical and every metric and note is unchanged (in
 plans ``update_critic`` shares devices with ``ref`` and comes after it, so it already started after
 ``ref`` had ended), so no golden file was re-recorded for it.
 
-Edited on purpose (issue 27, item 1: one scheduler): the simulator now starts units through the
+Edited on purpose (one scheduler): the simulator now starts units through the
 event-driven scheduler (``harness.planning.scheduler``), the one ``backend=ray`` drives, and a weight
 movement occupies the devices it sends from as well as its target (as on ``backend=ray``). Every plan
 and every metric is unchanged except two notes and one last digit, edited in place:
@@ -149,11 +149,11 @@ def test_plan_and_metrics_match_golden(system, model):
         assert notes.pop("fused/serial_no_barrier_makespan_s") == expected["notes"].pop("fused/serial_makespan_s")
         assert notes.pop("fused/serial_makespan_s") >= expected["notes"].get("fused/makespan_s", 0.0)
         notes.pop("fused/peak_memory_vs_serial")
-    if expected.get("engines") is None:  # recorded before plans named their engines (issue 26)
+    if expected.get("engines") is None:  # recorded before plans named their engines
         engines = now["plan"].pop("engines")
         assert engines["generation"]["gpu_time_scale"] == 1.0 and engines["training"]["compute_time_scale"] == 1.0
         expected.pop("engines")
         for key in ("actor_zero_stage", "critic_zero_stage"):  # DeepSpeed-Chat's per-model stages, since
-            if key in notes and key not in expected["notes"]:  # issue 26: equal to zero_stage by default
+            if key in notes and key not in expected["notes"]:  # equal to zero_stage by default
                 assert notes.pop(key) == notes["zero_stage"]
     assert without_wall_clock(now["plan"]) == without_wall_clock(json.loads(json.dumps(expected)))

@@ -1,4 +1,4 @@
-"""The docs check (issue 15): every command shown in README.md runs, or says why it cannot run here.
+"""The docs check: every command shown in README.md runs, or says why it cannot run here.
 
 Every line of every fenced code block in README.md is a command (a trailing ``# comment`` is not part
 of it). :data:`SPECS` classifies each one, keyed by the command exactly as written, and

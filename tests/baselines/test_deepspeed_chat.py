@@ -28,7 +28,7 @@ TINY_4 = ["+system=deepspeed_chat", "model=tiny", "workload=tiny", "cluster=h100
 
 
 def test_tiny_on_four_devices_keeps_the_workloads_mini_batch():
-    """The README's 4-device tiny setting (issue 25, item 6): the workload's mini-batch of 4 is a
+    """The README's 4-device tiny setting: the workload's mini-batch of 4 is a
     multiple of the 4 GPUs, so DeepSpeed-Chat keeps it (the same optimisation problem as every other
     system) and trains one sample per GPU per micro-step (the workload's micro-batch is 2)."""
     plan, _, _ = plan_for(TINY_4)

@@ -1,13 +1,13 @@
-"""Record (or check) the golden plans and summary metrics of every system (issue 10).
+"""Record (or check) the golden plans and summary metrics of every system.
 
 ``python tests/golden/record.py`` writes ``tests/golden/<system>-<model>.json``: the plan.json and
 the summary metrics of a full sim-backend run (fixed seed, deterministic search budgets). The
 golden files were recorded on the commit *before* the planning-library redesign, so
 ``tests/test_golden.py`` checks that the redesign preserved behaviour. They were recorded with the
 datasheet roofline cost model, so they are run with ``cluster.cost_model=roofline`` (the
-calibrated model became the default later, issue 12; it changes every time on purpose), and with
-DeepSpeed-Chat's reference-implementation generation (eager engine, synced rounds, padding; issue
-12) switched off.
+calibrated model became the default later; it changes every time on purpose), and with
+DeepSpeed-Chat's reference-implementation generation (eager engine, synced rounds, padding)
+switched off.
 """
 from __future__ import annotations
 
@@ -22,23 +22,23 @@ SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse", "realhf", "realhf_heuris
 MODELS = ("13b", "65b_33b")
 # Step budgets instead of wall-clock budgets, so the searches are deterministic.
 DETERMINISTIC = {"rlhfuse": ["system.fused_search.max_steps=2000"], "realhf": ["system.max_steps=200"]}
-# Behaviour added after the golden files were recorded (issue 12), switched off for the comparison:
+# Behaviour added after the golden files were recorded, switched off for the comparison:
 # DeepSpeed-Chat generating as its reference implementation does.
-BEFORE_ISSUE_12 = {"deepspeed_chat": [f"engine.generation={HERE / 'engine_before_issue12.yaml'}"]}
-# Engine constants fitted on published measurements (issue 26) change every time on purpose: the golden
+GENERATION_AT_RECORDING = {"deepspeed_chat": [f"engine.generation={HERE / 'engine_at_recording.yaml'}"]}
+# Engine constants fitted on published measurements change every time on purpose: the golden
 # runs keep them at their priors, which reproduce the cost model the files were recorded with.
-BEFORE_ISSUE_26 = ["engine.fitted=false"]
-# ReaLHF's coordinate-descent refinement after annealing (issue 28) is switched off: the files check
+ENGINE_PRIORS = ["engine.fitted=false"]
+# ReaLHF's coordinate-descent refinement after annealing is switched off: the files check
 # the annealing path they were recorded with. The refinement's own plans are better (roofline, these
 # budgets: 13b 140.59 -> 144.88 samples/s, 65b_33b 35.89 -> 41.36; docs/PLANNING_SPEED.md).
 AFTER_RECORDING = {"realhf": ["system.num_refine_rounds=0"]}
 # rlhfuse-*.json were re-recorded when the fused search's memory phase became one compiled kernel with
-# its own random generator (issue 29): at these 2,000-step budgets it ends on another order of the
+# its own random generator: at these 2,000-step budgets it ends on another order of the
 # fused stage, shorter and with the same peak (roofline: fused makespan 13b 0.053019 -> 0.052993 s,
 # 65b_33b 0.167141 -> 0.167076 s; samples/s 165.183 -> 165.197 and 45.018 -> 45.020). The plan's
 # layouts are unchanged; the other files were not re-recorded. They were re-recorded again when the
-# memory phase's next cap became just below the best peak (cap_step 0.5 -> 0.005 smallest activations,
-# issue 29): 13b ends on a shorter fused order at the same peak (fused makespan 0.052993 -> 0.052986 s,
+# memory phase's next cap became just below the best peak (cap_step 0.5 -> 0.005 smallest activations):
+# 13b ends on a shorter fused order at the same peak (fused makespan 0.052993 -> 0.052986 s,
 # samples/s 165.1973 -> 165.1984), 65b_33b on one at the same makespan that holds less (fused peak
 # 3.3824 -> 3.3678 GB, 1.5781x -> 1.5713x of serial). And again when the memory phase's energy weighed
 # time above the target makespan (memory_makespan_weights, seed 0: 8 per mean action time, was 1; the
@@ -61,8 +61,8 @@ WALL_CLOCK_KEYS = ("timing_s/plan", "fused/search_s")
 def overrides(system: str, model: str, results_dir: str) -> list[str]:
     return [f"+system={system}", f"model={model}", "logger=none", "logger.progress_bar=false",
             f"results_dir={results_dir}", "experiment_name=golden",
-            "cluster.cost_model=roofline"] + DETERMINISTIC.get(system, []) + BEFORE_ISSUE_12.get(system, []) \
-        + BEFORE_ISSUE_26 + AFTER_RECORDING.get(system, [])
+            "cluster.cost_model=roofline"] + DETERMINISTIC.get(system, []) + GENERATION_AT_RECORDING.get(system, []) \
+        + ENGINE_PRIORS + AFTER_RECORDING.get(system, [])
 
 
 def run(system: str, model: str) -> dict:

@@ -1,4 +1,4 @@
-"""Every impossible input refused before any work (issue 28, item 3; harness/checks/consistency.py).
+"""Every impossible input refused before any work (harness/checks/consistency.py).
 
 Each input the issue lists under "Why" ends ``python -m harness`` with exit code 2, exactly one line
 ``error: ...`` on stderr naming the cause (the key to change), nothing on stdout and nothing under
@@ -42,7 +42,7 @@ def command(extra: list[str]) -> list[str]:
     return [o for o in BASE + FAST if key(o) not in own] + extra
 
 
-# name -> (overrides, text the one line must contain). "Why" of issue 28, in its order.
+# name -> (overrides, text the one line must contain). The cases in the order the checks run.
 REFUSED = {
     "gen_over_context": (["workload.max_gen_len=8192"], "model.actor.max_seq_len=4096"),
     "prompt_over_context": (constant_prompt(6000), "workload.prompt_len.max=6000"),

@@ -544,7 +544,7 @@ def test_plan_without_engines_round_trips():
     d = plan.to_dict()
     d["engines"] = None
     assert Plan.from_dict(d).engines is None
-    del d["engines"]  # a plan.json written before issue 26
+    del d["engines"]  # a plan.json written before plans named their engines
     assert Plan.from_dict(d).engines is None
 
 

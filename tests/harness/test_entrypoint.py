@@ -222,7 +222,7 @@ def test_sweep_records_a_failing_job_and_finishes_the_others(tmp_path, run_harne
 
 
 def test_help_is_the_harness_own_page(run_harness, tmp_path):
-    """``--help`` (issue 28, item 5): a usage line, every system with one line, the main groups, three
+    """``--help``: a usage line, every system with one line, the main groups, three
     examples; no internal schema group, exit 0."""
     from harness.system import discover_systems
 

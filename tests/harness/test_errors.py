@@ -1,4 +1,4 @@
-"""Friendly errors (issue 15, item 4): bad input ends with ONE line on stderr and a clear exit code.
+"""Friendly errors: bad input ends with ONE line on stderr and a clear exit code.
 
 - an unknown key, in any config group or at the top level, or a misspelt group option: one line
   ``error: unknown key|option ... (did you mean ...?)``, exit 2, nothing written; in a sweep
@@ -160,7 +160,7 @@ def test_deepspeed_chat_mini_batch_rule():
     assert isinstance(hh, WorkloadConfig)
     assert derived_mini_batch_size(256, hh) == 256  # the RLHFuse testbed: RLHFuse section 7's 256 (Figure 7)
     assert derived_mini_batch_size(8, hh) == 64  # one node: the workload's own mini-batch
-    # tiny (mini-batch 4, micro-batch 2): the workload's own mini-batch up to 4 devices (issue 25, item 6),
+    # tiny (mini-batch 4, micro-batch 2): the workload's own mini-batch up to 4 devices,
     # in micro-batches of 2 per device, or of 1 (one sample per GPU) on 4
     assert [derived_mini_batch_size(n, tiny) for n in (1, 2, 4, 8)] == [4, 4, 4, 8]
     assert [per_device_micro_batch_size(4, n, tiny) for n in (1, 2, 4)] == [2, 2, 1]

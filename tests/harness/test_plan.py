@@ -33,7 +33,7 @@ def test_dependencies_follow_data_keys():
     assert deps["gen"] == ["realloc_actor_gen"]
     assert deps["ref"] == ["gen"] and deps["reward"] == ["gen"]
     assert deps["update_actor"] == ["gen", "ref", "reward", "values"]
-    # the critic's returns use the KL-penalised rewards: it waits for ref too (issue 25)
+    # the critic's returns use the KL-penalised rewards: it waits for ref too
     assert deps["update_critic"] == ["gen", "ref", "reward", "values"]
     order = plan.topological_order()
     assert order.index("gen") < order.index("values") < order.index("update_critic")

@@ -1,4 +1,4 @@
-"""Run provenance (issue 15): summary.json's ``provenance`` says which code, packages, host, devices
+"""Run provenance: summary.json's ``provenance`` says which code, packages, host, devices
 and cost-model files produced the numbers, and collecting it never fails a run.
 
 One in-process sim-backend run on the tiny model checks every field of summary.json's

@@ -1,4 +1,4 @@
-"""``python -m harness.report``: the comparison table of a results tree (issue 15).
+"""``python -m harness.report``: the comparison table of a results tree.
 
 The tree is written by the real harness (sim backend, tiny model and workload, one node of 2 GPUs)
 for DeepSpeed-Chat and RLHFuse-Base at two workload variants, plus a failed job recorded through

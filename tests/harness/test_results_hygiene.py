@@ -1,4 +1,4 @@
-"""The results tree stays clean (issue 28, item 4; harness/run/results.py, harness/cli/app.py).
+"""The results tree stays clean (harness/run/results.py, harness/cli/app.py).
 
 - a run killed with SIGKILL leaves its staging folder; the next run in that experiment removes it
   and writes one clean result;
@@ -163,7 +163,7 @@ def test_report_shows_a_job_once_from_an_old_append_only_file(tmp_path):
 
 
 def test_planning_progress_only_on_a_terminal():
-    """Progress lines (issue 28, item 2) when stderr is a terminal and progress_bar is on; none in a
+    """Progress lines when stderr is a terminal and progress_bar is on; none in a
     pipe or log, none when asked."""
     import io
 

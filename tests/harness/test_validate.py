@@ -123,7 +123,7 @@ def test_stage_lines_are_parts_of_their_point():
 
 
 def test_a_subset_of_every_source_replays_in_ci():
-    """One point per source (the CI subset of issue 26): each plans, fits in memory and simulates."""
+    """One point per source (the CI subset): each plans, fits in memory and simulates."""
     points = validate.read_replay(REPLAY)
     chosen = {}
     for p in points:

@@ -1,4 +1,4 @@
-"""The calibrated cost model (issue 12): the shipped fitted files are what the fit produces from
+"""The calibrated cost model: the shipped fitted files are what the fit produces from
 the shipped profiles, its op work equals the profile analysis's, it reproduces measured layers and
 collectives, and its engine and generation-policy behaviours hold their closed forms."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The shipped Vidur profiles, the dimension-scaling rule fitted on them, and the calibration
-report (issue 12; ``harness/costmodel/measured.py``, ``harness/cli/calibrate.py``).
+report (``harness/costmodel/measured.py``, ``harness/cli/calibrate.py``).
 
 Held-out error of the scaling rule, ``|pred / measured - 1|`` over every row of the held-out
 model (fit on the other two), as measured on the shipped data (median / p90, worst of the three

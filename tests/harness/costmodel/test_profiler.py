@@ -1,4 +1,4 @@
-"""The local op profiler (issue 12, item 4): ``python -m harness.calibrate profile`` writes a
+"""The local op profiler: ``python -m harness.calibrate profile`` writes a
 Vidur-format ``mlp.csv`` that ``measured.load_compute`` reads like the public profiles."""
 from __future__ import annotations
 

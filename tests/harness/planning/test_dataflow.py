@@ -86,7 +86,7 @@ def test_declared_reads_are_exactly_what_the_math_reads(task, produced):
 
 
 def test_critic_returns_use_the_kl_penalised_rewards():
-    """The issue-25 bug: update_critic declared (responses, rewards, values) and was started before ref."""
+    """A past bug: update_critic declared (responses, rewards, values) and was started before ref."""
     assert {"old_logprobs", "ref_logprobs"} <= sample_data_behind("returns")
     assert training_reads("critic") == SAMPLE_DATA
     for task in TRAINING_TASKS:

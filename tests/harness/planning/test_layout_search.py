@@ -1,4 +1,4 @@
-"""Plans that fit (issue 13, item 4): the layout search counts what co-located and resident models
+"""Plans that fit: the layout search counts what co-located and resident models
 hold (training states, ref/reward weights, activations, KV cache, the fused stage's peak),
 reserves memory for the choices still to come, takes slower layouts that fit rather than refusing,
 and refuses only when nothing fits, naming the smallest requirement."""

@@ -65,7 +65,7 @@ RUNS.update({
                                  "workload.micro_batch_size=1"],
 })
 # Every other system backend=ray runs, on the same long-tailed workload (2 iterations): with the
-# three above, the runs the sim-vs-real parity test compares with the simulator (issue 27, item 5).
+# three above, the runs the sim-vs-real parity test compares with the simulator.
 PARITY_RUNS = {"rlhfuse": "rlhfuse_both", "rlhfuse_base": "rlhfuse_base_long_tail",
                "deepspeed_chat": "deepspeed_chat_long_tail"}
 for _system, _extra in {"interleaved": [], "realhf": [], "realhf_heuristic": [], "disaggregated": [],
@@ -275,7 +275,7 @@ def test_unsupported_plan_is_refused_before_workers_start(run_harness, tmp_path)
     assert "workers (" not in proc.stdout
 
 
-# ---- sim-vs-real parity (issue 27, item 5) -------------------------------------------------------
+# ---- sim-vs-real parity -------------------------------------------------------
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -1,4 +1,4 @@
-"""Checkpoints named in the config (``model.<role>.checkpoint``, issue 14 item 2) on backend=ray.
+"""Checkpoints named in the config (``model.<role>.checkpoint``) on backend=ray.
 
 - Tiny Hugging Face checkpoints with the dimensions of ``conf/llama/tiny.yaml``, saved by
   ``transformers`` (``LlamaForCausalLM`` for the policy, ``LlamaForSequenceClassification`` for the

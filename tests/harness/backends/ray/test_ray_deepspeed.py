@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 against our own ZeRO-3 (issue 14, item 3): one deepspeed_chat iteration on two
+"""DeepSpeed ZeRO-3 against our own ZeRO-3: one deepspeed_chat iteration on two
 CPU workers (gloo, ``DS_ACCELERATOR=cpu``), same seed and data, once with DeepSpeed
 (``backend.options.zero3_impl=deepspeed``: the run fails rather than fall back if DeepSpeed cannot be
 used) and once with the native fallback (``zero3_impl=native``), then the actor and critic weights
@@ -18,7 +18,7 @@ whole batch (``system.mini_batch_size=8``) instead of two steps on halves -- whi
 weights by about the size of the update itself (measured: 0.67-0.73 of it), orders of magnitude beyond
 the tolerance.
 
-bf16 (issue 25, item 2): the same iteration in bf16 (``backend.options.dtype=bf16``, the default on
+bf16: the same iteration in bf16 (``backend.options.dtype=bf16``, the default on
 CUDA) with the default ``zero3_impl=auto``, which now takes DeepSpeed in its own bf16 mode (bf16
 parameters, float32 master weights, Adam states, gradient reduction and accumulation;
 harness/real/parallel/zero3.py), against the native ZeRO-3 in bf16. The weights compared are the

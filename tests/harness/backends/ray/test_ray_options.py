@@ -1,4 +1,4 @@
-"""Option conflicts of ``backend=ray`` are refused before Ray or any worker starts (issue 25, item 2).
+"""Option conflicts of ``backend=ray`` are refused before Ray or any worker starts.
 
 ``RayBackend.check`` (run by the runner before the run folder exists, and again by ``setup`` before
 Ray starts) refuses every combination of options the backend does not run -- device x machine,

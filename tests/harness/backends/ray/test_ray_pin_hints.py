@@ -1,5 +1,5 @@
-"""backend=ray's refusals name the key that pins a layout in the system that made the plan (issue 25,
-item 7): ``system.layout=...`` for colocated (one shared layout), ``system.layouts.<task>=...`` for
+"""backend=ray's refusals name the key that pins a layout in the system that made the plan:
+``system.layout=...`` for colocated (one shared layout), ``system.layouts.<task>=...`` for
 RLHFuse-Base and RLHFuse; no key for a system that pins none. The key travels in the plan
 (``Plan.layout_keys``, set through ``assemble_ppo_plan``), so the backend has no per-system branch;
 it is not part of what runs, so plan.json does not hold it. The suggested layout keeps the task's

@@ -1,4 +1,4 @@
-"""Same weights across systems at the README's own setting (issue 25, item 6), and the final
+"""Same weights across systems at the README's own setting, and the final
 weights in ``summary.json``.
 
 The README's three CPU commands (``model=tiny workload=tiny backend=ray`` on 4 devices:

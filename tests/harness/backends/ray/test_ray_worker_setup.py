@@ -1,4 +1,4 @@
-"""CUDA and process-group set-up of the device workers (issue 25, item 1), checked without a GPU.
+"""CUDA and process-group set-up of the device workers, checked without a GPU.
 
 torch's contract for ``torch.distributed.batch_isend_irecv``: under NCCL the current device must be
 set with ``torch.cuda.set_device`` (else hangs), and if it is the first collective call in its group

@@ -1,4 +1,4 @@
-"""The planners' span-free task estimates end exactly where the full task models do (issue 28:
+"""The planners' span-free task estimates end exactly where the full task models do (the
 estimates skip the spans, nothing else)."""
 from __future__ import annotations
 
