@@ -1,7 +1,6 @@
 """CostModel: profile overrides, workload defaults, config inputs and call speed."""
 from __future__ import annotations
 
-import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -83,14 +82,19 @@ def test_accepts_dictconfig_and_dataclass_models(cost_model):
     assert cost_model.decode_step_s(node, 32, 32 * 700, 8, 1) == expected
 
 
-def test_decode_step_is_cheap_to_call(cost_model):
-    node = OmegaConf.structured(LlamaConfig(name="13b", num_layers=40, hidden_size=5120,
-                                            num_heads=40, num_kv_heads=40,
-                                            ffn_hidden_size=13824))
-    start = time.perf_counter()
-    for i in range(20_000):
-        cost_model.decode_step_s(node, 64, 64 * 500 + i, 8, 2)
-    assert time.perf_counter() - start < 2.0  # ~5 us a call; 1e5 calls well under a second
+def test_memoised_decode_steps_are_keyed_by_every_argument(cost_model):
+    """The memo (``CostModel``'s per-argument cache) never hands one call's time to another: the
+    same call repeated gives the same time, a config node and the dataclass it holds give the same
+    time, and a longer context never decodes faster. (How fast a call is: benchmarks/sim_speed.py.)"""
+    fields = dict(name="13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
+                  ffn_hidden_size=13824)
+    node = OmegaConf.structured(LlamaConfig(**fields))
+    contexts = [64 * 100 * k for k in range(1, 12)]
+    first = [cost_model.decode_step_s(node, 64, c, 8, 2) for c in contexts]
+    again = [cost_model.decode_step_s(node, 64, c, 8, 2) for c in reversed(contexts)][::-1]
+    plain = [cost_model.decode_step_s(LlamaConfig(**fields), 64, c, 8, 2) for c in contexts]
+    assert first == again == plain
+    assert all(a <= b for a, b in zip(first, first[1:])) and first[0] < first[-1]
 
 
 @pytest.mark.parametrize("kind", ["roofline", "calibrated"])
