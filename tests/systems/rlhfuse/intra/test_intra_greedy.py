@@ -84,8 +84,14 @@ def test_unknown_policy_and_bad_window():
         greedy_schedule(pipes, costs, window=0)
 
 
-def test_scheduleerror_is_exported():
-    assert issubclass(ScheduleError, ValueError)
+def test_a_cap_below_one_activation_stops_the_greedy_with_a_schedule_error():
+    """A memory cap that admits no activation on any rank: the pass cannot place anything and says
+    where it stopped, as a ScheduleError that callers catching ValueError (bad input) also see."""
+    pipes = fused_pipes(4, 2, 4, 4)
+    costs = fused_costs(pipes, 1.0, 1.0, mem1=1.0, mem2=0.6)
+    with pytest.raises(ValueError, match=r"stuck at t=0 \(memory cap 0.5\)") as refused:
+        greedy_schedule(pipes, costs, mem_cap=0.5)
+    assert type(refused.value) is ScheduleError
 
 
 @pytest.mark.skipif(not kernel.AVAILABLE, reason="numba is not installed: nothing compiled to compare")
