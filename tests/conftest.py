@@ -150,7 +150,6 @@ RUN_FIRST = (
     "tests/harness/backends/ray/test_ray_pin_hints.py",
     "tests/harness/test_entrypoint.py",
     "tests/systems/rlhfuse/intra/test_intra_search.py",
-    "tests/harness/backends/ray/test_ray_same_weights.py",
     "tests/test_systems_plan.py",
 )
 

@@ -39,7 +39,7 @@ RAY_SHORT = "backend.num_iterations=1 backend.num_warmup_iterations=0"
 TINY_FIGURE_RUNS = ("tests/harness/figures/test_figures_e2e.py::test_figure_command_runs_and_draws_a_tiny_sweep runs "
                     "it with --run and the tiny overrides of the figures command below, and checks the runs and the "
                     "PNG and PDF drawn; test_the_module_command_exits_with_mains_status runs python -m harness.figures")
-SAME_WEIGHTS_RUNS = ("tests/harness/backends/ray/test_ray_same_weights.py runs this README command as written "
+SAME_WEIGHTS_RUNS = ("tests/harness/backends/ray/test_ray_backend.py runs this README command as written "
                      "(3 iterations) and checks its results and final weights")
 
 
@@ -93,9 +93,9 @@ SPECS: dict[str, Spec] = {
     "python -m harness.figures fig7_throughput": Spec(skip=TINY_FIGURE_RUNS),
     "python -m harness.figures fig8_breakdown --run": Spec(skip=TINY_FIGURE_RUNS),
     "python -m harness.figures learning_curves --run":
-        Spec(skip="real PPO on Ray for 3 systems x 3 seeds x 30 iterations (minutes); its tiny form runs in "
-                  "tests/harness/figures/test_figures_e2e.py (learning_curves) and the learning itself in "
-                  "tests/harness/backends/ray/test_ray_learning.py"),
+        Spec(skip="real PPO on Ray for 3 systems x 3 seeds x 30 iterations (minutes); "
+                  "tests/harness/backends/ray/test_ray_learning.py runs it with -o overrides (1 seed, 2 systems, "
+                  "20 iterations) and checks the learning and the figure drawn"),
     "python -m harness +experiment=table3_schedules":
         tiny("'experiment_params.microbatches=[4]' experiment_params.search_action_steps=1e4 "
              "'experiment_params.cases=[{actor:33b,critic:13b,pp_actor:4,pp_critic:2}]'"),

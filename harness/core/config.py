@@ -22,7 +22,7 @@ from harness.core.option_effects import Condition, effective_when, existing_path
 
 # The backends that load a model's weights (backend._target_): the simulator plans and times from
 # the dimensions alone.
-WEIGHT_LOADING_BACKENDS = ("harness.backends.ray.RayBackend",)
+WEIGHT_LOADING_BACKENDS = ("harness.backends.ray.driver.backend.RayBackend",)
 
 
 @dataclass

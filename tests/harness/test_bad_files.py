@@ -42,6 +42,8 @@ from harness.run.pipeline import execute
 from harness.checks.command_line import check_command_line
 from harness.core.workload import resolve_workload_path
 
+from tests.conftest import run_refused
+
 FAST = ["logger=none", "logger.progress_bar=false", "backend.num_iterations=1", "backend.num_warmup_iterations=0"]
 TINY = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",
         "cluster.gpus_per_node=4", *FAST]
@@ -61,19 +63,6 @@ def refused(tmp_path: Path, *overrides: str) -> str:
     assert "\n" not in message, message
     assert not results_dir.exists() or not any(results_dir.rglob("*"))
     return message
-
-
-def run_refused(run_harness, tmp_path: Path, *args: str) -> str:
-    """``python -m harness args`` in a subprocess: exit 2, one stderr line ``error: ...``, nothing on
-    stdout, nothing under results_dir. Returns that line."""
-    results_dir = tmp_path / "results"
-    proc = run_harness([*args, f"results_dir={results_dir}"], cwd=tmp_path / "cwd")
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert proc.stdout == ""
-    assert not results_dir.exists() or not any(results_dir.rglob("*"))
-    return lines[0]
 
 
 # ---- experiment_name ------------------------------------------------------------------------------

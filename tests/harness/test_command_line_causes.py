@@ -198,7 +198,7 @@ def test_embedded_ray_worker_cap(monkeypatch):
 def test_ray_backend_refuses_more_cpu_workers_than_the_cap_before_any_starts(monkeypatch, address):
     ray = pytest.importorskip("ray")
     from harness.backends.ray.driver import cluster
-    from harness.backends.ray import RayBackend
+    from harness.backends.ray.driver.backend import RayBackend
     from harness.testing import plan_for
 
     overrides = [*TINY, "backend=ray", "backend.options.device=cpu", "cluster=h100_8x", "cluster.num_nodes=1",

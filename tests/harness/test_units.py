@@ -8,15 +8,8 @@ from harness.core.plan import (Allocation, GenerationPolicy, ParallelStrategy, P
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.workflow import PPO_TASKS
 from harness.schedule import PipeSpec, build
-from harness.testing import context
 
-OVERRIDES = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
 FULL = Allocation((0, 1, 2, 3), ParallelStrategy(dp=2, tp=2))
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    return context(OVERRIDES)
 
 
 def fused_stage() -> TrainingStage:
@@ -33,8 +26,8 @@ def ppo_plan(ctx, **kw) -> Plan:
     return plan
 
 
-def test_plain_plan_is_one_unit_per_task_in_topological_order(ctx):
-    plan = ppo_plan(ctx, allocations={"gen": Allocation((0, 1, 2, 3), ParallelStrategy(tp=4))})
+def test_plain_plan_is_one_unit_per_task_in_topological_order(tiny_ctx):
+    plan = ppo_plan(tiny_ctx, allocations={"gen": Allocation((0, 1, 2, 3), ParallelStrategy(tp=4))})
     units = execution_units(plan)
     assert [u.names for u in units] == [(n,) for n in plan.topological_order()]
     assert [u.label for u in units] == ["realloc_actor_gen", "gen", "ref", "reward", "values",
@@ -49,9 +42,9 @@ def test_plain_plan_is_one_unit_per_task_in_topological_order(ctx):
         assert u.devices == [0, 1, 2, 3]
 
 
-def test_fused_stage_and_streaming_inference_are_one_unit_each(ctx):
+def test_fused_stage_and_streaming_inference_are_one_unit_each(tiny_ctx):
     stage = fused_stage()
-    plan = ppo_plan(ctx, training=[stage], stream_inference=True)
+    plan = ppo_plan(tiny_ctx, training=[stage], stream_inference=True)
     units = execution_units(plan)
     assert [(u.kind, u.names) for u in units] == [
         (TaskKind.GENERATE, ("gen",)),
@@ -74,14 +67,14 @@ def test_unit_devices_are_the_union_of_its_tasks_meshes():
     assert unit.devices == [0, 1, 2, 3]
 
 
-def test_inference_without_stream_edges_stays_separate(ctx):
-    plan = ppo_plan(ctx, training=[fused_stage()])
+def test_inference_without_stream_edges_stays_separate(tiny_ctx):
+    plan = ppo_plan(tiny_ctx, training=[fused_stage()])
     assert [u.names for u in execution_units(plan)] == [
         ("gen",), ("ref",), ("reward",), ("values",), ("update_actor", "update_critic")]
 
 
-def test_train_task_outside_any_stage_is_rejected(ctx):
-    plan = ppo_plan(ctx, training=[])
+def test_train_task_outside_any_stage_is_rejected(tiny_ctx):
+    plan = ppo_plan(tiny_ctx, training=[])
     with pytest.raises(PlanError, match="update_actor.*not part of any training stage"):
         execution_units(plan)
 
@@ -123,10 +116,10 @@ def test_units_come_after_every_task_they_depend_on(make):
 
 
 @pytest.mark.parametrize("fused,stream", [(False, False), (True, False), (False, True), (True, True)])
-def test_units_partition_the_plan_into_tasks_of_one_kind(ctx, fused, stream):
+def test_units_partition_the_plan_into_tasks_of_one_kind(tiny_ctx, fused, stream):
     """Every task is in exactly one unit, a unit's tasks are of its kind, a fused stage is one unit
     and the consumers of a stream one unit; every unit comes after the units it reads from."""
-    plan = ppo_plan(ctx, allocations={"gen": Allocation((0, 1, 2, 3), ParallelStrategy(dp=4)),
+    plan = ppo_plan(tiny_ctx, allocations={"gen": Allocation((0, 1, 2, 3), ParallelStrategy(dp=4)),
                                       "values": Allocation((0, 1, 2, 3), ParallelStrategy(tp=4))},
                     training=[fused_stage()] if fused else None, stream_inference=stream)
     units = execution_units(plan)

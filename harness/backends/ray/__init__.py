@@ -10,10 +10,8 @@
   the driver requests and the worker computes).
 
 Models, layouts, weight movement and optimizers on each device are the model-parallel runtime
-:mod:`harness.real.parallel`. Importing this package does not import Ray; :class:`RayBackend` does
-when it starts.
+:mod:`harness.real.parallel`. The Backend is :class:`harness.backends.ray.driver.backend.RayBackend`
+(``conf/backend/ray.yaml``'s ``_target_``). Importing this package imports neither torch nor Ray, so
+the typed ``backend.options`` (:mod:`.config`) cost a command that never executes on Ray nothing;
+``RayBackend`` imports torch, and Ray when it starts.
 """
-from harness.backends.ray.driver.backend import RayBackend
-from harness.backends.ray.driver.calls import WorkerFailedError
-
-__all__ = ["RayBackend", "WorkerFailedError"]

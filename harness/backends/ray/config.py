@@ -179,7 +179,7 @@ def check_address(address: Optional[str]) -> Optional[str]:
 @dataclass
 class RayBackendConfig(BackendConfig):
     name: str = "ray"
-    _target_: str = "harness.backends.ray.RayBackend"
+    _target_: str = "harness.backends.ray.driver.backend.RayBackend"
     num_iterations: int = 3
     # None = start a local Ray of our own (never a running cluster); auto = join the cluster `ray start --head` started
     # (one worker per GPU, or per logical CPU device); <host>:<port>; ray://<host>:<port>

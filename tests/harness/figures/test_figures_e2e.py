@@ -7,8 +7,8 @@ benchmark sweeps (Figures 2, 7, 8, 9: the overrides replace the experiments' swe
 paper's model pairs and lengths), one small case and a small search budget for the schedule
 experiments (Table 3, Figure 10). Every figure runs in its own fresh results folder, so Figure 8
 runs its own experiment (it once ran nothing and ended in a traceback). Measured on the 2-core
-development machine: about 5-9 s per figure; ``learning_curves`` (real PPO on Ray, one system, two
-iterations) about 22 s.
+development machine: about 5-9 s per figure. ``learning_curves`` (real PPO on Ray) runs its
+figure command in tests/harness/backends/ray/test_ray_learning.py, whose experiment it is.
 
 Also: missing results end every figure with one ``error:`` line naming the experiment and exit 2,
 and a command line the harness refuses stops the figure with exit 2 before drawing; ``python -m
@@ -39,9 +39,6 @@ TINY = {
     "table3_schedules": SCHEDULE_TINY + ["experiment_params.microbatches=[4]",
                                          "experiment_params.cases=[{actor:33b,critic:13b,pp_actor:4,pp_critic:2}]"],
     "fig10_schedule": SCHEDULE_TINY + ["experiment_params.microbatches=4"],
-    "learning_curves": ["logger=none", "experiment_params.seeds=[0]", "experiment_params.iterations=2",
-                        "~experiment_params.systems.rlhfuse_base", "~experiment_params.systems.rlhfuse",
-                        "experiment_params.untrained.seeds=1", "experiment_params.untrained.iterations=1"],
 }
 
 
@@ -58,7 +55,7 @@ def _ran_tiny(root, name) -> None:
     experiment = {"fig8_breakdown": "fig7_throughput"}.get(name, name)
     df = results.load_results(root, experiment)
     assert set(df["model"]) == {"tiny"}, df[["system", "model"]]
-    assert len(df) == {**RUN_COUNTS, "learning_curves": 1}[name], df[["system", "variant"]]
+    assert len(df) == RUN_COUNTS[name], df[["system", "variant"]]
 
 
 RUN_COUNTS = {"fig2_lengths": 2, "fig7_throughput": 7, "fig8_breakdown": 2, "fig9_migration": 2}  # of the tiny sweeps
@@ -91,13 +88,6 @@ def test_figure_command_runs_and_draws_a_tiny_sweep(tmp_path, monkeypatch, capfd
     monkeypatch.chdir(tmp_path)  # nothing may be written outside tmp_path
     _draw_tiny(tmp_path, name, capfd)
 
-
-@pytest.mark.ray
-def test_learning_curves_command_runs_and_draws_a_tiny_experiment(tmp_path, monkeypatch, capfd):
-    pytest.importorskip("ray")
-    pytest.importorskip("torch")
-    monkeypatch.chdir(tmp_path)
-    _draw_tiny(tmp_path, "learning_curves", capfd)
 
 
 @pytest.mark.parametrize("name", FIGURES + EXTRA_FIGURES)

@@ -59,7 +59,7 @@ def embedded_workers_problem(num_workers: int) -> str | None:
 
 def worker_options(opts: RayOptions) -> WorkerOptions:
     """What every worker is created with, from ``backend.options`` once the driver has resolved the
-    device and dtype (:meth:`harness.backends.ray.RayBackend.setup`)."""
+    device and dtype (:meth:`harness.backends.ray.driver.backend.RayBackend.setup`)."""
     fault = opts.fault_injection
     return WorkerOptions(device=opts.device, dtype=opts.dtype, torch_threads=opts.torch_threads,
                          multi_node=opts.multi_node,

@@ -1,6 +1,6 @@
 """One device's worker process (a Ray actor): process groups, model replicas, task execution.
 
-The driver (:class:`harness.backends.ray.RayBackend`) creates one ``DeviceWorker`` per device with
+The driver (:class:`harness.backends.ray.driver.backend.RayBackend`) creates one ``DeviceWorker`` per device with
 its :class:`~harness.backends.ray.settings.WorkerOptions`, wires them into one ``torch.distributed``
 job (gloo on CPU, NCCL on CUDA), hands every worker the plan and its
 :class:`~harness.backends.ray.settings.WorkerSetup`, then sends the devices of each task its typed

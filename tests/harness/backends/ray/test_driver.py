@@ -18,7 +18,8 @@ import types
 import numpy as np
 import pytest
 
-from harness.backends.ray import RayBackend, WorkerFailedError
+from harness.backends.ray.driver.backend import RayBackend
+from harness.backends.ray.driver.calls import WorkerFailedError
 from harness.backends.ray.driver.calls import WorkerGroup
 from harness.backends.ray.driver.homes import ModelHomes
 from harness.backends.ray.driver.iteration import Iteration

@@ -1,17 +1,26 @@
 """backend=ray end to end: real PPO iterations on CPU worker processes, through ``python -m harness``.
 
-One module-scoped set of runs (2 iterations each, tiny models, 2-4 devices) serves several checks:
+One module-scoped set of runs (3 iterations each, tiny models, 4-8 devices) serves several checks:
 
-- both systems write their results (summary with throughput, stage times and RL metrics);
-- **same seed, same weights**: deepspeed_chat (DeepSpeed ZeRO-3 on 2 devices, or our own ZeRO-3
-  when DeepSpeed is not installed; tp=2 hybrid-engine generation), deepspeed_chat with our own
-  ZeRO-3 on 4 devices and micro-batches of 1, and rlhfuse_base (4 devices, its searched layouts
-  with pp=2 training; and pinned tp=4 generation / actor training and pp=2 critic inference) end
-  two iterations with the same actor and critic weights (the second iteration generates with
-  weights that training updated and weight movements delivered). Tolerance: relative
-  L2 distance below 1e-6 and below 1% of the iteration's update. The layouts change float
-  summation order only (measured differences: ~1e-8 relative); a change of math (e.g. one
-  mini-batch instead of two) moves the weights by ~2e-4 relative, about the size of the update;
+- every run writes its results (summary with throughput, stage times and RL metrics);
+- **the README's three CPU commands** (``model=tiny workload=tiny backend=ray`` on 4 devices:
+  deepspeed_chat, rlhfuse_base, rlhfuse) run as written, plus :data:`BOOKKEEPING` (no logger, no
+  progress bar, the final weights dumped). They solve the same optimisation problem:
+  DeepSpeed-Chat's derived mini-batch is the workload's 4 (one sample per GPU per micro-step), so
+  each iteration takes two gradient steps as the others do;
+- **same seed, same weights**: those three (DeepSpeed ZeRO-3, or our own ZeRO-3 when DeepSpeed is
+  not installed, with hybrid-engine generation; RLHFuse-Base's searched layouts with pp=2
+  training; RLHFuse with both fusions), deepspeed_chat with our own ZeRO-3 and micro-batches of 1,
+  and rlhfuse_base with pinned tp=4 generation / actor training and pp=2 critic inference end
+  three iterations with the same actor and critic weights (every later iteration generates with
+  weights that training updated and weight movements delivered). Tolerance: relative L2 distance
+  below 1e-6 and below 1% of the run's update. The layouts change float summation order only
+  (measured differences: ~1e-8 relative); a change of math (e.g. one mini-batch instead of two)
+  moves the weights by ~2e-4 relative, about the size of the update;
+- ``summary.json``'s ``final_weights`` is the last iteration's digest of each trained model's full
+  weights (:func:`harness.real.digest.weights_digest`), equal to the digest of the dumped weights;
+  its SHA-256 is recomputed here from the definition in :func:`harness.real.digest.weights_sha256`'s
+  docstring;
 - workers end cleanly (barrier + destroy_process_group, nothing aborts);
 - a worker that dies mid-iteration fails the run within seconds with an error naming it.
 
@@ -23,34 +32,46 @@ check what needs real workers.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import re
-import time
+import shlex
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import flat_weights
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.ray
 
-COMMON = ["model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1", "logger=none",
-          "logger.progress_bar=false", "backend.num_iterations=2", "backend.options.dump_weights_dir=w"]
-RUNS = {
-    "deepspeed_chat": ["+system=deepspeed_chat", "cluster.gpus_per_node=2", "system.mini_batch_size=4",
-                       "system.generation_batch_size=8"],
+README = Path(__file__).resolve().parents[4] / "README.md"
+BOOKKEEPING = ["logger=none", "logger.progress_bar=false", "backend.options.dump_weights_dir=w"]
+COMMON = ["model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1", *BOOKKEEPING]
+README_SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse")
+
+
+def readme_command(system: str) -> list[str]:
+    """The README's CPU command for ``system`` on 4 devices, as ``python -m harness`` arguments."""
+    pattern = re.compile(rf"^python -m harness \+system={system} model=tiny workload=tiny backend=ray "
+                         rf"cluster=h100_8x cluster\.num_nodes=1 cluster\.gpus_per_node=4( [^#\n]*)?$", re.M)
+    found = [m.group(0).strip() for m in pattern.finditer(README.read_text())]
+    assert len(found) == 1, (system, found)
+    return shlex.split(found[0])[3:]
+
+
+# The README's commands run as written (with BOOKKEEPING); the others with COMMON.
+RUNS = {system: readme_command(system) for system in README_SYSTEMS}
+RUNS.update({
     "deepspeed_chat_native": ["+system=deepspeed_chat", "cluster.gpus_per_node=4", "system.mini_batch_size=4",
                               "system.generation_batch_size=8", "workload.micro_batch_size=1",
                               "backend.options.zero3_impl=native"],
-    "rlhfuse_base": ["+system=rlhfuse_base", "cluster.gpus_per_node=4"],
     "rlhfuse_base_tp": ["+system=rlhfuse_base", "cluster.gpus_per_node=4", "system.layouts.gen=dp1tp4pp1",
                         "system.layouts.update_actor=dp1tp4pp1", "system.layouts.values=dp2tp1pp2"],
-    # RLHFuse's intra-stage fusion: actor and critic train in one fused pipeline on shared ranks
-    "rlhfuse_fused": ["+system=rlhfuse", "cluster.gpus_per_node=4", "system.inter_stage=false",
-                      "system.fused_search.max_steps=200"],
-}
+})
 # A long-tailed workload (16 samples, heavy tail), where RLHFuse's long-tail migration has work to
 # do: both fusions on, four generation instances, R_t = 25% of the batch.
 # Seed 1: the simulator migrates one sequence in iterations 1 and 2 of this plan (none in 0).
@@ -58,13 +79,13 @@ LONG_TAIL = ["cluster.gpus_per_node=4", "workload.global_batch_size=16", "worklo
              "workload.max_gen_len=24", "workload.output_len.max=24", "seed=1"]
 RUNS.update({
     "rlhfuse_both": ["+system=rlhfuse", *LONG_TAIL, "system.fused_search.max_steps=200", "system.migration_frac=0.25",
-                     "system.layouts.gen=dp4tp1pp1", "backend.num_iterations=3"],
-    "rlhfuse_base_long_tail": ["+system=rlhfuse_base", *LONG_TAIL, "backend.num_iterations=3"],
-    "deepspeed_chat_long_tail": ["+system=deepspeed_chat", *LONG_TAIL, "backend.num_iterations=3",
+                     "system.layouts.gen=dp4tp1pp1"],
+    "rlhfuse_base_long_tail": ["+system=rlhfuse_base", *LONG_TAIL],
+    "deepspeed_chat_long_tail": ["+system=deepspeed_chat", *LONG_TAIL,
                                  "system.mini_batch_size=4", "system.generation_batch_size=16",
                                  "workload.micro_batch_size=1"],
 })
-# Every other system backend=ray runs, on the same long-tailed workload (2 iterations): with the
+# Every other system backend=ray runs, on the same long-tailed workload: with the
 # three above, the runs the sim-vs-real parity test compares with the simulator.
 PARITY_RUNS = {"rlhfuse": "rlhfuse_both", "rlhfuse_base": "rlhfuse_base_long_tail",
                "deepspeed_chat": "deepspeed_chat_long_tail"}
@@ -77,9 +98,10 @@ ABORT = re.compile(r"terminate called|Aborted|core dumped|SIGABRT|destroy_proces
 
 
 def with_common(args: list[str]) -> list[str]:
-    """COMMON overrides, unless ``args`` sets the same key."""
+    """COMMON overrides, unless ``args`` sets the same key; a README command as written, with BOOKKEEPING."""
     keys = {a.split("=", 1)[0] for a in args}
-    return [c for c in COMMON if c.split("=", 1)[0] not in keys] + args
+    common = BOOKKEEPING if args in (RUNS[s] for s in README_SYSTEMS) else COMMON
+    return [c for c in common if c.split("=", 1)[0] not in keys] + args
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +109,7 @@ def runs(tmp_path_factory, run_harness):
     root = tmp_path_factory.mktemp("ray_runs")
     out = {}
     for name, args in RUNS.items():
-        start = time.monotonic()
-        proc = run_harness(with_common(args), root / name, timeout=600)
-        out[name] = (root / name, proc, time.monotonic() - start)
+        out[name] = (root / name, run_harness(with_common(args), root / name, timeout=600))
     return out
 
 
@@ -98,14 +118,9 @@ def _run_folder(cwd: Path) -> Path:
     return summary.parent
 
 
-def _flat(path: Path) -> torch.Tensor:
-    state = torch.load(path)
-    return torch.cat([state[n].reshape(-1).double() for n in sorted(state)])
-
-
 @pytest.mark.parametrize("name", list(RUNS))
 def test_runs_write_results(runs, name):
-    cwd, proc, _ = runs[name]
+    cwd, proc = runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = _run_folder(cwd)
     summary = json.loads((folder / "summary.json").read_text())
@@ -118,7 +133,7 @@ def test_runs_write_results(runs, name):
         assert key in m, key
     with open(folder / "samples.csv") as f:
         rows = list(csv.DictReader(f))
-    expected = 16 if "workload.global_batch_size=16" in RUNS[name] else 8
+    expected = 16 if "workload.global_batch_size=16" in RUNS[name] else 8  # the tiny workload's batch
     assert len(rows) == expected and all(int(r["response_len"]) >= 1 for r in rows)
     assert (folder / "trace.json").is_file() and (folder / "metrics.jsonl").is_file()
 
@@ -133,17 +148,81 @@ def test_rlhfuse_base_plans_exercise_pipeline_and_tensor_parallelism(runs):
     assert "ZeRO-3 by native" in runs["deepspeed_chat_native"][1].stdout
 
 
+def _summary(runs, name: str) -> dict:
+    return json.loads((_run_folder(runs[name][0]) / "summary.json").read_text())
+
+
+def _state(runs, name: str, role: str) -> dict[str, torch.Tensor]:
+    return torch.load(runs[name][0] / "w" / f"{role}.pt")
+
+
+def test_readme_commands_use_the_same_mini_batches(runs):
+    plans = {s: json.loads((_run_folder(runs[s][0]) / "plan.json").read_text()) for s in README_SYSTEMS}
+    assert {s: p["mini_batch_size"] for s, p in plans.items()} == dict.fromkeys(README_SYSTEMS, 4)
+    # DeepSpeed-Chat: one sample per GPU per micro-step (the workload's micro-batch is 2)
+    assert {stage["micro_batch_size"] for stage in plans["deepspeed_chat"]["training"]} == {1}
+
+
 def test_same_seed_same_weights_across_systems(runs):
     for role in ("actor", "critic"):
-        ref = _flat(runs["deepspeed_chat"][0] / "w" / f"{role}.pt")
-        summary = json.loads((_run_folder(runs["deepspeed_chat"][0]) / "summary.json").read_text())["metrics"]
-        update = summary[f"rl/{role}_update_l2"]
-        assert update > 1e-4  # the iterations did move the weights
-        for other in ("deepspeed_chat_native", "rlhfuse_base", "rlhfuse_base_tp", "rlhfuse_fused"):
-            w = _flat(runs[other][0] / "w" / f"{role}.pt")
-            diff = float((w - ref).norm())
+        ref = flat_weights(_state(runs, "deepspeed_chat", role))
+        final = _summary(runs, "deepspeed_chat")["final_weights"]["models"][role]
+        update = final["update_l2"]
+        assert update > 1e-3  # three iterations did move the weights
+        for other in ("deepspeed_chat_native", "rlhfuse_base", "rlhfuse_base_tp", "rlhfuse"):
+            diff = float((flat_weights(_state(runs, other, role)) - ref).norm())
             assert diff < 1e-6 * float(ref.norm()), (role, other, diff)
             assert diff < 1e-2 * update, (role, other, diff, update)
+            # what a user compares without dumping weights: the summaries' final digests
+            theirs = _summary(runs, other)["final_weights"]["models"][role]
+            assert final["num_params"] == theirs["num_params"]
+            assert abs(final["l2"] - theirs["l2"]) < 1e-6 * final["l2"], (role, other)
+            assert abs(final["update_l2"] - theirs["update_l2"]) < 1e-2 * final["update_l2"], (role, other)
+
+
+def sha256_by_definition(state: dict[str, torch.Tensor]) -> str:
+    """weights_sha256's docstring, written out independently: per entry in sorted-name order, the
+    UTF-8 name, a zero byte, then the values as little-endian float32 in row-major order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode("utf-8"))
+        h.update(b"\x00")
+        h.update(np.ascontiguousarray(state[name].float().numpy(), dtype="<f4").tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("system", README_SYSTEMS)
+def test_summary_records_the_final_weights(runs, system):
+    from harness.real.digest import weights_sha256
+
+    summary = _summary(runs, system)
+    final = summary["final_weights"]
+    metrics = [json.loads(line) for line in (_run_folder(runs[system][0]) / "metrics.jsonl").read_text().splitlines()]
+    assert final["iteration"] == len(metrics) - 1 == 2  # the last of the README's 3 iterations
+    assert set(final["models"]) == {"actor", "critic"}
+    for role, digest in final["models"].items():
+        state = _state(runs, system, role)  # dumped after the last iteration
+        flat = flat_weights(state)
+        assert digest["sha256"] == sha256_by_definition(state) == weights_sha256(state), (system, role)
+        assert digest["num_params"] == flat.numel()
+        assert digest["sum"] == pytest.approx(float(flat.sum()), rel=1e-12, abs=1e-12)
+        assert digest["l2"] == pytest.approx(float(flat.norm()), rel=1e-12)
+        # the last iteration's counters, not the average that summary.json's metrics hold
+        assert digest["l2"] == metrics[-1][f"rl/{role}_param_l2"]
+        assert digest["update_l2"] == metrics[-1][f"rl/{role}_update_l2"]
+        assert summary["metrics"][f"rl/{role}_update_l2"] != digest["update_l2"]  # averaged over 2 iterations
+
+
+def test_hash_is_exact_not_tolerant(runs):
+    """Identical weights hash identically; a change in the last bit of one value changes the hash
+    (which is why systems are compared by their floats, not their hashes)."""
+    from harness.real.digest import weights_sha256
+
+    state = _state(runs, "rlhfuse_base", "actor")
+    assert weights_sha256({n: t.clone() for n, t in state.items()}) == weights_sha256(state)
+    name = sorted(state)[0]
+    nudged = dict(state, **{name: torch.nextafter(state[name], torch.full_like(state[name], np.inf))})
+    assert weights_sha256(nudged) != weights_sha256(state)
 
 
 def test_fused_stage_runs_the_fused_schedule_on_every_rank(runs):
@@ -153,7 +232,7 @@ def test_fused_stage_runs_the_fused_schedule_on_every_rank(runs):
     from harness.core.plan import Plan
     from harness.planning.taskmodels.passes import pipe_stage_devices
 
-    folder = _run_folder(runs["rlhfuse_fused"][0])
+    folder = _run_folder(runs["rlhfuse"][0])
     plan = Plan.from_json((folder / "plan.json").read_text())
     [stage] = plan.training
     assert stage.fused
@@ -178,9 +257,9 @@ def test_rlhfuse_with_both_fusions_changes_the_schedule_not_the_math(runs):
     weights and the same per-sample rewards, reference log-probs and values as RLHFuse-Base (and
     DeepSpeed-Chat the same weights and rewards)."""
     for role in ("actor", "critic"):
-        ref = _flat(runs["rlhfuse_base_long_tail"][0] / "w" / f"{role}.pt")
+        ref = flat_weights(runs["rlhfuse_base_long_tail"][0] / "w" / f"{role}.pt")
         for other in ("rlhfuse_both", "deepspeed_chat_long_tail"):
-            w = _flat(runs[other][0] / "w" / f"{role}.pt")
+            w = flat_weights(runs[other][0] / "w" / f"{role}.pt")
             assert float((w - ref).norm()) < 1e-6 * float(ref.norm()), (role, other)
     base = np.load(runs["rlhfuse_base_long_tail"][0] / "w" / "experience.npz")
     both = np.load(runs["rlhfuse_both"][0] / "w" / "experience.npz")
@@ -227,43 +306,45 @@ def test_trace_proves_streaming_and_migration(runs):
 
 
 def test_workers_shut_down_cleanly(runs):
-    for name, (_, proc, _) in runs.items():
+    for name, (_, proc) in runs.items():
         assert "workers shut down cleanly" in proc.stdout, name
         assert not ABORT.search(proc.stderr), (name, ABORT.search(proc.stderr))
 
 
-def test_dead_worker_fails_fast_with_a_clear_error(runs, run_harness, tmp_path):
+# A hang surfaces as a task timeout ("did not finish within ... backend.options.task_timeout_s"),
+# never as a death; HANG_BOUND is the fault runs' task timeout, far above a task's seconds here and
+# below the subprocess's limit, so a run that waits on its dead peer fails with that line.
+HANG_BOUND = ["backend.options.task_timeout_s=300"]
+
+
+def test_dead_worker_fails_fast_with_a_clear_error(run_harness, tmp_path):
     """Device 1 dies as it starts update_actor while its peers wait for it in collectives; the run
-    must end with the cause named, no later than the same run completing normally (plus a margin
-    far below backend.options.task_timeout_s, which would be the bound of a hang)."""
-    start = time.monotonic()
-    proc = run_harness(COMMON[:-1] + RUNS["rlhfuse_base"] + ["backend.options.fault_injection={task:update_actor,device:1}"],
-                       tmp_path, timeout=600)
-    elapsed = time.monotonic() - start
+    must end with the death named, not wait for the task timeout (a hang's bound)."""
+    args = [a for a in with_common(RUNS["rlhfuse_base"]) if not a.startswith("backend.options.dump_weights_dir=")]
+    proc = run_harness(args + HANG_BOUND + ["backend.options.fault_injection={task:update_actor,device:1}"], tmp_path,
+                       timeout=600)
     assert proc.returncode != 0
     assert "task update_actor: the worker of device 1" in proc.stderr and "died" in proc.stderr
-    assert elapsed < runs["rlhfuse_base"][2] + 60, (elapsed, runs["rlhfuse_base"][2])
+    assert "did not finish within" not in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.glob("results/**/summary.json"))  # a failed run leaves no result
 
 
 @pytest.mark.parametrize("where,fault,task", [
     ("mid-migration", "{task:gen,op:migrate,device:2}", "gen"),
 ])
-def test_dead_worker_during_fusion_fails_fast(runs, run_harness, tmp_path, where, fault, task):
+def test_dead_worker_during_fusion_fails_fast(run_harness, tmp_path, where, fault, task):
     """A worker dying inside a fused mechanism ends the run within a bounded time, naming the task
     and the device, and leaves no finished result: mid-migration, while its peers wait for its KV
     shards in a point-to-point exchange. (A death in a training collective is the test above; which
     task a death mid-stream or in a fused pipeline is charged to is the driver's, tested in-process
     in test_driver.py.)"""
     device = fault.rsplit("device:", 1)[1].rstrip("}") if "device:" in fault else r"\d+"
-    start = time.monotonic()
-    proc = run_harness(with_common(RUNS["rlhfuse_both"] + [f"backend.options.fault_injection={fault}"]), tmp_path,
-                       timeout=600)
-    elapsed = time.monotonic() - start
+    proc = run_harness(with_common(RUNS["rlhfuse_both"] + HANG_BOUND + [f"backend.options.fault_injection={fault}"]),
+                       tmp_path, timeout=600)
     assert proc.returncode != 0, where
     assert re.search(rf"task {re.escape(task)}: the worker of device {device} \(pid \d+\) died", proc.stderr), \
         proc.stderr[-2000:]
-    assert elapsed < runs["rlhfuse_both"][2] + 60, (where, elapsed)
+    assert "did not finish within" not in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.glob("results/**/summary.json"))
 
 
@@ -308,7 +389,7 @@ def test_real_run_and_simulation_of_the_same_plan_agree(runs, run_harness, tmp_p
     from harness.core.plan import Plan
 
     name = PARITY_RUNS[system]
-    cwd, proc, _ = runs[name]
+    cwd, proc = runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     real_dir = _run_folder(cwd)
     args = [a for a in with_common(RUNS[name]) if not a.startswith("backend")]

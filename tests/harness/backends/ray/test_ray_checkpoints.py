@@ -29,6 +29,8 @@ from harness.real.gguf import GGML_F32, gguf_bytes
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 from harness.testing import context
 
+from tests.helpers import flat_weights
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
             tie_word_embeddings=False)
@@ -245,10 +247,6 @@ def test_checkpoint_with_other_dimensions_names_the_matching_option(tmp_path):
 
 # ---- end to end (Ray workers) -----------------------------------------------------------------
 
-def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([state[n].reshape(-1).double() for n in sorted(state)])
-
-
 @pytest.mark.ray
 def test_training_starts_from_the_config_checkpoints(ckpts, run_harness, tmp_path):
     pytest.importorskip("ray")
@@ -261,8 +259,8 @@ def test_training_starts_from_the_config_checkpoints(ckpts, run_harness, tmp_pat
     [summary] = tmp_path.glob("results/default/*/tiny/seed0/summary.json")
     metrics = json.loads(summary.read_text())["metrics"]
     for role, source in (("actor", "policy"), ("critic", "reward")):
-        start = _flat(hf.load_hf_state_dict(ckpts / source))
-        end = _flat(torch.load(tmp_path / "w" / f"{role}.pt"))
+        start = flat_weights(hf.load_hf_state_dict(ckpts / source))
+        end = flat_weights(torch.load(tmp_path / "w" / f"{role}.pt"))
         moved = float((end - start).norm())
         # the iteration started from the checkpoint: the distance to it is the reported update
         assert moved == pytest.approx(metrics[f"rl/{role}_update_l2"], rel=1e-6), role

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import flat_weights
+
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 if importlib.util.find_spec("deepspeed") is None:  # found, not imported (the workers import it)
@@ -74,11 +76,6 @@ def runs(tmp_path_factory, run_harness):
     return out
 
 
-def _flat(path: Path) -> torch.Tensor:
-    state = torch.load(path)
-    return torch.cat([state[n].reshape(-1).double() for n in sorted(state)])
-
-
 def _initial(role: str) -> torch.Tensor:
     """The seeded initial weights of ``role`` (seed 0), as the backend builds them."""
     from harness.backends.ray.driver.homes import role_seeds
@@ -99,9 +96,9 @@ def test_runs_use_the_zero3_engine_asked_for(runs):
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_deepspeed_and_native_zero3_give_the_same_weights(runs, role):
-    ds = _flat(runs["deepspeed"][0] / "w" / f"{role}.pt")
-    native = _flat(runs["native"][0] / "w" / f"{role}.pt")
-    control = _flat(runs["control"][0] / "w" / f"{role}.pt")
+    ds = flat_weights(runs["deepspeed"][0] / "w" / f"{role}.pt")
+    native = flat_weights(runs["native"][0] / "w" / f"{role}.pt")
+    control = flat_weights(runs["control"][0] / "w" / f"{role}.pt")
     update = float((native - _initial(role)).norm())
     assert update > 1e-4, update  # the iteration moved the weights
     diff = float((ds - native).norm())
@@ -117,10 +114,10 @@ def test_deepspeed_and_native_zero3_give_the_same_weights(runs, role):
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_deepspeed_bf16_and_native_bf16_give_the_same_weights(runs, role):
-    ds = _flat(runs["deepspeed_bf16"][0] / "w" / f"{role}.pt")
-    native = _flat(runs["native_bf16"][0] / "w" / f"{role}.pt")
-    fp32 = _flat(runs["native"][0] / "w" / f"{role}.pt")
-    control = _flat(runs["control"][0] / "w" / f"{role}.pt")
+    ds = flat_weights(runs["deepspeed_bf16"][0] / "w" / f"{role}.pt")
+    native = flat_weights(runs["native_bf16"][0] / "w" / f"{role}.pt")
+    fp32 = flat_weights(runs["native"][0] / "w" / f"{role}.pt")
+    control = flat_weights(runs["control"][0] / "w" / f"{role}.pt")
     init = _initial(role)
     update = float((native - init.float().bfloat16().double()).norm())
     assert update > 1e-4, update

@@ -50,7 +50,7 @@ def test_reward_config_is_typed():
 
 
 def test_reward_range_must_fit_the_vocabulary():
-    from harness.backends.ray import RayBackend
+    from harness.backends.ray.driver.backend import RayBackend
 
     overrides = LEARN + ["backend.options.reward.kind=token_range", "backend.options.reward.high=300",
                          "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=2"]
