@@ -154,19 +154,6 @@ RUN_FIRST = (
 )
 
 
-# Workers of ``-n auto``: one per CPU and half as many again. A third of the suite's wall time is
-# waiting, not computing (Ray starting and polling its processes, interpreters starting, workers
-# blocked in collectives): with one worker per CPU the whole run used 58% of the 2-core CI
-# machine's CPU time (``time``: 24 CPU-minutes in 20.75 minutes); the extra workers fill that.
-# PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it, as pytest-xdist documents.
-def pytest_xdist_auto_num_workers(config) -> int:
-    given = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
-    if given:
-        return int(given)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus + max(1, cpus // 2)
-
-
 def module_path(node, config) -> str:
     """``node``'s file relative to the repository root, with forward slashes."""
     return Path(str(node.path)).relative_to(Path(str(config.rootpath))).as_posix()
