@@ -37,12 +37,12 @@ class Colocated(System):
 
     def plan(self, ctx: PlanContext) -> Plan:
         cfg, n = self.cfg, ctx.num_devices
-        num_layers = min(ctx.model(role).num_layers for role in ("actor", "critic", "ref", "reward"))
+        num_layers = min(ctx.model(role).num_layers for role in ctx.roles)  # the models the algorithm runs
         if cfg.layout:
             candidates = [parse_layout(cfg.layout, cfg.zero_stage, "layout")]
             check_layout_fits(candidates[0], n, ctx.cluster.gpus_per_node, num_layers, "colocated (system.layout)")
         else:
-            models = [ctx.model(role) for role in ("actor", "critic", "ref", "reward")]
+            models = [ctx.model(role) for role in ctx.roles]
             candidates = list(candidate_strategies(n, ctx.cluster.gpus_per_node, num_layers, cfg.zero_stage,
                                                    models=models))
         policy = GenerationPolicy("continuous", cfg.max_gen_batch_size)

@@ -182,7 +182,7 @@ class DeepSpeedChat(System):
         policy = GenerationPolicy(batching="static", max_batch_size=generation_batch_size // num_instances)
         return assemble_ppo_plan(
             ctx, cfg.name, allocs, policy, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
-            offloaded=("ref",) if cfg.offload_reference_model else (),
+            offloaded=("ref",) if cfg.offload_reference_model and ctx.algorithm.has_reference else (),
             notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // generation_batch_size,
                    "zero_stage": cfg.zero_stage, "actor_zero_stage": stages["actor"],
                    "critic_zero_stage": stages["critic"]})

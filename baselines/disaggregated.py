@@ -136,7 +136,7 @@ class SplitPlanner:
     def __init__(self, ctx: PlanContext, cfg: DisaggregatedConfig):
         self.ctx, self.cfg = ctx, cfg
         self.policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
-        self.batch = make_batch(ctx.workload, ctx.seed, 0)
+        self.batch = make_batch(ctx.workload, ctx.seed, 0, ctx.algorithm.group_size)
         self._gen: dict[tuple[int, ...], SearchResult] = {}
         self._train: dict[tuple[int, ...], tuple[dict[str, SearchResult], list, list[str], dict]] = {}
 
@@ -157,7 +157,8 @@ class SplitPlanner:
                 pool.expect(("ref", "reward", "values"))  # generation runs on the other pool
                 pool.search_training()
                 pool.search_inference()
-            self._train[mesh] = ({t: pool.chosen[t] for t in TRAINING_POOL_TASKS}, pool.training_stages(),
+            self._train[mesh] = ({t: pool.chosen[t] for t in TRAINING_POOL_TASKS if t in pool.chosen},
+                                 pool.training_stages(),
                                  sorted(pool.offloaded), pool.memory_notes())
         return self._train[mesh]
 

@@ -109,6 +109,11 @@ class Interleaved(System):
 
     def plan(self, ctx: PlanContext) -> Plan:
         cfg = self.cfg
+        if not (ctx.algorithm.has_reference and ctx.algorithm.has_reward_model):
+            missing = " and ".join(m for m, has in (("reference model", ctx.algorithm.has_reference),
+                                                    ("reward model", ctx.algorithm.has_reward_model)) if not has)
+            raise PlanError(f"interleaved splits the cluster between the reference and the reward model; "
+                            f"algo={ctx.algorithm.name} has no {missing}: choose another system")
         everywhere = full_mesh(ctx.num_devices)
         full = PoolLayoutSearch(ctx, cfg.name, cfg.zero_stage, everywhere)
         ref_mesh, reward_mesh = ref_reward_groups(ctx)
@@ -132,7 +137,8 @@ class Interleaved(System):
             full.offloaded |= group.offloaded
             meshes[task_name] = group.mesh
         full.ledger.commit("ref|reward", either(picked["ref"], picked["reward"]))
-        full.search_inference_task("values")
+        if "values" in full.inference:  # the critic's inference (an algorithm with a critic)
+            full.search_inference_task("values")
         policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
         full.search_generation(policy)
         notes = {"placement": f"ref on devices {ref_mesh[0]}..{ref_mesh[-1]}, reward on devices "

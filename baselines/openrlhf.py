@@ -143,19 +143,26 @@ def generation_engine_for(gen_units) -> str:
 OmegaConf.register_new_resolver("openrlhf_generation_engine", generation_engine_for, replace=True)
 
 
-def split_pools(split: Split, num_devices: int) -> dict[str, tuple[int, ...]]:
+def split_pools(split: Split, num_devices: int, roles: tuple[str, ...] = ("actor", "critic", "ref", "reward")
+                ) -> dict[str, tuple[int, ...]]:
     """Each role's devices: contiguous ranges in :data:`ROLES` order, ``units x N / T`` devices each
-    (T = total units); ``gen`` is absent when its units are 0. Refuses splits that do not fit."""
+    (T = total units); ``gen`` is absent when its units are 0. Refuses splits that do not fit, and a
+    pool for a model the algorithm does not run (``roles``: those it runs)."""
     units = {role: getattr(split, role) for role in ROLES}
     text = ":".join(str(units[r]) for r in ROLES)
     bad = {r: u for r, u in units.items() if not isinstance(u, int) or u < 0}
     if bad:
         raise ConfigError(f"system.split={text} (ref:reward:actor:critic:gen): units must be non-negative "
                           f"integers, got {bad}")
-    empty = [r for r in ROLES[:-1] if units[r] == 0]
+    empty = [r for r in ROLES[:-1] if units[r] == 0 and r in roles]
     if empty:
         raise PlanError(f"system.split={text} (ref:reward:actor:critic:gen): the {', '.join(empty)} pool would be "
                         f"empty; every model needs at least one unit (only gen may be 0: no vLLM)")
+    unused = [r for r in ROLES[:-1] if units[r] > 0 and r not in roles]
+    if unused:
+        raise PlanError(f"system.split={text} (ref:reward:actor:critic:gen) gives GPUs to the {', '.join(unused)} "
+                        f"model, which this algorithm does not run; give it none: "
+                        + " ".join(f"system.split.{r}=0" for r in unused))
     total = sum(units.values())
     if num_devices % total:
         raise PlanError(f"system.split={text} (ref:reward:actor:critic:gen) has {total} units, which do not divide "
@@ -189,7 +196,7 @@ class OpenRLHF(System):
         if mini > gbs or gbs % mini:
             raise PlanError(f"system.mini_batch_size={mini} (--train_batch_size) must divide the global batch "
                             f"workload.global_batch_size={gbs}")
-        for role in ("actor", "critic"):
+        for role in ("actor", "critic")[:1 + ctx.algorithm.has_critic]:
             dp = len(pools[role])
             if mini % (micro * dp):
                 raise PlanError(f"system.mini_batch_size={mini} (--train_batch_size) must be a multiple of "
@@ -282,7 +289,7 @@ class OpenRLHF(System):
             value = getattr(cfg, key)
             if value is not None and value not in (0, 1, 2, 3):
                 raise ConfigError(f"system.{key}={value}: DeepSpeed ZeRO stages are 0, 1, 2 and 3")
-        pools = split_pools(cfg.split, ctx.num_devices)
+        pools = split_pools(cfg.split, ctx.num_devices, ctx.roles)
         mini, micro = self.batch_sizes(ctx, pools)
         inference_zero = cfg.inference_zero_stage
         if inference_zero is None:
@@ -291,11 +298,12 @@ class OpenRLHF(System):
         def data_parallel(role: str, zero: int) -> Allocation:
             return Allocation(pools[role], ParallelStrategy(dp=len(pools[role]), zero_stage=zero))
 
-        actor, critic = data_parallel("actor", cfg.zero_stage), data_parallel("critic", cfg.zero_stage)
+        actor = data_parallel("actor", cfg.zero_stage)
         gen, policy = self.generation(ctx, pools, actor)
-        allocs = {"gen": gen, "ref": data_parallel("ref", inference_zero),
-                  "reward": data_parallel("reward", inference_zero),
-                  "values": critic, "update_actor": actor, "update_critic": critic}
+        allocs = {"gen": gen, "update_actor": actor}
+        if "critic" in pools:
+            allocs["values"] = allocs["update_critic"] = data_parallel("critic", cfg.zero_stage)
+        allocs.update({role: data_parallel(role, inference_zero) for role in ("ref", "reward") if role in pools})
         vllm = "gen" in pools
         notes = {f"pools/{role}": device_range(mesh) for role, mesh in pools.items()}
         generation = (f"vLLM: {gen.strategy.dp} engine(s) of tp={gen.strategy.tp}, {policy.max_batch_size} "

@@ -56,10 +56,9 @@ from harness.planning.memory import check_plan_memory
 from harness.planning.scheduler import schedule_durations
 from harness.planning.strategies import divisors, largest_tp, mesh_options, strategy_options
 from harness.planning.taskmodels.passes import weight_movement_s
-from harness.planning.workflow import PPO_TASKS, single_pipe_stage
+from harness.planning.workflow import PPO_TASKS, single_pipe_stage, workflow_tasks
 from harness.system import PlanContext, System, register_system_config
 
-CALLS = tuple(PPO_TASKS)  # gen, ref, reward, values, update_actor, update_critic
 # Options of the search: set with system.search=false they are refused (harness/core/option_effects.py).
 SEARCH_ONLY = effective_when(("system.search", "==", True), why="an option of the layout search")
 
@@ -103,7 +102,7 @@ class RealHF(System):
         n, per_node, nodes = ctx.num_devices, ctx.cluster.gpus_per_node, ctx.cluster.num_nodes
         mesh = tuple(range(n))
         choice = {}
-        for call in CALLS:
+        for call in workflow_tasks(ctx.algorithm):  # gen, ref, reward, values, update_actor, update_critic (PPO)
             layers = ctx.model(PPO_TASKS[call][1]).num_layers
             pp = max(d for d in divisors(nodes) if d <= layers)
             train = PPO_TASKS[call][0] == "train"
@@ -222,7 +221,7 @@ class RealHF(System):
                 ctx.report(f"realhf: annealing step {steps}/{budget}, best estimate {best[0]:.4g} s")
             progress = steps / budget if budget else 1 - (deadline - time.perf_counter()) / max(budget_s, 1e-9)
             temperature = max(t0 * (1.0 - progress), 1e-12)
-            call = rng.choice(CALLS)
+            call = rng.choice(workflow_tasks(ctx.algorithm))
             mesh = choice[call].mesh if rng.random() < 0.5 else rng.choice(meshes)
             options = strategies(call, mesh)
             if not options:
@@ -252,7 +251,7 @@ class RealHF(System):
             ctx.report(f"realhf: refining, round {round_index + 1}/{self.cfg.num_refine_rounds}, "
                        f"best estimate {best_s:.4g} s")
             improved = False
-            for call in CALLS:
+            for call in workflow_tasks(ctx.algorithm):
                 mesh = choice[call].mesh
                 for strategy in strategies(call, mesh):
                     if strategy == choice[call].strategy:

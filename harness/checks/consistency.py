@@ -213,20 +213,23 @@ def check_experiment_name(name: str, results_dir: str) -> None:
 def check_sizes(run: Any) -> None:
     """Sizes that would take hours are refused unless ``allow_large=true``; sizes a run cannot hold
     in memory (:data:`HARD_MAX_DEVICES`, :data:`HARD_MAX_SAMPLES`) are refused regardless."""
-    samples = run.workload.global_batch_size
+    group = run.algo.group_size if getattr(run, "algo", None) is not None else 1
+    samples = run.workload.global_batch_size * group  # prompts x responses per prompt
+    what = (f"workload.global_batch_size={samples}" if group == 1 else
+            f"workload.global_batch_size x algo.group_size = {run.workload.global_batch_size} x {group} = {samples}")
     devices = run.cluster.num_nodes * run.cluster.gpus_per_node
     if devices > HARD_MAX_DEVICES:
         raise ConfigError(f"cluster.num_nodes x cluster.gpus_per_node = {devices} devices is over the hard limit "
                           f"of {HARD_MAX_DEVICES:,} (a plan lists every device in memory; allow_large=true does "
                           f"not lift this limit)")
     if samples > HARD_MAX_SAMPLES:
-        raise ConfigError(f"workload.global_batch_size={samples} is over the hard limit of {HARD_MAX_SAMPLES:,} "
+        raise ConfigError(f"{what} is over the hard limit of {HARD_MAX_SAMPLES:,} "
                           f"samples per iteration (a batch holds arrays over its samples in memory; "
                           f"allow_large=true does not lift this limit)")
     if getattr(run, "allow_large", False):
         return
     if run.workload.path is None and samples > MAX_SAMPLES_PER_ITERATION:
-        raise ConfigError(f"workload.global_batch_size={samples} is over the limit of {MAX_SAMPLES_PER_ITERATION} "
+        raise ConfigError(f"{what} is over the limit of {MAX_SAMPLES_PER_ITERATION} "
                           f"samples per iteration (planning and simulation grow with it: hours); "
                           f"set allow_large=true to run it anyway")
     if devices > MAX_DEVICES:

@@ -2,7 +2,7 @@
 
 A usage line, every system with the first line of its ``conf/system/<name>.yaml``, the main config
 groups with their options (a group of groups, ``engine``, by its subgroups: ``engine.generation=<option>``),
-and three examples. Hydra's own page (``--hydra-help``) still lists
+and four examples. Hydra's own page (``--hydra-help``) still lists
 Hydra's flags; the internal ``schema`` group (typed configs behind every YAML file) is not offered.
 """
 from __future__ import annotations
@@ -13,13 +13,15 @@ from pathlib import Path
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Groups a user picks from, in the order a command line names them (``engine`` holds the groups
 # engine/generation and engine/training).
-GROUPS = ("model", "cluster", "workload", "backend", "logger", "engine", "experiment")
+GROUPS = ("model", "algo", "cluster", "workload", "backend", "logger", "engine", "experiment")
 # What a group of groups' options also take, beside their names.
 ALSO_TAKES = {"engine": "(each also takes the path of a .yaml file; unset: the system's own)"}
 EXAMPLES = (
     ("RLHFuse on the paper's 13B setting, simulated", "python -m harness +system=rlhfuse model=13b"),
     ("a sweep of two systems and two generation lengths",
      "python -m harness -m +system=rlhfuse,realhf model=65b_33b workload.max_gen_len=1024,2048"),
+    ("RLHFuse and its base without a critic (GRPO: 8 responses per prompt, rule-based reward)",
+     "python -m harness -m +system=rlhfuse,rlhfuse_base algo=grpo model=13b"),
     ("real PPO on Ray with tiny models on 2 CPU processes",
      "python -m harness +system=rlhfuse_base model=tiny workload=tiny backend=ray cluster=h100_8x "
      "cluster.num_nodes=1 cluster.gpus_per_node=2"),

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from harness.core.algorithm import AlgorithmConfig
 from harness.core.engines import ENGINE_TYPES, SCHEMA_NAMES, EngineSelection, schema_node
 from harness.core.option_effects import Condition, effective_when, existing_path
 
@@ -141,8 +142,9 @@ SYNTHETIC_ONLY = effective_when(Condition("workload.path", "==", None, says="wor
 @dataclass
 class WorkloadConfig:
     name: str = MISSING
-    global_batch_size: int = 512  # prompts per PPO iteration
-    mini_batch_size: int = 64  # samples per gradient step (one step per mini-batch)
+    # Batch sizes count prompts; each gets algo.group_size responses (harness/core/algorithm.py).
+    global_batch_size: int = 512  # prompts per iteration
+    mini_batch_size: int = 64  # prompts per gradient step (one step per mini-batch)
     micro_batch_size: int = 1  # samples per pipeline micro-batch
     max_gen_len: int = 1024  # cap on output tokens
     # Synthetic lengths: with a file (path set) the file's lengths replace both (set on the command
@@ -207,6 +209,7 @@ class RunConfig:
     workload: WorkloadConfig = MISSING
     backend: Any = MISSING  # a BackendConfig subclass (conf/backend/<name>.yaml)
     logger: LoggerConfig = MISSING
+    algo: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # conf/algo/ (harness/core/algorithm.py)
     engine: EngineSelection = field(default_factory=EngineSelection)  # null = the system's engines
     experiment_name: str = "default"  # results/<experiment_name>/... and the W&B group (verl: trainer.experiment_name)
     seed: int = 0
@@ -224,7 +227,7 @@ class RunConfig:
 
 
 # Schemas of the harness's own groups (everything else under ``schema/`` is a system's).
-CORE_SCHEMAS = ("llama", "models", "cluster", "workload", "logger", "backend_sim", "backend_ray",
+CORE_SCHEMAS = ("llama", "models", "cluster", "workload", "logger", "algo", "backend_sim", "backend_ray",
                 *SCHEMA_NAMES.values())
 
 
@@ -237,7 +240,7 @@ def register_configs() -> None:
     # Schemas live in their own group so they do not show up as options of the real groups;
     # a YAML option names its schema with ``defaults: [{/schema@_here_: cluster}, _self_]``.
     for name, node in (("llama", LlamaConfig), ("models", ModelsConfig), ("cluster", ClusterConfig),
-                       ("workload", WorkloadConfig), ("logger", LoggerConfig)):
+                       ("workload", WorkloadConfig), ("logger", LoggerConfig), ("algo", AlgorithmConfig)):
         cs.store(group="schema", name=name, node=node)
     # the execution engines (groups engine/generation and engine/training; harness/core/engines.py)
     for kind in ENGINE_TYPES:

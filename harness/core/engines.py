@@ -483,18 +483,21 @@ def training_engine_applies(choice: Any, cfg: Any) -> Optional[str]:
 
 
 def check_compatible(engines: Engines, allocations: dict[str, Any], migration: bool) -> None:
-    """Refuse a plan its engines cannot run (PlanError naming the engine)."""
+    """Refuse a plan its engines cannot run (PlanError naming the engine); ``allocations``: the
+    layouts of the tasks the plan has."""
     gen, train = engines.generation, engines.training
     if migration and gen.batching != "continuous":
         raise PlanError(f"generation engine {gen.name} batches statically; long-tail migration needs a "
                         f"continuous-batching engine (engine.generation=vllm)")
     if train.optimizer_offload:
         for name in ("update_actor", "update_critic"):
-            if allocations[name].strategy.zero_stage < 1:
+            if name in allocations and allocations[name].strategy.zero_stage < 1:
                 raise PlanError(f"training engine {train.name} offloads the optimizer (ZeRO-Offload), which "
                                 f"DeepSpeed runs with ZeRO stages 1-3 only; task {name} is ZeRO-0")
     if train.parallelism == "zero":
         for name in ("update_actor", "update_critic", "ref", "reward", "values"):
+            if name not in allocations:  # a task the run's algorithm does not have
+                continue
             s = allocations[name].strategy
             if s.tp > 1 or s.pp > 1:
                 raise PlanError(f"training engine {train.name} (DeepSpeed ZeRO over Hugging Face modules) runs "

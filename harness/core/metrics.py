@@ -25,6 +25,8 @@ Per iteration (``iteration_metrics``):
 - ``gen/tail_s``: time from when 90% of samples have finished to when the last one finishes.
   ``gen/migrated_samples``, ``gen/tail_instances``, ``gen/migration_threshold_frac`` (R_t as a
   fraction of the batch): reported by backends that execute a migration policy (counters).
+  ``gen/verify_tail_s``: with a rule-based reward (``algo.reward=rule``), time from the end of
+  generation to the last response scored by the verifier on the driver's CPUs (a counter).
 - ``pipeline/bubble_frac/<task>`` = 1 - (sum of forward/backward time over the pipeline's ranks)
   / (ranks x makespan), over all of the task's pipeline runs in the iteration (RLHFuse section 7's
   definition); ``pipeline/makespan_s/<task>`` (sum over mini-batches); ``pipeline/peak_activation_gb/<task>``.
@@ -58,6 +60,7 @@ MAX_MEMORY_GB = "perf/max_memory_gb"
 DRIVER_CALLS = "perf/driver_calls"
 GEN_TAIL_S = "gen/tail_s"
 MIGRATED_SAMPLES = "gen/migrated_samples"
+VERIFY_TAIL = "gen/verify_tail_s"
 TAIL_INSTANCES = "gen/tail_instances"
 MIGRATION_THRESHOLD_FRAC = "gen/migration_threshold_frac"
 BUSY_MEAN = "util/gpu_busy_frac/mean"

@@ -278,8 +278,11 @@ class Plan:
     offloaded: list[str] = field(default_factory=list)  # models kept in host memory, loaded per use
     # the execution engines that run this plan (harness/core/engines.py); None: the cost model's ops as is
     engines: Optional[Engines] = None
-    global_batch_size: int = 512
-    mini_batch_size: int = 64
+    global_batch_size: int = 512  # samples per iteration (prompts x the algorithm's responses per prompt)
+    mini_batch_size: int = 64  # samples per gradient step
+    # the RL algorithm whose iteration this is (conf/algo/; harness/core/algorithm.py): which tasks
+    # the plan has follows from it
+    algorithm: str = "ppo"
     notes: dict[str, Any] = field(default_factory=dict)  # system-specific facts shown in plan.json
     # task -> the command-line key that pins its layout in the system that made the plan (e.g.
     # ``system.layouts.gen``, ``system.layout``), for hints in refusals; not what runs, so neither
@@ -447,6 +450,7 @@ class Plan:
             engines=Engines.from_dict(d["engines"]) if d.get("engines") else None,
             global_batch_size=d["global_batch_size"],
             mini_batch_size=d["mini_batch_size"],
+            algorithm=d.get("algorithm", "ppo"),  # plan.json written before algorithms were configurable: PPO
             notes=d.get("notes", {}),
         )
 

@@ -113,11 +113,19 @@ def validate_workload(w: WorkloadConfig) -> None:
         raise ConfigError(f"workload.max_gen_len={w.max_gen_len} is below output_len.min={w.output_len.min}")
 
 
-def make_batch(w: WorkloadConfig, seed: int, iteration: int) -> Batch:
+def make_batch(w: WorkloadConfig, seed: int, iteration: int, group_size: int = 1) -> Batch:
+    """Iteration ``iteration``'s samples: ``w.global_batch_size`` of them (``w`` counts samples, as
+    :func:`harness.core.algorithm.sample_workload` makes it), in groups of ``group_size`` responses
+    to one prompt: each group's samples share a prompt length, and each draws its own output length."""
     if w.path is not None:
+        if group_size != 1:
+            raise ConfigError(f"a JSON-lines workload gives one response length per prompt, not {group_size}")
         return make_file_batch(w, seed, iteration)
+    num_prompts, rest = divmod(w.global_batch_size, group_size)
+    if rest:
+        raise ConfigError(f"{w.global_batch_size} samples are not whole groups of {group_size}")
     rng = np.random.default_rng([seed, iteration])
-    prompts = sample_lengths(w.prompt_len, w.global_batch_size, rng)
+    prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng), group_size)
     outputs = sample_lengths(w.output_len, w.global_batch_size, rng, cap=w.max_gen_len)
     return Batch(iteration, prompts, outputs)
 

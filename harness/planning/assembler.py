@@ -19,6 +19,9 @@ training stages). What is decided once, here, for all of them:
   unless offloaded; a separate pool's shadow actor weights;
 - **training**: each training task as its own 1F1B stage unless the system passes its stages
   (RLHFuse's fused pipeline);
+- **the algorithm** (``ctx.algorithm``, :mod:`harness.core.algorithm`): only its tasks are built
+  (:func:`harness.planning.workflow.workflow_tasks`; a system's layouts for the others are ignored),
+  and only its models move, stay resident and train;
 - **engines** (:mod:`harness.core.engines`): the plan records the run's execution engines; the generation
   engine sets the policy's batching, kernels, syncing and padding (the system keeps batch limits and
   migration), and a plan its engines cannot run is refused.
@@ -32,7 +35,7 @@ from harness.core.engines import check_compatible, policy_fields
 from harness.errors import PlanError
 from harness.core.plan import (Allocation, GenerationPolicy, MovementKind, Plan, ResidentState, TrainingStage,
                           WeightMovement)
-from harness.planning.workflow import PPO_TASKS, ppo_tasks, single_pipe_stage, weight_movement
+from harness.planning.workflow import ppo_tasks, single_pipe_stage, weight_movement, workflow_tasks
 from harness.system import PlanContext
 
 # (model, consumer task, source task): where each moved model's weights come from and go to
@@ -55,7 +58,7 @@ def single_pipe_stages(ctx: PlanContext, allocations: dict[str, Allocation], min
     w = ctx.workload
     micro = w.micro_batch_size if micro_batch_size is None else micro_batch_size
     return [single_pipe_stage(t, m, allocations[t].strategy, mini_batch_size, micro, w.global_batch_size)
-            for t, m in TRAINING_TASKS]
+            for t, m in TRAINING_TASKS if m in ctx.roles]
 
 
 def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allocation], generation: GenerationPolicy,
@@ -64,10 +67,14 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
                       actor_sync: MovementKind = MovementKind.REALLOC, stream_inference: bool = False,
                       offloaded: Sequence[str] = (), notes: Optional[dict] = None,
                       layout_keys: Optional[dict[str, str]] = None) -> Plan:
-    """The PPO iteration plan for ``allocations`` (one per task of :data:`PPO_TASKS`). ``mini_batch_size``
+    """The iteration plan for ``allocations`` (one per task of the run's algorithm:
+    :func:`~harness.planning.workflow.workflow_tasks`; others are ignored). ``mini_batch_size``
     and ``micro_batch_size`` (None: the workload's) size the default training stages; ``layout_keys``
     names the system's key that pins each task's layout (``Plan.layout_keys``, for hints)."""
-    missing = sorted(set(PPO_TASKS) - set(allocations))
+    algorithm = ctx.algorithm
+    present = workflow_tasks(algorithm)
+    allocations = {name: allocations[name] for name in present if name in allocations}
+    missing = sorted(set(present) - set(allocations))
     if missing:
         raise PlanError(f"{system}: no layout for task(s) {missing}")
     if actor_sync == MovementKind.PER_REPLICA:
@@ -79,6 +86,8 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
         generation = replace(generation, **policy_fields(ctx.engines, zero3_actor))
     movement_tasks, movements, moved = [], [], {}
     for model, consumer, source in MOVED_WEIGHTS:
+        if model not in algorithm.roles:
+            continue
         src, dst = allocations[source], allocations[consumer]
         kind = actor_sync if model == "actor" else MovementKind.REALLOC
         if kind != MovementKind.PARAM_SYNC and not needs_movement(src, dst):
@@ -90,15 +99,20 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
         movement_tasks.append(task)
         movements.append(move)
         moved[consumer] = task.name
-    tasks = movement_tasks + ppo_tasks(allocations, moved, stream_from="gen" if stream_inference else None)
-    resident = [ResidentState("actor", "update_actor", "train"), ResidentState("critic", "update_critic", "train")]
-    resident += [ResidentState(m, m, "weights") for m in ("ref", "reward") if m not in offloaded]
+    tasks = movement_tasks + ppo_tasks(allocations, moved, stream_from="gen" if stream_inference else None,
+                                       algorithm=algorithm)
+    resident = [ResidentState(m, t, "train") for t, m in TRAINING_TASKS if m in algorithm.roles]
+    resident += [ResidentState(m, m, "weights") for m in ("ref", "reward") if m not in offloaded and m in algorithm.roles]
     if actor_sync == MovementKind.PARAM_SYNC:
         resident.append(ResidentState("actor", "gen", "weights"))  # the generation pool's shadow actor
     if training is None:
         training = single_pipe_stages(ctx, allocations, mini_batch_size, micro_batch_size)
+    stray = sorted({t for stage in training for t in stage.tasks} - set(present))
+    if stray:
+        raise PlanError(f"{system}: training stages of task(s) {stray}, which algo={algorithm.name} does not run")
     return Plan(system=system, tasks=tasks, training=training,
                 generation=generation, weight_movements=movements, resident=resident, offloaded=list(offloaded),
                 engines=ctx.engines,
                 global_batch_size=ctx.workload.global_batch_size, mini_batch_size=mini_batch_size,
+                algorithm=algorithm.name,
                 notes=dict(notes or {}), layout_keys=dict(layout_keys or {}))

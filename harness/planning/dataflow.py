@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from harness.core.algorithm import PPO, AlgorithmConfig
+
 # the per-sample data written before training, in workflow order: by gen (responses, its own
 # log-probs), ref, reward (the reward model's score) and values (the critic's)
 SAMPLE_DATA = ("responses", "old_logprobs", "ref_logprobs", "rewards", "values")
@@ -52,9 +54,17 @@ def sample_data_behind(name: str) -> set[str]:
     return set().union(*(sample_data_behind(source) for source in DERIVED_FROM[name]))
 
 
-def training_reads(model: str) -> tuple[str, ...]:
-    """The data keys the training task of ``model`` (``actor`` or ``critic``) reads, in workflow order."""
+def training_reads(model: str, algorithm: AlgorithmConfig = PPO) -> tuple[str, ...]:
+    """The data keys the training task of ``model`` (``actor`` or ``critic``) reads, in workflow
+    order. The derivations above are PPO's; a critic-free estimator (GRPO's group normalisation,
+    RLOO's leave-one-out baseline, REINFORCE++'s batch normalisation) computes the advantages from
+    the rewards alone, so the actor does not read ``values``; without a KL term
+    (``algorithm.kl_coef == 0``) nothing reads ``ref_logprobs``."""
     needed = set().union(*(sample_data_behind(name) for name in LOSS_INPUTS[model]))
+    if not algorithm.has_critic:
+        needed.discard("values")
+    if not algorithm.has_reference:
+        needed.discard("ref_logprobs")
     return tuple(key for key in SAMPLE_DATA if key in needed)
 
 

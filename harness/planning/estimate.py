@@ -24,7 +24,7 @@ NUM_GEN_INSTANCES_ESTIMATED = 4
 
 
 def representative_batch(ctx: PlanContext, global_batch_size: int | None = None) -> Batch:
-    batch = make_batch(ctx.workload, ctx.seed, iteration=0)
+    batch = make_batch(ctx.workload, ctx.seed, iteration=0, group_size=ctx.algorithm.group_size)
     if global_batch_size is not None and global_batch_size != batch.num_samples:
         return Batch(0, batch.prompt_lens[:global_batch_size], batch.output_lens[:global_batch_size])
     return batch

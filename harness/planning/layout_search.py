@@ -53,7 +53,7 @@ from harness.schedule import Action, PipeSpec, Schedule
 from harness.system import PlanContext
 
 TRAINING = (("update_actor", "actor"), ("update_critic", "critic"))
-INFERENCE = ("ref", "reward", "values")
+INFERENCE = ("ref", "reward", "values")  # those the run's algorithm has: LayoutSearch.inference
 # A candidate is skipped only when its lower bound beats the best by more than this relative
 # margin: the bound and the simulated time sum the same stage times in different orders.
 BOUND_MARGIN = 1e-9
@@ -80,6 +80,10 @@ class LayoutSearch:
         # more ways of making later steps (offloaded weights), reserved only when training fits no other way
         self.fallback_options: dict[str, list[MemoryNeed]] = {}
         self.pinned = {t: v for t, v in (pinned or {}).items() if v}
+        # the training and inference tasks of the run's algorithm (no critic: no values, no
+        # update_critic; no KL term: no ref; a rule-based reward: no reward model)
+        self.training = tuple((t, r) for t, r in TRAINING if r in ctx.roles)
+        self.inference = tuple(t for t in INFERENCE if PPO_TASKS[t][1] in ctx.roles)
 
     @property
     def resident_gb(self) -> dict[str, float]:
@@ -100,8 +104,10 @@ class LayoutSearch:
                                          models=models))
 
     def shared_candidates(self) -> list[ParallelStrategy]:
-        """Layouts of the one inference layout ref, reward and the critic's values share."""
-        return self.candidates("actor", 0, self.shared_pin(), shared_with=("ref", "reward", "critic"))
+        """Layouts of the one inference layout ref, reward and the critic's values share (those of
+        them the algorithm has)."""
+        others = tuple(PPO_TASKS[t][1] for t in self.inference)
+        return self.candidates("actor", 0, self.shared_pin(), shared_with=others)
 
     def _search(self, candidates, score, what: str) -> SearchResult:
         self.ctx.report(f"{self.name}: {what}, {len(candidates)} layouts")
@@ -133,7 +139,7 @@ class LayoutSearch:
     def shared_inference_need(self, s: ParallelStrategy) -> MemoryNeed:
         """Ref, reward and values in one layout (RLHFuse's inter-stage fusion)."""
         need = MemoryNeed()
-        for task in INFERENCE:
+        for task in self.inference:
             need = need + self.inference_need(task, s)
         return need
 
@@ -162,13 +168,15 @@ class LayoutSearch:
         resident weights; the ways with offloaded weights are reserved only if training fits no
         other way (:attr:`fallback_options`)."""
         for step in steps:
+            if step in INFERENCE and step not in self.inference or step == "shared" and not self.inference:
+                continue  # a task the algorithm does not have
             self.ledger.expect(step, self.options(step))
             offloaded = self.options(step, offload=True)
             if offloaded:
                 self.fallback_options[step] = offloaded
 
     def shared_pin(self) -> str:
-        return next((t for t in INFERENCE if t in self.pinned), "ref")
+        return next((t for t in self.inference if t in self.pinned), self.inference[0] if self.inference else "ref")
 
     # ---- training: actor and critic together ----------------------------------------------------
     def training_tiers(self, task: str, role: str) -> list[list[tuple[ParallelStrategy, Optional[int]]]]:
@@ -198,10 +206,11 @@ class LayoutSearch:
         """The fastest actor and critic layouts (sum of estimated times) that fit together, beside
         what is resident and the cheapest way of making the later steps; the lowest tier that has
         such a pair wins (:meth:`training_tiers`), first with the later steps' weights resident,
-        then allowing them to be offloaded (:attr:`fallback_options`)."""
+        then allowing them to be offloaded (:attr:`fallback_options`). Without a critic, the
+        fastest actor layout that fits, by the same rules."""
         w = self.w
-        self.ctx.report(f"{self.name}: actor and critic training layouts")
-        tiers = {task: self.training_tiers(task, role) for task, role in TRAINING}
+        self.ctx.report(f"{self.name}: " + " and ".join(role for _, role in self.training) + " training layouts")
+        tiers = {task: self.training_tiers(task, role) for task, role in self.training}
         levels = max(len(t) for t in tiers.values())
         stages, times, bounds = {}, {}, {}
         fallback = [(step, opts) for step, opts in self.fallback_options.items() if step in self.ledger.later]
@@ -233,60 +242,89 @@ class LayoutSearch:
                                                       stages[task, cand], w.mini_batch_size, self.batch)
             return bounds[task, cand]
 
-        (ta, ra), (tc, rc) = TRAINING
         plans = [(False, level) for level in range(levels)] + ([(True, level) for level in range(levels)]
                                                                if fallback else [])
         for escalate, level in plans:
             if escalate and level == 0:  # reserve for the later steps' offloaded ways too
                 for step, opts in fallback:
                     self.ledger.expect(step, self.ledger.later[step] + opts)
-            cands = {task: tiers[task][min(level, len(tiers[task]) - 1)] for task, _ in TRAINING}
-            needs = {task: [(c, need_of(task, role, c)) for c in cands[task]] for task, role in TRAINING}
+            cands = {task: tiers[task][min(level, len(tiers[task]) - 1)] for task, _ in self.training}
+            needs = {task: [(c, need_of(task, role, c)) for c in cands[task]] for task, role in self.training}
             needs = {task: [(c, n) for c, n in v if n is not None] for task, v in needs.items()}
-            if not needs[ta] or not needs[tc]:
+            if not all(needs.values()):
                 continue
-
-            def least(task, role):  # a lower bound of the partner's need: its smallest state and activations
-                return MemoryNeed({role: min(n.resident[role] for _, n in needs[task])},
-                                  {task: min(n.working[task] for _, n in needs[task])})
-            plausible = {}
-            for (task, role), (other, other_role) in ((TRAINING[0], TRAINING[1]), (TRAINING[1], TRAINING[0])):
-                partner = least(other, other_role)
-                plausible[task] = [(c, n) for c, n in needs[task]
-                                   if self.ledger.total_gb(n + partner, "training") <= self.capacity + 1e-9]
-            best = None
-            for ca, na in plausible[ta]:
-                for cc, nc in plausible[tc]:
-                    if self.ledger.total_gb(na + nc, "training") > self.capacity + 1e-9:
-                        continue
-                    if best is not None and (bound_of(ta, ra, ca) + bound_of(tc, rc, cc)) * (1 - BOUND_MARGIN) > best[0]:
-                        continue  # cannot beat the best pair: skip timing its schedules (same choice, fewer simulations)
-                    t = time_of(ta, ra, ca) + time_of(tc, rc, cc)
-                    if best is None or t < best[0]:
-                        best = (t, ca, na, cc, nc)
+            if len(self.training) == 1:  # the actor alone
+                best = self._fastest_alone(needs, time_of, bound_of)
+            else:
+                best = self._fastest_pair(needs, time_of, bound_of)
             if best is not None:
-                _, ca, na, cc, nc = best
-                for task, role, cand in ((ta, ra, ca), (tc, rc, cc)):
+                for task, role, cand, _ in best:
                     self.chosen[task] = SearchResult(cand[0], time_of(task, role, cand),
                                                      len({c for c, _ in cands[task]}))
                     self.stages[task] = stages[task, cand]
                     if cand[1] is not None:
                         self.in_flight[task] = cand[1]
-                self.ledger.commit("training", na + nc)
+                total = best[0][3]
+                for _, _, _, need in best[1:]:
+                    total = total + need
+                self.ledger.commit("training", total)
                 return
-        self._refuse_training(tiers[ta][-1], tiers[tc][-1], need_of)
+        self._refuse_training([tiers[task][-1] for task, _ in self.training], need_of)
+
+    def _fastest_alone(self, needs, time_of, bound_of):
+        """The fastest fitting candidate of the one training task: ``((task, role, cand, need),)``."""
+        [(task, role)] = self.training
+        best = None
+        for cand, need in needs[task]:
+            if self.ledger.total_gb(need, "training") > self.capacity + 1e-9:
+                continue
+            if best is not None and bound_of(task, role, cand) * (1 - BOUND_MARGIN) > best[0]:
+                continue
+            t = time_of(task, role, cand)
+            if best is None or t < best[0]:
+                best = (t, cand, need)
+        return None if best is None else ((task, role, best[1], best[2]),)
+
+    def _fastest_pair(self, needs, time_of, bound_of):
+        """The fastest pair of actor and critic candidates that fit together:
+        ``((task, role, cand, need), (task, role, cand, need))``."""
+        (ta, ra), (tc, rc) = self.training
+
+        def least(task, role):  # a lower bound of the partner's need: its smallest state and activations
+            return MemoryNeed({role: min(n.resident[role] for _, n in needs[task])},
+                              {task: min(n.working[task] for _, n in needs[task])})
+        plausible = {}
+        for (task, role), (other, other_role) in ((self.training[0], self.training[1]),
+                                                  (self.training[1], self.training[0])):
+            partner = least(other, other_role)
+            plausible[task] = [(c, n) for c, n in needs[task]
+                               if self.ledger.total_gb(n + partner, "training") <= self.capacity + 1e-9]
+        best = None
+        for ca, na in plausible[ta]:
+            for cc, nc in plausible[tc]:
+                if self.ledger.total_gb(na + nc, "training") > self.capacity + 1e-9:
+                    continue
+                if best is not None and (bound_of(ta, ra, ca) + bound_of(tc, rc, cc)) * (1 - BOUND_MARGIN) > best[0]:
+                    continue  # cannot beat the best pair: skip timing its schedules (same choice, fewer simulations)
+                t = time_of(ta, ra, ca) + time_of(tc, rc, cc)
+                if best is None or t < best[0]:
+                    best = (t, ca, na, cc, nc)
+        if best is None:
+            return None
+        _, ca, na, cc, nc = best
+        return (ta, ra, ca, na), (tc, rc, cc, nc)
 
     def training_stages(self) -> list[TrainingStage]:
         """The chosen training layouts' stages (each task's own 1F1B, or one holding fewer
         micro-batches in flight when only that fits), for the plan assembler."""
-        return [self.stages[task] for task, _ in TRAINING]
+        return [self.stages[task] for task, _ in self.training]
 
     def memory_notes(self, training: bool = True) -> dict[str, str]:
         """``memory/...`` plan notes naming the slower choices taken so that the plan fits (none
         when the fastest layouts fit); ``training``: this search's training stages are the plan's."""
         notes = {}
         if training:
-            for task, _ in TRAINING:
+            for task, _ in self.training:
                 s = self.chosen[task].strategy if task in self.chosen else None
                 if s is not None and s.zero_stage > self.zero_stage:
                     notes[f"memory/{task}"] = f"ZeRO-{s.zero_stage} (system.zero_stage={self.zero_stage})"
@@ -297,8 +335,11 @@ class LayoutSearch:
             notes["memory/offloaded"] = ", ".join(sorted(self.offloaded)) + " weights in host memory between uses"
         return notes
 
-    def _refuse_training(self, cands_a, cands_c, need_of) -> None:
-        (ta, ra), (tc, rc) = TRAINING
+    def _refuse_training(self, candidates: list, need_of) -> None:
+        if len(self.training) == 1:
+            self._refuse_actor_training(candidates[0], need_of)
+        cands_a, cands_c = candidates
+        (ta, ra), (tc, rc) = self.training
         pairs = [(ca, need_of(ta, ra, ca), cc, need_of(tc, rc, cc)) for ca in cands_a for cc in cands_c]
         pairs = [(ca, na, cc, nc) for ca, na, cc, nc in pairs if na is not None and nc is not None]
         what = f"update_actor+update_critic{self._where()}"
@@ -314,23 +355,42 @@ class LayoutSearch:
                            f"{smallest_requirement([(f'actor {name[ca]} with critic {name[cc]}', shortfall)])} "
                            f"({self.cm.gpu.hbm_gb:g} GB x {self.cm.gpu.usable_memory_frac:g})")
 
+    def _refuse_actor_training(self, cands, need_of) -> None:
+        [(task, role)] = self.training
+        needs = [(c, need_of(task, role, c)) for c in cands]
+        needs = [(c, n) for c, n in needs if n is not None]
+        what = f"{task}{self._where()}"
+        if not needs:
+            raise PlanError(f"{self.name}: no feasible parallel strategy for {what}: the mini-batch of "
+                            f"{self.w.mini_batch_size} samples splits over none of the layouts")
+        c, n = min(needs, key=lambda cn: self.ledger.total_gb(cn[1], "training"))
+        shortfall = MemoryShortfall(self.ledger.total_gb(n, "training"), self.capacity,
+                                    self.ledger.describe(n, "training"))
+        name = f"{c[0]}" + (f" ({c[1]} in flight)" if c[1] else "")
+        raise NoLayoutFits(f"{self.name}: no feasible parallel strategy for {what} among {len(cands)} candidates"
+                           f"{smallest_requirement([(f'{role} {name}', shortfall)])} "
+                           f"({self.cm.gpu.hbm_gb:g} GB x {self.cm.gpu.usable_memory_frac:g})")
+
     def _where(self) -> str:
         return ""
 
     # ---- inference ----------------------------------------------------------------------------
     def search_inference(self, shared: bool = False) -> None:
-        """One layout per inference task, or (``shared``) one layout for all three, scored by their sum."""
+        """One layout per inference task, or (``shared``) one layout for all of them (those the
+        algorithm has), scored by their sum; nothing when it has none."""
+        if shared and not self.inference:
+            return
         if shared:
             def score_all(s: ParallelStrategy) -> float:
                 self.ledger.require(self.shared_inference_need(s), "shared")
                 return sum(inference_s(self.ctx, Task(t, "inference", PPO_TASKS[t][1], Allocation(self.mesh, s)),
-                                       self.batch) for t in INFERENCE)
+                                       self.batch) for t in self.inference)
             result = self._search(self.shared_candidates(), score_all,
                                   "inference (shared layout)")
-            self.chosen.update({t: result for t in INFERENCE})
+            self.chosen.update({t: result for t in self.inference})
             self.ledger.commit("shared", self.shared_inference_need(result.strategy))
         else:
-            for task_name in INFERENCE:
+            for task_name in self.inference:
                 self.search_inference_task(task_name)
 
     def search_inference_task(self, task_name: str) -> SearchResult:

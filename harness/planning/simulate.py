@@ -4,7 +4,9 @@ The plan's units (:mod:`harness.core.units`) are started by the project's one sc
 (:mod:`harness.planning.scheduler`, driven here by predicted times) and each is timed by its task model (:mod:`harness.planning.taskmodels`), one handler per task kind:
 
 - ``generate``: token-level generation (continuous or static batching, long-tail migration);
-  instances released early by migration free their devices early;
+  instances released early by migration free their devices early; with a rule-based reward its
+  rewards are ready when the verifier on the driver's CPUs has scored every response
+  (:func:`verified_s`);
 - ``inference``: pipelined forward passes; a unit consuming a stream starts with its generator and
   takes samples as generation finishes them, on replicas as their devices are released (RLHFuse
   section 4);
@@ -16,6 +18,7 @@ here depends on which system produced the plan.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Callable
 
 import numpy as np
@@ -100,6 +103,12 @@ class PlanSimulator:
             self.trace.counters[mk.MIGRATION_THRESHOLD_FRAC] = policy.threshold_frac
         if self.consumer is not None:
             self._streamed_inference(self.consumer, gen, timing)
+        if not self.ctx.algorithm.has_reward_model:  # the rule-based verifier writes gen's rewards
+            returned = [s.finish_s for s in gen.samples] if self.consumer is not None else [gen.end_s] * len(gen.samples)
+            end = verified_s(returned, self.ctx.algorithm.rule_reward_s_per_sample,
+                             self.ctx.algorithm.num_reward_workers)
+            timing.end_s[task.name] = max(timing.end_s[task.name], end)
+            self.trace.counters[mk.VERIFY_TAIL] = timing.end_s[task.name] - gen.end_s
         return timing
 
     def _streamed_inference(self, unit: Unit, gen: GenerationResult, timing: Timing) -> None:
@@ -140,6 +149,23 @@ class PlanSimulator:
             raise PlanError(f"weight-movement task {task.name} has no WeightMovement in the plan")
         result = simulate_weight_movement(self.cm, self.moves[task.name], self.ctx.model(task.model), self.now_s)
         return self._record(unit, result)
+
+
+def verified_s(returned_s: list[float], cost_s: float, num_workers: int) -> float:
+    """When a rule-based verifier of ``num_workers`` processes has scored every response, each
+    taking ``cost_s`` from the moment it is returned (``returned_s``), first come first served: a
+    queue with ``num_workers`` servers. Responses return when generation ends, or one by one as
+    they finish when the plan streams them (the verifier runs on the driver's CPUs, beside the
+    GPUs: ``harness.core.algorithm``). The generate task, which writes the rewards, ends then: as
+    verl's trainer computes a rule-based reward right after generation, before the log-prob passes."""
+    free = [0.0] * num_workers
+    heapq.heapify(free)
+    end = max(returned_s, default=0.0)
+    for t in sorted(returned_s):
+        start = max(t, heapq.heappop(free))
+        heapq.heappush(free, start + cost_s)
+        end = max(end, start + cost_s)
+    return end
 
 
 def generation_gather_s(ctx: PlanContext, plan: Plan) -> float:

@@ -18,9 +18,15 @@ The training tasks' reads are not written here: they follow from what each loss 
 
 A weight movement ``realloc_<model>_<task>`` reads ``<model>_weights`` and writes
 ``<model>_weights@<task>``, which the consuming task then reads instead.
+
+An algorithm other than PPO (:mod:`harness.core.algorithm`) runs a subset of these tasks
+(:func:`workflow_tasks`): without a critic no ``values`` and no ``update_critic``, without a KL term
+no ``ref``, with a rule-based reward no ``reward`` (``gen`` then writes ``rewards``: the verifier
+scores each response on the driver as generation returns it).
 """
 from __future__ import annotations
 
+from harness.core.algorithm import PPO, AlgorithmConfig
 from harness.errors import PlanError
 from harness.core.plan import Allocation, MovementKind, ParallelStrategy, Task, TrainingStage, WeightMovement
 from harness.planning.dataflow import training_reads
@@ -36,14 +42,26 @@ PPO_TASKS = {
 }
 
 
+def workflow_tasks(algorithm: AlgorithmConfig = PPO) -> tuple[str, ...]:
+    """The tasks of an iteration of ``algorithm``, in :data:`PPO_TASKS` order: those of the models
+    it runs (``algorithm.roles``)."""
+    return tuple(name for name, (_, model, _, _) in PPO_TASKS.items() if model in algorithm.roles)
+
+
 def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None = None,
-              stream_from: str | None = None) -> list[Task]:
-    """The six PPO tasks on the given allocations. ``moved`` maps a task to the weight-movement
-    task that prepares its weights; the task then reads the moved key. With ``stream_from`` the
-    inference tasks consume that generate task's samples as they finish."""
+              stream_from: str | None = None, algorithm: AlgorithmConfig = PPO) -> list[Task]:
+    """The tasks of ``algorithm``'s iteration (:func:`workflow_tasks`; PPO's six by default) on the
+    given allocations. ``moved`` maps a task to the weight-movement task that prepares its weights;
+    the task then reads the moved key. With ``stream_from`` the inference tasks consume that
+    generate task's samples as they finish."""
     moved = moved or {}
     tasks = []
-    for name, (kind, model, reads, writes) in PPO_TASKS.items():
+    for name in workflow_tasks(algorithm):
+        kind, model, reads, writes = PPO_TASKS[name]
+        if kind == "train":
+            reads = training_reads(model, algorithm)
+        if name == "gen" and not algorithm.has_reward_model:
+            writes = writes + ("rewards",)  # the rule-based verifier scores each response as it returns
         if name in moved:
             reads = tuple(f"{model}_weights@{name}" if r == f"{model}_weights" else r for r in reads)
             if f"{model}_weights@{name}" not in reads:

@@ -36,6 +36,7 @@ from harness.backends.sim.config import SimBackendConfig
 from harness.checks.command_line import check_batch_sizes
 from harness.checks.consistency import check_results_dir_writable, check_run
 from harness.core import metrics as mk
+from harness.core.algorithm import sample_workload
 from harness.core.config import RunConfig, register_configs
 from harness.core.engines import engine_group_overrides, select_engines
 from harness.core.option_effects import check_option_effects
@@ -78,19 +79,20 @@ def build_context(run: RunConfig) -> PlanContext:
     max_context = min(getattr(run.model, role).max_seq_len for role in ("actor", "critic", "ref", "reward"))
     # a JSON-lines file: read and checked now
     run.workload = resolve_workload(run.workload, run.model.actor.vocab_size, max_context)
+    workload = sample_workload(run.workload, run.algo)  # what an iteration puts through: samples
     cluster = run.cluster
     profile = None
     if run.backend.profile_table:
         profile = load_profile_table(run.backend.profile_table)
     resolve_mode(run.logger)  # a bad logger.mode fails here, before any folder exists
     try:
-        cost_model = CostModel(cluster, run.workload, profile)
+        cost_model = CostModel(cluster, workload, profile)
     except ValueError as e:  # cluster.cost_model / calibration / recompute read from the config
         raise ConfigError(str(e)) from None
     engines = select_engines(run.engine, run.system)  # an unknown engine or key fails here
-    return PlanContext(models=run.model, cluster=cluster, workload=run.workload,
+    return PlanContext(models=run.model, cluster=cluster, workload=workload,
                        cost_model=cost_model, seed=run.seed, planning_budget_s=run.planning_budget_s,
-                       engines=engines)
+                       engines=engines, algorithm=run.algo)
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def plan(prepared: PreparedRun, progress: Callable[[str], None] | None = None) -
 def iteration_row(ctx: PlanContext, plan: Plan, backend: Backend, iteration: int) -> IterationRow:
     """Iteration ``iteration`` of ``plan`` on ``backend`` (already set up), on its batch of the
     workload: the trace and its metrics row (:func:`harness.core.metrics.iteration_metrics`)."""
-    batch = make_batch(ctx.workload, ctx.seed, iteration)
+    batch = make_batch(ctx.workload, ctx.seed, iteration, ctx.algorithm.group_size)
     trace = backend.run_iteration(plan, iteration, batch)
     return trace, mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
                                        ctx.cluster.gpu.peak_bf16_tflops * 1e12)

@@ -45,7 +45,7 @@ from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checke
 from harness.planning.memory import MemoryNeed, MemoryShortfall, NoLayoutFits
 from harness.planning.strategies import divisors, smallest_requirement, tp_splits_heads
 from harness.planning.taskmodels.passes import grad_sync_s, training_pipe_costs
-from harness.planning.workflow import full_mesh
+from harness.planning.workflow import PPO_TASKS, full_mesh
 from harness.schedule import ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
 from systems.rlhfuse.base import LAYOUT_KEYS, RLHFuseBaseConfig, layout_search
@@ -132,9 +132,13 @@ class RLHFuse(System):
         notes: dict = {f"search/{k}": str(r.strategy) for k, r in layouts.chosen.items()}
         allocs = {name: Allocation(full_mesh(ctx.num_devices), r.strategy) for name, r in layouts.chosen.items()}
         training = self._training(ctx, layouts, allocs, notes)
+        if inter_stage and not layouts.inference:
+            notes["inter/off"] = (f"algo={ctx.algorithm.name} runs no inference task (no reference model, reward "
+                                  f"model or critic): nothing to stream samples to or to run beside the long tail")
+            inter_stage = False
         if inter_stage:
             policy = self._inter_stage(ctx, layouts, allocs, policy, notes)
-        notes.update(layouts.memory_notes(training=len(training) > 1))  # separate stages: the base search's
+        notes.update(layouts.memory_notes(training=not any(st.fused for st in training)))  # the base search's stages
         return assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=training,
                                  stream_inference=inter_stage, offloaded=sorted(layouts.offloaded),
                                  notes=notes, layout_keys=LAYOUT_KEYS)
@@ -144,7 +148,7 @@ class RLHFuse(System):
         """Choose the shared inference layout and R_t together (:func:`choose_inter_stage`), among
         the layouts whose ref and reward weights fit beside the training states and every working
         set on the devices (the fused stage's activation peak, generation's weights and KV cache)."""
-        roles = (("ref", "ref"), ("reward", "reward"), ("values", "critic"))
+        roles = tuple((t, PPO_TASKS[t][1]) for t in layouts.inference)  # those the algorithm runs
         all_candidates = layouts.shared_candidates()
 
         def fitting() -> tuple[list[ParallelStrategy], list]:
@@ -177,7 +181,7 @@ class RLHFuse(System):
             alloc = Allocation(mesh, strategy)
             tasks = [Task(n, "inference", m, alloc) for n, m in roles]
             moves = {}  # as the assembler decides it: the critic fetched per inference replica
-            if needs_movement(allocs["update_critic"], alloc):
+            if "update_critic" in allocs and needs_movement(allocs["update_critic"], alloc):
                 moves["values"] = WeightMovement("values", "critic", allocs["update_critic"], alloc,
                                                  MovementKind.PER_REPLICA)
             return tasks, moves
@@ -200,6 +204,10 @@ class RLHFuse(System):
     def _training(self, ctx, layouts: LayoutSearch, allocs: dict, notes: dict) -> list[TrainingStage]:
         w = ctx.workload
         if not self.cfg.intra_stage:
+            return layouts.training_stages()
+        if not ctx.algorithm.has_critic:
+            notes["fused/off"] = (f"algo={ctx.algorithm.name} has no critic: the fused actor-critic pipeline "
+                                  f"(intra-stage fusion) needs both; the actor trains in its own 1F1B")
             return layouts.training_stages()
         from systems.rlhfuse.intra import greedy_schedule, search_fused_schedule, serial_schedule
 

@@ -235,4 +235,4 @@ def test_help_is_the_harness_own_page(run_harness, tmp_path):
     for group in ("model", "cluster", "workload", "backend", "logger", "experiment", "engine"):
         assert any(line.startswith(f"  {group} ") for line in lines), group
     assert "schema" not in proc.stdout
-    assert sum(line.startswith("  python -m harness") for line in lines) == 3
+    assert sum(line.startswith("  python -m harness") for line in lines) == 4

@@ -75,7 +75,7 @@ class RayOptions:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
-    kl_coef: float = 0.05
+    # the KL coefficient is the algorithm's (algo.kl_coef, harness/core/algorithm.py)
     gamma: float = 1.0
     lam: float = 0.95
     clip_eps: float = 0.2

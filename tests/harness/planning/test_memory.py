@@ -63,7 +63,8 @@ def test_report_equals_a_per_device_count_over_searched_and_scattered_meshes():
     per-device numbers, in the same device order, and refuses at the same device."""
     import random
 
-    from baselines.realhf import CALLS, RealHF
+    from baselines.realhf import RealHF
+    from harness.planning.workflow import workflow_tasks
     from harness.core.plan import Allocation, ParallelStrategy
     from harness.run.pipeline import build_context
     from harness.testing import run_config
@@ -76,7 +77,7 @@ def test_report_equals_a_per_device_count_over_searched_and_scattered_meshes():
     choice = system.heuristic_choice(ctx)
     seen = {"fits": 0, "does not fit": 0}
     for step in range(160):
-        call = rng.choice(CALLS)
+        call = rng.choice(workflow_tasks())  # PPO's calls
         mesh = rng.choice(meshes)
         if step % 4 == 0:  # a scattered mesh: same size, devices shuffled across the cluster
             mesh = tuple(rng.sample(range(ctx.num_devices), len(mesh)))

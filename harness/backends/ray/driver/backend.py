@@ -73,8 +73,18 @@ class RayBackend(Backend):
         return unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
 
     def check_before_planning(self) -> None:
-        """Refuse more CPU workers than the embedded local Ray starts on this machine
-        (:func:`~.cluster.embedded_worker_cap`), before planning."""
+        """Refuse an algorithm the workers do not train (PPO only), and more CPU workers than the
+        embedded local Ray starts on this machine (:func:`~.cluster.embedded_worker_cap`), before
+        planning."""
+        algorithm = self.ctx.algorithm
+        missing = [what for what, has in (("a critic", algorithm.has_critic),
+                                          ("a reference model (algo.kl_coef > 0)", algorithm.has_reference),
+                                          ("a reward model", algorithm.has_reward_model),
+                                          ("one response per prompt", algorithm.group_size == 1)) if not has]
+        if missing:
+            raise ConfigError(f"backend=ray trains PPO with a critic, a reference model, a reward model and one "
+                              f"response per prompt; algo={algorithm.name} lacks {', '.join(missing)}: "
+                              f"run it on backend=sim")
         if self.address is None and self.cluster.device() == "cpu":
             problem = embedded_workers_problem(self.ctx.num_devices)
             if problem:

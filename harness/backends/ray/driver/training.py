@@ -33,7 +33,7 @@ def training_data(it, task: Task) -> dict[str, np.ndarray]:
     inputs = TaskInputs(task.name, task.reads, ex.sample_data(it.rollout, it.outputs))
     key = frozenset(inputs)
     if key not in it.experience:
-        it.experience[key], stats = ex.training_data(inputs, it.opts.kl_coef, it.opts.gamma,
+        it.experience[key], stats = ex.training_data(inputs, it.ctx.algorithm.kl_coef, it.opts.gamma,
                                                        it.opts.lam, it.opts.whiten_advantages)
         for name, value in stats.items():
             it.trace.counters[f"rl/{name}"] = value
