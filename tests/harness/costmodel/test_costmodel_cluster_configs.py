@@ -28,7 +28,7 @@ def test_yaml_sets_every_schema_field(name):
                 assert 0 < value <= 1, (section, key)
             elif key != "name":
                 assert value > 0, (section, key)
-    assert CostModel(cfg, workload()).num_devices == cfg.num_nodes * 8
+    assert CostModel(cfg, workload()).num_devices == cfg.num_nodes * cfg.gpus_per_node
 
 
 def test_testbed_matches_the_paper_and_datasheet():

@@ -29,7 +29,7 @@ import test_costmodel_cluster_configs as cluster_tests
 NEW_LLAMA = ("opt_350m", "opt_1_3b", "opt_6_7b", "opt_13b", "opt_30b", "opt_66b", "opt_175b",
              "llama2_7b", "llama2_13b", "llama2_70b", "codellama_34b",
              "llama3_8b", "llama3_70b", "llama3_405b", "gpt_7b", "gpt_13b", "gpt_30b")
-NEW_CLUSTERS = ("a100_40g_8x", "h800_8x")
+NEW_CLUSTERS = ("a100_40g_8x", "h800_8x", "h20_8x", "b200_8x", "gb200_nvl72")
 MODEL_SETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 
 # (config, published parameters, relative tolerance).
@@ -249,7 +249,7 @@ def test_calibrated_layer_follows_the_architecture(gpu):
 # Nodes of 8 H100s a DeepSpeed-Chat plan needs to fit (all four models resident, ZeRO-3).
 NODES = {"opt_30b_350m": 2, "opt_66b_350m": 4, "opt_175b_350m": 16, "codellama_34b": 4,
          "llama3_70b": 8, "13b_33b": 2, "33b_13b": 2, "33b": 4, "33b_65b": 4, "65b_33b": 4,
-         "65b": 8, "70b": 8}
+         "65b": 8, "70b": 8, "qwen2_5_14b": 2, "qwen2_5_32b": 4, "qwen2_5_72b": 8, "llama3_1_70b": 8}
 
 
 @pytest.mark.parametrize("model_set", MODEL_SETS)
@@ -287,6 +287,29 @@ def test_new_model_sets_compose_with_value_heads(model_set):
 def test_one_role_override_with_a_new_config():
     run = run_config(["+system=deepspeed_chat", "model=llama3_8b", "llama@model.critic=opt_350m"])
     assert run.model.critic.name == "opt_350m" and run.model.critic.mlp == "gelu"
+
+
+# -- the models and GPUs of today's RL frameworks' published runs ------------------------------------
+# (config, the released checkpoint's parameter count (its model card), relative tolerance): the
+# LLaMA-style count leaves out Qwen2's q/k/v biases and Qwen3's q/k norms (< 0.1%).
+CURRENT = [("qwen2_5_7b", 7.61e9), ("qwen2_5_math_7b", 7.61e9), ("qwen2_5_14b", 14.7e9), ("qwen2_5_32b", 32.5e9),
+           ("qwen2_5_72b", 72.7e9), ("qwen3_8b", 8.19e9), ("llama3_1_8b", 8.03e9), ("llama3_1_70b", 70.6e9)]
+
+
+@pytest.mark.parametrize(("name", "published"), CURRENT)
+def test_current_models_cite_their_config_and_match_their_size(name, published):
+    header = (CONF_DIR / "llama" / f"{name}.yaml").read_text().split("defaults:")[0]
+    assert "huggingface.co/" in header and "config.json" in header
+    cfg = llama(name)
+    assert cfg.name == name and cfg.num_heads % cfg.num_kv_heads == 0
+    assert (cfg.mlp, cfg.tied_embeddings, cfg.learned_positions) == ("swiglu", False, False)
+    assert L.num_params(cfg) == pytest.approx(published, rel=0.01)
+
+
+def test_llama3_1_is_llama3_with_the_long_context():
+    for size in ("8b", "70b"):
+        a, b = llama(f"llama3_1_{size}"), llama(f"llama3_{size}")
+        assert dataclasses.replace(a, name=b.name, max_seq_len=b.max_seq_len) == b and a.max_seq_len == 131072
 
 
 # -- clusters -------------------------------------------------------------------------------------
@@ -344,3 +367,23 @@ def test_ray_refuses_non_llama_architectures_naming_the_field():
         check_architecture(one_field)
     for name in ("7b", "llama3_8b", "codellama_34b", "tiny"):
         check_architecture(llama(name))  # LLaMA architectures pass
+
+
+def test_current_gpus_datasheet_numbers_and_roofline():
+    """H20, B200 and GB200 have no GPU profiles here: they are timed by the roofline, from their
+    datasheet numbers (the YAML files cite them)."""
+    expected = {"h20_8x": (148.0, 96.0, 4000.0, 450.0, 8), "b200_8x": (2250.0, 180.0, 7700.0, 900.0, 8),
+                "gb200_nvl72": (2500.0, 186.0, 8000.0, 900.0, 72)}
+    for name, (tflops, hbm, bw, nvlink, domain) in expected.items():
+        c = load_cluster(name)
+        assert (c.gpu.peak_bf16_tflops, c.gpu.hbm_gb, c.gpu.hbm_bandwidth_gbps, c.intra_node.bandwidth_gbps,
+                c.gpus_per_node) == (tflops, hbm, bw, nvlink, domain)
+        assert c.cost_model == "roofline" and c.calibration is None
+
+
+@pytest.mark.parametrize("cluster", ["h20_8x", "b200_8x", "gb200_nvl72"])
+def test_grpo_on_a_current_model_plans_and_simulates_on_current_gpus(cluster):
+    plan, results = simulate_iterations(["+system=rlhfuse_base", "algo=grpo", "model=qwen2_5_7b", "logger=none",
+                                         f"cluster={cluster}", "cluster.num_nodes=1",
+                                         "workload.global_batch_size=64", "workload.mini_batch_size=16"])
+    assert results[0][1]["perf/samples_per_s"] > 0 and plan.global_batch_size == 64 * 8
