@@ -125,18 +125,23 @@ def refused_in_process(tmp_path, monkeypatch):
 # harness's embedded runs start their own instance beside a running cluster, which it checks), and
 # they are stopped by killing their own processes, never with ``ray stop``.
 EXCLUSIVE_MODULES = ("tests/test_readme_cluster.py",)
+# Modules that never start Ray (planning in-process only) hold no lock, so one runs beside the
+# exclusive module instead of a worker waiting for it; tests/test_suite.py checks that their source
+# names neither Ray nor a subprocess.
+LOCK_FREE_MODULES = ("tests/test_systems_plan.py",)
 MACHINE_LOCK = Path(tempfile.gettempdir()) / "rlhf-harness-tests-machine.lock"
 
 # The order files are handed to the workers (the command line's ``--no-loadscope-reorder`` keeps
 # this order; by default pytest-xdist orders files by their number of tests, which put the Ray files
 # of a few tests and minutes each last, one of them running alone after the other worker had
-# finished). First the exclusive module, beside a file of one quick test on the other worker (the
-# two start at once: whichever takes the lock first, the other waits seconds, not for a long
-# module); then the files that take a minute or more on the 2-core CI machine (``--durations``),
-# longest first; then the rest in collection order. tests/test_suite.py checks that every file
-# named here exists.
+# finished). First the exclusive module, beside a lock-free module on the other worker (minutes of
+# planning that run while the exclusive module holds the machine, instead of a worker waiting);
+# then the files that take a minute or more on the 2-core CI machine (``--durations``), longest
+# first; then the rest in collection order. tests/test_suite.py checks that every file named here
+# exists.
 RUN_FIRST = (
     *EXCLUSIVE_MODULES,
+    *LOCK_FREE_MODULES,
     "tests/test_suite.py",
     "tests/harness/backends/ray/test_ray_backend.py",
     "tests/test_readme.py",
@@ -150,7 +155,6 @@ RUN_FIRST = (
     "tests/harness/backends/ray/test_ray_pin_hints.py",
     "tests/harness/test_entrypoint.py",
     "tests/systems/rlhfuse/intra/test_intra_search.py",
-    "tests/test_systems_plan.py",
 )
 
 
@@ -184,8 +188,10 @@ class MachineLock:
 
 @pytest.fixture(scope="module", autouse=True)
 def machine_lock(request):
-    """This module's hold on MACHINE_LOCK (see above), for the whole module."""
+    """This module's hold on MACHINE_LOCK (see above), for the whole module; none for LOCK_FREE_MODULES."""
     lock = MachineLock()
-    lock.acquire(exclusive=module_path(request.node, request.config) in EXCLUSIVE_MODULES)
+    path = module_path(request.node, request.config)
+    if path not in LOCK_FREE_MODULES:
+        lock.acquire(exclusive=path in EXCLUSIVE_MODULES)
     yield lock
     lock.release()

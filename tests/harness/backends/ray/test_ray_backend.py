@@ -85,14 +85,16 @@ RUNS.update({
                                  "system.mini_batch_size=4", "system.generation_batch_size=16",
                                  "workload.micro_batch_size=1"],
 })
-# Every other system backend=ray runs, on the same long-tailed workload: with the
-# three above, the runs the sim-vs-real parity test compares with the simulator.
+# Every other system backend=ray runs, on the same long-tailed workload (2 iterations: the first
+# without migration, the second with): with the three above, the runs the sim-vs-real parity test
+# compares with the simulator.
 PARITY_RUNS = {"rlhfuse": "rlhfuse_both", "rlhfuse_base": "rlhfuse_base_long_tail",
                "deepspeed_chat": "deepspeed_chat_long_tail"}
 for _system, _extra in {"interleaved": [], "realhf": [], "realhf_heuristic": [], "disaggregated": [],
                         "colocated": ["system.layout=dp2tp2pp1"], "openrlhf": ["cluster.gpus_per_node=8"]}.items():
     _keys = {e.split("=")[0] for e in _extra}
-    RUNS[f"{_system}_long_tail"] = [f"+system={_system}", *(a for a in LONG_TAIL if a.split("=")[0] not in _keys), *_extra]
+    RUNS[f"{_system}_long_tail"] = [f"+system={_system}", *(a for a in LONG_TAIL if a.split("=")[0] not in _keys), *_extra,
+                                     "backend.num_iterations=2"]
     PARITY_RUNS[_system] = f"{_system}_long_tail"
 ABORT = re.compile(r"terminate called|Aborted|core dumped|SIGABRT|destroy_process_group\(\) was not called", re.I)
 
