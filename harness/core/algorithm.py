@@ -101,13 +101,6 @@ class AlgorithmConfig:
         return tuple(r for r, present in (("actor", True), ("critic", self.has_critic),
                                           ("ref", self.has_reference), ("reward", self.has_reward_model)) if present)
 
-    def rule_reward_s(self, num_samples: int) -> float:
-        """Seconds the rule-based verifier takes for ``num_samples`` responses (0 with a reward model)."""
-        if self.has_reward_model:
-            return 0.0
-        per_worker = -(-num_samples // self.num_reward_workers)  # ceil
-        return per_worker * self.rule_reward_s_per_sample
-
 
 PPO = AlgorithmConfig()
 
