@@ -185,7 +185,9 @@ class DeepSpeedChat(System):
             offloaded=("ref",) if cfg.offload_reference_model and ctx.algorithm.has_reference else (),
             notes={"hybrid_engine_tp": gen_tp, "generation_rounds": gbs // generation_batch_size,
                    "zero_stage": cfg.zero_stage, "actor_zero_stage": stages["actor"],
-                   "critic_zero_stage": stages["critic"]})
+                   # the critic's stage, which the reward model follows: absent when neither runs
+                   **({"critic_zero_stage": stages["critic"]}
+                      if {"critic", "reward"} & set(ctx.roles) else {})})
 
 
 register_system_config("deepspeed_chat", DeepSpeedChatConfig)

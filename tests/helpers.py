@@ -1,12 +1,16 @@
 """Helpers shared by test modules (fixtures live in tests/conftest.py)."""
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def flat_weights(state: Mapping[str, "torch.Tensor"] | Path | str) -> "torch.Tensor":
@@ -18,3 +22,21 @@ def flat_weights(state: Mapping[str, "torch.Tensor"] | Path | str) -> "torch.Ten
     if isinstance(state, (str, Path)):
         state = torch.load(state)
     return torch.cat([state[name].reshape(-1).double() for name in sorted(state)])
+
+
+def algo(name: str, *overrides: str):
+    """The :class:`~harness.core.algorithm.AlgorithmConfig` of ``algo=<name>`` (conf/algo/) with
+    ``overrides`` (``algo.group_size=2``), as a run composes it."""
+    from harness.testing import run_config
+
+    return run_config(["+system=rlhfuse_base", f"algo={name}", *overrides]).algo
+
+
+def readme_command(system: str) -> list[str]:
+    """The README's CPU command for ``system`` (``model=tiny workload=tiny backend=ray`` on 4 devices),
+    as ``python -m harness`` arguments."""
+    pattern = re.compile(rf"^python -m harness \+system={system} model=tiny workload=tiny backend=ray "
+                         rf"cluster=h100_8x cluster\.num_nodes=1 cluster\.gpus_per_node=4( [^#\n]*)?$", re.M)
+    found = [m.group(0).strip() for m in pattern.finditer(README.read_text())]
+    assert len(found) == 1, (system, found)
+    return shlex.split(found[0])[3:]

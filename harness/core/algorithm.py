@@ -31,18 +31,28 @@ rule``: a program that checks each response, e.g. a math answer against the refe
 on the driver's CPUs after generation, ``rule_reward_s_per_sample`` seconds per sample over
 ``num_reward_workers`` processes, as verl's trainer calls its reward function on the generated
 batch. No model, no GPU.
+
+Three fields act on the loss only, so they apply on ``backend=ray`` (the simulator computes no
+loss): where the KL term goes (``kl_penalty``: the reward, or GRPO's loss term), DAPO's
+clip-higher (``clip_eps_high``) and its overlong filtering (``overlong_filter``); the advantage
+estimators and the KL loss are :mod:`harness.real.advantages`. DAPO's dynamic sampling (drawing
+extra prompts and dropping groups whose responses all score alike) is not implemented: every group
+trains.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
-from harness.core.option_effects import effective_when
+from harness.core.option_effects import ON_REAL_BACKEND, effective_when
 from harness.errors import ConfigError
 
 # advantage estimator -> the algorithm it comes from (a critic is needed for GAE only)
 ADVANTAGE_ESTIMATORS = ("gae", "group_norm", "leave_one_out", "batch_norm")
 REWARD_KINDS = ("model", "rule")
+KL_PENALTIES = ("reward", "loss")
+LOSS_ONLY = effective_when(ON_REAL_BACKEND, why="the simulator computes no loss")
 RULE_ONLY = effective_when(("algo.reward", "==", "rule"), why="a reward model's cost is its inference task's")
 
 
@@ -57,6 +67,15 @@ class AlgorithmConfig:
     # Weight of the KL divergence to the reference model; 0 drops the reference model and its
     # inference (DAPO).
     kl_coef: float = 0.05
+    # Where the KL term goes: reward (subtracted from the reward per token: PPO, RLOO, REINFORCE++)
+    # or loss (a k3 estimate added to the policy loss: GRPO, DeepSeekMath eq. 3-4)
+    kl_penalty: str = field(default="reward", metadata=LOSS_ONLY)
+    # Upper clip bound of the policy ratio, 1 + clip_eps_high, when set (DAPO's clip-higher, 0.28 in
+    # arXiv 2503.14476 section 3.1); None: symmetric, backend.options.clip_eps
+    clip_eps_high: Optional[float] = field(default=None, metadata=LOSS_ONLY)
+    # Leave responses cut at workload.max_gen_len out of the loss (DAPO's overlong filtering,
+    # section 3.4): a truncated response's reward says nothing about its answer
+    overlong_filter: bool = field(default=False, metadata=LOSS_ONLY)
     group_size: int = 1  # responses per prompt
     reward: str = "model"  # model (an inference task) | rule (a verifier on the driver's CPUs)
     # reward: rule only. CPU seconds to verify one response: an assumed cost, not a measurement (a
@@ -69,6 +88,10 @@ class AlgorithmConfig:
             raise ConfigError(f"algo.advantage={self.advantage!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.reward not in REWARD_KINDS:
             raise ConfigError(f"algo.reward={self.reward!r}: expected one of {', '.join(REWARD_KINDS)}")
+        if self.kl_penalty not in KL_PENALTIES:
+            raise ConfigError(f"algo.kl_penalty={self.kl_penalty!r}: expected one of {', '.join(KL_PENALTIES)}")
+        if self.clip_eps_high is not None and not (self.clip_eps_high > 0):
+            raise ConfigError(f"algo.clip_eps_high={self.clip_eps_high}: must be > 0 (or null: symmetric clipping)")
         if not (self.kl_coef >= 0):
             raise ConfigError(f"algo.kl_coef={self.kl_coef}: must be >= 0 (0 drops the reference model)")
         if self.group_size < 1:

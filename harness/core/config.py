@@ -19,11 +19,7 @@ from omegaconf import MISSING
 
 from harness.core.algorithm import AlgorithmConfig
 from harness.core.engines import ENGINE_TYPES, SCHEMA_NAMES, EngineSelection, schema_node
-from harness.core.option_effects import Condition, effective_when, existing_path
-
-# The backends that load a model's weights (backend._target_): the simulator plans and times from
-# the dimensions alone.
-WEIGHT_LOADING_BACKENDS = ("harness.backends.ray.driver.backend.RayBackend",)
+from harness.core.option_effects import ON_REAL_BACKEND, Condition, effective_when, existing_path
 
 
 @dataclass
@@ -55,9 +51,7 @@ class LlamaConfig:
     # The dimensions above must be the checkpoint's; see harness/real/checkpoints.py. A path must
     # exist on any backend; set on the command line with backend=sim it is refused (no effect).
     checkpoint: Optional[str] = field(default=None, metadata={
-        **effective_when(Condition("backend._target_", "in", WEIGHT_LOADING_BACKENDS, says="backend=ray",
-                                   shown="backend.name"),
-                         why="the simulator never loads weights"),
+        **effective_when(ON_REAL_BACKEND, why="the simulator never loads weights"),
         **existing_path("pkg:")})
 
     def __post_init__(self) -> None:

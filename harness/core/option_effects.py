@@ -104,6 +104,12 @@ class Condition:
         return f"{label}={show(lookup(cfg, key))}"
 
 
+# The backends that execute a plan for real: they load weights and compute losses (the simulator
+# does neither), so options of weights and losses apply on them only.
+REAL_BACKENDS = ("harness.backends.ray.driver.backend.RayBackend",)
+ON_REAL_BACKEND = Condition("backend._target_", "in", REAL_BACKENDS, says="backend=ray", shown="backend.name")
+
+
 ConditionLike = Union[Condition, tuple]
 # check(value, cfg) -> why the option does not apply with this value, or None
 Check = Callable[[Any, DictConfig], Optional[str]]

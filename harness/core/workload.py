@@ -83,10 +83,12 @@ def validate_length_dist(key: str, dist: LengthDistConfig) -> None:
                           f"workload.{key}.median={(dist.min + dist.max) / 2:g} (their midpoint), not {dist.median:g}")
 
 
-def validate_workload(w: WorkloadConfig) -> None:
+def validate_workload(w: WorkloadConfig, group_size: int = 1) -> None:
     """Refuse batch sizes that cannot work before any work starts: every size must be >= 1, and
     micro-batch <= mini-batch <= global batch, each dividing the next; and length distributions
-    that cannot be drawn from."""
+    that cannot be drawn from. With ``group_size`` responses per prompt the global and mini-batch
+    sizes count prompts and the micro-batch samples (:func:`harness.core.algorithm.sample_workload`),
+    so a mini-batch holds ``mini_batch_size * group_size`` samples."""
     if w.path is None:
         validate_length_dist("prompt_len", w.prompt_len)
         validate_length_dist("output_len", w.output_len)
@@ -96,17 +98,18 @@ def validate_workload(w: WorkloadConfig) -> None:
     if w.mini_batch_size > w.global_batch_size:
         raise ConfigError(f"workload.mini_batch_size={w.mini_batch_size} is larger than "
                           f"workload.global_batch_size={w.global_batch_size}")
-    if w.micro_batch_size > w.mini_batch_size:
-        raise ConfigError(f"workload.micro_batch_size={w.micro_batch_size} is larger than "
-                          f"workload.mini_batch_size={w.mini_batch_size}")
+    mini = f"workload.mini_batch_size={w.mini_batch_size}"
+    if group_size > 1:
+        mini = f"a mini-batch's {w.mini_batch_size * group_size} samples ({mini} prompts x algo.group_size={group_size})"
+    if w.micro_batch_size > w.mini_batch_size * group_size:
+        raise ConfigError(f"workload.micro_batch_size={w.micro_batch_size} is larger than {mini}")
     if w.global_batch_size % w.mini_batch_size:
         raise ConfigError(
             f"workload.global_batch_size={w.global_batch_size} is not a multiple of "
             f"workload.mini_batch_size={w.mini_batch_size}")
-    if w.mini_batch_size % w.micro_batch_size:
-        raise ConfigError(
-            f"workload.mini_batch_size={w.mini_batch_size} is not a multiple of "
-            f"workload.micro_batch_size={w.micro_batch_size}")
+    if (w.mini_batch_size * group_size) % w.micro_batch_size:
+        raise ConfigError(f"{mini[0].upper() + mini[1:] if group_size > 1 else mini} is not a multiple of "
+                          f"workload.micro_batch_size={w.micro_batch_size}")
     if w.activation_recompute not in ("none", "selective", "full"):
         raise ConfigError(f"workload.activation_recompute={w.activation_recompute!r}; use none, selective or full")
     if w.max_gen_len < 1 or w.output_len.min > w.max_gen_len:

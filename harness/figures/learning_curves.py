@@ -58,6 +58,7 @@ def write_untrained(root: Path, num_seeds: int, num_iterations: int) -> Path:
     from omegaconf import OmegaConf
 
     from harness.backends.ray.driver.experience import policy_reward
+    from harness.core.algorithm import AlgorithmConfig
 
     configs = sorted(root.glob(f"*/*/seed*/{results.CONFIG_FILE}"))
     if not configs:
@@ -65,11 +66,13 @@ def write_untrained(root: Path, num_seeds: int, num_iterations: int) -> Path:
     cfg = OmegaConf.load(configs[0])
     opts = cfg.backend.options
     spec = OmegaConf.to_container(opts.reward)
+    algorithm = AlgorithmConfig(**OmegaConf.to_container(cfg.algo))  # its groups decide the batches
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model generates fastest on one thread
     try:
         rows = [{"seed": s, "iteration": it,
-                 "reward": policy_reward(cfg.model.actor, cfg.workload, s, it, spec, temperature=opts.temperature)}
+                 "reward": policy_reward(cfg.model.actor, cfg.workload, s, it, spec, temperature=opts.temperature,
+                                         algorithm=algorithm)}
                 for s in range(num_seeds) for it in range(num_iterations)]
     finally:
         torch.set_num_threads(threads)

@@ -54,6 +54,13 @@ def sample_data_behind(name: str) -> set[str]:
     return set().union(*(sample_data_behind(source) for source in DERIVED_FROM[name]))
 
 
+def loss_inputs(model: str, algorithm: AlgorithmConfig = PPO) -> tuple[str, ...]:
+    """What the training loss of ``model`` reads per sample: :data:`LOSS_INPUTS`, and for the actor
+    the reference log-probs when the KL term is a loss term (GRPO's ``algo.kl_penalty=loss``)."""
+    extra = ("ref_logprobs",) if model == "actor" and algorithm.has_reference and algorithm.kl_penalty == "loss" else ()
+    return LOSS_INPUTS[model] + extra
+
+
 def training_reads(model: str, algorithm: AlgorithmConfig = PPO) -> tuple[str, ...]:
     """The data keys the training task of ``model`` (``actor`` or ``critic``) reads, in workflow
     order. The derivations above are PPO's; a critic-free estimator (GRPO's group normalisation,

@@ -101,7 +101,7 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - mean) * torch.rsqrt(var + eps) * mask.to(x.dtype)
 
 
-def pg_clipped(ratio: Tensor, advantages: Tensor, clip_eps: float) -> Tensor:
+def pg_clipped(ratio: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float | None = None) -> Tensor:
     """Where PPO's clipped surrogate takes the clipped term (bool, same shape as ``ratio``).
 
     The loss per token is ``max(-A r, -A clip(r, 1-eps, 1+eps))`` (the negated ``min`` of
@@ -110,10 +110,15 @@ def pg_clipped(ratio: Tensor, advantages: Tensor, clip_eps: float) -> Tensor:
     ``r < 1 - eps``. A ratio outside the range on the other side (``A > 0`` and ``r < 1 - eps``,
     ``A < 0`` and ``r > 1 + eps``) is *not* clipped: the unclipped term is the smaller objective
     and its gradient flows. Tokens with ``A = 0`` are never clipped. This is the ``pg_clipfrac``
-    of verl (``torch.gt(pg_losses2, pg_losses)``) and OpenRLHF."""
+    of verl (``torch.gt(pg_losses2, pg_losses)``) and OpenRLHF. ``clip_eps_high`` (DAPO's
+    clip-higher, arXiv 2503.14476 section 3.1) replaces ``eps`` in the upper bound when given."""
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -advantages * _clip_ratio(ratio, clip_eps, clip_eps_high)
     return clipped > unclipped
+
+
+def _clip_ratio(ratio: Tensor, clip_eps: float, clip_eps_high: float | None) -> Tensor:
+    return ratio.clamp(1.0 - clip_eps, 1.0 + (clip_eps if clip_eps_high is None else clip_eps_high))
 
 
 def vf_clipped(values: Tensor, old_values: Tensor, returns: Tensor, clip_eps: float) -> Tensor:
@@ -126,8 +131,10 @@ def vf_clipped(values: Tensor, old_values: Tensor, returns: Tensor, clip_eps: fl
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                clip_eps: float = 0.2, num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate: mean over tokens of ``max(-A r, -A clip(r, 1-eps, 1+eps))``, r = exp(logp - old).
+                clip_eps: float = 0.2, num_tokens: float | Tensor | None = None,
+                clip_eps_high: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate: mean over tokens of ``max(-A r, -A clip(r, 1-eps, 1+eps))``, r = exp(logp - old)
+    (the upper bound ``1 + clip_eps_high`` when given: DAPO's decoupled clip range).
 
     Stats: ``actor/pg_clipfrac``, the fraction of valid tokens whose clipped term was taken
     (:func:`pg_clipped`), and ``actor/ppo_kl``, the mean of ``old - logp``; both divide by
@@ -135,12 +142,12 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     to the mini-batch's."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -advantages * _clip_ratio(ratio, clip_eps, clip_eps_high)
     loss = masked_mean(torch.maximum(unclipped, clipped), mask, num_tokens)
     with torch.no_grad():
+        clipped_at = pg_clipped(ratio, advantages, clip_eps, clip_eps_high).to(ratio.dtype)
         stats = {"actor/pg_loss": float(loss.detach()),
-                 "actor/pg_clipfrac": float(masked_mean(pg_clipped(ratio, advantages, clip_eps).to(ratio.dtype),
-                                                        mask, num_tokens)),
+                 "actor/pg_clipfrac": float(masked_mean(clipped_at, mask, num_tokens)),
                  "actor/ppo_kl": float(masked_mean(old_logprobs - logprobs, mask, num_tokens))}
     return loss, stats
 

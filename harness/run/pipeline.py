@@ -74,7 +74,7 @@ def compose(overrides: Sequence[str]) -> DictConfig:
 
 def build_context(run: RunConfig) -> PlanContext:
     """The planning context of ``run``, after every consistency check (:mod:`harness.checks.consistency`)."""
-    validate_workload(run.workload)
+    validate_workload(run.workload, run.algo.group_size)
     check_run(run)
     max_context = min(getattr(run.model, role).max_seq_len for role in ("actor", "critic", "ref", "reward"))
     # a JSON-lines file: read and checked now

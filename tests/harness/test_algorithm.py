@@ -19,7 +19,8 @@ from harness.core.workload import make_batch, sample_lengths
 from harness.errors import ConfigError, HarnessError
 from harness.planning.simulate import verified_s
 from harness.planning.workflow import workflow_tasks
-from harness.testing import context, plan_for, run_config, simulate_iterations
+from harness.testing import context, plan_for, simulate_iterations
+from tests.helpers import algo
 
 PPO_TASK_SET = {"gen", "ref", "reward", "values", "update_actor", "update_critic"}
 # the tasks each algorithm of conf/algo/ runs, from its definition (module docstring)
@@ -36,10 +37,6 @@ FAST = {"realhf": ["system.max_steps=5"], "rlhfuse": ["system.fused_search.max_s
 
 
 BASE = ["+system=rlhfuse_base"]
-
-
-def algo(name: str, *overrides: str) -> AlgorithmConfig:
-    return run_config([*BASE, f"algo={name}", *overrides]).algo
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_TASKS))
@@ -151,10 +148,35 @@ def test_rlhfuse_without_a_critic_turns_its_fused_pipeline_off_and_keeps_inter_s
     assert "runs no inference task" in dapo.notes["inter/off"]
 
 
-def test_backend_ray_refuses_a_critic_free_algorithm_before_planning(refused_in_process):
+def test_backend_ray_refuses_a_rule_reward_without_a_task_to_verify_with(refused_in_process):
+    """A rule-based verifier on backend=ray scores with backend.options.reward's task; the default
+    (kind=model) names a reward model the algorithm does not run."""
     line = refused_in_process("+system=rlhfuse_base", "model=tiny", "workload=tiny", "backend=ray", "algo=grpo",
                               "cluster=h100_8x", "cluster.gpus_per_node=2")
-    assert "backend=ray trains PPO" in line and "algo=grpo lacks a critic" in line
+    assert "algo=grpo scores responses with a rule-based verifier" in line
+    assert "backend.options.reward.kind=token_range" in line
+
+
+def test_critic_options_are_refused_under_a_critic_free_algorithm(refused_in_process):
+    line = refused_in_process("+system=rlhfuse_base", "model=tiny", "workload=tiny", "backend=ray", "algo=grpo",
+                              "backend.options.reward.kind=token_range", "backend.options.critic_lr=0.001",
+                              "cluster=h100_8x", "cluster.gpus_per_node=2")
+    assert line.startswith("error: backend.options.critic_lr=0.001 has no effect with algo.advantage=group_norm")
+
+
+def test_loss_options_are_refused_in_the_simulator(refused_in_process):
+    line = refused_in_process("+system=rlhfuse_base", "model=13b", "algo=dapo", "algo.clip_eps_high=0.3")
+    assert "algo.clip_eps_high=0.3 has no effect with backend=sim" in line
+
+
+def test_micro_batches_count_samples_and_mini_batches_prompts(refused_in_process):
+    """A mini-batch of 1 prompt holds group_size samples: micro-batches of 4 fit in groups of 4 and
+    not in groups of 2 (the micro-batch must divide the mini-batch's samples)."""
+    ok = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "workload.global_batch_size=2",
+          "workload.mini_batch_size=1", "workload.micro_batch_size=4"]
+    assert context([*ok, "algo=grpo", "algo.group_size=4"]).workload.mini_batch_size == 4
+    line = refused_in_process(*ok, "algo=grpo", "algo.group_size=2")
+    assert "workload.micro_batch_size=4 is larger than a mini-batch's 2 samples" in line
 
 
 def test_rule_options_without_a_rule_reward_are_refused(refused_in_process):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from harness.core.config import BackendConfig
+from harness.core.option_effects import effective_when
 from harness.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -17,6 +18,8 @@ ZERO3_IMPLS = ("auto", "deepspeed", "native")
 P2P_MATCHINGS = ("in_order", "tags")
 STREAM_ROUNDS = ("to_next_finish", "one_step")
 REWARD_KINDS = ("model", "token_range")
+# options of the critic and of GAE: no effect under a critic-free estimator (harness/core/algorithm.py)
+GAE_ONLY = effective_when(("algo.advantage", "==", "gae"), why="a critic-free algorithm has no critic and no GAE")
 
 
 @dataclass
@@ -71,17 +74,17 @@ class RayOptions:
     # PPO hyper-parameters: of the order of DeepSpeed-Chat's step-3 defaults; what matters here is
     # that every system uses the same ones
     actor_lr: float = 1e-5
-    critic_lr: float = 5e-5
+    critic_lr: float = field(default=5e-5, metadata=GAE_ONLY)
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
     # the KL coefficient is the algorithm's (algo.kl_coef, harness/core/algorithm.py)
-    gamma: float = 1.0
-    lam: float = 0.95
+    gamma: float = field(default=1.0, metadata=GAE_ONLY)
+    lam: float = field(default=0.95, metadata=GAE_ONLY)
     clip_eps: float = 0.2
-    value_clip_eps: float = 0.2
+    value_clip_eps: float = field(default=0.2, metadata=GAE_ONLY)
     temperature: float = 1.0
-    whiten_advantages: bool = True
+    whiten_advantages: bool = field(default=True, metadata=GAE_ONLY)
     # auto (DeepSpeed when importable and the ZeRO-3 layout spans every device, in fp32 or DeepSpeed's own
     # bf16 mode; else native) | deepspeed (refused before Ray starts where it cannot run) | native
     zero3_impl: str = "auto"

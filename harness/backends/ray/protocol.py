@@ -95,8 +95,9 @@ class Infer(Request):
 @dataclass(frozen=True)
 class LossInputs:
     """One training loss's per-sample inputs over the whole batch, under the workflow's names
-    (:data:`harness.planning.dataflow.LOSS_INPUTS`): the actor's loss reads ``old_logprobs`` and
-    ``advantages``, the critic's ``old_values`` and ``returns``; the others stay None."""
+    (:func:`harness.planning.dataflow.loss_inputs`): the actor's loss reads ``old_logprobs`` and
+    ``advantages`` (and ``ref_logprobs`` with the KL as a loss term), the critic's ``old_values`` and
+    ``returns``; the others stay None."""
     tokens: np.ndarray
     attn: np.ndarray
     action_mask: np.ndarray
@@ -104,6 +105,7 @@ class LossInputs:
     advantages: Optional[np.ndarray] = None
     old_values: Optional[np.ndarray] = None
     returns: Optional[np.ndarray] = None
+    ref_logprobs: Optional[np.ndarray] = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The inputs present, by name (the worker's micro-batches are cut from them)."""
@@ -129,6 +131,8 @@ class Train(Request):
     minibatches: list = field(default_factory=list)
     temperature: float = 1.0
     clip_eps: float = 0.2
+    clip_eps_high: Optional[float] = None  # upper clip bound 1 + clip_eps_high (DAPO); None: symmetric
+    kl_loss_coef: float = 0.0  # weight of the k3 KL term in the actor's loss (GRPO); 0: none
     value_clip_eps: float = 0.2
     method: ClassVar[str] = "train"
 

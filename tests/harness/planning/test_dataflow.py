@@ -1,23 +1,32 @@
-"""The training tasks' declared reads against the PPO math that builds their training data.
+"""The training tasks' declared reads against the math that builds their training data.
 
 The math is the Ray driver's own (``harness.backends.ray.driver.experience``: the data it has under the
-workflow's keys, then KL-penalised rewards, GAE and returns from :mod:`harness.real.ppo`), run
-through :class:`TaskInputs`, which holds only the keys a task declares and raises on any other.
+workflow's keys, then KL-penalised rewards, GAE and returns from :mod:`harness.real.ppo`, or a
+critic-free estimator of :mod:`harness.real.advantages`), run through :class:`TaskInputs`, which
+holds only the keys a task declares and raises on any other.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from harness.backends.ray.driver import experience as ex
 from harness.core.plan import Allocation, ParallelStrategy, Plan
-from harness.planning.dataflow import (LOSS_INPUTS, SAMPLE_DATA, TaskInputs, UndeclaredRead, sample_data_behind,
-                                       training_reads)
+from harness.core.algorithm import AlgorithmConfig
+from harness.planning.dataflow import (LOSS_INPUTS, SAMPLE_DATA, TaskInputs, UndeclaredRead, loss_inputs,
+                                       sample_data_behind, training_reads)
 from harness.planning.scheduler import schedule_durations
 from harness.planning.workflow import PPO_TASKS, ppo_tasks, single_pipe_stage
 from harness.real.ppo import policy_loss, value_loss
+from tests.helpers import algo
 
 TRAINING_TASKS = [name for name, (kind, *_) in PPO_TASKS.items() if kind == "train"]
-KL_COEF, GAMMA, LAM = 0.1, 1.0, 0.95
+KL_COEF, GAMMA, LAM, MAX_GEN_LEN = 0.1, 1.0, 0.95, 6
+PPO_KL = AlgorithmConfig(kl_coef=KL_COEF)
+# every algorithm's config, in groups of 2 responses (the 6 samples below are 3 prompts)
+ALGORITHMS = {name: dataclasses.replace(algo(name), group_size=1 if name in ("ppo", "reinforce_pp") else 2)
+              for name in ("ppo", "grpo", "dapo", "rloo", "reinforce_pp")}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +50,8 @@ def declared(task: str) -> tuple[str, ...]:
     return PPO_TASKS[task][2]
 
 
-def build_training_data(inputs):
-    return ex.training_data(inputs, KL_COEF, GAMMA, LAM, whiten=True)
+def build_training_data(inputs, algorithm: AlgorithmConfig = PPO_KL):
+    return ex.training_data(inputs, algorithm, GAMMA, LAM, whiten=True, max_gen_len=MAX_GEN_LEN)
 
 
 @pytest.mark.parametrize("task", TRAINING_TASKS)
@@ -131,3 +140,34 @@ def test_update_critic_waits_for_ref_in_the_list_scheduler():
     sched = schedule_durations(plan, 4, lambda unit: durations[unit.label])
     assert sched.end_s["ref"] == 11.0
     assert sched.end_s["update_critic"] - durations["update_critic"] == 11.0
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_algorithm_reads_exactly_its_declared_reads(name, produced):
+    """Each algorithm's actor loss inputs come from exactly the data its training task declares
+    (:func:`training_reads` with the algorithm), and its loss runs on them."""
+    algorithm = ALGORITHMS[name]
+    recording = Recording(produced)
+    data, stats = build_training_data(TaskInputs("update_actor", training_reads("actor", algorithm), recording),
+                                      algorithm)
+    assert recording.read == set(training_reads("actor", algorithm))
+    assert set(loss_inputs("actor", algorithm)) <= set(data)
+    batch = {k: torch.as_tensor(data[k]) for k in loss_inputs("actor", algorithm)}
+    loss, _ = policy_loss(batch["old_logprobs"] + 0.01, batch["old_logprobs"], batch["advantages"],
+                          batch["action_mask"], clip_eps_high=algorithm.clip_eps_high)
+    assert torch.isfinite(loss) and all(np.isfinite(v) for v in stats.values())
+    assert ("ref_logprobs" in loss_inputs("actor", algorithm)) == (name == "grpo")  # GRPO's KL is a loss term
+    assert ("values" in training_reads("actor", algorithm)) == (name == "ppo")
+    assert ("ref_logprobs" in training_reads("actor", algorithm)) == (name != "dapo")  # DAPO has no KL term
+
+
+def test_overlong_filtering_leaves_truncated_responses_out_of_the_loss(produced):
+    """DAPO: a response of max_gen_len tokens gets an all-zero loss mask; the others keep theirs."""
+    data, stats = build_training_data(produced, ALGORITHMS["dapo"])
+    lengths = produced["responses"]["action_mask"].sum(-1)
+    truncated = lengths >= MAX_GEN_LEN
+    assert 0 < truncated.sum() < len(lengths), lengths  # the fixture has both kinds
+    np.testing.assert_array_equal(data["action_mask"].sum(-1), np.where(truncated, 0, lengths))
+    assert stats["overlong_frac"] == pytest.approx(truncated.mean())
+    unfiltered, _ = build_training_data(produced, dataclasses.replace(ALGORITHMS["dapo"], overlong_filter=False))
+    np.testing.assert_array_equal(unfiltered["action_mask"], produced["responses"]["action_mask"])

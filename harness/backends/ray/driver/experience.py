@@ -28,8 +28,11 @@ from torch import Tensor
 from harness.backends.ray.protocol import TaskReward
 from harness.backends.ray.replies import Inferred
 from harness.backends.ray.rewards import task_scores
+from harness.core.algorithm import PPO, AlgorithmConfig, sample_workload
 from harness.core.workload import Batch, make_batch
 from harness.errors import ConfigError
+from harness.real.advantages import (batch_norm_advantages, group_norm_advantages, leave_one_out_advantages,
+                                     sequence_kl)
 from harness.real.engine import SamplingParams, TorchGenerator
 from harness.real.model import LlamaModel, ModelArgs
 from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, masked_whiten
@@ -45,10 +48,11 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int) -> list[list[int]]:
-    """Prompt ``i`` of iteration ``iteration``: the workload file's token ids when the batch carries
-    them (``workload.path``; ``batch.prompt_ids[i]``), else ``prompt_lens[i]`` tokens uniform over
-    the vocabulary, drawn from (seed, iteration, i)."""
+def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int, group_size: int = 1) -> list[list[int]]:
+    """The prompt of sample ``i`` of iteration ``iteration``: the workload file's token ids when the
+    batch carries them (``workload.path``; ``batch.prompt_ids[i]``), else ``prompt_lens[i]`` tokens
+    uniform over the vocabulary, drawn from (seed, iteration, i // group_size): the ``group_size``
+    consecutive samples of a group answer one prompt (:func:`harness.core.workload.make_batch`)."""
     out = []
     for i, n in enumerate(batch.prompt_lens.tolist()):
         ids = None if batch.prompt_ids is None else batch.prompt_ids[i]
@@ -59,7 +63,7 @@ def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int) -> l
                                   f"actor's vocabulary (vocab_size={vocab_size})")
             out.append(ids.tolist())
             continue
-        gen = torch.Generator().manual_seed(stable_seed("prompt", seed, iteration, i))
+        gen = torch.Generator().manual_seed(stable_seed("prompt", seed, iteration, i // group_size))
         out.append(torch.randint(0, vocab_size, (int(n),), generator=gen).tolist())
     return out
 
@@ -101,6 +105,12 @@ def build_rollout(prompts: list[list[int]], responses: dict[int, tuple[list[int]
     return Rollout(tokens, attn, mask, old, p_len, r_len)
 
 
+def rule_scores(rollout: Rollout, reward: TaskReward) -> np.ndarray:
+    """(B,) float32 scores of a rule-based verifier (``algo.reward=rule``) on every response."""
+    return task_scores(torch.as_tensor(rollout.tokens), torch.as_tensor(rollout.prompt_lens),
+                       torch.as_tensor(rollout.last_index), reward).numpy()
+
+
 def scatter_rows(parts: list[Inferred], shape: tuple[int, ...]) -> np.ndarray:
     """Put each replica's outputs back in batch order."""
     full = np.zeros(shape, dtype=np.float32)
@@ -124,30 +134,59 @@ def sample_data(rollout: Rollout | None, outputs: dict[str, np.ndarray]) -> dict
     return data
 
 
-def training_data(inputs: Mapping[str, Any], kl_coef: float, gamma: float, lam: float,
-                  whiten: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """Every training loss's inputs (:data:`harness.planning.dataflow.LOSS_INPUTS`) and the
-    batch's RL statistics, from the workflow data in ``inputs`` (:func:`sample_data`'s keys), read
-    by key only: the driver passes a training task's
-    :class:`~harness.planning.dataflow.TaskInputs`, so reading data the task does not declare fails."""
+def training_data(inputs: Mapping[str, Any], algorithm: AlgorithmConfig, gamma: float, lam: float,
+                  whiten: bool, max_gen_len: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Every training loss's inputs (:func:`harness.planning.dataflow.loss_inputs`) and the batch's
+    RL statistics, from the workflow data in ``inputs`` (:func:`sample_data`'s keys), read by key
+    only: the driver passes a training task's :class:`~harness.planning.dataflow.TaskInputs`, so
+    reading data the task does not declare fails.
+
+    The advantages are ``algorithm.advantage``'s: GAE over the critic's values with the KL penalty
+    in the token rewards (PPO; whitened over the batch when ``whiten``), or a critic-free estimator
+    of :mod:`harness.real.advantages` over the group layout of the batch. The KL term goes into the
+    reward (``algo.kl_penalty=reward``) or, as the reference log-probs, into the actor's loss
+    (``loss``, GRPO). With ``algo.overlong_filter`` a response that reached ``max_gen_len`` tokens
+    leaves the loss (its ``loss_mask`` row is 0; DAPO section 3.4)."""
     responses = inputs["responses"]
     mask = torch.as_tensor(responses["action_mask"])
-    logp, ref = torch.as_tensor(inputs["old_logprobs"]), torch.as_tensor(inputs["ref_logprobs"])
+    logp = torch.as_tensor(inputs["old_logprobs"])
     scores = torch.as_tensor(inputs["rewards"])
-    vals = torch.as_tensor(inputs["values"]) * mask
-    rewards = kl_penalized_rewards(scores, logp, ref, mask, kl_coef)
-    adv, ret = gae_advantages(rewards, vals, mask, gamma, lam)
-    stats = {"reward_mean": float(scores.mean()),
-             "kl": float(masked_mean(logp - ref, mask)),
-             "token_reward_mean": float(masked_mean(rewards, mask)),
-             "advantage_mean": float(masked_mean(adv, mask)),
-             "return_mean": float(masked_mean(ret, mask)),
-             "value_mean": float(masked_mean(vals, mask))}
-    if whiten:
-        adv = masked_whiten(adv, mask)
-    return {"tokens": responses["tokens"], "attn": responses["attn"], "action_mask": responses["action_mask"],
-            "old_logprobs": inputs["old_logprobs"], "advantages": adv.numpy(), "returns": ret.numpy(),
-            "old_values": vals.numpy()}, stats
+    ref = torch.as_tensor(inputs["ref_logprobs"]) if algorithm.has_reference else logp
+    penalty = algorithm.kl_coef if algorithm.kl_penalty == "reward" else 0.0
+    data = {"tokens": responses["tokens"], "attn": responses["attn"], "action_mask": responses["action_mask"],
+            "old_logprobs": inputs["old_logprobs"]}
+    stats = {"reward_mean": float(scores.mean())}
+    if algorithm.has_reference:
+        stats["kl"] = float(masked_mean(logp - ref, mask))
+    g, kind = algorithm.group_size, algorithm.advantage
+    if kind == "gae":
+        vals = torch.as_tensor(inputs["values"]) * mask
+        rewards = kl_penalized_rewards(scores, logp, ref, mask, penalty)
+        adv, ret = gae_advantages(rewards, vals, mask, gamma, lam)
+        stats.update(token_reward_mean=float(masked_mean(rewards, mask)), advantage_mean=float(masked_mean(adv, mask)),
+                     return_mean=float(masked_mean(ret, mask)), value_mean=float(masked_mean(vals, mask)))
+        if whiten:
+            adv = masked_whiten(adv, mask)
+        data.update(returns=ret.numpy(), old_values=vals.numpy())
+    elif kind == "group_norm":
+        adv = group_norm_advantages(scores.float() - penalty * sequence_kl(logp, ref, mask), mask, g)
+    elif kind == "leave_one_out":
+        adv = leave_one_out_advantages(scores, logp, ref, mask, g, penalty)
+    elif kind == "batch_norm":
+        adv, ret = batch_norm_advantages(scores, logp, ref, mask, penalty)
+        stats["return_mean"] = float(masked_mean(ret, mask))
+    else:
+        raise ValueError(f"no advantage estimator {kind!r}")
+    if kind != "gae":
+        stats["advantage_mean"] = float(masked_mean(adv, mask))
+    data["advantages"] = adv.numpy().astype(np.float32)
+    if algorithm.has_reference and algorithm.kl_penalty == "loss":
+        data["ref_logprobs"] = inputs["ref_logprobs"]
+    if algorithm.overlong_filter:
+        kept = (mask.sum(-1) < max_gen_len).to(mask.dtype)
+        data["action_mask"] = (mask * kept[:, None]).numpy()
+        stats["overlong_frac"] = float(1.0 - kept.mean())
+    return data, stats
 
 
 def minibatch_indices(num_samples: int, mini_batch_size: int, seed: int, iteration: int) -> list[np.ndarray]:
@@ -157,21 +196,24 @@ def minibatch_indices(num_samples: int, mini_batch_size: int, seed: int, iterati
 
 
 def policy_reward(actor_cfg, workload, seed: int, iteration: int, spec: Mapping[str, Any], *,
-                  temperature: float = 1.0, state: dict[str, Tensor] | None = None) -> float:
+                  temperature: float = 1.0, state: dict[str, Tensor] | None = None,
+                  algorithm: AlgorithmConfig = PPO) -> float:
     """Mean task score of one iteration's batch generated in-process (no Ray) by the actor a run
     with ``seed`` starts from (or by the weights ``state``): the same prompts, target lengths and
     sampling seeds as ``backend=ray``'s iteration ``iteration``, so with the initial weights it
     reproduces that run's first ``rl/reward_mean``. Measured over several seeds and iterations it
     gives the reward of the untrained policy, the bar a learning run has to clear. ``spec``: a run's
-    ``backend.options.reward`` as a mapping (as its saved config holds it)."""
+    ``backend.options.reward`` as a mapping (as its saved config holds it); ``workload`` counts
+    prompts, each answered ``algorithm.group_size`` times."""
     reward = TaskReward(spec["kind"], int(spec["low"]), int(spec["high"]))
     args = ModelArgs.from_llama_config(actor_cfg)
     model = LlamaModel(args, seed=stable_seed("init", seed, "actor"))
     if state is not None:
         model.load_state_dict(state)
     model.eval()
-    batch = make_batch(workload, seed, iteration)
-    prompts = prompt_tokens(seed, iteration, batch, args.vocab_size)
+    workload, g = sample_workload(workload, algorithm), algorithm.group_size
+    batch = make_batch(workload, seed, iteration, g)
+    prompts = prompt_tokens(seed, iteration, batch, args.vocab_size, g)
     engine = TorchGenerator(model, max_batch_size=batch.num_samples,
                             sampling=SamplingParams(temperature=temperature,
                                                     seed=stable_seed("sampling", seed, iteration)),

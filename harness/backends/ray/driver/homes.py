@@ -32,6 +32,13 @@ def role_seeds(seed: int, args: dict[str, ModelArgs]) -> dict[str, int]:
     return seeds
 
 
+def plan_roles(plan: Plan) -> tuple[str, ...]:
+    """The models ``plan`` computes with, in :data:`ROLES` order (a critic-free algorithm has no
+    critic, one without a KL term no reference model, a rule-based reward no reward model)."""
+    present = {t.model.value for t in plan.tasks}
+    return tuple(role for role in ROLES if role in present)
+
+
 def home_task(plan: Plan, role: str):
     """The task whose layout holds ``role``'s weights between uses: its training task, else its
     first inference task (ref and reward are never trained)."""
@@ -48,8 +55,9 @@ class ModelHomes:
     each copy in another layout holds."""
 
     def __init__(self, plan: Plan):
-        self.home: dict[str, Allocation] = {role: home_task(plan, role).allocation for role in ROLES}
-        self.version: dict[str, int] = dict.fromkeys(ROLES, 0)
+        roles = plan_roles(plan)
+        self.home: dict[str, Allocation] = {role: home_task(plan, role).allocation for role in roles}
+        self.version: dict[str, int] = dict.fromkeys(roles, 0)
         self._copies: dict[tuple[str, str], int] = {}  # (role, layout) -> version it holds
 
     def is_home(self, role: str, alloc: Allocation) -> bool:

@@ -46,7 +46,7 @@ from harness.backends.ray.driver.inter_stage import StreamedGeneration
 from harness.backends.ray.driver.training import train_unit
 from harness.backends.ray.protocol import Dispatch, Generate, Infer, Move, Release, State
 from harness.backends.ray.replies import FinishedSample, Result
-from harness.backends.ray.rewards import task_reward
+from harness.backends.ray.rewards import rule_reward, task_reward
 from harness.core import metrics as mk
 from harness.core.plan import Allocation, Plan, Task, TaskKind
 from harness.core.trace import PARAM_DIGEST, UNITS, SampleRecord, Span, StepTrace
@@ -82,7 +82,7 @@ class Iteration:
 
     def run(self) -> StepTrace:
         self.prompts = ex.prompt_tokens(self.ctx.seed, self.iteration, self.batch,
-                                        self.model_args["actor"].vocab_size)
+                                        self.model_args["actor"].vocab_size, self.ctx.algorithm.group_size)
         calls_before = self.group.num_calls
         self.dispatch(execution_units(self.plan))
         self.trace.counters[mk.DRIVER_CALLS] = float(self.group.num_calls - calls_before)
@@ -118,12 +118,19 @@ class Iteration:
                                                len(sample.tokens), sample.finish_time_s - self.t0))
 
     def set_rollout(self, responses: dict[int, tuple[list, list]], what: str) -> None:
-        """The rollout of every sample's response (``what`` generated them: for the error)."""
+        """The rollout of every sample's response (``what`` generated them: for the error). Under a
+        rule-based reward (``algo.reward=rule``) the driver verifies every response at once, as
+        verl's trainer calls its reward function on the generated batch: the scores are
+        ``backend.options.reward``'s task, the seconds it took ``gen/verify_tail_s``."""
         missing = sorted(set(range(self.batch.num_samples)) - set(responses))
         if missing:
             raise RuntimeError(f"{what} returned no response for samples {missing[:8]}")
         self.trace.samples.sort(key=lambda s: s.sample_id)
         self.rollout = ex.build_rollout(self.prompts, responses)
+        if not self.ctx.algorithm.has_reward_model:
+            start = time.perf_counter()
+            self.outputs["reward"] = ex.rule_scores(self.rollout, rule_reward(self.opts.reward))
+            self.trace.counters[mk.VERIFY_TAIL] = time.perf_counter() - start
 
     # ---- freeing copies whose phase has ended ------------------------------------------------
     def _release_finished(self, finished: set[str]) -> None:
@@ -212,7 +219,7 @@ class Iteration:
     # ---- digest -----------------------------------------------------------------------------
     def _digest(self) -> None:
         digests = {}
-        for role in ("actor", "critic"):
+        for role in [r for r in ("actor", "critic") if r in self.homes.home]:
             alloc = self.homes.home[role]
             results = self.group.call(State(f"digest_{role}", role, alloc))
             pieces = {tuple(p.coord): {n: torch.tensor(v) for n, v in p.state.items()} for p in outputs(results)}
@@ -230,6 +237,7 @@ class Iteration:
                 torch.save(state, folder / f"{role}.pt")
         self.trace.extra[PARAM_DIGEST] = digests
         if self.opts.dump_weights_dir and self.rollout is not None:  # what the models said of each sample
-            np.savez(Path(self.opts.dump_weights_dir) / "experience.npz", scores=self.outputs["reward"],
-                     ref_logprobs=self.outputs["ref"], values=self.outputs["critic"],
+            np.savez(Path(self.opts.dump_weights_dir) / "experience.npz",
+                     **{name: self.outputs[role] for role, name in (("reward", "scores"), ("ref", "ref_logprobs"),
+                                                                    ("critic", "values")) if role in self.outputs},
                      old_logprobs=self.rollout.old_logprobs, action_mask=self.rollout.action_mask)

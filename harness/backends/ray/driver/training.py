@@ -19,7 +19,7 @@ from harness.backends.ray.protocol import Dispatch, LossInputs, Train, TrainPart
 from harness.backends.ray.replies import ModelTrained, Result
 from harness.core.plan import Task
 from harness.core.units import Unit
-from harness.planning.dataflow import LOSS_INPUTS, TaskInputs
+from harness.planning.dataflow import TaskInputs, loss_inputs
 from harness.planning.taskmodels.passes import pipe_stage_devices
 from harness.schedule.p2p_order import in_posting_order
 from harness.core.trace import PipelineRun
@@ -33,12 +33,12 @@ def training_data(it, task: Task) -> dict[str, np.ndarray]:
     inputs = TaskInputs(task.name, task.reads, ex.sample_data(it.rollout, it.outputs))
     key = frozenset(inputs)
     if key not in it.experience:
-        it.experience[key], stats = ex.training_data(inputs, it.ctx.algorithm.kl_coef, it.opts.gamma,
-                                                       it.opts.lam, it.opts.whiten_advantages)
+        it.experience[key], stats = ex.training_data(inputs, it.ctx.algorithm, it.opts.gamma, it.opts.lam,
+                                                       it.opts.whiten_advantages, it.ctx.workload.max_gen_len)
         for name, value in stats.items():
             it.trace.counters[f"rl/{name}"] = value
     data = it.experience[key]
-    return {k: data[k] for k in LOSS_INPUTS[task.model.value]}
+    return {k: data[k] for k in loss_inputs(task.model.value, it.ctx.algorithm)}
 
 
 def minibatch_order(it) -> list:
@@ -60,14 +60,15 @@ def train_unit(it, unit: Unit) -> UnitRun:
             if rank_of.setdefault(d, rank) != rank:
                 raise RuntimeError(f"device {d} holds logical ranks {rank_of[d]} and {rank} of {unit.label}")
             held.setdefault(d, set()).add((pipe, st))
-    first = unit.tasks[0]
+    first, algorithm = unit.tasks[0], it.ctx.algorithm
     request = Train(unit.label, first.model.value, first.allocation,
                     parts={t.model.value: TrainPart(LossInputs(**training_data(it, t)), stage.micro_batch_size)
                            for t in unit.tasks},
                     allocations={t.model.value: t.allocation for t in unit.tasks},
                     pipe_role={name: pipe.model for name, pipe in stage.schedule.pipes.items()},
                     minibatches=minibatches, temperature=it.opts.temperature, clip_eps=it.opts.clip_eps,
-                    value_clip_eps=it.opts.value_clip_eps)
+                    clip_eps_high=algorithm.clip_eps_high, value_clip_eps=it.opts.value_clip_eps,
+                    kl_loss_coef=algorithm.kl_coef if algorithm.kl_penalty == "loss" else 0.0)
     shares = {d: request.replace(actions=tuple(a.token() for a in ordered.order.get(rank_of[d], [])
                                                if (a.pipe, a.stage) in held[d]))
               for d in rank_of}

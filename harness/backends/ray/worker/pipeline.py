@@ -26,6 +26,7 @@ from harness.backends.ray.worker.passes import _flops, _head_output
 from harness.costmodel.llama import ModelDims
 from harness.real.parallel.comm import PipeChannel
 from harness.real.parallel.replica import Replica
+from harness.real.advantages import kl_loss_k3
 from harness.real.ppo import policy_loss, value_loss
 from harness.schedule.ir import Action
 
@@ -37,7 +38,10 @@ def _loss(out: Tensor, mb: dict[str, Tensor], role: str, p: Train, num_tokens: f
     mask = mb["action_mask"]
     if role == "actor":
         logp = _head_output(out, mb["tokens"], "logprobs", p.temperature, None)
-        loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p.clip_eps, num_tokens)
+        loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, p.clip_eps, num_tokens,
+                              p.clip_eps_high)
+        if p.kl_loss_coef:  # GRPO's KL term in the loss (harness.real.advantages.kl_loss_k3)
+            loss = loss + p.kl_loss_coef * kl_loss_k3(logp, mb["ref_logprobs"], mask, num_tokens)
         return loss, {"loss": s["actor/pg_loss"], "clipfrac": s["actor/pg_clipfrac"], "approx_kl": s["actor/ppo_kl"]}
     values = out[:, :-1].float()
     loss, s = value_loss(values, mb["old_values"], mb["returns"], mask, p.value_clip_eps, num_tokens)
@@ -133,7 +137,8 @@ class _ScheduleRun:
         self.mbs, self.num_tokens, self.saved = {}, {}, {}
         for r in self.roles:
             rep = replicas[r]
-            self.num_tokens[r] = float(data[r]["action_mask"][torch.tensor(index)].sum())
+            # at least 1: a mini-batch whose responses were all filtered out (algo.overlong_filter) has loss 0
+            self.num_tokens[r] = max(float(data[r]["action_mask"][torch.tensor(index)].sum()), 1.0)
             self.mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p.parts[r].micro_batch_size)
             self.saved[r] = {}
         self.chan = PipeChannel(replicas[self.roles[0]].device, in_order=in_order)

@@ -35,32 +35,21 @@ import csv
 import hashlib
 import json
 import re
-import shlex
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import flat_weights
+from tests.helpers import flat_weights, readme_command
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.ray
 
-README = Path(__file__).resolve().parents[4] / "README.md"
 BOOKKEEPING = ["logger=none", "logger.progress_bar=false", "backend.options.dump_weights_dir=w"]
 COMMON = ["model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1", *BOOKKEEPING]
 README_SYSTEMS = ("deepspeed_chat", "rlhfuse_base", "rlhfuse")
-
-
-def readme_command(system: str) -> list[str]:
-    """The README's CPU command for ``system`` on 4 devices, as ``python -m harness`` arguments."""
-    pattern = re.compile(rf"^python -m harness \+system={system} model=tiny workload=tiny backend=ray "
-                         rf"cluster=h100_8x cluster\.num_nodes=1 cluster\.gpus_per_node=4( [^#\n]*)?$", re.M)
-    found = [m.group(0).strip() for m in pattern.finditer(README.read_text())]
-    assert len(found) == 1, (system, found)
-    return shlex.split(found[0])[3:]
 
 
 # The README's commands run as written (with BOOKKEEPING); the others with COMMON.
