@@ -144,6 +144,7 @@ RUN_FIRST = (
     *LOCK_FREE_MODULES,
     "tests/test_suite.py",
     "tests/harness/backends/ray/test_ray_backend.py",
+    "tests/harness/backends/ray/test_ray_critic_free.py",
     "tests/test_readme.py",
     "tests/harness/backends/ray/test_ray_fused_order.py",
     "tests/harness/backends/ray/test_ray_checkpoints.py",

@@ -3,10 +3,10 @@
 
 Two sets of runs:
 
-- **same seed, same weights across systems**: the README's three CPU commands (DeepSpeed-Chat with
-  ZeRO-3 and hybrid-engine generation, RLHFuse-Base's searched layouts, RLHFuse with streaming and
-  its fused pipeline off for want of a critic) under ``algo=grpo``, and RLHFuse-Base and
-  DeepSpeed-Chat under ``algo=dapo``, each on 2 prompts x 4 responses for 2 iterations, end with
+- **same seed, same weights across systems**: DeepSpeed-Chat (ZeRO-3 and hybrid-engine
+  generation), RLHFuse-Base (searched layouts) and RLHFuse (streaming into the reference model's
+  inference; its fused pipeline off for want of a critic) under ``algo=grpo``, and RLHFuse-Base and
+  DeepSpeed-Chat under ``algo=dapo``, each on 2 devices, 2 prompts x 4 responses, 2 iterations, end with
   the same actor weights as the others of their algorithm (relative L2 distance below 1e-6 and
   below 1% of the update, the tolerance of test_ray_backend.py's PPO runs), and GRPO's weights are
   not DAPO's (the algorithm changes the math). Only the actor is trained: no critic, and the
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import algo, flat_weights, readme_command
+from tests.helpers import algo, flat_weights
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -46,7 +46,9 @@ GROUPS = ["workload.global_batch_size=2", "workload.mini_batch_size=1", "algo.gr
 
 
 SAME_WEIGHTS = {"grpo": ("deepspeed_chat", "rlhfuse_base", "rlhfuse"), "dapo": ("deepspeed_chat", "rlhfuse_base")}
-RUNS = {f"{name}_{system}": [*readme_command(system), f"algo={name}", *GROUPS]
+TWO_DEVICES = ["model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1",
+               "cluster.gpus_per_node=2"]
+RUNS = {f"{name}_{system}": [f"+system={system}", *TWO_DEVICES, f"algo={name}", *GROUPS]
         for name, systems in SAME_WEIGHTS.items() for system in systems}
 
 ITERATIONS = 20
