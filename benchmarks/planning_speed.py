@@ -3,6 +3,7 @@
     python benchmarks/planning_speed.py                               # 13b and 65b_33b, default cluster (256 GPUs)
     python benchmarks/planning_speed.py --baseline 7e29151            # the same, beside another commit's planners
     python benchmarks/planning_speed.py --models 13b --nodes 512 --batch 8192   # 4,096 GPUs, 8,192 samples
+    python benchmarks/planning_speed.py --overrides algo=grpo         # a critic-free algorithm
 
 Each system plans as ``python -m harness +system=<name> model=<pair>`` would, through the run
 pipeline (:func:`harness.run.pipeline.plan`: its default budgets, which are in steps, so the plans
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("deepspeed_chat", "realhf_heuristic", "realhf", "rlhfuse_base", "rlhfuse", "interleaved", "disaggregated",
-           "colocated", "openrlhf")
+           "colocated", "openrlhf", "verl", "nemo_rl")
 
 # Run inside the tree being measured (its directory first on sys.path): plan once, print JSON.
 CHILD = r"""
@@ -90,11 +91,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["13b", "65b_33b"])
     parser.add_argument("--nodes", type=int, default=None, help="cluster.num_nodes (default: the cluster's)")
     parser.add_argument("--batch", type=int, default=None, help="workload.global_batch_size")
+    parser.add_argument("--overrides", nargs="*", default=[], help="further overrides for every run (algo=grpo)")
     parser.add_argument("--baseline", metavar="REV", help="a git commit whose planners are timed beside this tree's")
     parser.add_argument("--json", metavar="OUT", help="write the numbers here")
     args = parser.parse_args()
     extra = ([f"cluster.num_nodes={args.nodes}"] if args.nodes else []) + \
-        ([f"workload.global_batch_size={args.batch}"] if args.batch else [])
+        ([f"workload.global_batch_size={args.batch}"] if args.batch else []) + list(args.overrides)
     with tempfile.TemporaryDirectory(prefix="planning-baseline-") as tmp:
         base = None
         if args.baseline:

@@ -5,7 +5,7 @@ memory check):
 - :data:`CASES`, which must plan as they are (searches with small step budgets): the plan has the
   PPO tasks, uses every device and round-trips through JSON;
 - every system's defaults at every model of the paper's setup (:data:`PAPER_MODELS`): they plan, or
-  the refusal names the ``system.*`` overrides that make them plan (applied, they must). A command
+  the refusal names the ``system.*`` (or ``workload.*``) overrides that make them plan (applied, they must). A command
   that :data:`CASES` already plans (the same command: no budget of its own) is not planned again.
 
 Systems that search (disaggregated's split, ReaLHF's annealing, RLHFuse's fused schedule: 3-8 s a
@@ -31,7 +31,7 @@ CASES = [(s, m) for s in ("deepspeed_chat", "rlhfuse_base", "realhf_heuristic", 
         [("rlhfuse", m) for m in ["tiny", "13b", *PAPER_PAIRS]] + \
         [(s, m) for s in ("interleaved", "disaggregated") for m in ["13b", *PAPER_PAIRS]]
 SEARCHING = {"disaggregated", "realhf", "rlhfuse"}
-OVERRIDE = re.compile(r"\bsystem\.[a-z0-9_.]+=[^\s,;]+")
+OVERRIDE = re.compile(r"\b(?:system|workload)\.[a-z0-9_.]+=[^\s,;]+")
 
 
 def check_plan(plan: Plan, ctx) -> None:

@@ -495,7 +495,7 @@ def check_compatible(engines: Engines, allocations: dict[str, Any], migration: b
                 raise PlanError(f"training engine {train.name} offloads the optimizer (ZeRO-Offload), which "
                                 f"DeepSpeed runs with ZeRO stages 1-3 only; task {name} is ZeRO-0")
     if train.parallelism == "zero":
-        for name in ("update_actor", "update_critic", "ref", "reward", "values"):
+        for name in ("update_actor", "update_critic", "logprobs", "ref", "reward", "values"):
             if name not in allocations:  # a task the run's algorithm does not have
                 continue
             s = allocations[name].strategy

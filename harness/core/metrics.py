@@ -66,7 +66,7 @@ MIGRATION_THRESHOLD_FRAC = "gen/migration_threshold_frac"
 BUSY_MEAN = "util/gpu_busy_frac/mean"
 BUSY_MIN = "util/gpu_busy_frac/min"
 GLOBAL_STEP = "training/global_step"
-TIMED_TASKS = ("gen", "ref", "reward", "values", "update_actor", "update_critic", "param_sync")
+TIMED_TASKS = ("gen", "logprobs", "ref", "reward", "values", "update_actor", "update_critic", "param_sync")
 TRAIN_TASKS = ("update_actor", "update_critic")
 
 # <section>/<name>[/<sub>]: lowercase words, digits and underscores.
@@ -134,7 +134,7 @@ def _timing(trace: StepTrace) -> dict[str, float]:
             realloc += ends[task] - starts[task]
     if any(t.startswith("realloc") for t in starts):
         out[REALLOC_TIME] = realloc
-    gen_inf = [t for t in ("gen", "ref", "reward", "values") if t in starts]
+    gen_inf = [t for t in ("gen", "logprobs", "ref", "reward", "values") if t in starts]
     if "gen" in starts:
         out[GEN_INFERENCE_TIME] = max(ends[t] for t in gen_inf) - min(starts[t] for t in gen_inf)
     train = [t for t in TRAIN_TASKS if t in starts]

@@ -66,13 +66,18 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
                       micro_batch_size: Optional[int] = None,
                       actor_sync: MovementKind = MovementKind.REALLOC, stream_inference: bool = False,
                       offloaded: Sequence[str] = (), notes: Optional[dict] = None,
-                      layout_keys: Optional[dict[str, str]] = None) -> Plan:
+                      layout_keys: Optional[dict[str, str]] = None, recompute_logprobs: bool = False) -> Plan:
     """The iteration plan for ``allocations`` (one per task of the run's algorithm:
     :func:`~harness.planning.workflow.workflow_tasks`; others are ignored). ``mini_batch_size``
     and ``micro_batch_size`` (None: the workload's) size the default training stages; ``layout_keys``
-    names the system's key that pins each task's layout (``Plan.layout_keys``, for hints)."""
+    names the system's key that pins each task's layout (``Plan.layout_keys``, for hints). With
+    ``recompute_logprobs`` the actor's log-probs are recomputed after generation by a forward pass
+    in its training layout (``update_actor``'s allocation; the task
+    :data:`~harness.planning.workflow.RECOMPUTE_LOGPROBS`)."""
     algorithm = ctx.algorithm
-    present = workflow_tasks(algorithm)
+    present = workflow_tasks(algorithm, recompute_logprobs)
+    if recompute_logprobs:
+        allocations = {**allocations, "logprobs": allocations["update_actor"]}
     allocations = {name: allocations[name] for name in present if name in allocations}
     missing = sorted(set(present) - set(allocations))
     if missing:
@@ -100,7 +105,7 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
         movements.append(move)
         moved[consumer] = task.name
     tasks = movement_tasks + ppo_tasks(allocations, moved, stream_from="gen" if stream_inference else None,
-                                       algorithm=algorithm)
+                                       algorithm=algorithm, recompute_logprobs=recompute_logprobs)
     resident = [ResidentState(m, t, "train") for t, m in TRAINING_TASKS if m in algorithm.roles]
     resident += [ResidentState(m, m, "weights") for m in ("ref", "reward") if m not in offloaded and m in algorithm.roles]
     if actor_sync == MovementKind.PARAM_SYNC:

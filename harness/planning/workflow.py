@@ -23,6 +23,11 @@ An algorithm other than PPO (:mod:`harness.core.algorithm`) runs a subset of the
 (:func:`workflow_tasks`): without a critic no ``values`` and no ``update_critic``, without a KL term
 no ``ref``, with a rule-based reward no ``reward`` (``gen`` then writes ``rewards``: the verifier
 scores each response on the driver as generation returns it).
+
+A system whose framework recomputes the behaviour policy's log-probs with the training engine
+(verl's ``compute_log_prob``, NeMo-RL's "get logprobs": the generation engine's numbers differ from
+the training engine's) adds the task :data:`RECOMPUTE_LOGPROBS` (``recompute_logprobs``): a forward
+pass of the actor in its training layout that writes ``old_logprobs``, which ``gen`` then does not.
 """
 from __future__ import annotations
 
@@ -42,31 +47,45 @@ PPO_TASKS = {
 }
 
 
-def workflow_tasks(algorithm: AlgorithmConfig = PPO) -> tuple[str, ...]:
+# the actor's log-probs recomputed by the training engine (module docstring), after gen
+RECOMPUTE_LOGPROBS = {"logprobs": ("inference", "actor", ("responses", "actor_weights"), ("old_logprobs",))}
+
+
+def workflow_tasks(algorithm: AlgorithmConfig = PPO, recompute_logprobs: bool = False) -> tuple[str, ...]:
     """The tasks of an iteration of ``algorithm``, in :data:`PPO_TASKS` order: those of the models
-    it runs (``algorithm.roles``)."""
-    return tuple(name for name, (_, model, _, _) in PPO_TASKS.items() if model in algorithm.roles)
+    it runs (``algorithm.roles``), with ``logprobs`` after ``gen`` when ``recompute_logprobs``."""
+    names = []
+    for name, (_, model, _, _) in PPO_TASKS.items():
+        if model in algorithm.roles:
+            names.append(name)
+        if name == "gen" and recompute_logprobs:
+            names.extend(RECOMPUTE_LOGPROBS)
+    return tuple(names)
 
 
 def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None = None,
-              stream_from: str | None = None, algorithm: AlgorithmConfig = PPO) -> list[Task]:
+              stream_from: str | None = None, algorithm: AlgorithmConfig = PPO,
+              recompute_logprobs: bool = False) -> list[Task]:
     """The tasks of ``algorithm``'s iteration (:func:`workflow_tasks`; PPO's six by default) on the
     given allocations. ``moved`` maps a task to the weight-movement task that prepares its weights;
     the task then reads the moved key. With ``stream_from`` the inference tasks consume that
-    generate task's samples as they finish."""
+    generate task's samples as they finish (not ``logprobs``, which needs the whole batch's
+    rollout on the training layout)."""
     moved = moved or {}
     tasks = []
-    for name in workflow_tasks(algorithm):
-        kind, model, reads, writes = PPO_TASKS[name]
+    for name in workflow_tasks(algorithm, recompute_logprobs):
+        kind, model, reads, writes = {**PPO_TASKS, **RECOMPUTE_LOGPROBS}[name]
         if kind == "train":
             reads = training_reads(model, algorithm)
+        if name == "gen" and recompute_logprobs:
+            writes = tuple(w for w in writes if w != "old_logprobs")  # the logprobs task writes them
         if name == "gen" and not algorithm.has_reward_model:
             writes = writes + ("rewards",)  # the rule-based verifier scores each response as it returns
         if name in moved:
             reads = tuple(f"{model}_weights@{name}" if r == f"{model}_weights" else r for r in reads)
             if f"{model}_weights@{name}" not in reads:
                 reads = reads + (f"{model}_weights@{name}",)
-        stream = stream_from if kind == "inference" else None
+        stream = stream_from if kind == "inference" and name not in RECOMPUTE_LOGPROBS else None
         tasks.append(Task(name, kind, model, allocations[name], reads, writes, stream))
     return tasks
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = "data/workloads/sample.jsonl"
 MEGATRON_REFUSAL = ("(Megatron-LM 3D parallelism, whose distributed optimizer is ZeRO-1) runs ZeRO stages 0 and 1 "
                     "only; training engines that apply: deepspeed, deepspeed_hf_eager, deepspeed_offload, "
-                    "deepspeed_offload_hf_eager")
+                    "deepspeed_offload_hf_eager, fsdp")
 
 # name -> (the command line without the option, the option, the exact refusal)
 REFUSED = {

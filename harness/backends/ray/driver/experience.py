@@ -39,8 +39,9 @@ from harness.real.ppo import gae_advantages, kl_penalized_rewards, masked_mean, 
 
 
 # what each inference model's pass produces, and the workflow data key it is written under
-INFERENCE_OUTPUT = {"ref": "logprobs", "reward": "score", "critic": "values"}
-OUTPUT_KEY = {"ref": "ref_logprobs", "reward": "rewards", "critic": "values"}
+# (the actor's: its log-probs recomputed in its training layout, replacing generation's)
+INFERENCE_OUTPUT = {"actor": "logprobs", "ref": "logprobs", "reward": "score", "critic": "values"}
+OUTPUT_KEY = {"actor": "old_logprobs", "ref": "ref_logprobs", "reward": "rewards", "critic": "values"}
 
 
 def stable_seed(*parts) -> int:
@@ -120,14 +121,17 @@ def scatter_rows(parts: list[Inferred], shape: tuple[int, ...]) -> np.ndarray:
     return full
 
 
-def sample_data(rollout: Rollout | None, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
+def sample_data(rollout: Rollout | None, outputs: dict[str, np.ndarray],
+                recomputed_logprobs: bool = False) -> dict[str, Any]:
     """What the iteration has produced so far, under the workflow's data keys
-    (:data:`harness.planning.dataflow.SAMPLE_DATA`): the rollout once generation has finished,
-    each inference model's output (keyed by its role in ``outputs``) once its task has."""
+    (:data:`harness.planning.dataflow.SAMPLE_DATA`): the rollout once generation has finished (with
+    generation's log-probs, unless the plan recomputes them: ``recomputed_logprobs``), each
+    inference model's output (keyed by its role in ``outputs``) once its task has."""
     data: dict[str, Any] = {}
     if rollout is not None:
         data["responses"] = {"tokens": rollout.tokens, "attn": rollout.attn, "action_mask": rollout.action_mask}
-        data["old_logprobs"] = rollout.old_logprobs
+        if not recomputed_logprobs:
+            data["old_logprobs"] = rollout.old_logprobs
     for role, key in OUTPUT_KEY.items():
         if role in outputs:
             data[key] = outputs[role]

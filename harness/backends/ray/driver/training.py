@@ -21,6 +21,7 @@ from harness.core.plan import Task
 from harness.core.units import Unit
 from harness.planning.dataflow import TaskInputs, loss_inputs
 from harness.planning.taskmodels.passes import pipe_stage_devices
+from harness.planning.workflow import RECOMPUTE_LOGPROBS
 from harness.schedule.p2p_order import in_posting_order
 from harness.core.trace import PipelineRun
 
@@ -30,7 +31,8 @@ def training_data(it, task: Task) -> dict[str, np.ndarray]:
     it reads (:class:`TaskInputs`: a declared input not written yet, or an undeclared one read,
     fails at once). Computed once per distinct set of declared inputs; both PPO training tasks
     declare the same, so advantages and returns are computed once per iteration."""
-    inputs = TaskInputs(task.name, task.reads, ex.sample_data(it.rollout, it.outputs))
+    recomputed = any(t.name in RECOMPUTE_LOGPROBS for t in it.plan.tasks)
+    inputs = TaskInputs(task.name, task.reads, ex.sample_data(it.rollout, it.outputs, recomputed))
     key = frozenset(inputs)
     if key not in it.experience:
         it.experience[key], stats = ex.training_data(inputs, it.ctx.algorithm, it.opts.gamma, it.opts.lam,

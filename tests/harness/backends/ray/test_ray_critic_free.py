@@ -3,10 +3,12 @@
 
 Two sets of runs:
 
-- **same seed, same weights across systems**: DeepSpeed-Chat (ZeRO-3 and hybrid-engine
-  generation), RLHFuse-Base (searched layouts) and RLHFuse (streaming into the reference model's
-  inference; its fused pipeline off for want of a critic) under ``algo=grpo``, and RLHFuse-Base and
-  DeepSpeed-Chat under ``algo=dapo``, each on 2 devices, 2 prompts x 4 responses, 2 iterations, end with
+- **same seed, same weights across systems**: RLHFuse-Base (searched layouts), RLHFuse (streaming
+  into the reference model's inference; its fused pipeline off for want of a critic) and verl (FSDP
+  training, log-probs recomputed in the training layout, the refit into the generation layout)
+  under ``algo=grpo``, and DeepSpeed-Chat (ZeRO-3 and hybrid-engine generation) and NeMo-RL
+  (Megatron-style layout, recomputed log-probs, refit) under ``algo=dapo``, each on 2 devices, 2
+  prompts x 4 responses, 2 iterations, end with
   the same actor weights as the others of their algorithm (relative L2 distance below 1e-6 and
   below 1% of the update, the tolerance of test_ray_backend.py's PPO runs), and GRPO's weights are
   not DAPO's (the algorithm changes the math). Only the actor is trained: no critic, and the
@@ -45,7 +47,7 @@ GROUPS = ["workload.global_batch_size=2", "workload.mini_batch_size=1", "algo.gr
           "backend.num_iterations=2", *VERIFIER, *BOOKKEEPING]
 
 
-SAME_WEIGHTS = {"grpo": ("deepspeed_chat", "rlhfuse_base", "rlhfuse"), "dapo": ("deepspeed_chat", "rlhfuse_base")}
+SAME_WEIGHTS = {"grpo": ("rlhfuse_base", "rlhfuse", "verl"), "dapo": ("deepspeed_chat", "nemo_rl")}
 TWO_DEVICES = ["model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1",
                "cluster.gpus_per_node=2"]
 RUNS = {f"{name}_{system}": [f"+system={system}", *TWO_DEVICES, f"algo={name}", *GROUPS]
@@ -97,7 +99,10 @@ def test_only_the_actor_trains(runs, name):
     assert (runs[name] / "w" / "actor.pt").is_file() and not (runs[name] / "w" / "critic.pt").exists()
     tasks = {t["name"] for t in json.loads((_run_folder(runs[name]) / "plan.json").read_text())["tasks"]
              if t["kind"] != "weight_movement"}
-    assert tasks == ({"gen", "ref", "update_actor"} if name.startswith("grpo") else {"gen", "update_actor"})
+    expected = {"gen", "ref", "update_actor"} if name.startswith("grpo") else {"gen", "update_actor"}
+    if name.endswith(("verl", "nemo_rl")):
+        expected.add("logprobs")
+    assert tasks == expected
     m = summary["metrics"]
     assert "rl/value_loss" not in m and "timing_s/update_critic" not in m
     assert m["gen/verify_tail_s"] >= 0 and 0 <= m["rl/reward_mean"] <= 1
@@ -117,13 +122,22 @@ def test_same_seed_same_weights_across_systems(runs, name):
 
 def test_the_algorithm_changes_the_math(runs):
     """GRPO and DAPO start from the same weights and batches of the same prompts, and end apart."""
-    grpo, dapo = _actor(runs["grpo_rlhfuse_base"]), _actor(runs["dapo_rlhfuse_base"])
+    grpo, dapo = _actor(runs["grpo_rlhfuse_base"]), _actor(runs["dapo_deepspeed_chat"])
     update = _summary(runs["grpo_rlhfuse_base"])["final_weights"]["models"]["actor"]["update_l2"]
     assert float((grpo - dapo).norm()) > 0.1 * update
 
 
 def test_rlhfuse_says_its_fused_pipeline_is_off(runs):
     assert "no critic" in _summary(runs["grpo_rlhfuse"])["info"]["notes/fused/off"]
+
+
+@pytest.mark.parametrize("name", ["grpo_verl", "dapo_nemo_rl"])
+def test_the_refit_systems_recompute_the_log_probs_in_the_training_layout(runs, name):
+    """verl and NeMo-RL ran the logprobs task (the actor's forward pass after generation) and the
+    refit movement every iteration; the same weights as the others show that the recomputed
+    log-probs are the behaviour policy's."""
+    for m in _metrics(runs[name]):
+        assert m["timing_s/logprobs"] > 0 and m["timing_s/realloc"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,56 @@
+"""NeMo-RL (github.com/NVIDIA-NeMo/RL) GRPO in its colocated, synchronous mode, or with generation on
+nodes of its own: ``+system=nemo_rl``.
+
+What the original does: a policy of Megatron-core (``policy.megatron_cfg``: tensor, pipeline,
+context and expert parallelism) or DTensor (FSDP2) workers, and vLLM generation workers
+(``policy.generation.vllm_cfg.tensor_parallel_size``). Colocated (the default,
+``policy.generation.colocated.enabled: true``), both share every GPU and a step runs generation,
+"get logprobs" (the policy's and the reference model's log-probs, on the training workers),
+training, then the refit of the new weights into vLLM (through CUDA IPC handles on the same GPUs);
+its performance page defines a step as exactly these (../shared/published/README.md). Not
+colocated, generation has GPUs of its own and the weights are broadcast to it over NCCL.
+
+What we reproduce is :mod:`baselines.refit`'s plan (its docstring lists what it models and what it
+does not) with NeMo-RL's choices: the ``megatron`` training engine in ``system.train_layout`` (or a
+searched layout; ``engine.training=fsdp`` for the DTensor backend), vLLM engines of
+``system.gen_tp`` GPUs (0 = searched) with up to ``system.max_num_seqs`` sequences each (vLLM's own
+default, 256), and ``system.generation_nodes`` nodes of their own for generation when not 0 (the
+non-colocated mode, a ``param_sync`` broadcast per step instead of the refit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from baselines.refit import refit_plan
+from harness.core.config import SystemConfig
+from harness.core.plan import Plan
+from harness.system import PlanContext, System, register_system_config
+
+
+@dataclass
+class NemoRLConfig(SystemConfig):
+    name: str = "nemo_rl"
+    impl: str = "baselines.nemo_rl.NemoRL"
+    gen_tp: int = 0  # policy.generation.vllm_cfg.tensor_parallel_size; 0 = the fastest that fits
+    max_num_seqs: int = 256  # sequences per vLLM engine (vLLM's default max_num_seqs)
+    train_layout: Optional[str] = None  # policy.megatron_cfg's dp/tp/pp, e.g. dp16tp4pp1; None = searched
+    zero_stage: int = 1  # Megatron-core's distributed optimizer shards the optimizer states (ZeRO-1)
+    generation_nodes: int = 0  # 0: colocated (refit on the same GPUs); k: generation on the last k nodes
+    generation_engine: str = "vllm"
+    training_engine: str = "megatron"
+
+
+class NemoRL(System):
+    cfg: NemoRLConfig
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        cfg = self.cfg
+        return refit_plan(ctx, cfg.name, rollout_tp=cfg.gen_tp, max_num_seqs=cfg.max_num_seqs,
+                          train_layout=cfg.train_layout, zero_stage=cfg.zero_stage,
+                          generation_nodes=cfg.generation_nodes,
+                          keys={"rollout_tp": "system.gen_tp", "train_layout": "system.train_layout",
+                                "generation_nodes": "system.generation_nodes"})
+
+
+register_system_config("nemo_rl", NemoRLConfig)

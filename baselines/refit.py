@@ -1,0 +1,137 @@
+"""Time-sliced colocation with a weight refit into the generation engine: the plan shared by
+``+system=verl`` (baselines/verl.py) and ``+system=nemo_rl`` (baselines/nemo_rl.py).
+
+What both frameworks do in their default (colocated, on-policy) mode, as plan data:
+
+- **One pool, stages in turn.** Every model lives on every GPU; generation, then the log-prob
+  passes, then (PPO) reward and critic inference, then training run one after another on all of
+  them (verl: HybridFlow, Sheng et al., EuroSys'25, arXiv 2409.19256, section 5's colocated
+  placement of the actor, rollout and reference in one worker group; NeMo-RL: its colocated GRPO,
+  ``policy.generation.colocated.enabled``).
+- **Training in the training engine's layout**: with a ZeRO-style engine (FSDP: verl's default
+  actor strategy, NeMo-RL's DTensor policy) parameters, gradients and optimizer states are sharded
+  over all N GPUs (dp = N, ZeRO-3); with Megatron-core, a (dp, tp, pp) layout pinned by
+  ``system.train_layout`` or searched. The reference model, the reward model and the critic (PPO)
+  use the same layout.
+- **Generation in vLLM's own layout**: ``N / tp`` engines of ``system.rollout_tp`` GPUs each
+  (searched when 0: the fastest whole iteration among the tensor-parallel degrees that fit a node
+  and shard the actor's heads), continuous batching of up to ``system.max_num_seqs`` sequences,
+  CUDA graphs (the ``vllm`` generation engine).
+- **Refit**: after each actor update the new weights are gathered from the training layout and
+  loaded into the generation layout on the same GPUs (verl's sharding manager, its
+  "3D-HybridEngine", section 5.3; NeMo-RL's refit through CUDA IPC handles): a weight movement every
+  iteration (``realloc_actor_gen``), timed by the cost model's resharding of the actor's bytes
+  between the two layouts. The copy in the generation layout is not kept resident: it is freed
+  after generation, as the frameworks release vLLM's weights and KV cache while training runs
+  (verl's and NeMo-RL's sleep of the inference engine), so generation and training each have the
+  GPUs' memory.
+- **Log-probs recomputed by the training engine**: after generation the behaviour policy's
+  log-probs come from a forward pass of the actor in its training layout (task ``logprobs``: verl's
+  ``compute_log_prob``, NeMo-RL's "get logprobs"), not from vLLM, whose numbers differ; the
+  reference model's follow on the same devices.
+
+What is not modelled: the seconds of waking and sleeping vLLM around generation (reallocating the
+KV cache, reloading weights), which the frameworks' published step times include
+(../shared/published/README.md: verl's "gen" covers waking vLLM and loading weights); sequence
+packing and dynamic batch sizes (training micro-batches are ``workload.micro_batch_size``); the
+asynchronous and off-policy modes (a later step of this harness).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from harness.core.plan import Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan
+from harness.errors import ConfigError, PlanError
+from harness.planning.assembler import assemble_ppo_plan
+from harness.planning.estimate import simulated_makespan_s
+from harness.planning.strategies import candidate_strategies, divisors, parse_layout, search, tp_splits_heads
+from harness.planning.workflow import check_layout_fits
+from harness.system import PlanContext
+
+# every task but generation runs in the training layout (the logprobs task too: the assembler gives
+# it update_actor's)
+TRAINING_LAYOUT_TASKS = ("ref", "reward", "values", "update_actor", "update_critic")
+
+
+def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: int,
+               train_layout: Optional[str], zero_stage: int, generation_nodes: int = 0,
+               keys: dict[str, str]) -> Plan:
+    """The plan of the module docstring for ``system``. ``generation_nodes`` > 0 gives generation
+    that many nodes of its own (the last ones) and the training engine the rest, the new weights
+    then broadcast to the generation engines each iteration (``param_sync``) instead of refit on
+    the same GPUs. ``keys`` names the system's option of each knob (``rollout_tp``,
+    ``train_layout``, ``generation_nodes``) for errors and hints."""
+    n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
+    parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
+    if not 0 <= generation_nodes < ctx.cluster.num_nodes:
+        raise ConfigError(f"{keys['generation_nodes']}={generation_nodes}: generation needs 0 (colocated) up "
+                          f"to {ctx.cluster.num_nodes - 1} of the {ctx.cluster.num_nodes} nodes, training the rest")
+    split = n - generation_nodes * per_node
+    train_mesh = tuple(range(split))
+    gen_mesh = tuple(range(split, n)) if generation_nodes else train_mesh
+    actor = ctx.model("actor")
+    num_layers = min(ctx.model(role).num_layers for role in ctx.roles)
+
+    if parallelism == "zero":  # FSDP / ZeRO-3 over every training GPU
+        if train_layout:
+            raise ConfigError(f"{keys['train_layout']}={train_layout} pins a Megatron layout, but the training "
+                              f"engine shards over every GPU (dp={len(train_mesh)}, ZeRO-3); drop it or set "
+                              f"engine.training=megatron")
+        dp, w, g = len(train_mesh), ctx.workload, ctx.algorithm.group_size
+        if w.mini_batch_size % (dp * w.micro_batch_size):
+            # the fewest prompts per mini-batch that make whole micro-batches on every GPU and divide the batch
+            fits = [p for p in range(w.mini_batch_size // g, w.global_batch_size // g + 1)
+                    if (w.global_batch_size // g) % p == 0 and (p * g) % (dp * w.micro_batch_size) == 0]
+            fix = f"set workload.mini_batch_size={fits[0]} or" if fits else "use"
+            raise ConfigError(f"{system}: the training engine runs data-parallel over all {dp} training GPUs, at "
+                              f"least one micro-batch per GPU per step, so a mini-batch of {w.mini_batch_size} "
+                              f"samples must be a multiple of {dp} x workload.micro_batch_size="
+                              f"{w.micro_batch_size}; {fix} engine.training=megatron")
+        train_candidates = [ParallelStrategy(dp=dp, tp=1, pp=1, zero_stage=3)]
+    elif train_layout:
+        pinned = parse_layout(train_layout, zero_stage, keys["train_layout"])
+        check_layout_fits(pinned, len(train_mesh), per_node, num_layers, f"{system} ({keys['train_layout']})")
+        train_candidates = [pinned]
+    else:
+        train_candidates = list(candidate_strategies(len(train_mesh), per_node, num_layers, zero_stage,
+                                                     models=[ctx.model(r) for r in ctx.roles]))
+    if rollout_tp:
+        if per_node % rollout_tp or len(gen_mesh) % rollout_tp or not tp_splits_heads(rollout_tp, [actor]):
+            raise PlanError(f"{system} ({keys['rollout_tp']}={rollout_tp}): a vLLM engine's tensor parallelism "
+                            f"must divide a node's {per_node} GPUs and the {len(gen_mesh)} generation GPUs and "
+                            f"split the actor's {actor.num_heads} heads")
+        tp_candidates = [rollout_tp]
+    else:
+        tp_candidates = [tp for tp in divisors(per_node) if len(gen_mesh) % tp == 0 and tp_splits_heads(tp, [actor])]
+    policy = GenerationPolicy("continuous", max_num_seqs)
+    sync = MovementKind.PARAM_SYNC if generation_nodes else MovementKind.REALLOC
+    plans: dict[tuple[ParallelStrategy, int], Plan] = {}
+
+    def assemble(train: ParallelStrategy, tp: int) -> Plan:
+        if (train, tp) not in plans:
+            train_alloc = Allocation(train_mesh, train)
+            allocs = {task: train_alloc for task in TRAINING_LAYOUT_TASKS}
+            allocs["gen"] = Allocation(gen_mesh, ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1))
+            plans[(train, tp)] = assemble_ppo_plan(
+                ctx, system, allocs, policy, actor_sync=sync, recompute_logprobs=True,
+                layout_keys={"gen": keys["rollout_tp"], **{t: keys["train_layout"] for t in TRAINING_LAYOUT_TASKS}})
+        return plans[(train, tp)]
+
+    # Two searches, not one over every pair: the training layout with the widest feasible vLLM
+    # engines (the least generation memory), then the engines' width with that layout.
+    widest = tp_candidates[-1]
+    train = search(train_candidates, lambda s: simulated_makespan_s(ctx, assemble(s, widest)),
+                   "the training layout", system=system)
+    gen_tp = search([ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1) for tp in tp_candidates],
+                    lambda s: simulated_makespan_s(ctx, assemble(train.strategy, s.tp)),
+                    "the vLLM engines' tensor parallelism", system=system)
+    plan = plans[(train.strategy, gen_tp.strategy.tp)]
+    plan.notes.update({
+        "train_layout": f"{train.strategy}" + (f" ({train.num_candidates} candidates)" if len(train_candidates) > 1
+                                               else ""),
+        "rollout_tp": gen_tp.strategy.tp,
+        "refit": ("param_sync: broadcast to the generation nodes" if generation_nodes
+                  else "realloc_actor_gen: training layout -> vLLM layout on the same GPUs, every iteration"),
+        "logprobs": "recomputed by the training engine after generation",
+    })
+    return plan

@@ -1,0 +1,104 @@
+"""``+system=verl`` and ``+system=nemo_rl``: time-sliced colocation with a weight refit into vLLM
+(baselines/refit.py).
+
+Oracles: the plan's structure follows from the frameworks' design (every task on every GPU, vLLM
+engines of the chosen width, one refit movement per iteration, log-probs recomputed in the
+training layout); the simulated stages never overlap (one pool, stages in turn); the searches keep
+the fastest of the candidates they name; pinned knobs are honoured or refused with their key."""
+import pytest
+
+from harness.core.plan import MovementKind, TaskKind
+from harness.errors import HarnessError
+from harness.planning.estimate import simulate_plan
+from harness.system import discover_systems
+from harness.testing import plan_for
+
+ONE_NODE = ["model=7b", "cluster.num_nodes=1", "workload.global_batch_size=64", "workload.mini_batch_size=16"]
+GRPO = ["algo=grpo", "workload.global_batch_size=16", "workload.mini_batch_size=4"]
+
+
+def test_both_are_found():
+    assert {"verl", "nemo_rl"} <= set(discover_systems())
+
+
+@pytest.mark.parametrize("system", ["verl", "nemo_rl"])
+@pytest.mark.parametrize("algo", [[], GRPO], ids=["ppo", "grpo"])
+def test_every_task_on_every_gpu_with_a_refit_and_recomputed_logprobs(system, algo):
+    plan, ctx, _ = plan_for([f"+system={system}", *ONE_NODE, *algo])
+    plan.validate(ctx.num_devices)
+    devices = tuple(range(ctx.num_devices))
+    assert all(t.allocation.mesh == devices for t in plan.tasks)
+    train = plan.task("update_actor").allocation
+    assert plan.task("logprobs").allocation == train  # the training engine's forward pass
+    assert plan.task("logprobs").writes == ("old_logprobs",) and "old_logprobs" not in plan.task("gen").writes
+    for task in plan.tasks:
+        if task.kind in (TaskKind.INFERENCE, TaskKind.TRAIN):
+            assert task.allocation == train, task.name
+    gen = plan.task("gen").allocation.strategy
+    assert gen.tp == plan.notes["rollout_tp"] and gen.pp == 1 and gen.dp * gen.tp == ctx.num_devices
+    [refit] = plan.weight_movements
+    assert (refit.model.value, refit.kind, refit.source, refit.target) == (
+        "actor", MovementKind.REALLOC, train, plan.task("gen").allocation)
+    trace = simulate_plan(ctx, plan)
+    windows = sorted((min(s.start_s for s in trace.spans if s.task == t.name),
+                      max(s.end_s for s in trace.spans if s.task == t.name)) for t in plan.tasks)
+    for (_, end), (start, _) in zip(windows, windows[1:]):
+        assert start >= end - 1e-9 * trace.makespan_s  # one pool: stages in turn
+
+
+def test_verl_trains_with_fsdp_and_nemo_rl_with_megatron():
+    verl, ctx, _ = plan_for(["+system=verl", *ONE_NODE])
+    nemo, _, _ = plan_for(["+system=nemo_rl", *ONE_NODE])
+    assert verl.engines.training.name == "fsdp" and nemo.engines.training.name == "megatron"
+    assert verl.task("update_actor").allocation.strategy.zero_stage == 3
+    assert verl.task("update_actor").allocation.strategy.dp == ctx.num_devices
+    assert verl.engines.generation.name == nemo.engines.generation.name == "vllm"
+
+
+@pytest.mark.parametrize("knob", ["system.rollout_tp", "system.train_layout"])
+def test_searches_keep_the_fastest_candidate(knob):
+    base = ["+system=verl", *ONE_NODE, "engine.training=megatron"]
+    plan, ctx, _ = plan_for(base)
+    chosen = simulate_plan(ctx, plan).makespan_s
+    values = ["1", "2", "4", "8"] if knob == "system.rollout_tp" else ["dp8tp1pp1", "dp4tp2pp1", "dp2tp4pp1",
+                                                                       "dp1tp8pp1", "dp4tp1pp2"]
+    pinned = {"system.rollout_tp": f"system.rollout_tp={plan.notes['rollout_tp']}",
+              "system.train_layout": f"system.train_layout={plan.notes['train_layout'].split(',')[0]}"}
+    tried = 0
+    for value in values:
+        other_knob = [o for k, o in pinned.items() if k != knob]
+        try:
+            other, _, _ = plan_for([*base, f"{knob}={value}", *other_knob])
+        except HarnessError:  # does not fit or cannot split the batch: never chosen
+            continue
+        tried += 1
+        assert chosen <= simulate_plan(ctx, other).makespan_s * (1 + 1e-12), (knob, value)
+    assert tried >= 2
+
+
+def test_pinned_knobs_are_used_or_refused_with_their_key():
+    plan, _, _ = plan_for(["+system=nemo_rl", *ONE_NODE, "system.gen_tp=2", "system.train_layout=dp2tp4pp1"])
+    assert plan.task("gen").allocation.strategy.tp == 2
+    assert str(plan.task("update_actor").allocation.strategy) == "dp2tp4pp1,zero1"
+    with pytest.raises(HarnessError, match="system.gen_tp=3"):
+        plan_for(["+system=nemo_rl", *ONE_NODE, "system.gen_tp=3"])
+    with pytest.raises(HarnessError, match=r"system.train_layout=dp2tp4pp1 pins a Megatron layout.*"
+                                           r"engine.training=megatron"):
+        plan_for(["+system=verl", *ONE_NODE, "system.train_layout=dp2tp4pp1"])
+
+
+def test_fsdp_refuses_a_mini_batch_smaller_than_the_gpus_and_names_the_fix():
+    with pytest.raises(HarnessError, match=r"set workload.mini_batch_size=8 or engine.training=megatron"):
+        plan_for(["+system=verl", *ONE_NODE, "workload.mini_batch_size=4", "workload.micro_batch_size=1"])
+    plan_for(["+system=verl", *ONE_NODE, "workload.mini_batch_size=8", "workload.micro_batch_size=1"])
+
+
+def test_nemo_rl_with_generation_nodes_broadcasts_to_them():
+    plan, ctx, _ = plan_for(["+system=nemo_rl", "model=7b", "cluster.num_nodes=2", *GRPO,
+                             "system.generation_nodes=1"])
+    gen, train = plan.task("gen").allocation, plan.task("update_actor").allocation
+    assert set(gen.mesh) == set(range(8, 16)) and set(train.mesh) == set(range(8))
+    [sync] = plan.weight_movements
+    assert sync.kind == MovementKind.PARAM_SYNC
+    with pytest.raises(HarnessError, match="system.generation_nodes=2"):
+        plan_for(["+system=nemo_rl", "model=7b", "cluster.num_nodes=2", *GRPO, "system.generation_nodes=2"])
