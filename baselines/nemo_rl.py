@@ -22,10 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import refit_plan
+from baselines.refit import RefitSystem
 from harness.core.config import SystemConfig
-from harness.core.plan import Plan
-from harness.system import PlanContext, System, register_system_config
+from harness.system import register_system_config
 
 
 @dataclass
@@ -41,16 +40,10 @@ class NemoRLConfig(SystemConfig):
     training_engine: str = "megatron"
 
 
-class NemoRL(System):
+class NemoRL(RefitSystem):
     cfg: NemoRLConfig
-
-    def plan(self, ctx: PlanContext) -> Plan:
-        cfg = self.cfg
-        return refit_plan(ctx, cfg.name, rollout_tp=cfg.gen_tp, max_num_seqs=cfg.max_num_seqs,
-                          train_layout=cfg.train_layout, zero_stage=cfg.zero_stage,
-                          generation_nodes=cfg.generation_nodes,
-                          keys={"rollout_tp": "system.gen_tp", "train_layout": "system.train_layout",
-                                "generation_nodes": "system.generation_nodes"})
+    KNOBS = {"rollout_tp": "gen_tp", "max_num_seqs": "max_num_seqs", "train_layout": "train_layout",
+             "zero_stage": "zero_stage", "generation_nodes": "generation_nodes"}
 
 
 register_system_config("nemo_rl", NemoRLConfig)

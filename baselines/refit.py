@@ -46,7 +46,7 @@ from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import simulated_makespan_s
 from harness.planning.strategies import candidate_strategies, divisors, parse_layout, search, tp_splits_heads
 from harness.planning.workflow import check_layout_fits
-from harness.system import PlanContext
+from harness.system import PlanContext, System
 
 # every task but generation runs in the training layout (the logprobs task too: the assembler gives
 # it update_actor's)
@@ -135,3 +135,19 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         "logprobs": "recomputed by the training engine after generation",
     })
     return plan
+
+
+class RefitSystem(System):
+    """A system planned by :func:`refit_plan`. ``KNOBS`` maps each knob (``rollout_tp``,
+    ``max_num_seqs``, ``train_layout``, ``zero_stage``, ``generation_nodes``) to the field of the
+    system's config that sets it (the framework's own name for it); a knob it does not map is off."""
+
+    KNOBS: dict[str, str] = {}
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        knob = {name: getattr(self.cfg, field) for name, field in self.KNOBS.items()}
+        keys = {name: f"system.{field}" for name, field in self.KNOBS.items()}
+        keys.setdefault("generation_nodes", "system.generation_nodes")  # named only when set
+        return refit_plan(ctx, self.cfg.name, rollout_tp=knob["rollout_tp"], max_num_seqs=knob["max_num_seqs"],
+                          train_layout=knob["train_layout"], zero_stage=knob["zero_stage"],
+                          generation_nodes=knob.get("generation_nodes", 0), keys=keys)

@@ -25,10 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import refit_plan
+from baselines.refit import RefitSystem
 from harness.core.config import SystemConfig
-from harness.core.plan import Plan
-from harness.system import PlanContext, System, register_system_config
+from harness.system import register_system_config
 
 
 @dataclass
@@ -43,15 +42,10 @@ class VerlConfig(SystemConfig):
     training_engine: str = "fsdp"
 
 
-class Verl(System):
+class Verl(RefitSystem):
     cfg: VerlConfig
-
-    def plan(self, ctx: PlanContext) -> Plan:
-        cfg = self.cfg
-        return refit_plan(ctx, cfg.name, rollout_tp=cfg.rollout_tp, max_num_seqs=cfg.max_num_seqs,
-                          train_layout=cfg.train_layout, zero_stage=cfg.zero_stage,
-                          keys={"rollout_tp": "system.rollout_tp", "train_layout": "system.train_layout",
-                                "generation_nodes": "system.generation_nodes"})
+    KNOBS = {"rollout_tp": "rollout_tp", "max_num_seqs": "max_num_seqs", "train_layout": "train_layout",
+             "zero_stage": "zero_stage"}
 
 
 register_system_config("verl", VerlConfig)
