@@ -32,6 +32,9 @@ class LlamaConfig:
     num_heads: int = MISSING
     num_kv_heads: int = MISSING  # == num_heads without grouped-query attention
     ffn_hidden_size: int = MISSING
+    # Width of one attention head; None: hidden_size // num_heads (LLaMA). Qwen3 fixes it at 128
+    # whatever the width (Qwen3-32B: 64 heads x 128 = 8192 query columns on a 5120-wide model).
+    head_dim: Optional[int] = None
     vocab_size: int = 32000
     max_seq_len: int = 4096
     # Critic and reward models replace the LM head with a scalar value head.

@@ -280,9 +280,9 @@ class CalibratedCompute:
         count: ``(k, n, k * n, None, floor, c0, c_flop, c_byte)`` for a GEMM, ``(None, None, None,
         bytes per token, floor, ...)`` for an elementwise op; ``floor = f0 + f_w * width``."""
         dims = _vidur_dims(d)
-        h, f, n_head, n_kv, up = dims
-        kv = max(1.0, float(int(n_kv // tp))) * (h / n_head)
-        gemm_shapes = {"attn_pre_proj": (h, h / tp + 2.0 * kv), "attn_post_proj": (h / tp, h),
+        h, f, n_head, n_kv, up, head_dim = dims
+        q, kv = n_head * head_dim, max(1.0, float(int(n_kv // tp))) * head_dim
+        gemm_shapes = {"attn_pre_proj": (h, q / tp + 2.0 * kv), "attn_post_proj": (q / tp, h),
                        "mlp_up_proj": (h, up * f / tp), "mlp_down_proj": (f / tp, h)}
         terms = []
         for op in LAYER_OPS:
@@ -309,9 +309,9 @@ class CalibratedCompute:
         ``kv_tokens_read`` KV entries streamed from HBM (the whole cache in decode)."""
         if num_tokens <= 0:
             return 0.0
-        flops = 4.0 * d.hidden_size * context_len * num_tokens / tp
+        flops = 4.0 * d.q_dim * context_len * num_tokens / tp
         kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
-        q_out = 2.0 * num_tokens * d.hidden_size / tp  # read Q, write O
+        q_out = 2.0 * num_tokens * d.q_dim / tp  # read Q, write O
         nbytes = (2.0 * kv_local * kv_tokens_read + q_out) * BF16_BYTES
         floor = self.cal.law("add", tp).f0
         return max(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte) + floor
@@ -414,9 +414,9 @@ class CalibratedCompute:
         head = self.head_s(d, tp, batch_size / num_mbs)
         comm = self._allreduces_s(d.num_layers, mb, d, tp)
         total = context_tokens_total + np.arange(num_steps, dtype=np.int64) * batch_size
-        flops = 4.0 * d.hidden_size * (total / batch_size) * mb / tp
+        flops = 4.0 * d.q_dim * (total / batch_size) * mb / tp
         kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
-        q_out = 2.0 * mb * d.hidden_size / tp
+        q_out = 2.0 * mb * d.q_dim / tp
         nbytes = (2.0 * kv_local * (total / num_mbs) + q_out) * BF16_BYTES
         attention = np.maximum(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte)
         attention += self.cal.law("add", tp).f0
@@ -495,26 +495,26 @@ def derived_graph_step_overhead_s() -> float:
 
 
 @lru_cache(maxsize=None)
-def _vidur_dims(d: ModelDims) -> tuple[float, float, float, float, float]:
-    """``(h, ffn, heads, kv heads, up-projection matrices)``: 2 (gate and up) for SwiGLU, Vidur's
-    ``use_gated_mlp``; 1 for a GeLU MLP."""
+def _vidur_dims(d: ModelDims) -> tuple[float, float, float, float, float, float]:
+    """``(h, ffn, heads, kv heads, up-projection matrices, head width)``: 2 up-projection matrices
+    (gate and up) for SwiGLU, Vidur's ``use_gated_mlp``; 1 for a GeLU MLP."""
     return (float(d.hidden_size), float(d.ffn_hidden_size), float(d.num_heads),
-            float(d.num_kv_heads), 2.0 if d.gated_mlp else 1.0)
+            float(d.num_kv_heads), 2.0 if d.gated_mlp else 1.0, float(d.head_dim))
 
 
-def _op_work(op: str, dims: tuple[float, float, float, float, float], tp: int,
+def _op_work(op: str, dims: tuple[float, float, float, float, float, float], tp: int,
              m: float) -> tuple[float, float, float]:
     """(FLOPs, bytes, width) of a profiled op; see :func:`harness.costmodel.measured.op_work`
     (tested equal)."""
-    h, f, n_head, n_kv, up = dims
-    kv = max(1.0, float(int(n_kv // tp))) * (h / n_head)
+    h, f, n_head, n_kv, up, head_dim = dims
+    q, kv = n_head * head_dim, max(1.0, float(int(n_kv // tp))) * head_dim
     b = BF16_BYTES
     if op in ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj"):
-        k, n = {"attn_pre_proj": (h, h / tp + 2.0 * kv), "attn_post_proj": (h / tp, h),
+        k, n = {"attn_pre_proj": (h, q / tp + 2.0 * kv), "attn_post_proj": (q / tp, h),
                 "mlp_up_proj": (h, up * f / tp), "mlp_down_proj": (f / tp, h)}[op]
         return 2.0 * m * k * n, b * (k * n + m * k + m * n), b * (k * n + k + n)
     per_token = {"input_layernorm": 2.0 * h, "post_attention_layernorm": 2.0 * h, "emb": 2.0 * h,
-                 "attn_rope": 2.0 * (h / tp + kv), "mlp_act": (up + 1.0) * f / tp,
+                 "attn_rope": 2.0 * (q / tp + kv), "mlp_act": (up + 1.0) * f / tp,
                  "add": 3.0 * h}[op]
     return 0.0, b * per_token * m, b * per_token
 

@@ -167,7 +167,7 @@ class Roofline:
         elif recompute == "selective":
             d = ModelDims.of(model)
             layers = d.num_layers if num_layers is None else num_layers
-            core_flops = 4.0 * d.hidden_size * context_len * num_tokens * layers / tp
+            core_flops = 4.0 * d.q_dim * context_len * num_tokens * layers / tp
             time_s += core_flops / self.flops_per_s
         elif recompute != "none":
             raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")

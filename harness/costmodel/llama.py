@@ -76,6 +76,7 @@ class ModelDims:
     tied_embeddings: bool = False  # LM head = input embedding (OPT, Megatron GPT)
     learned_positions: bool = False  # max_seq_len x hidden position embedding (OPT, GPT)
     max_seq_len: int = 4096  # only counted with learned_positions
+    head_size: int = 0  # LlamaConfig.head_dim; 0: hidden_size // num_heads
 
     @property
     def gated_mlp(self) -> bool:
@@ -84,7 +85,13 @@ class ModelDims:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the Q projection (and the input of the output projection): ``num_heads * head_dim``,
+        ``hidden_size`` unless the model sets its own head width."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -129,6 +136,9 @@ def _dims_from(cfg: Any) -> ModelDims:
     get = cfg.get if isinstance(cfg, (dict, DictConfig)) else lambda k, d=None: getattr(cfg, k, d)
     values = {}
     for f in dataclasses.fields(ModelDims):
+        if f.name == "head_size":  # a config's head_dim (None or absent: derived from the width)
+            values[f.name] = int(get("head_dim", None) or get("head_size", 0) or 0)
+            continue
         value = get(f.name, f.default)
         if value is dataclasses.MISSING or value == "???":
             raise ValueError(f"model config lacks required field {f.name!r}: {cfg!r}")
@@ -137,10 +147,10 @@ def _dims_from(cfg: Any) -> ModelDims:
     if dims.mlp not in MLP_MATRICES:
         raise ValueError(f"model {dims.name!r}: mlp={dims.mlp!r} is not one of {', '.join(MLP_KINDS)} "
                          f"(swiglu: LLaMA's gate/up/down; gelu: OPT/GPT's up/down)")
-    if dims.hidden_size % dims.num_heads or dims.num_heads % dims.num_kv_heads:
+    if (not dims.head_size and dims.hidden_size % dims.num_heads) or dims.num_heads % dims.num_kv_heads:
         raise ValueError(
             f"model {dims.name!r}: hidden_size {dims.hidden_size} must divide into "
-            f"{dims.num_heads} heads, and heads into {dims.num_kv_heads} kv heads"
+            f"{dims.num_heads} heads (or head_dim be set), and heads into {dims.num_kv_heads} kv heads"
         )
     return dims
 
@@ -153,7 +163,7 @@ def _dims_from(cfg: Any) -> ModelDims:
 @lru_cache(maxsize=None)
 def _matmul_params_per_layer(d: ModelDims) -> int:
     h = d.hidden_size
-    attention = 2 * h * h + 2 * h * d.kv_dim  # W_q, W_o: h x h; W_k, W_v: h x kv_dim
+    attention = 2 * h * d.q_dim + 2 * h * d.kv_dim  # W_q: h x q_dim, W_o: q_dim x h; W_k, W_v: h x kv_dim
     # SwiGLU: gate, up (h x ffn) and down (ffn x h); GeLU: up and down
     mlp = MLP_MATRICES[d.mlp] * h * d.ffn_hidden_size
     return attention + mlp
@@ -226,7 +236,7 @@ def forward_flops(
     FLOPs."""
     d = ModelDims.of(m)
     layers = d.num_layers if num_layers is None else num_layers
-    per_token_layer = 2.0 * _matmul_params_per_layer(d) + 4.0 * d.hidden_size * context_len
+    per_token_layer = 2.0 * _matmul_params_per_layer(d) + 4.0 * d.q_dim * context_len
     flops = per_token_layer * num_tokens * layers
     if include_head:
         flops += 2.0 * head_params(d) * num_tokens
@@ -245,14 +255,15 @@ def activation_io_elems_per_token_layer(d: ModelDims) -> int:
     pass, assuming each matmul reads its input and writes its output once and the
     attention core is a fused (FlashAttention-style) kernel that keeps scores on chip.
 
-    Our own count: norm 1 (read h, write h), QKV (read h, write h + 2 kv_dim), attention
-    core (read h + 2 kv_dim, write h), output projection (read h, write h), residual add
+    Our own count: norm 1 (read h, write h), QKV (read h, write q + 2 kv_dim), attention
+    core (read q + 2 kv_dim, write q), output projection (read q, write h), residual add
     (read 2h, write h), norm 2 (2h), gate/up (read h, write 2 ffn), SwiGLU (read 2 ffn,
-    write ffn), down (read ffn, write h), residual add (3h). A GeLU MLP: up (read h, write
+    write ffn), down (read ffn, write h), residual add (3h); ``q`` is the query width
+    (``h`` unless the model sets its own head width). A GeLU MLP: up (read h, write
     ffn), GeLU (read ffn, write ffn), down (read ffn, write h).
     """
-    h, kv, f = d.hidden_size, d.kv_dim, d.ffn_hidden_size
-    attention_block = 2 * h + (2 * h + 2 * kv) + (2 * h + 2 * kv) + 2 * h + 3 * h
+    h, kv, f, q = d.hidden_size, d.kv_dim, d.ffn_hidden_size, d.q_dim
+    attention_block = 2 * h + (h + q + 2 * kv) + (2 * q + 2 * kv) + (q + h) + 3 * h
     if d.gated_mlp:
         mlp_block = 2 * h + (h + 2 * f) + 3 * f + (f + h) + 3 * h
     else:

@@ -152,7 +152,8 @@ def load_network(gpu: Optional[str] = None, root: Path | str = PROFILE_DIR) -> p
 def op_work(op: str, dims: pd.DataFrame | dict, tp, num_tokens) -> tuple[np.ndarray, np.ndarray]:
     """(FLOPs, bytes) per GPU of ``op`` over ``num_tokens`` tokens at tensor parallelism ``tp``
     for a model with Vidur-style dimensions ``dims`` (``n_head, n_kv_head, n_embd,
-    n_expanded_embd, use_gated_mlp``; scalars or arrays). See the module docstring."""
+    n_expanded_embd, use_gated_mlp``, and ``head_dim`` where a model's head width is not
+    ``n_embd / n_head``; scalars or arrays). See the module docstring."""
     h = np.asarray(dims["n_embd"], dtype=float)
     f = np.asarray(dims["n_expanded_embd"], dtype=float)
     n_head = np.asarray(dims["n_head"], dtype=float)
@@ -160,7 +161,8 @@ def op_work(op: str, dims: pd.DataFrame | dict, tp, num_tokens) -> tuple[np.ndar
     gated = np.asarray(dims.get("use_gated_mlp", True), dtype=bool)
     tp = np.asarray(tp, dtype=float)
     m = np.asarray(num_tokens, dtype=float)
-    head_dim = h / n_head
+    head_dim = np.asarray(dims["head_dim"], dtype=float) if "head_dim" in dims else h / n_head
+    q = n_head * head_dim  # the Q projection's width (n_embd unless the model sets its head width)
     kv = np.maximum(1.0, np.floor(n_kv / tp)) * head_dim  # local K (and V) width
 
     def gemm(k, n):
@@ -168,9 +170,9 @@ def op_work(op: str, dims: pd.DataFrame | dict, tp, num_tokens) -> tuple[np.ndar
 
     zero = np.zeros_like(m * h)
     if op == "attn_pre_proj":
-        return gemm(h, h / tp + 2.0 * kv)
+        return gemm(h, q / tp + 2.0 * kv)
     if op == "attn_post_proj":
-        return gemm(h / tp, h)
+        return gemm(q / tp, h)
     if op == "mlp_up_proj":
         return gemm(h, np.where(gated, 2.0, 1.0) * f / tp)
     if op == "mlp_down_proj":
@@ -178,7 +180,7 @@ def op_work(op: str, dims: pd.DataFrame | dict, tp, num_tokens) -> tuple[np.ndar
     if op in ("input_layernorm", "post_attention_layernorm", "emb"):
         return zero, BYTES * 2.0 * m * h
     if op == "attn_rope":
-        return zero, BYTES * 2.0 * m * (h / tp + kv)
+        return zero, BYTES * 2.0 * m * (q / tp + kv)
     if op == "mlp_act":
         return zero, BYTES * np.where(gated, 3.0, 2.0) * m * f / tp
     if op == "add":

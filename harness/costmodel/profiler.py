@@ -127,6 +127,10 @@ def local_dims(llama_cfg, tp: int = 1) -> dict[str, int]:
     if h % heads:
         raise ValueError(f"hidden_size={h} is not divisible by num_heads={heads}")
     head_dim = h // heads
+    own = getattr(llama_cfg, "head_dim", None)
+    if own is not None and own != head_dim:  # the profile table's columns have no head width
+        raise ValueError(f"head_dim={own} differs from hidden_size / num_heads = {head_dim}: profiles of "
+                         f"such models are not supported (the profile table has no head_dim column)")
     loc_heads = max(1, heads // tp)
     loc_kv = max(1, kv_heads // tp)
     return {"heads": loc_heads, "kv_heads": loc_kv, "head_dim": head_dim,

@@ -249,7 +249,8 @@ def test_calibrated_layer_follows_the_architecture(gpu):
 # Nodes of 8 H100s a DeepSpeed-Chat plan needs to fit (all four models resident, ZeRO-3).
 NODES = {"opt_30b_350m": 2, "opt_66b_350m": 4, "opt_175b_350m": 16, "codellama_34b": 4,
          "llama3_70b": 8, "13b_33b": 2, "33b_13b": 2, "33b": 4, "33b_65b": 4, "65b_33b": 4,
-         "65b": 8, "70b": 8, "qwen2_5_14b": 2, "qwen2_5_32b": 4, "qwen2_5_72b": 8, "llama3_1_70b": 8}
+         "65b": 8, "70b": 8, "qwen2_5_14b": 2, "qwen2_5_32b": 4, "qwen2_5_72b": 8, "llama3_1_70b": 8,
+         "qwen3_32b": 4}
 
 
 @pytest.mark.parametrize("model_set", MODEL_SETS)
@@ -293,7 +294,8 @@ def test_one_role_override_with_a_new_config():
 # (config, the released checkpoint's parameter count (its model card), relative tolerance): the
 # LLaMA-style count leaves out Qwen2's q/k/v biases and Qwen3's q/k norms (< 0.1%).
 CURRENT = [("qwen2_5_7b", 7.61e9), ("qwen2_5_math_7b", 7.61e9), ("qwen2_5_14b", 14.7e9), ("qwen2_5_32b", 32.5e9),
-           ("qwen2_5_72b", 72.7e9), ("qwen3_8b", 8.19e9), ("llama3_1_8b", 8.03e9), ("llama3_1_70b", 70.6e9)]
+           ("qwen2_5_72b", 72.7e9), ("qwen3_8b", 8.19e9), ("qwen3_32b", 32.8e9), ("llama3_1_8b", 8.03e9),
+           ("llama3_1_70b", 70.6e9)]
 
 
 @pytest.mark.parametrize(("name", "published"), CURRENT)
@@ -387,3 +389,22 @@ def test_grpo_on_a_current_model_plans_and_simulates_on_current_gpus(cluster):
                                          f"cluster={cluster}", "cluster.num_nodes=1",
                                          "workload.global_batch_size=64", "workload.mini_batch_size=16"])
     assert results[0][1]["perf/samples_per_s"] > 0 and plan.global_batch_size == 64 * 8
+
+
+def test_a_head_width_of_its_own_widens_the_attention_not_the_model():
+    """Qwen3-32B's 64 heads of 128 make a query projection of 8192 columns on a 5120-wide model: the
+    model card's 32.8B parameters (31.2B without the two embedding matrices) need it, and the same
+    model with hidden / heads = 80-wide heads would have 2.0B fewer (four 5120 x 3072 matrices per
+    layer less, over 64 layers: W_q and W_o lose 5120 x 3072 each, K and V keep 8 x 128)."""
+    cfg = llama("qwen3_32b")
+    d = L.ModelDims.of(cfg)
+    assert (d.head_dim, d.q_dim, d.kv_dim) == (128, 8192, 1024)
+    assert L.num_params(cfg) - 2 * 151936 * 5120 == pytest.approx(31.2e9, rel=0.005)
+    narrow = dataclasses.replace(d, head_size=0)
+    assert narrow.head_dim == 80 and narrow.kv_dim == 640
+    widen_q = 64 * 2 * 5120 * (8192 - 5120)  # W_q and W_o
+    widen_kv = 64 * 2 * 5120 * (1024 - 640)  # W_k and W_v
+    assert L.num_params(d) - L.num_params(narrow) == widen_q + widen_kv
+    # attention's FLOPs scale with the query width: 4 x q_dim per key per token per layer
+    one_key = L.forward_flops(d, 1, 1.0, include_head=False) - L.forward_flops(d, 1, 0.0, include_head=False)
+    assert one_key == 4.0 * 8192 * 64
