@@ -21,7 +21,8 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
   loaded into the generation layout on the same GPUs (verl's sharding manager, its
   "3D-HybridEngine", section 5.3; NeMo-RL's refit through CUDA IPC handles): a weight movement every
   iteration (``realloc_actor_gen``), timed by the cost model's resharding of the actor's bytes
-  between the two layouts. The copy in the generation layout is not kept resident: it is freed
+  between the two layouts. Where both layouts are the same (a dp-only layout without ZeRO-3 on a
+  few GPUs) the plan has no movement: the copy the frameworks make inside each GPU is not modelled. The copy in the generation layout is not kept resident: it is freed
   after generation, as the frameworks release vLLM's weights and KV cache while training runs
   (verl's and NeMo-RL's sleep of the inference engine), so generation and training each have the
   GPUs' memory.
@@ -131,7 +132,8 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
                                                else ""),
         "rollout_tp": gen_tp.strategy.tp,
         "refit": ("param_sync: broadcast to the generation nodes" if generation_nodes
-                  else "realloc_actor_gen: training layout -> vLLM layout on the same GPUs, every iteration"),
+                  else "realloc_actor_gen: training layout -> vLLM layout on the same GPUs, every iteration"
+                  if plan.weight_movements else "none: the vLLM layout holds the training layout's full weights"),
         "logprobs": "recomputed by the training engine after generation",
     })
     return plan
