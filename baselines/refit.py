@@ -10,7 +10,8 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
   ``policy.generation.colocated.enabled``).
 - **Training in the training engine's layout**: with a ZeRO-style engine (FSDP: verl's default
   actor strategy, NeMo-RL's DTensor policy) parameters, gradients and optimizer states are sharded
-  over all N GPUs (dp = N, ZeRO-3); with Megatron-core, a (dp, tp, pp) layout pinned by
+  over all N GPUs (dp = N, ZeRO-3), each GPU training its share of a mini-batch in micro-batches
+  of at most ``workload.micro_batch_size`` (the largest that divides the share); with Megatron-core, a (dp, tp, pp) layout pinned by
   ``system.train_layout`` or searched. The reference model, the reward model and the critic (PPO)
   use the same layout.
 - **Generation in vLLM's own layout**: ``N / tp`` engines of ``system.rollout_tp`` GPUs each
@@ -64,6 +65,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     ``train_layout``, ``generation_nodes``) for errors and hints."""
     n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
     parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
+    micro_batch_size = ctx.workload.micro_batch_size
     if not 0 <= generation_nodes < ctx.cluster.num_nodes:
         raise ConfigError(f"{keys['generation_nodes']}={generation_nodes}: generation needs 0 (colocated) up "
                           f"to {ctx.cluster.num_nodes - 1} of the {ctx.cluster.num_nodes} nodes, training the rest")
@@ -79,15 +81,18 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
                               f"engine shards over every GPU (dp={len(train_mesh)}, ZeRO-3); drop it or set "
                               f"engine.training=megatron")
         dp, w, g = len(train_mesh), ctx.workload, ctx.algorithm.group_size
-        if w.mini_batch_size % (dp * w.micro_batch_size):
-            # the fewest prompts per mini-batch that make whole micro-batches on every GPU and divide the batch
+        if w.mini_batch_size % dp:
+            # the fewest prompts per mini-batch that give every GPU a whole share and divide the batch
             fits = [p for p in range(w.mini_batch_size // g, w.global_batch_size // g + 1)
-                    if (w.global_batch_size // g) % p == 0 and (p * g) % (dp * w.micro_batch_size) == 0]
+                    if (w.global_batch_size // g) % p == 0 and (p * g) % dp == 0]
             fix = f"set workload.mini_batch_size={fits[0]} or" if fits else "use"
-            raise ConfigError(f"{system}: the training engine runs data-parallel over all {dp} training GPUs, at "
-                              f"least one micro-batch per GPU per step, so a mini-batch of {w.mini_batch_size} "
-                              f"samples must be a multiple of {dp} x workload.micro_batch_size="
-                              f"{w.micro_batch_size}; {fix} engine.training=megatron")
+            raise ConfigError(f"{system}: the training engine runs data-parallel over all {dp} training GPUs, the "
+                              f"same number of samples on each per step, so a mini-batch of {w.mini_batch_size} "
+                              f"samples must be a multiple of {dp}; {fix} engine.training=megatron")
+        # each GPU's micro-batch: the workload's, or the largest divisor of its share below it (verl's
+        # ppo_micro_batch_size_per_gpu must divide the share)
+        share = w.mini_batch_size // dp
+        micro_batch_size = max(m for m in range(1, min(w.micro_batch_size, share) + 1) if share % m == 0)
         train_candidates = [ParallelStrategy(dp=dp, tp=1, pp=1, zero_stage=3)]
     elif train_layout:
         pinned = parse_layout(train_layout, zero_stage, keys["train_layout"])
@@ -115,6 +120,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
             allocs["gen"] = Allocation(gen_mesh, ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1))
             plans[(train, tp)] = assemble_ppo_plan(
                 ctx, system, allocs, policy, actor_sync=sync, recompute_logprobs=True,
+                micro_batch_size=micro_batch_size,
                 layout_keys={"gen": keys["rollout_tp"], **{t: keys["train_layout"] for t in TRAINING_LAYOUT_TASKS}})
         return plans[(train, tp)]
 

@@ -93,6 +93,14 @@ def test_fsdp_refuses_a_mini_batch_smaller_than_the_gpus_and_names_the_fix():
     plan_for(["+system=verl", *ONE_NODE, "workload.mini_batch_size=8", "workload.micro_batch_size=1"])
 
 
+def test_fsdp_micro_batches_divide_each_gpus_share():
+    """16 samples per mini-batch over 8 GPUs: 2 each, so a workload micro-batch of 4 trains in
+    micro-batches of 2 (one per step), and one of 1 in two accumulation steps."""
+    for micro, expected in ((4, 2), (1, 1)):
+        plan, _, _ = plan_for(["+system=verl", *ONE_NODE, f"workload.micro_batch_size={micro}"])
+        assert {stage.micro_batch_size for stage in plan.training} == {expected}
+
+
 def test_nemo_rl_with_generation_nodes_broadcasts_to_them():
     plan, ctx, _ = plan_for(["+system=nemo_rl", "model=7b", "cluster.num_nodes=2", *GRPO,
                              "system.generation_nodes=1"])
