@@ -299,7 +299,7 @@ def test_smollm2_ppo_iteration(run_harness, tmp_path):
 SMOLLM2_COMMAND = ["+system=deepspeed_chat", "model=smollm2_135m", "workload=tiny", "backend=ray", "cluster=h100_8x",
                    "cluster.num_nodes=1", "cluster.gpus_per_node=1", "workload.global_batch_size=4",
                    "system.mini_batch_size=4", "system.generation_batch_size=4", "backend.num_iterations=1", "backend.num_warmup_iterations=0", "backend.options.digest=false",
-                   "logger=none",
+                   "backend.options.zero3_impl=native", "logger=none",
                    "logger.progress_bar=false"]
 
 
