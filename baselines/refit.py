@@ -11,8 +11,8 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
 - **Training in the training engine's layout**: with a ZeRO-style engine (FSDP: verl's default
   actor strategy, NeMo-RL's DTensor policy) parameters, gradients and optimizer states are sharded
   over all N GPUs (dp = N, ZeRO-3), each GPU training its share of a mini-batch in micro-batches
-  of at most ``workload.micro_batch_size`` (the largest that divides the share); with Megatron-core, a (dp, tp, pp) layout pinned by
-  ``system.train_layout`` or searched. The reference model, the reward model and the critic (PPO)
+  of at most ``workload.micro_batch_size`` (the largest that divides the share); with
+  Megatron-core, a (dp, tp, pp) layout pinned by ``system.train_layout`` or searched. The reference model, the reward model and the critic (PPO)
   use the same layout.
 - **Generation in vLLM's own layout**: ``N / tp`` engines of ``system.rollout_tp`` GPUs each
   (searched when 0: the fastest whole iteration among the tensor-parallel degrees that fit a node
@@ -23,10 +23,10 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
   "3D-HybridEngine", section 5.3; NeMo-RL's refit through CUDA IPC handles): a weight movement every
   iteration (``realloc_actor_gen``), timed by the cost model's resharding of the actor's bytes
   between the two layouts. Where both layouts are the same (a dp-only layout without ZeRO-3 on a
-  few GPUs) the plan has no movement: the copy the frameworks make inside each GPU is not modelled. The copy in the generation layout is not kept resident: it is freed
-  after generation, as the frameworks release vLLM's weights and KV cache while training runs
-  (verl's and NeMo-RL's sleep of the inference engine), so generation and training each have the
-  GPUs' memory.
+  few GPUs) the plan has no movement: the copy the frameworks make inside each GPU is not modelled.
+  The copy in the generation layout is not kept resident: it is freed after generation, as the
+  frameworks release vLLM's weights and KV cache while training runs (verl's and NeMo-RL's sleep
+  of the inference engine), so generation and training each have the GPUs' memory.
 - **Log-probs recomputed by the training engine**: after generation the behaviour policy's
   log-probs come from a forward pass of the actor in its training layout (task ``logprobs``: verl's
   ``compute_log_prob``, NeMo-RL's "get logprobs"), not from vLLM, whose numbers differ; the

@@ -40,3 +40,10 @@ def readme_command(system: str) -> list[str]:
     found = [m.group(0).strip() for m in pattern.finditer(README.read_text())]
     assert len(found) == 1, (system, found)
     return shlex.split(found[0])[3:]
+
+
+def run_folder(cwd: Path) -> Path:
+    """The one run folder a ``python -m harness`` run of ``model=tiny`` started in ``cwd`` wrote
+    (``results/default/<variant>/tiny/seed<k>``)."""
+    [summary] = Path(cwd).glob("results/default/*/tiny/seed*/summary.json")
+    return summary.parent

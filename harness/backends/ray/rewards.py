@@ -36,18 +36,12 @@ def task_scores(tokens: Tensor, prompt_lens: Tensor, last_index: Tensor, reward:
     return hit.sum(-1).float() / response.sum(-1).clamp(min=1).float()
 
 
-def rule_reward(options: RewardOptions) -> TaskReward:
-    """The rule-based verifier of a run without a reward model (``algo.reward=rule``): the task of
-    ``backend.options.reward``, which :meth:`~harness.backends.ray.driver.backend.RayBackend.check_before_planning`
-    has checked names one."""
-    if options.kind == "model":
-        raise ValueError("a rule-based reward needs a programmatic task, not backend.options.reward.kind=model")
-    return TaskReward(options.kind, options.low, options.high)
-
-
 def task_reward(role: str, options: RewardOptions) -> Optional[TaskReward]:
     """The programmatic reward an inference pass of ``role`` computes: for the reward model under
-    ``backend.options.reward.kind=token_range``, that task; None otherwise (the model's own output)."""
+    ``backend.options.reward.kind=token_range``, that task; None otherwise (the model's own output).
+    A run without a reward model (``algo.reward=rule``) verifies with the reward role's task on the
+    driver; :meth:`~harness.backends.ray.driver.backend.RayBackend.check_before_planning` has
+    refused ``kind=model`` there."""
     if role != "reward" or options.kind == "model":
         return None
     return TaskReward(options.kind, options.low, options.high)

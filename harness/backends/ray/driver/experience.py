@@ -150,7 +150,7 @@ def training_data(inputs: Mapping[str, Any], algorithm: AlgorithmConfig, gamma: 
     of :mod:`harness.real.advantages` over the group layout of the batch. The KL term goes into the
     reward (``algo.kl_penalty=reward``) or, as the reference log-probs, into the actor's loss
     (``loss``, GRPO). With ``algo.overlong_filter`` a response that reached ``max_gen_len`` tokens
-    leaves the loss (its ``loss_mask`` row is 0; DAPO section 3.4)."""
+    leaves the loss (its ``action_mask`` row in the loss inputs is 0; DAPO section 3.4)."""
     responses = inputs["responses"]
     mask = torch.as_tensor(responses["action_mask"])
     logp = torch.as_tensor(inputs["old_logprobs"])

@@ -46,7 +46,7 @@ from harness.backends.ray.driver.inter_stage import StreamedGeneration
 from harness.backends.ray.driver.training import train_unit
 from harness.backends.ray.protocol import Dispatch, Generate, Infer, Move, Release, State
 from harness.backends.ray.replies import FinishedSample, Result
-from harness.backends.ray.rewards import rule_reward, task_reward
+from harness.backends.ray.rewards import task_reward
 from harness.core import metrics as mk
 from harness.core.plan import Allocation, Plan, Task, TaskKind
 from harness.core.trace import PARAM_DIGEST, UNITS, SampleRecord, Span, StepTrace
@@ -129,7 +129,7 @@ class Iteration:
         self.rollout = ex.build_rollout(self.prompts, responses)
         if not self.ctx.algorithm.has_reward_model:
             start = time.perf_counter()
-            self.outputs["reward"] = ex.rule_scores(self.rollout, rule_reward(self.opts.reward))
+            self.outputs["reward"] = ex.rule_scores(self.rollout, task_reward("reward", self.opts.reward))
             self.trace.counters[mk.VERIFY_TAIL] = time.perf_counter() - start
 
     # ---- freeing copies whose phase has ended ------------------------------------------------

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import flat_weights, readme_command
+from tests.helpers import flat_weights, readme_command, run_folder
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -104,16 +104,11 @@ def runs(tmp_path_factory, run_harness):
     return out
 
 
-def _run_folder(cwd: Path) -> Path:
-    [summary] = cwd.glob("results/default/*/tiny/seed*/summary.json")
-    return summary.parent
-
-
 @pytest.mark.parametrize("name", list(RUNS))
 def test_runs_write_results(runs, name):
     cwd, proc = runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    folder = _run_folder(cwd)
+    folder = run_folder(cwd)
     summary = json.loads((folder / "summary.json").read_text())
     m = summary["metrics"]
     assert summary["run"]["backend"] == "ray"
@@ -130,7 +125,7 @@ def test_runs_write_results(runs, name):
 
 
 def test_rlhfuse_base_plans_exercise_pipeline_and_tensor_parallelism(runs):
-    plans = {n: json.loads((_run_folder(runs[n][0]) / "plan.json").read_text()) for n in RUNS}
+    plans = {n: json.loads((run_folder(runs[n][0]) / "plan.json").read_text()) for n in RUNS}
     strategies = {n: {t["name"]: t["allocation"]["strategy"] for t in p["tasks"]} for n, p in plans.items()}
     assert strategies["rlhfuse_base"]["update_actor"]["pp"] == 2
     assert strategies["rlhfuse_base_long_tail"]["update_actor"]["tp"] == 4
@@ -140,7 +135,7 @@ def test_rlhfuse_base_plans_exercise_pipeline_and_tensor_parallelism(runs):
 
 
 def _summary(runs, name: str) -> dict:
-    return json.loads((_run_folder(runs[name][0]) / "summary.json").read_text())
+    return json.loads((run_folder(runs[name][0]) / "summary.json").read_text())
 
 
 def _state(runs, name: str, role: str) -> dict[str, torch.Tensor]:
@@ -148,7 +143,7 @@ def _state(runs, name: str, role: str) -> dict[str, torch.Tensor]:
 
 
 def test_readme_commands_use_the_same_mini_batches(runs):
-    plans = {s: json.loads((_run_folder(runs[s][0]) / "plan.json").read_text()) for s in README_SYSTEMS}
+    plans = {s: json.loads((run_folder(runs[s][0]) / "plan.json").read_text()) for s in README_SYSTEMS}
     assert {s: p["mini_batch_size"] for s, p in plans.items()} == dict.fromkeys(README_SYSTEMS, 4)
     # DeepSpeed-Chat: one sample per GPU per micro-step (the workload's micro-batch is 2)
     assert {stage["micro_batch_size"] for stage in plans["deepspeed_chat"]["training"]} == {1}
@@ -188,7 +183,7 @@ def test_summary_records_the_final_weights(runs, system):
 
     summary = _summary(runs, system)
     final = summary["final_weights"]
-    metrics = [json.loads(line) for line in (_run_folder(runs[system][0]) / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_folder(runs[system][0]) / "metrics.jsonl").read_text().splitlines()]
     assert final["iteration"] == len(metrics) - 1 == 2  # the last of the README's 3 iterations
     assert set(final["models"]) == {"actor", "critic"}
     for role, digest in final["models"].items():
@@ -223,7 +218,7 @@ def test_fused_stage_runs_the_fused_schedule_on_every_rank(runs):
     from harness.core.plan import Plan
     from harness.planning.taskmodels.passes import pipe_stage_devices
 
-    folder = _run_folder(runs["rlhfuse"][0])
+    folder = run_folder(runs["rlhfuse"][0])
     plan = Plan.from_json((folder / "plan.json").read_text())
     [stage] = plan.training
     assert stage.fused
@@ -274,7 +269,7 @@ def test_trace_proves_streaming_and_migration(runs):
     from harness.testing import context
     from harness.core.workload import make_batch
 
-    folder = _run_folder(runs["rlhfuse_both"][0])
+    folder = run_folder(runs["rlhfuse_both"][0])
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     real = [int(m["gen/migrated_samples"]) for m in metrics]
     assert sum(real) >= 1, real
@@ -382,12 +377,12 @@ def test_real_run_and_simulation_of_the_same_plan_agree(runs, run_harness, tmp_p
     name = PARITY_RUNS[system]
     cwd, proc = runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    real_dir = _run_folder(cwd)
+    real_dir = run_folder(cwd)
     args = [a for a in with_common(RUNS[name]) if not a.startswith("backend")]
     sim_proc = run_harness([*args, "backend.num_iterations=" + str(len(_jsonl(real_dir / "units.jsonl")))],
                            tmp_path, timeout=300)
     assert sim_proc.returncode == 0, sim_proc.stderr[-3000:]
-    sim_dir = _run_folder(tmp_path)
+    sim_dir = run_folder(tmp_path)
     plan = Plan.from_json((real_dir / "plan.json").read_text())
     same = {k: v for k, v in plan.to_dict().items() if k != "notes"}  # notes hold wall-clock search times
     assert same == {k: v for k, v in Plan.from_json((sim_dir / "plan.json").read_text()).to_dict().items() if k != "notes"}

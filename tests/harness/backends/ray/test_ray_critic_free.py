@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import algo, flat_weights
+from tests.helpers import algo, flat_weights, run_folder
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -63,11 +63,6 @@ LEARNING = {"grpo": ["+system=rlhfuse", "algo=grpo", "algo.kl_coef=0.01", "workl
             "dapo": ["+system=rlhfuse_base", "algo=dapo", "workload.global_batch_size=2", *LEARN]}
 
 
-def _run_folder(cwd: Path) -> Path:
-    [summary] = cwd.glob("results/default/*/tiny/seed*/summary.json")
-    return summary.parent
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, run_harness):
     root = tmp_path_factory.mktemp("critic_free")
@@ -80,11 +75,11 @@ def runs(tmp_path_factory, run_harness):
 
 
 def _metrics(cwd: Path) -> list[dict]:
-    return [json.loads(line) for line in (_run_folder(cwd) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_folder(cwd) / "metrics.jsonl").read_text().splitlines()]
 
 
 def _summary(cwd: Path) -> dict:
-    return json.loads((_run_folder(cwd) / "summary.json").read_text())
+    return json.loads((run_folder(cwd) / "summary.json").read_text())
 
 
 def _actor(cwd: Path):
@@ -97,7 +92,7 @@ def test_only_the_actor_trains(runs, name):
     summary = _summary(runs[name])
     assert set(summary["final_weights"]["models"]) == {"actor"}
     assert (runs[name] / "w" / "actor.pt").is_file() and not (runs[name] / "w" / "critic.pt").exists()
-    tasks = {t["name"] for t in json.loads((_run_folder(runs[name]) / "plan.json").read_text())["tasks"]
+    tasks = {t["name"] for t in json.loads((run_folder(runs[name]) / "plan.json").read_text())["tasks"]
              if t["kind"] != "weight_movement"}
     expected = {"gen", "ref", "update_actor"} if name.startswith("grpo") else {"gen", "update_actor"}
     if name.endswith(("verl", "nemo_rl")):
@@ -136,7 +131,7 @@ def test_the_refit_systems_recompute_the_log_probs_in_the_training_layout(runs, 
     """verl and NeMo-RL ran the logprobs task (the actor's forward pass after generation) every
     iteration, and the refit movement where the two layouts differ; the same weights as the others
     show that the recomputed log-probs are the behaviour policy's."""
-    plan = json.loads((_run_folder(runs[name]) / "plan.json").read_text())
+    plan = json.loads((run_folder(runs[name]) / "plan.json").read_text())
     refit = "realloc_actor_gen" in {t["name"] for t in plan["tasks"]}
     # FSDP's ZeRO-3 shards are always gathered for vLLM; NeMo-RL on 2 GPUs chose dp=2 for both
     assert refit == (name == "grpo_verl")
