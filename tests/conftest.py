@@ -13,18 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import app
-from harness.system import PlanContext
-from harness.testing import context
+# pytest-xdist runs one worker process per core (the README's ``-n auto``): each worker's torch (and
+# the ``python -m harness`` processes it starts, which inherit the variable) gets its share of the
+# cores instead of a thread per core each, which oversubscribes the machine: with another process
+# keeping both cores of the 2-core CI machine busy, OpenMP threads waiting for a core made in-process
+# generation of the tiny model take 26 s instead of 2 s. Set before torch is first imported (it reads
+# the variable then).
+_NUM_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _NUM_XDIST_WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _NUM_XDIST_WORKERS)))
 
-
-def harness_env(home: Path) -> dict[str, str]:
-    """The caller's environment without W&B credentials or modes, with W&B's own dirs under ``home``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WANDB_API_KEY", "WANDB_MODE", "HYDRA_FULL_ERROR") and not k.startswith("PYTEST_")}
-    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
-        env[var] = str(home / ".wandb" / sub)
-    return env
+from harness.cli import app  # noqa: E402 - after OMP_NUM_THREADS
+from harness.system import PlanContext  # noqa: E402
+from harness.testing import context  # noqa: E402
+from tests.helpers import harness_env  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,14 @@
 """Helpers shared by test modules (fixtures live in tests/conftest.py)."""
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 import shlex
-from collections.abc import Mapping
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,3 +52,73 @@ def run_folder(cwd: Path) -> Path:
     (``results/default/<variant>/tiny/seed<k>``)."""
     [summary] = Path(cwd).glob("results/default/*/tiny/seed*/summary.json")
     return summary.parent
+
+
+def harness_env(home: Path) -> dict[str, str]:
+    """The caller's environment without W&B credentials or modes, with W&B's own dirs under ``home``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WANDB_API_KEY", "WANDB_MODE", "HYDRA_FULL_ERROR") and not k.startswith("PYTEST_")}
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        env[var] = str(home / ".wandb" / sub)
+    return env
+
+
+@contextlib.contextmanager
+def _as_a_command(args: Sequence[str], cwd: Path) -> Iterator[None]:
+    """``sys.argv``, the working directory and the environment of ``python -m harness *args`` run in
+    ``cwd`` (:func:`harness_env`), restored on the way out."""
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    os.environ.clear()
+    os.environ.update(harness_env(cwd))
+    sys.argv = ["harness", *map(str, args)]
+    try:
+        with contextlib.chdir(cwd):
+            yield
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def run_in_process(args: Sequence[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m harness *args`` in ``cwd``, run in this process through the command's entry point
+    (``harness.cli.app.run``) with its stdout and stderr captured: the same command, checks and files
+    as a subprocess, without the seconds a new interpreter takes to import the harness and torch and,
+    for ``backend=ray`` inside :func:`local_ray`, to start and stop a Ray instance of its own.
+    ``python -m harness`` itself is started as a subprocess by the tests that check the entry point
+    (tests/harness/test_entrypoint.py) and the README's commands."""
+    from harness.cli import app
+
+    cwd = Path(cwd)
+    cwd.mkdir(parents=True, exist_ok=True)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with _as_a_command(args, cwd), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            app.run()
+            code = 0
+        except SystemExit as ended:
+            code = ended.code if isinstance(ended.code, int) else (0 if ended.code is None else 1)
+        except Exception:  # noqa: BLE001 - a crash is a failed run, with its traceback, as a subprocess's
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(["python", "-m", "harness", *map(str, args)], code,
+                                       stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 8) -> Iterator[Path]:
+    """A local Ray instance for the runs of one test module, yielding the folder of its log files
+    (``worker-*.out``/``.err``: every worker's output, kept after the instance stops). A
+    ``backend=ray`` run in this process (:func:`run_in_process`) finds Ray initialised and uses it
+    (its workers and placement group are its own and go with the run) instead of starting and
+    stopping one of its own."""
+    import ray
+
+    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=0, include_dashboard=False,
+                       logging_level="WARNING", log_to_driver=False)
+    try:
+        yield Path(context.address_info["session_dir"]) / "logs"
+    finally:
+        ray.shutdown()

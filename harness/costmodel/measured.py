@@ -45,10 +45,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:  # pandas is imported where the profiles are read (load_compute, load_network): every
+    # process that imports the cost model (each Ray worker among them) would otherwise pay its ~0.3 s
+    import pandas as pd
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles" / "vidur"
 GPUS = ("h100", "a100")
@@ -98,6 +101,8 @@ def load_compute(gpu: Optional[str] = None, root: Path | str = PROFILE_DIR) -> p
     """Tidy table of the Vidur compute profiles: columns ``gpu, model, n_head, n_kv_head,
     n_embd, n_expanded_embd, vocab_size, use_gated_mlp, tp, num_tokens, op, op_class, time_s``
     (median, seconds), one row per measured (GPU, model, tp, num_tokens, op)."""
+    import pandas as pd
+
     frames = []
     for g, model, path in compute_files(root):
         if gpu is not None and g != gpu:
@@ -125,6 +130,8 @@ def load_compute(gpu: Optional[str] = None, root: Path | str = PROFILE_DIR) -> p
 def load_network(gpu: Optional[str] = None, root: Path | str = PROFILE_DIR) -> pd.DataFrame:
     """Tidy NCCL table: ``gpu, collective, num_workers, devices_per_node, size_bytes, time_s``
     (median, seconds). ``size`` is read as bytes (see ``data/profiles/vidur/README.md``)."""
+    import pandas as pd
+
     frames = []
     for path in sorted(Path(root, "network").glob("*/*.csv")):
         g = path.parent.name.removesuffix("_dgx")

@@ -141,6 +141,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """An ``nn.Embedding`` whose weight is left undrawn (on the ambient device: meta while a module is
+    being laid out). Every module here is built on the meta device and filled by
+    :func:`init_values` or a loader, so ``nn.Embedding``'s own ``normal_`` init would be wasted; on
+    the meta device it is also costly, as torch 2.x runs it through its Python reference kernels, whose
+    first call imports ``torch._dynamo`` (about 1.3 s in a process that has not imported it: the Ray
+    driver, which builds the initial weights it digests)."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
+
 def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """Rotate ``x`` (B, heads, T, D) by angle ``pos * theta^(-2i/D)`` in the plane of dims (i, i + D/2)."""
     d = x.shape[-1]
@@ -432,7 +442,7 @@ class LlamaModel(PipelineStage):
         with torch.device("meta"):
             layers = {str(i): DecoderLayer(args, i) for i in range(args.num_layers)}
             out_dim = 1 if args.value_head else args.vocab_size
-            super().__init__(args, 0, args.num_layers, nn.Embedding(args.vocab_size, args.hidden_size), layers,
+            super().__init__(args, 0, args.num_layers, token_embedding(args.vocab_size, args.hidden_size), layers,
                              RMSNorm(args.hidden_size, args.rms_norm_eps),
                              nn.Linear(args.hidden_size, out_dim, bias=False))
         self.to_empty(device=device)

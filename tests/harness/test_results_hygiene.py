@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from harness.run import results
-from tests.conftest import harness_env
+from tests.helpers import harness_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from harness.cli.sweep import count_sweep_jobs
-from tests.conftest import harness_env
+from tests.helpers import harness_env
 
 
 def test_jobs_are_the_product_of_the_sweeps():

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from harness.errors import PlanError
 from harness.core.plan import Allocation
-from harness.real.model import DecoderLayer, ModelArgs, PipelineStage, RMSNorm, init_values, split_layers
+from harness.real.model import (DecoderLayer, ModelArgs, PipelineStage, RMSNorm, init_values, split_layers,
+                                 token_embedding)
 
 COLUMN_PARALLEL = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "mlp.w_gate.weight", "mlp.w_up.weight")
 ROW_PARALLEL = ("attn.wo.weight", "mlp.w_down.weight")
@@ -110,7 +111,7 @@ def build_local_module(args: ModelArgs, pp: int, p: int, tp: int) -> PipelineSta
     largs = local_args(args, tp)
     lo, hi = split_layers(args.num_layers, pp)[p]
     first, last = p == 0, p == pp - 1
-    embed = nn.Embedding(args.vocab_size, args.hidden_size) if first else None
+    embed = token_embedding(args.vocab_size, args.hidden_size) if first else None
     layers = {str(i): DecoderLayer(largs, i) for i in range(lo, hi)}
     norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
     head = nn.Linear(args.hidden_size, 1 if args.value_head else args.vocab_size, bias=False) if last else None

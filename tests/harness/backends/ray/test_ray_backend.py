@@ -1,6 +1,9 @@
 """backend=ray end to end: real PPO iterations on CPU worker processes, through ``python -m harness``.
 
-One module-scoped set of runs (3 iterations each, tiny models, 4-8 devices) serves several checks:
+One module-scoped set of runs (3 iterations each, tiny models, 4-8 devices) serves several checks.
+The README's commands run as a user types them, in a new interpreter that starts its own Ray; the
+others run the same entry point in this process (:func:`tests.helpers.run_in_process`) on one Ray
+instance for the module, which saves each the seconds of an interpreter and a Ray start:
 
 - every run writes its results (summary with throughput, stage times and RL metrics);
 - **the README's three CPU commands** (``model=tiny workload=tiny backend=ray`` on 4 devices:
@@ -41,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import flat_weights, readme_command, run_folder
+from tests.helpers import flat_weights, local_ray, readme_command, run_folder, run_in_process
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -96,11 +99,24 @@ def with_common(args: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_harness):
+def ray_logs(tmp_path_factory):
+    """The runs' worker logs: the README's commands run as written in a subprocess, each starting and
+    stopping its own Ray, whose workers' output ends in its stderr; the others run in this process
+    (:func:`tests.helpers.run_in_process`) on one Ray instance, whose workers' log files are read
+    here once every run has ended."""
+    with local_ray() as logs_dir:
+        yield logs_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, run_harness, ray_logs):
     root = tmp_path_factory.mktemp("ray_runs")
     out = {}
     for name, args in RUNS.items():
-        out[name] = (root / name, run_harness(with_common(args), root / name, timeout=600))
+        if name in README_SYSTEMS:
+            out[name] = (root / name, run_harness(with_common(args), root / name, timeout=600))
+        else:
+            out[name] = (root / name, run_in_process(with_common(args), root / name))
     return out
 
 
@@ -291,10 +307,14 @@ def test_trace_proves_streaming_and_migration(runs):
     assert overlapping, "no inference pass overlaps generation's tail on another device"
 
 
-def test_workers_shut_down_cleanly(runs):
+def test_workers_shut_down_cleanly(runs, ray_logs):
     for name, (_, proc) in runs.items():
         assert "workers shut down cleanly" in proc.stdout, name
         assert not ABORT.search(proc.stderr), (name, ABORT.search(proc.stderr))
+    worker_logs = sorted(ray_logs.glob("worker-*"))
+    assert worker_logs, ray_logs  # the in-process runs' workers wrote here
+    for log in worker_logs:
+        assert not ABORT.search(log.read_text(errors="replace")), (log, ABORT.search(log.read_text(errors="replace")))
 
 
 # A hang surfaces as a task timeout ("did not finish within ... backend.options.task_timeout_s"),
@@ -303,12 +323,11 @@ def test_workers_shut_down_cleanly(runs):
 HANG_BOUND = ["backend.options.task_timeout_s=300"]
 
 
-def test_dead_worker_fails_fast_with_a_clear_error(run_harness, tmp_path):
+def test_dead_worker_fails_fast_with_a_clear_error(ray_logs, tmp_path):
     """Device 1 dies as it starts update_actor while its peers wait for it in collectives; the run
     must end with the death named, not wait for the task timeout (a hang's bound)."""
     args = [a for a in with_common(RUNS["rlhfuse_base"]) if not a.startswith("backend.options.dump_weights_dir=")]
-    proc = run_harness(args + HANG_BOUND + ["backend.options.fault_injection={task:update_actor,device:1}"], tmp_path,
-                       timeout=600)
+    proc = run_in_process(args + HANG_BOUND + ["backend.options.fault_injection={task:update_actor,device:1}"], tmp_path)
     assert proc.returncode != 0
     assert "task update_actor: the worker of device 1" in proc.stderr and "died" in proc.stderr
     assert "did not finish within" not in proc.stderr, proc.stderr[-2000:]
@@ -318,15 +337,15 @@ def test_dead_worker_fails_fast_with_a_clear_error(run_harness, tmp_path):
 @pytest.mark.parametrize("where,fault,task", [
     ("mid-migration", "{task:gen,op:migrate,device:2}", "gen"),
 ])
-def test_dead_worker_during_fusion_fails_fast(run_harness, tmp_path, where, fault, task):
+def test_dead_worker_during_fusion_fails_fast(ray_logs, tmp_path, where, fault, task):
     """A worker dying inside a fused mechanism ends the run within a bounded time, naming the task
     and the device, and leaves no finished result: mid-migration, while its peers wait for its KV
     shards in a point-to-point exchange. (A death in a training collective is the test above; which
     task a death mid-stream or in a fused pipeline is charged to is the driver's, tested in-process
     in test_driver.py.)"""
     device = fault.rsplit("device:", 1)[1].rstrip("}") if "device:" in fault else r"\d+"
-    proc = run_harness(with_common(RUNS["rlhfuse_both"] + HANG_BOUND + [f"backend.options.fault_injection={fault}"]),
-                       tmp_path, timeout=600)
+    proc = run_in_process(with_common(RUNS["rlhfuse_both"] + HANG_BOUND + [f"backend.options.fault_injection={fault}"]),
+                          tmp_path)
     assert proc.returncode != 0, where
     assert re.search(rf"task {re.escape(task)}: the worker of device {device} \(pid \d+\) died", proc.stderr), \
         proc.stderr[-2000:]
@@ -334,9 +353,9 @@ def test_dead_worker_during_fusion_fails_fast(run_harness, tmp_path, where, faul
     assert not list(tmp_path.glob("results/**/summary.json"))
 
 
-def test_unsupported_plan_is_refused_before_workers_start(run_harness, tmp_path):
-    proc = run_harness(COMMON + ["+system=rlhfuse_base", "cluster.gpus_per_node=4", "system.layouts.gen=dp2tp1pp2"],
-                       tmp_path, timeout=120)
+def test_unsupported_plan_is_refused_before_workers_start(ray_logs, tmp_path):
+    proc = run_in_process(COMMON + ["+system=rlhfuse_base", "cluster.gpus_per_node=4", "system.layouts.gen=dp2tp1pp2"],
+                          tmp_path)
     assert proc.returncode == 2
     assert "backend=ray cannot execute this rlhfuse_base plan: task gen generates with pp=2" in proc.stderr
     assert "workers (" not in proc.stdout
@@ -366,7 +385,7 @@ def _duration_dependent_pairs(plan, num_devices: int, trials: int = 200) -> tupl
 
 
 @pytest.mark.parametrize("system", list(PARITY_RUNS))
-def test_real_run_and_simulation_of_the_same_plan_agree(runs, run_harness, tmp_path, system):
+def test_real_run_and_simulation_of_the_same_plan_agree(runs, tmp_path, system):
     """backend=ray and backend=sim run the same plan through the one scheduler: per iteration they
     start the units in the same order and migrate the same samples; the pairs of units that run at
     the same time are the same, except pairs whose overlap the plan leaves to the units' durations
@@ -379,8 +398,8 @@ def test_real_run_and_simulation_of_the_same_plan_agree(runs, run_harness, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     real_dir = run_folder(cwd)
     args = [a for a in with_common(RUNS[name]) if not a.startswith("backend")]
-    sim_proc = run_harness([*args, "backend.num_iterations=" + str(len(_jsonl(real_dir / "units.jsonl")))],
-                           tmp_path, timeout=300)
+    sim_proc = run_in_process([*args, "backend.num_iterations=" + str(len(_jsonl(real_dir / "units.jsonl")))],
+                              tmp_path)
     assert sim_proc.returncode == 0, sim_proc.stderr[-3000:]
     sim_dir = run_folder(tmp_path)
     plan = Plan.from_json((real_dir / "plan.json").read_text())

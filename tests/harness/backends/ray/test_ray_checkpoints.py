@@ -29,7 +29,7 @@ from harness.real.gguf import GGML_F32, gguf_bytes
 from harness.real.model import LlamaModel, ModelArgs, load_llama_config
 from harness.testing import context
 
-from tests.helpers import flat_weights
+from tests.helpers import flat_weights, run_in_process
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -248,11 +248,11 @@ def test_checkpoint_with_other_dimensions_names_the_matching_option(tmp_path):
 # ---- end to end (Ray workers) -----------------------------------------------------------------
 
 @pytest.mark.ray
-def test_training_starts_from_the_config_checkpoints(ckpts, run_harness, tmp_path):
+def test_training_starts_from_the_config_checkpoints(ckpts, tmp_path):
     pytest.importorskip("ray")
-    proc = run_harness(BASE + ["backend.num_iterations=1", "backend.num_warmup_iterations=0", "backend.options.dump_weights_dir=w",
-                               f"model.actor.checkpoint={ckpts / 'policy'}",
-                               f"model.reward.checkpoint={ckpts / 'reward'}"], tmp_path, timeout=600)
+    proc = run_in_process(BASE + ["backend.num_iterations=1", "backend.num_warmup_iterations=0", "backend.options.dump_weights_dir=w",
+                                  f"model.actor.checkpoint={ckpts / 'policy'}",
+                                  f"model.reward.checkpoint={ckpts / 'reward'}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (f"weights: actor, ref from {ckpts / 'policy'} (hf); critic, reward from {ckpts / 'reward'} (hf)"
             in proc.stdout), proc.stdout[-2000:]
@@ -268,8 +268,8 @@ def test_training_starts_from_the_config_checkpoints(ckpts, run_harness, tmp_pat
 
 
 @pytest.mark.ray
-def test_missing_checkpoint_fails_before_workers_start(run_harness, tmp_path):
-    proc = run_harness(BASE + [f"model.actor.checkpoint={tmp_path / 'nope'}"], tmp_path, timeout=120)
+def test_missing_checkpoint_fails_before_workers_start(tmp_path):
+    proc = run_in_process(BASE + [f"model.actor.checkpoint={tmp_path / 'nope'}"], tmp_path)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == [f"error: model.actor.checkpoint={tmp_path / 'nope'}: no such file or directory"]

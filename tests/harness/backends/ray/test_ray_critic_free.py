@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import algo, flat_weights, run_folder
+from tests.helpers import algo, flat_weights, local_ray, run_folder, run_in_process
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -64,13 +64,14 @@ LEARNING = {"grpo": ["+system=rlhfuse", "algo=grpo", "algo.kl_coef=0.01", "workl
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_harness):
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("critic_free")
     out = {}
-    for name, args in {**RUNS, **{f"learn_{a}": args for a, args in LEARNING.items()}}.items():
-        proc = run_harness(args, root / name, timeout=600)
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        out[name] = root / name
+    with local_ray():
+        for name, args in {**RUNS, **{f"learn_{a}": args for a, args in LEARNING.items()}}.items():
+            proc = run_in_process(args, root / name)
+            assert proc.returncode == 0, (name, proc.stderr[-3000:])
+            out[name] = root / name
     return out
 
 

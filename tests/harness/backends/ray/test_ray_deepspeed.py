@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import flat_weights
+from tests.helpers import flat_weights, local_ray, run_in_process
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -66,13 +66,14 @@ BF16_UPDATE_TOL = 0.1  # of the iteration's update (bf16 weights: whole ulps of 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_harness):
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_runs")
     out = {}
-    for name, args in RUNS.items():
-        proc = run_harness(COMMON + args, root / name, timeout=600)
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        out[name] = (root / name, proc)
+    with local_ray():
+        for name, args in RUNS.items():
+            proc = run_in_process(COMMON + args, root / name)
+            assert proc.returncode == 0, (name, proc.stderr[-3000:])
+            out[name] = (root / name, proc)
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import flat_weights
+from tests.helpers import flat_weights, local_ray, run_in_process
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -42,14 +42,15 @@ def _args(num_stages: int, fused: bool, matching: str = "in_order") -> list[str]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_harness, machine_lock):
+def runs(tmp_path_factory, machine_lock):
     root = tmp_path_factory.mktemp("fused_order")
     out = {}
-    for fused in (True, False):
-        cwd = root / f"pp{NUM_STAGES}_{'fused' if fused else 'serial'}"
-        out[(NUM_STAGES, fused)] = (cwd, run_harness(_args(NUM_STAGES, fused), cwd, timeout=900))
-    cwd = root / f"pp{NUM_STAGES}_fused_tags"  # gloo's tag matching (backend.options.p2p_matching=tags), for comparison
-    out[(NUM_STAGES, "tags")] = (cwd, run_harness(_args(NUM_STAGES, True, "tags"), cwd, timeout=900))
+    with local_ray():
+        for fused in (True, False):
+            cwd = root / f"pp{NUM_STAGES}_{'fused' if fused else 'serial'}"
+            out[(NUM_STAGES, fused)] = (cwd, run_in_process(_args(NUM_STAGES, fused), cwd))
+        cwd = root / f"pp{NUM_STAGES}_fused_tags"  # gloo's tag matching (backend.options.p2p_matching=tags), for comparison
+        out[(NUM_STAGES, "tags")] = (cwd, run_in_process(_args(NUM_STAGES, True, "tags"), cwd))
     return out
 
 

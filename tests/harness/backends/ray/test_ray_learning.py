@@ -49,7 +49,7 @@ OVERRIDES = ["experiment_params.seeds=[0]", f"experiment_params.iterations={ITER
 def experiment(tmp_path_factory):
     from harness.run import results
     from harness.figures import learning_curves as lc
-    from tests.conftest import harness_env
+    from tests.helpers import harness_env
 
     tmp = tmp_path_factory.mktemp("learning")
     root = tmp / "results"
