@@ -40,7 +40,8 @@ class Colocated(System):
         num_layers = min(ctx.model(role).num_layers for role in ctx.roles)  # the models the algorithm runs
         if cfg.layout:
             candidates = [parse_layout(cfg.layout, cfg.zero_stage, "layout")]
-            check_layout_fits(candidates[0], n, ctx.cluster.gpus_per_node, num_layers, "colocated (system.layout)")
+            check_layout_fits(candidates[0], n, ctx.cluster.gpus_per_node, num_layers, "colocated (system.layout)",
+                              [ctx.model(role) for role in ctx.roles])
         else:
             models = [ctx.model(role) for role in ctx.roles]
             candidates = list(candidate_strategies(n, ctx.cluster.gpus_per_node, num_layers, cfg.zero_stage,

@@ -96,7 +96,8 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         train_candidates = [ParallelStrategy(dp=dp, tp=1, pp=1, zero_stage=3)]
     elif train_layout:
         pinned = parse_layout(train_layout, zero_stage, keys["train_layout"])
-        check_layout_fits(pinned, len(train_mesh), per_node, num_layers, f"{system} ({keys['train_layout']})")
+        check_layout_fits(pinned, len(train_mesh), per_node, num_layers, f"{system} ({keys['train_layout']})",
+                          [ctx.model(r) for r in ctx.roles])
         train_candidates = [pinned]
     else:
         train_candidates = list(candidate_strategies(len(train_mesh), per_node, num_layers, zero_stage,

@@ -56,6 +56,19 @@ class LlamaConfig:
     checkpoint: Optional[str] = field(default=None, metadata={
         **effective_when(ON_REAL_BACKEND, why="the simulator never loads weights"),
         **existing_path("pkg:")})
+    # Mixture-of-experts decoders (defaults: dense). A MoE layer replaces the MLP by a router (an
+    # h x num_experts matrix) that sends each token to num_experts_per_token (top-k) of num_experts
+    # routed experts, each an MLP of moe_ffn_hidden_size (the model's mlp kind), plus
+    # num_shared_experts always-active experts of the same width (DeepSeekMoE, Dai et al. 2024);
+    # the first num_dense_layers layers keep a dense MLP of ffn_hidden_size (DeepSeek-style
+    # "first_k_dense_replace"). Hugging Face config.json names (Qwen3-MoE, Yang et al. 2025, "Qwen3
+    # Technical Report", arXiv 2505.09388): num_experts, num_experts_per_tok, moe_intermediate_size.
+    # backend=ray builds dense LLaMA modules only and refuses num_experts > 0.
+    num_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
+    num_experts_per_token: int = 0  # top-k
+    moe_ffn_hidden_size: Optional[int] = None  # width of one expert's MLP; required with num_experts > 0
+    num_shared_experts: int = 0
+    num_dense_layers: int = 0
 
     def __post_init__(self) -> None:
         kinds = ("swiglu", "gelu")  # == harness.costmodel.llama.MLP_KINDS (no import: layering)
@@ -64,6 +77,43 @@ class LlamaConfig:
 
             raise ConfigError(f"model {self.name}: mlp={self.mlp!r} is not one of {', '.join(kinds)} "
                               f"(swiglu: LLaMA's gate/up/down; gelu: OPT/GPT's up/down)")
+        problem = moe_config_problem(self)
+        if problem:
+            from harness.errors import ConfigError
+
+            raise ConfigError(f"model {self.name}: {problem}")
+
+
+def moe_config_problem(cfg: Any) -> Optional[str]:
+    """What is wrong with the mixture-of-experts fields of ``cfg`` (a :class:`LlamaConfig` or any
+    object with its fields), or None. Dense models (``num_experts = 0``) must leave the other MoE
+    fields at their defaults. Shared by :class:`LlamaConfig` and :func:`harness.costmodel.llama.ModelDims.of`."""
+    def value(name: str, default: Any = 0) -> Any:
+        got = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+        return default if got is None else got
+
+    experts, top_k = value("num_experts"), value("num_experts_per_token")
+    width, shared, dense = value("moe_ffn_hidden_size"), value("num_shared_experts"), value("num_dense_layers")
+    layers = value("num_layers", None)
+    for name, v in (("num_experts", experts), ("num_experts_per_token", top_k), ("moe_ffn_hidden_size", width),
+                    ("num_shared_experts", shared), ("num_dense_layers", dense)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"{name}={v!r} must be an integer >= 0"
+    if experts == 0:
+        set_fields = [f"{n}={v}" for n, v in (("num_experts_per_token", top_k), ("moe_ffn_hidden_size", width),
+                                              ("num_shared_experts", shared), ("num_dense_layers", dense)) if v]
+        if set_fields:
+            return (f"{', '.join(set_fields)} describe mixture-of-experts layers, but num_experts=0 (a dense "
+                    f"model); set num_experts or leave them unset")
+        return None
+    if not 1 <= top_k <= experts:
+        return (f"num_experts_per_token={top_k} (top-k) must be in 1..num_experts={experts} for a "
+                f"mixture-of-experts model")
+    if width < 1:
+        return f"num_experts={experts} needs moe_ffn_hidden_size (the width of one expert's MLP) >= 1"
+    if isinstance(layers, int) and not isinstance(layers, bool) and dense > layers:
+        return f"num_dense_layers={dense} exceeds num_layers={layers}"
+    return None
 
 
 @dataclass

@@ -8,7 +8,8 @@ may choose by itself:
   reads and writes (:meth:`Plan.dependencies`), and **stream edges** (``Task.stream_from``): an
   inference task that consumes a generate task's samples one by one as they finish, instead of
   waiting for the whole batch (RLHFuse section 4);
-- an **allocation** per task: a device mesh and a parallel strategy (dp, tp, pp), checked;
+- an **allocation** per task: a device mesh and a parallel strategy (dp, tp, pp; and ep, the
+  expert parallelism of a mixture-of-experts model), checked;
 - **training stages**: pipeline schedules (``harness.schedule``) run once per mini-batch;
 - a **generation policy** (static or continuous batching, synced and padded rounds, migration) as
   data, and the **execution engines** that run the plan (:class:`~harness.core.engines.Engines`:
@@ -25,6 +26,10 @@ offloading); a backend refuses the features it cannot execute before any work st
 
 Device order inside a mesh is tp fastest, then pp, then dp: mesh index
 ``(dp_rank * pp + pp_rank) * tp + tp_rank``. Tensor-parallel groups therefore stay inside a node.
+Expert parallelism (``ParallelStrategy.ep``) is carved from data parallelism, as in Megatron-core:
+dp replicas ``k * ep .. k * ep + ep - 1`` form one expert-parallel group (each holding ``1 / ep``
+of the routed experts), so ``ep`` must divide ``dp``; a strategy with ``ep = 1`` prints and
+serialises exactly as one without it.
 
 Plans round-trip through JSON (``to_json``/``from_json``) and are written to the run folder
 before execution.
@@ -105,6 +110,17 @@ class ParallelStrategy:
     tp: int = 1
     pp: int = 1
     zero_stage: int = 0  # ZeRO sharding of model states across dp (0 = none, 3 = all)
+    # Expert parallelism of a mixture-of-experts model: its routed experts split over ep ranks carved
+    # from dp (module docstring); 1 = none (and always 1 for a dense model; Plan checks it per model).
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise PlanError(f"parallel strategy dp{self.dp}tp{self.tp}pp{self.pp}: ep={self.ep!r} must be an "
+                            f"integer >= 1")
+        if self.dp % self.ep:
+            raise PlanError(f"parallel strategy dp{self.dp}tp{self.tp}pp{self.pp}ep{self.ep}: ep={self.ep} must "
+                            f"divide dp={self.dp} (expert-parallel ranks are carved from the data-parallel group)")
 
     @property
     def size(self) -> int:
@@ -112,7 +128,15 @@ class ParallelStrategy:
 
     def __str__(self) -> str:
         zero = f",zero{self.zero_stage}" if self.zero_stage else ""
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}{zero}"
+        ep = f"ep{self.ep}" if self.ep != 1 else ""
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}{ep}{zero}"
+
+    def to_dict(self) -> dict[str, int]:
+        """The strategy as plan.json writes it: ``ep`` only when it is not 1."""
+        d = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage}
+        if self.ep != 1:
+            d["ep"] = self.ep
+        return d
 
 
 @dataclass(frozen=True)
@@ -394,6 +418,11 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = _plain(asdict(self))
         d.pop("layout_keys")
+        for task, t in zip(self.tasks, d["tasks"]):  # strategies without ep when it is 1
+            t["allocation"]["strategy"] = task.allocation.strategy.to_dict()
+        for move, m in zip(self.weight_movements, d["weight_movements"]):
+            m["source"]["strategy"] = move.source.strategy.to_dict()
+            m["target"]["strategy"] = move.target.strategy.to_dict()
         g = d["generation"]  # in plan.json's order, with the engine's kernels shown where they always were
         d["generation"] = {"batching": g["batching"], "max_batch_size": g["max_batch_size"],
                            "migration": g["migration"], **self.generation_kernels(),

@@ -2,10 +2,11 @@
 
 ``CostModel`` is the entry point; the submodules hold the pieces:
 
-* :mod:`.llama` -- parameter / FLOP / KV-byte arithmetic of LLaMA-style decoders;
+* :mod:`.llama` -- parameter / FLOP / KV-byte arithmetic of LLaMA-style decoders, dense or
+  mixtures of experts (total and active parameters, experts a decode step touches);
 * :mod:`.compute` -- roofline times of forward, backward, prefill, decode step, optimizer;
-* :mod:`.comm` -- alpha-beta point-to-point and ring collectives per network tier;
-* :mod:`.memory` -- per-device weights, training state (ZeRO), activations, KV cache;
+* :mod:`.comm` -- alpha-beta point-to-point, ring collectives and all-to-all per network tier;
+* :mod:`.memory` -- per-device weights, training state (ZeRO, expert parallelism), activations, KV cache;
 * :mod:`.profile` -- measured op times (CSV) that override the analytic ones;
 * :mod:`.engines` -- the rules by which a plan's execution engines change op times
   (``CostModel.with_engines``);
@@ -14,6 +15,7 @@
 from harness.costmodel.comm import (
     allgather_s,
     allreduce_s,
+    alltoall_s,
     link_for_group,
     p2p_s,
     reduce_scatter_s,
@@ -21,11 +23,14 @@ from harness.costmodel.comm import (
 from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, OpCost, Roofline
 from harness.costmodel.llama import (
     ModelDims,
+    active_matmul_params_per_layer,
     embedding_params,
+    expected_experts_touched,
     forward_flops,
     head_params,
     kv_bytes_per_token,
     matmul_params_per_layer,
+    num_active_params,
     num_params,
     params_per_layer,
 )
@@ -49,9 +54,12 @@ __all__ = [
     "Roofline",
     "activation_bytes_per_layer",
     "activation_gb",
+    "active_matmul_params_per_layer",
     "allgather_s",
     "allreduce_s",
+    "alltoall_s",
     "embedding_params",
+    "expected_experts_touched",
     "forward_flops",
     "head_params",
     "kv_bytes_per_token",
@@ -59,6 +67,7 @@ __all__ = [
     "link_for_group",
     "matmul_params_per_layer",
     "max_stage_params",
+    "num_active_params",
     "num_params",
     "p2p_s",
     "params_per_layer",

@@ -24,7 +24,17 @@ What a layer costs (per GPU of a tp group, ``M`` tokens):
   FlashAttention-style prefill is FLOP-bound, a paged decode kernel is bandwidth-bound), plus the
   ``add`` law's floor as the kernel's launch floor;
 * **tensor-parallel all-reduces**: two per layer in the forward (Megatron-LM), timed from the
-  measured NCCL all-reduce curve of ``tp`` GPUs on one node.
+  measured NCCL all-reduce curve of ``tp`` GPUs on one node;
+* **mixture-of-experts layers** (:mod:`.llama`; not in the profiles, which are of dense models): the
+  attention ops as above, and for the MLP the router GEMM (``h x E``, not sharded), the token
+  dispatch and combine copies (the ``add`` law's streaming), the shared experts as one GEMM pair of
+  their summed width, and the routed experts as a grouped GEMM pair whose work is the top-k copies
+  of the tokens (``M k`` rows; uniform routing spreads them evenly over the ep ranks) and whose
+  weight bytes are the local experts the pass uses (all ``E / ep`` in training and prefill, those
+  the tokens touch in a decode step: :func:`~harness.costmodel.llama.local_experts_streamed`), each
+  timed by the ``gemm`` / ``act`` law of the same tp, per tp (expert tensor parallelism = tp). The
+  expert-parallel all-to-alls (two per MoE layer in the forward) are alpha-beta over the cluster's
+  links, as :mod:`.compute` describes; no NCCL all-to-all was measured.
 
 Backward = 2x the linear ops and 2.5x the attention core (FlashAttention-2's backward runs five
 matmuls to the forward's two; Dao 2023, section 3.1.2), the same all-reduces; recomputation as
@@ -63,8 +73,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, _no_comm
-from harness.costmodel.llama import BF16_BYTES, ModelDims
+from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, AllToAllFn, _no_alltoall, _no_comm, moe_alltoalls_s
+from harness.costmodel.llama import BF16_BYTES, ModelDims, local_experts_streamed
 from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
 from harness.core.files import file_kind
 
@@ -141,6 +151,9 @@ LLAMA_7B = ModelDims("llama-7b", num_layers=32, hidden_size=4096, num_heads=32, 
 # (about 35% of a disaggregated 13b plan's spans are one step, 74% at most 8)
 SHORT_SPAN_STEPS = 8
 CommFn = Callable[[float, int], float]
+# a layer's profiled ops apart from its (dense) MLP: what a MoE layer keeps
+MLP_OPS = ("mlp_up_proj", "mlp_act", "mlp_down_proj")
+ATTENTION_OPS = tuple(op for op in LAYER_OPS if op not in MLP_OPS)
 
 
 class Curve:
@@ -243,15 +256,17 @@ class CalibratedCompute:
 
     def __init__(self, calibration: Calibration, peak_bf16_tflops: float,
                  allreduce_s: Optional[CommFn] = None, p2p_s: Optional[CommFn] = None,
-                 graph_step_overhead_s: Optional[float] = None):
+                 graph_step_overhead_s: Optional[float] = None, alltoall_s: Optional[AllToAllFn] = None):
         self.cal = calibration
         self.flops_per_s_attention = (float(peak_bf16_tflops) * 1e12
                                       * ATTENTION_EFFICIENCY_FRAC[calibration.gpu])
         self._allreduce_s = allreduce_s or _no_comm
         self._p2p_s = p2p_s or _no_comm
+        self._alltoall_s = alltoall_s or _no_alltoall
         # measured elementwise streaming rate: the 'add' law's seconds per byte at tp 1
         self.stream_s_per_byte = calibration.law("add", 1).c_byte
         self._linear = lru_cache(maxsize=65536)(self._linear_layer_s)
+        self._moe_linear = lru_cache(maxsize=65536)(self._moe_linear_layer_s)
         self._layer_terms = lru_cache(maxsize=1024)(self._layer_terms_uncached)
         self._head = lru_cache(maxsize=65536)(self._head_s)
         self._allreduces = lru_cache(maxsize=65536)(self._allreduces_uncached_s)
@@ -275,17 +290,18 @@ class CalibratedCompute:
                 total += max(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
         return total
 
-    def _layer_terms_uncached(self, d: ModelDims, tp: int) -> tuple:
-        """Per op of a layer, what :func:`_op_work` and the op's law compute without the token
-        count: ``(k, n, k * n, None, floor, c0, c_flop, c_byte)`` for a GEMM, ``(None, None, None,
-        bytes per token, floor, ...)`` for an elementwise op; ``floor = f0 + f_w * width``."""
+    def _layer_terms_uncached(self, d: ModelDims, tp: int, ops: tuple[str, ...] = LAYER_OPS) -> tuple:
+        """Per op of a layer (``ops``: all of them by default), what :func:`_op_work` and the op's
+        law compute without the token count: ``(k, n, k * n, None, floor, c0, c_flop, c_byte)`` for a
+        GEMM, ``(None, None, None, bytes per token, floor, ...)`` for an elementwise op;
+        ``floor = f0 + f_w * width``."""
         dims = _vidur_dims(d)
         h, f, n_head, n_kv, up, head_dim = dims
         q, kv = n_head * head_dim, max(1.0, float(int(n_kv // tp))) * head_dim
         gemm_shapes = {"attn_pre_proj": (h, q / tp + 2.0 * kv), "attn_post_proj": (q / tp, h),
                        "mlp_up_proj": (h, up * f / tp), "mlp_down_proj": (f / tp, h)}
         terms = []
-        for op in LAYER_OPS:
+        for op in ops:
             if op == "attn_rope" and d.learned_positions:
                 continue
             law = self.cal.law(OP_CLASS[op], tp)
@@ -298,10 +314,66 @@ class CalibratedCompute:
                 terms.append((None, None, None, width, floor, law.c0, law.c_flop, law.c_byte))
         return tuple(terms)
 
-    def linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float) -> float:
+    def linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float, ep: int = 1, decode: bool = False) -> float:
+        """One layer's linear and elementwise ops over ``num_tokens`` tokens on one GPU of a tp
+        group; a MoE model's (averaged over its layers, :mod:`.llama`) with its routed experts split
+        over ``ep`` ranks and, in a decode step (``decode``), streamed only where the tokens go."""
         if num_tokens <= 0:
             return 0.0
+        if d.is_moe:
+            return self._moe_linear(d, int(tp), float(num_tokens), int(ep), bool(decode))
         return self._linear(d, int(tp), float(num_tokens))
+
+    @staticmethod
+    def _sum_terms(terms: tuple, m: float) -> float:
+        """The ops of :meth:`_layer_terms` over ``m`` tokens (the loop of :meth:`_linear_layer_s`)."""
+        total = 0.0
+        for k, n, kn, per_token_bytes, floor, c0, c_flop, c_byte in terms:
+            if per_token_bytes is None:
+                total += max(floor, c0 + c_flop * (2.0 * m * k * n) + c_byte * (BF16_BYTES * (kn + m * k + m * n)))
+            else:
+                total += max(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
+        return total
+
+    def _moe_linear_layer_s(self, d: ModelDims, tp: int, m: float, ep: int, decode: bool) -> float:
+        """A MoE model's :meth:`linear_layer_s`: the attention ops of every layer, plus the MLP
+        ops of a dense-MLP layer or of a MoE layer (:meth:`_moe_mlp_s`), averaged over the layers."""
+        attention = self._sum_terms(self._layer_terms(d, tp, ATTENTION_OPS), m)
+        moe = self._moe_mlp_s(d, tp, m, local_experts_streamed(d, m, ep, decode))
+        dense_layers = d.num_layers - d.num_moe_layers
+        if not dense_layers:
+            return attention + moe
+        dense = self._sum_terms(self._layer_terms(d, tp, MLP_OPS), m)
+        return attention + (dense_layers * dense + d.num_moe_layers * moe) / d.num_layers
+
+    def _moe_mlp_s(self, d: ModelDims, tp: int, m: float, local_experts: float) -> float:
+        """One MoE layer's MLP over ``m`` tokens on one GPU (module docstring): the router GEMM,
+        dispatch and combine copies, the shared experts' GEMMs and activation, and the routed
+        experts' grouped GEMMs over ``m k`` token copies reading ``local_experts`` experts' weights."""
+        gemm, act, add = self.cal.law("gemm", tp), self.cal.law("act", tp), self.cal.law("add", tp)
+        h, f = float(d.hidden_size), float(d.moe_ffn_hidden_size)
+        up = 2.0 if d.gated_mlp else 1.0
+        k = float(d.num_experts_per_token)
+        b = BF16_BYTES
+
+        def grouped_gemm(tokens: float, kk: float, n: float, matrices: float) -> float:
+            # (tokens x kk) by ``matrices`` weight matrices of (kk x n): each weight read once
+            return gemm.seconds(2.0 * tokens * kk * n, b * (matrices * kk * n + tokens * kk + tokens * n),
+                                b * (matrices * kk * n + kk + n))
+
+        def elementwise(law: Law, tokens: float, elems_per_token: float) -> float:
+            return law.seconds(0.0, b * elems_per_token * tokens, b * elems_per_token)
+
+        total = grouped_gemm(m, h, float(d.num_experts), 1.0)  # router
+        total += 2.0 * elementwise(add, m, h + k * h)  # dispatch and combine copies
+        if d.num_shared_experts:
+            wide = d.num_shared_experts * f / tp
+            total += grouped_gemm(m, h, up * wide, 1.0) + elementwise(act, m, (up + 1.0) * wide)
+            total += grouped_gemm(m, wide, h, 1.0)
+        copies = m * k
+        total += grouped_gemm(copies, h, up * f / tp, local_experts) + elementwise(act, copies, (up + 1.0) * f / tp)
+        total += grouped_gemm(copies, f / tp, h, local_experts)
+        return total
 
     def attention_s(self, d: ModelDims, tp: int, num_tokens: float, context_len: float,
                     kv_tokens_read: float) -> float:
@@ -342,34 +414,39 @@ class CalibratedCompute:
     # -- training ops ---------------------------------------------------------------------
 
     def _forward_parts(self, model: Any, num_tokens: float, context_len: float, tp: int,
-                       num_layers: Optional[float], include_head: Optional[bool]):
+                       num_layers: Optional[float], include_head: Optional[bool], ep: int = 1, pp: int = 1):
         d = ModelDims.of(model)
         layers = d.num_layers if num_layers is None else num_layers
         if include_head is None:
             include_head = layers >= d.num_layers
-        linear = layers * self.linear_layer_s(d, tp, num_tokens)
+        linear = layers * self.linear_layer_s(d, tp, num_tokens, ep)
         attention = layers * self.attention_s(d, tp, num_tokens, context_len, num_tokens)
         head = self.head_s(d, tp, num_tokens) if include_head else 0.0
         comm = self._allreduces_s(layers, num_tokens, d, tp)
+        if ep > 1:
+            comm += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep * tp * pp)
         return linear + head, attention, comm
 
     def forward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
-                  num_layers: Optional[float] = None, include_head: Optional[bool] = None) -> float:
+                  num_layers: Optional[float] = None, include_head: Optional[bool] = None,
+                  ep: int = 1, pp: int = 1) -> float:
+        """``ep``: expert parallelism (a MoE model's local experts and all-to-alls); ``pp``: the
+        layout's pipeline degree (with ``ep`` and ``tp``, the devices the ep group spans)."""
         if num_tokens <= 0:
             return 0.0
         linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
-                                                      num_layers, include_head)
+                                                      num_layers, include_head, ep, pp)
         return linear + attention + comm
 
     def backward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: str = "none") -> float:
-        """2x the linear ops, 2.5x the attention core, the forward's all-reduces; ``full``
-        recomputation adds a forward, ``selective`` the attention core's forward."""
+                   recompute: str = "none", ep: int = 1, pp: int = 1) -> float:
+        """2x the linear ops, 2.5x the attention core, the forward's all-reduces (and all-to-alls);
+        ``full`` recomputation adds a forward, ``selective`` the attention core's forward."""
         if num_tokens <= 0:
             return 0.0
         linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
-                                                      num_layers, include_head)
+                                                      num_layers, include_head, ep, pp)
         time_s = 2.0 * linear + 2.5 * attention + comm
         if recompute == "full":
             time_s += linear + attention + comm
@@ -387,22 +464,24 @@ class CalibratedCompute:
 
     def _pipelined_s(self, d: ModelDims, batch_tokens: float, context_len: float,
                      kv_tokens: float, head_tokens: float, tp: int, pp: int,
-                     num_mbs: float) -> float:
+                     num_mbs: float, ep: int = 1) -> float:
         """GPU time of one pass of ``batch_tokens`` through a tp x pp instance in steady state
         (the pipeline rule of :mod:`.compute`): the ``num_mbs`` micro-batches each cross all
         layers, the stages serve them in parallel, so the pass takes ``num_layers`` layer times
         of one micro-batch (plus its head and communication)."""
         mb = batch_tokens / num_mbs
-        layer = (self.linear_layer_s(d, tp, mb)
+        layer = (self.linear_layer_s(d, tp, mb, ep)
                  + self.attention_s(d, tp, mb, context_len, kv_tokens / num_mbs))
         time_s = d.num_layers * layer + self.head_s(d, tp, head_tokens / num_mbs)
         time_s += self._allreduces_s(d.num_layers, mb, d, tp)
         if pp > 1:
             time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
+        if ep > 1:
+            time_s += moe_alltoalls_s(self._alltoall_s, d, d.num_layers, mb, ep, ep * tp * pp)
         return time_s
 
     def _decode_span_gpu_s(self, d: ModelDims, batch_size: int, context_tokens_total: float, num_steps: int,
-                           tp: int, pp: int) -> np.ndarray:
+                           tp: int, pp: int, ep: int = 1) -> np.ndarray:
         """GPU time of ``num_steps`` consecutive decode steps (contexts ``c, c + b, ...``) by the
         pipeline rule of :meth:`_pipelined_s` (one micro-batch per stage, up to ``pp``): the parts of
         a step that do not depend on the context (linear ops, head, all-reduces, pipeline hops) are
@@ -410,9 +489,11 @@ class CalibratedCompute:
         order, elementwise over the steps) for every step at once. ``batch_size`` must be positive."""
         num_mbs = min(pp, batch_size)
         mb = batch_size / num_mbs
-        linear = self.linear_layer_s(d, tp, mb)
+        linear = self.linear_layer_s(d, tp, mb, ep, decode=True)
         head = self.head_s(d, tp, batch_size / num_mbs)
         comm = self._allreduces_s(d.num_layers, mb, d, tp)
+        if ep > 1:
+            comm += moe_alltoalls_s(self._alltoall_s, d, d.num_layers, mb, ep, ep * tp * pp)
         total = context_tokens_total + np.arange(num_steps, dtype=np.int64) * batch_size
         flops = 4.0 * d.q_dim * (total / batch_size) * mb / tp
         kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
@@ -427,42 +508,46 @@ class CalibratedCompute:
         return time_s
 
     def decode_step_gpu_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                          tp: int = 1, pp: int = 1) -> float:
+                          tp: int = 1, pp: int = 1, ep: int = 1) -> float:
         if batch_size <= 0:
             return 0.0
         d = ModelDims.of(model)
         num_mbs = min(pp, batch_size)  # one step by the rule of _decode_span_gpu_s, the scalar ops
         mb = batch_size / num_mbs
         attention = self.attention_s(d, tp, mb, context_tokens_total / batch_size, context_tokens_total / num_mbs)
-        time_s = d.num_layers * (self.linear_layer_s(d, tp, mb) + attention) + self.head_s(d, tp, batch_size / num_mbs)
-        time_s += self._allreduces_s(d.num_layers, mb, d, tp)
+        linear = self.linear_layer_s(d, tp, mb, ep, decode=True)
+        time_s = d.num_layers * (linear + attention) + self.head_s(d, tp, batch_size / num_mbs)
+        comm = self._allreduces_s(d.num_layers, mb, d, tp)
+        if ep > 1:  # summed as _decode_span_gpu_s sums them (a span equals its steps bit for bit)
+            comm += moe_alltoalls_s(self._alltoall_s, d, d.num_layers, mb, ep, ep * tp * pp)
+        time_s += comm
         if pp > 1:
             time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
         return time_s
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                      tp: int = 1, pp: int = 1) -> float:
+                      tp: int = 1, pp: int = 1, ep: int = 1) -> float:
         """One decode step of a CUDA-graph engine: GPU time + the graph replay overhead."""
         if batch_size <= 0:
             return 0.0
-        return self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp) + self.graph_step_overhead_s
+        return self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp, ep) + self.graph_step_overhead_s
 
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: float, num_steps: int,
-                      tp: int = 1, pp: int = 1) -> list[float]:
+                      tp: int = 1, pp: int = 1, ep: int = 1) -> list[float]:
         """:meth:`decode_step_s` of ``num_steps`` consecutive steps (contexts ``c, c + b, ...``),
         bit for bit: step by step up to ``SHORT_SPAN_STEPS`` steps, else in one elementwise pass
         (:meth:`_decode_span_gpu_s`; numpy's per-call cost is repaid only on longer spans)."""
         if batch_size <= 0:
             return [0.0] * num_steps
         if num_steps <= SHORT_SPAN_STEPS:
-            return [self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp)
+            return [self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, ep)
                     for j in range(num_steps)]
         d = ModelDims.of(model)
-        gpu_s = self._decode_span_gpu_s(d, batch_size, context_tokens_total, num_steps, tp, pp)
+        gpu_s = self._decode_span_gpu_s(d, batch_size, context_tokens_total, num_steps, tp, pp, ep)
         return (gpu_s + self.graph_step_overhead_s).tolist()
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                  seq_len: Optional[float] = None) -> float:
+                  seq_len: Optional[float] = None, ep: int = 1) -> float:
         """A prefill of ``num_tokens`` by a CUDA-graph engine: GPU time + the graph replay overhead."""
         if num_tokens <= 0:
             return 0.0
@@ -471,7 +556,7 @@ class CalibratedCompute:
         num_seqs = num_tokens / seq_len
         num_mbs = max(1.0, min(pp, num_seqs))
         gpu_s = self._pipelined_s(d, num_tokens, seq_len / 2.0, num_tokens, num_seqs, tp, pp,
-                                  num_mbs)
+                                  num_mbs, ep)
         return gpu_s + self.graph_step_overhead_s
 
 

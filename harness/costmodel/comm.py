@@ -13,10 +13,13 @@ same bus-bandwidth factors NCCL's nccl-tests report, see its doc/PERFORMANCE.md)
 
 * all-reduce (reduce-scatter then all-gather): ``2 (n-1) alpha + 2 (n-1)/n * B / (bw eff)``
 * all-gather, reduce-scatter: ``(n-1) alpha + (n-1)/n * B / (bw eff)``
+* all-to-all (each rank sends ``B/n`` of its ``B`` bytes to each of the other ``n-1``, as
+  ``n-1`` concurrent sends; nccl-tests' bus bandwidth factor for alltoall is also ``(n-1)/n``):
+  ``(n-1) alpha + (n-1)/n * B / (bw eff)``
 
 ``B`` is always the *full* buffer: the per-rank message for all-reduce (every rank holds
 all ``B`` bytes before and after), the gathered output for all-gather, the un-reduced
-input for reduce-scatter.
+input for reduce-scatter, each rank's input for all-to-all.
 
 Tier selection. Device ``d`` lives on node ``d // gpus_per_node``. A group on one node uses
 ``cluster.intra_node``; a group that spans nodes uses ``cluster.inter_node``, whose bandwidth
@@ -64,6 +67,15 @@ def allreduce_s(num_bytes: float, n: int, link: LinkConfig) -> float:
 
 def allgather_s(num_bytes: float, n: int, link: LinkConfig) -> float:
     """Ring all-gather whose gathered output is ``num_bytes`` (each rank holds 1/n)."""
+    if n <= 1 or num_bytes <= 0:
+        return 0.0
+    steps = n - 1
+    return steps * link.latency_us * 1e-6 + steps / n * num_bytes * _seconds_per_byte(link)
+
+
+def alltoall_s(num_bytes: float, n: int, link: LinkConfig) -> float:
+    """All-to-all over ``n`` ranks, each holding ``num_bytes`` of which it sends ``1/n`` to every
+    other rank (``(n-1)/n`` of it leaves the rank)."""
     if n <= 1 or num_bytes <= 0:
         return 0.0
     steps = n - 1

@@ -32,6 +32,18 @@ every micro-batch once, so per device and step:
 When the batch is smaller than ``pp`` stages idle; the step time above already includes
 that idling. Prefill is treated with the same steady-state formula (pipeline fill/drain of
 a one-off prefill is not charged).
+
+Mixture-of-experts models (:mod:`.llama`): FLOPs follow the active parameters; the bytes a pass
+streams are the stored weights one device holds, all of them in training and prefill (every local
+expert is used), and in a decode step only the routed experts the step's tokens touch under uniform
+routing (:func:`~harness.costmodel.llama.local_experts_streamed`; the ``ep`` ranks of an
+expert-parallel group are taken to step together with batches of the same size). With expert
+parallelism (``ep > 1``: experts split over ``ep`` data-parallel ranks, each expert over ``tp``) a
+device holds ``1 / ep`` of the routed experts, and every MoE layer's forward runs two all-to-alls
+over the ep group (dispatch and combine, :func:`~harness.costmodel.llama.moe_dispatch_bytes` per
+device), the backward two more; they sit on the critical path like the tp all-reduces.
+``alltoall_s(bytes, ep, span)`` times one (the caller picks the tier from ``span``, the devices the
+ep group spans: its members are dp replicas ``tp * pp`` devices apart).
 """
 from __future__ import annotations
 
@@ -44,7 +56,11 @@ from harness.costmodel.llama import (
     forward_flops,
     head_params,
     kv_bytes_per_token,
+    local_experts_streamed,
+    moe_dispatch_bytes,
     params_per_layer,
+    routed_expert_params_per_layer,
+    streamed_matmul_params_per_layer,
 )
 
 # Mixed-precision Adam touches per parameter: read + write fp32 master weight, m and v
@@ -55,10 +71,36 @@ ADAM_BYTES_PER_PARAM = 28
 
 # (num_bytes, group_size) -> seconds
 CommFn = Callable[[float, int], float]
+# (bytes each rank holds, ep, devices the ep group spans) -> seconds of one all-to-all
+AllToAllFn = Callable[[float, int, int], float]
 
 
 def _no_comm(num_bytes: float, group_size: int) -> float:
     return 0.0
+
+
+def _no_alltoall(num_bytes: float, ep: int, span: int) -> float:
+    return 0.0
+
+
+def moe_alltoalls_s(alltoall_s: AllToAllFn, d: ModelDims, num_layers: float, num_tokens: float, ep: int,
+                    span: int) -> float:
+    """Seconds of the forward all-to-alls of ``num_layers`` layers (their MoE share, the layers
+    averaged as in :mod:`.llama`) over ``num_tokens`` tokens per device: two per MoE layer (dispatch
+    and combine). 0 without expert parallelism."""
+    if ep <= 1 or not d.is_moe:
+        return 0.0
+    moe_layers = num_layers * d.num_moe_layers / d.num_layers
+    return 2 * moe_layers * alltoall_s(moe_dispatch_bytes(d, num_tokens), ep, span)
+
+
+def stored_layer_params(d: ModelDims, ep: int = 1) -> float:
+    """Weights of one layer (averaged) that one device of an expert-parallel group of ``ep``
+    holds before tp sharding: :func:`~harness.costmodel.llama.params_per_layer` with ``1 / ep`` of
+    the routed experts."""
+    if ep == 1:
+        return params_per_layer(d)
+    return params_per_layer(d) - routed_expert_params_per_layer(d) * (ep - 1) / ep
 
 
 class OpCost(NamedTuple):
@@ -72,8 +114,9 @@ class OpCost(NamedTuple):
 class Roofline:
     """Roofline timing on one GPU.
 
-    ``allreduce_s(bytes, n)`` times a tensor-parallel all-reduce over ``n`` ranks and
-    ``p2p_s(bytes, n)`` a pipeline hop inside an instance of ``n`` devices; both default
+    ``allreduce_s(bytes, n)`` times a tensor-parallel all-reduce over ``n`` ranks,
+    ``p2p_s(bytes, n)`` a pipeline hop inside an instance of ``n`` devices and
+    ``alltoall_s(bytes, ep, span)`` a MoE layer's all-to-all (module docstring); all default
     to free (the caller, :class:`harness.costmodel.model.CostModel`, picks the tier).
     The roofline has no host model: no graph replay overhead, no host time per kernel launch.
     """
@@ -86,12 +129,14 @@ class Roofline:
         gpu: Any,
         allreduce_s: Optional[CommFn] = None,
         p2p_s: Optional[CommFn] = None,
+        alltoall_s: Optional[AllToAllFn] = None,
     ) -> None:
         self.flops_per_s = float(gpu.peak_bf16_tflops) * 1e12 * float(gpu.matmul_efficiency_frac)
         self.bytes_per_s = float(gpu.hbm_bandwidth_gbps) * 1e9 * float(gpu.memory_efficiency_frac)
         self.stream_s_per_byte = 1.0 / self.bytes_per_s  # streaming rate of elementwise traffic
         self._allreduce_s = allreduce_s or _no_comm
         self._p2p_s = p2p_s or _no_comm
+        self._alltoall_s = alltoall_s or _no_alltoall
 
     # -- timing ---------------------------------------------------------------------------
 
@@ -117,9 +162,14 @@ class Roofline:
         tp: int = 1,
         num_layers: Optional[float] = None,
         include_head: Optional[bool] = None,
+        ep: int = 1,
+        pp: int = 1,
     ) -> OpCost:
         """A forward pass of ``num_tokens`` through ``num_layers`` layers on one of ``tp``
-        ranks. ``include_head`` defaults to whether the pass covers the whole model."""
+        ranks. ``include_head`` defaults to whether the pass covers the whole model. ``ep``: the
+        expert-parallel degree (a MoE model's all-to-alls and its share of the experts); ``pp``:
+        the layout's pipeline degree, which with ``ep`` and ``tp`` sets the devices the ep group
+        spans (module docstring)."""
         d = ModelDims.of(model)
         layers = d.num_layers if num_layers is None else num_layers
         if include_head is None:
@@ -127,19 +177,21 @@ class Roofline:
         if num_tokens <= 0 or layers <= 0:
             return OpCost(0.0, 0.0, 0.0)
         flops = forward_flops(d, num_tokens, context_len, layers, include_head) / tp
-        weights = layers * params_per_layer(d)
+        weights = layers * stored_layer_params(d, ep)  # every local expert is used
         if include_head:
             weights += head_params(d) + d.hidden_size  # head + final norm
         activations = activation_io_elems_per_token_layer(d) * num_tokens * layers
         num_bytes = (weights + activations) * BF16_BYTES / tp
         comm_s = 2 * layers * self._allreduce_s(num_tokens * d.hidden_size * BF16_BYTES, tp)
+        if ep > 1:
+            comm_s += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep * tp * pp)
         return OpCost(flops, num_bytes, comm_s)
 
     def forward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                   num_layers: Optional[float] = None,
-                  include_head: Optional[bool] = None) -> float:
+                  include_head: Optional[bool] = None, ep: int = 1, pp: int = 1) -> float:
         return self.seconds(
-            self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head)
+            self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, pp)
         )
 
     def backward_s(
@@ -151,16 +203,19 @@ class Roofline:
         num_layers: Optional[float] = None,
         include_head: Optional[bool] = None,
         recompute: str = "none",
+        ep: int = 1,
+        pp: int = 1,
     ) -> float:
         """Backward pass: twice the forward's compute (input and weight gradients), the
-        forward's two all-reduces per layer, plus recomputation (Korthikanti et al. 2022):
+        forward's two all-reduces per layer (and, with expert parallelism, its two all-to-alls per
+        MoE layer), plus recomputation (Korthikanti et al. 2022):
 
         * ``none``: nothing extra;
         * ``selective``: the attention core (scores, softmax, weighted sum) is recomputed,
           charged as its forward FLOPs ``4 h context`` per token per layer;
         * ``full``: a whole extra forward pass, communication included.
         """
-        fwd = self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head)
+        fwd = self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, pp)
         time_s = 2.0 * (self.seconds(fwd) - fwd.comm_s) + fwd.comm_s
         if recompute == "full":
             time_s += self.seconds(fwd)
@@ -181,18 +236,24 @@ class Roofline:
 
     def _pipelined_cost(
         self, d: ModelDims, batch_tokens: float, context_len: float, kv_tokens: float,
-        head_tokens: float, tp: int, pp: int, num_mbs: float,
+        head_tokens: float, tp: int, pp: int, num_mbs: float, ep: int = 1, decode: bool = False,
     ) -> OpCost:
         """Per-device work of one pass of ``batch_tokens`` (each attending to
         ``context_len`` keys, ``kv_tokens`` KV entries moved through HBM, logits for
         ``head_tokens``) through a tp x pp instance, following the steady-state pipeline
-        model of the module docstring."""
+        model of the module docstring; a MoE model's experts split over ``ep`` and, in a decode
+        step (``decode``), streamed only where the tokens go."""
         per_mb = tp * num_mbs
         flops = forward_flops(d, batch_tokens, context_len, d.num_layers, include_head=False)
         flops += 2.0 * head_params(d) * head_tokens
         # Streamed weights: the layers, final norm and head GEMM (a tied LM head is the embedding
         # matrix, streamed all the same); the looked-up embedding rows are negligible.
         weights = d.num_layers * params_per_layer(d) + d.hidden_size + head_params(d)
+        mb_tokens = batch_tokens / num_mbs
+        if d.is_moe:  # the routed experts this device holds and the micro-batch's tokens use
+            local = local_experts_streamed(d, mb_tokens, ep, decode)
+            layer = streamed_matmul_params_per_layer(d, local) + 2 * d.hidden_size
+            weights = d.num_layers * layer + d.hidden_size + head_params(d)
         weight_bytes = weights * BF16_BYTES / tp
         kv_bytes = kv_bytes_per_token(d) * kv_tokens / (min(tp, d.num_kv_heads) * num_mbs)
         activations = activation_io_elems_per_token_layer(d) * batch_tokens * d.num_layers
@@ -201,10 +262,12 @@ class Roofline:
         comm_s = 2 * d.num_layers * self._allreduce_s(mb_bytes, tp)
         if pp > 1:
             comm_s += (pp - 1) * self._p2p_s(mb_bytes, tp * pp)
+        if ep > 1:
+            comm_s += moe_alltoalls_s(self._alltoall_s, d, d.num_layers, mb_tokens, ep, ep * tp * pp)
         return OpCost(flops / per_mb, num_bytes, comm_s)
 
     def decode_step_cost(self, model: Any, batch_size: int, context_tokens_total: float,
-                         tp: int = 1, pp: int = 1) -> OpCost:
+                         tp: int = 1, pp: int = 1, ep: int = 1) -> OpCost:
         """One decode step: every sample of the batch emits one token, attending to its
         cache; ``context_tokens_total`` is the sum of the cached lengths over the batch.
         KV heads are sharded over at most ``num_kv_heads`` tp ranks (replicated beyond)."""
@@ -215,14 +278,14 @@ class Roofline:
         # Every cached entry is read once; the new token's K, V written (counted in the
         # cache once it is there).
         return self._pipelined_cost(d, batch_size, context_tokens_total / batch_size,
-                                    context_tokens_total, batch_size, tp, pp, num_mbs)
+                                    context_tokens_total, batch_size, tp, pp, num_mbs, ep, decode=True)
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                      tp: int = 1, pp: int = 1) -> float:
-        return self.seconds(self.decode_step_cost(model, batch_size, context_tokens_total, tp, pp))
+                      tp: int = 1, pp: int = 1, ep: int = 1) -> float:
+        return self.seconds(self.decode_step_cost(model, batch_size, context_tokens_total, tp, pp, ep))
 
     def prefill_cost(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                     seq_len: Optional[float] = None) -> OpCost:
+                     seq_len: Optional[float] = None, ep: int = 1) -> OpCost:
         """Prefill of ``num_tokens`` prompt tokens in sequences of ``seq_len`` tokens
         (default: one sequence of ``num_tokens``). Causal attention attends to
         ``seq_len / 2`` keys on average; logits are computed for each sequence's last
@@ -235,8 +298,8 @@ class Roofline:
         num_seqs = num_tokens / seq_len
         num_mbs = max(1.0, min(pp, num_seqs))  # micro-batches hold whole sequences
         return self._pipelined_cost(d, num_tokens, seq_len / 2.0, num_tokens, num_seqs,
-                                    tp, pp, num_mbs)
+                                    tp, pp, num_mbs, ep)
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                  seq_len: Optional[float] = None) -> float:
-        return self.seconds(self.prefill_cost(model, num_tokens, tp, pp, seq_len))
+                  seq_len: Optional[float] = None, ep: int = 1) -> float:
+        return self.seconds(self.prefill_cost(model, num_tokens, tp, pp, seq_len, ep))

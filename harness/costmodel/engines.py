@@ -28,7 +28,7 @@ from harness.core.engines import FITTED_PRIORS, Engines, GenerationEngine
 from harness.costmodel.calibrated import SHORT_SPAN_STEPS
 from harness.costmodel.compute import ADAM_BYTES_PER_PARAM
 from harness.costmodel.llama import ModelDims, kv_bytes_per_token
-from harness.costmodel.memory import max_stage_params
+from harness.costmodel.memory import updated_params_per_device
 from harness.errors import PlanError
 
 
@@ -91,22 +91,22 @@ class EngineCosts:
         return extra_passes * per_device * self._stream_s_per_byte
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,
-                      pp: int = 1) -> float:
+                      pp: int = 1, ep: int = 1) -> float:
         if batch_size <= 0:
             return 0.0
         if self.engines.generation.kv_cache:
-            gpu_s = self.base.decode_step_s(model, batch_size, context_tokens_total, tp, pp)
+            gpu_s = self.base.decode_step_s(model, batch_size, context_tokens_total, tp, pp, ep)
         else:  # the model runs over every sequence's whole context to produce its next token
             tokens = context_tokens_total + batch_size
-            gpu_s = self.base.prefill_s(model, tokens, tp, pp, tokens / batch_size)
+            gpu_s = self.base.prefill_s(model, tokens, tp, pp, tokens / batch_size, ep)
         return self._step(gpu_s, model, self._kv_extra_s(model, batch_size, context_tokens_total, tp, pp))
 
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
-                      tp: int = 1, pp: int = 1) -> tuple[float, ...]:
+                      tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, ...]:
         """:meth:`decode_step_s` of ``num_steps`` consecutive steps, bit for bit (memoised per instance):
         the cost model's span, then the step rule (step by step on short spans, elementwise on long
         ones), or step by step without a KV cache."""
-        key = (id(model), batch_size, context_tokens_total, num_steps, tp, pp)
+        key = (id(model), batch_size, context_tokens_total, num_steps, tp, pp, ep)
         hit = self._spans.get(key)
         if hit is None:
             kv_cache = self.engines.generation.kv_cache
@@ -114,25 +114,25 @@ class EngineCosts:
                 hit = tuple(self._step(g, model, self._kv_extra_s(
                     model, batch_size, context_tokens_total + j * batch_size, tp, pp))
                     for j, g in enumerate(self.base.decode_span_s(model, batch_size, context_tokens_total,
-                                                                  num_steps, tp, pp)))
+                                                                  num_steps, tp, pp, ep)))
             elif kv_cache and batch_size > 0:
                 graph_s = np.asarray(self.base.decode_span_s(model, batch_size, context_tokens_total, num_steps,
-                                                             tp, pp))
+                                                             tp, pp, ep))
                 contexts = context_tokens_total + np.arange(num_steps, dtype=np.int64) * batch_size
                 hit = tuple(self._step_each(graph_s, model,
                                             self._kv_extra_s(model, batch_size, contexts, tp, pp)).tolist())
             else:
-                hit = tuple(self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp)
+                hit = tuple(self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, ep)
                             for j in range(num_steps))
             self._spans[key] = hit
             self._span_models[id(model)] = model
         return hit
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                  seq_len: Optional[float] = None) -> float:
+                  seq_len: Optional[float] = None, ep: int = 1) -> float:
         if num_tokens <= 0:
             return 0.0
-        return self._step(self.base.prefill_s(model, num_tokens, tp, pp, seq_len), model)
+        return self._step(self.base.prefill_s(model, num_tokens, tp, pp, seq_len, ep), model)
 
     # -- training and inference passes ----------------------------------------------------------
 
@@ -149,29 +149,31 @@ class EngineCosts:
         return bytes_per_score * heads_local * num_tokens * seq_len * layers * self._stream_s_per_byte
 
     def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
-                  num_layers: Optional[float] = None, include_head: Optional[bool] = None) -> float:
+                  num_layers: Optional[float] = None, include_head: Optional[bool] = None,
+                  ep: int = 1, pp: int = 1) -> float:
         t = self.engines.training
-        time_s = self.base.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
+        time_s = self.base.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, pp)
         time_s += self._score_traffic_s(t.attention_score_bytes_forward, model, num_tokens, seq_len, tp,
                                         num_layers)
         return time_s * t.compute_time_scale
 
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: Optional[str] = None) -> float:
+                   recompute: Optional[str] = None, ep: int = 1, pp: int = 1) -> float:
         t = self.engines.training
-        time_s = self.base.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
+        time_s = self.base.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, pp)
         score_bytes = t.attention_score_bytes_backward
         if (recompute or self.base.recompute) in ("full", "selective"):  # both recompute the attention
             score_bytes += t.attention_score_bytes_forward
         time_s += self._score_traffic_s(score_bytes, model, num_tokens, seq_len, tp, num_layers)
         return time_s * t.compute_time_scale
 
-    def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0) -> float:
+    def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
+                         ep: int = 1) -> float:
         t = self.engines.training
         if not t.optimizer_offload:
-            return self.base.optimizer_step_s(model, dp, tp, pp, zero_stage)
-        params = max_stage_params(ModelDims.of(model), pp) / tp / (dp if zero_stage >= 1 else 1)
+            return self.base.optimizer_step_s(model, dp, tp, pp, zero_stage, ep)
+        params = updated_params_per_device(ModelDims.of(model), dp, tp, pp, zero_stage, ep)
         ranks_per_node = min(dp * tp * pp, self.base.gpus_per_node)  # ranks sharing one host's memory
         cpu_s = params * ranks_per_node * ADAM_BYTES_PER_PARAM / (t.cpu_adam_gbps * 1e9)
         # fp16 gradients to the host, fp16 parameters back (ZeRO-Offload, Ren et al. ATC'21, section 4)

@@ -34,6 +34,18 @@ are ``2 s b f`` bytes each): the tensor-parallel part ``24 s b h`` becomes ``8 s
 exactly their numbers when ``f = 4h`` (OPT, GPT).
 Pipeline schedules multiply these per-micro-batch numbers by the micro-batches in flight;
 that is the schedule simulator's job, not this module's.
+
+Mixture-of-experts models (:mod:`.llama`) hold every expert: weights, gradients and optimizer
+states count the total parameters. Expert parallelism (``ep``; Megatron-core's convention) splits
+each MoE layer's routed experts over ``ep`` ranks carved from the data-parallel group, each expert
+further sharded over the ``tp`` ranks (expert tensor parallelism = tp): routed-expert weights per
+device are ``/ (ep * tp)``, the rest ``/ tp`` as for a dense model. Each expert is then replicated
+on ``dp / ep`` ranks (the expert-data-parallel group), which is what ZeRO shards the experts'
+states over (the dense parts' over ``dp``), so under ZeRO-1/2/3 the sharded states per device are
+the same as at ep = 1 and ep saves what ZeRO leaves whole. Per-layer counts are averages over the
+layers (:mod:`.llama`). The activation coefficients above are kept for MoE layers (the SwiGLU ones,
+which do not depend on the MLP width): the k copies of a token through its experts are not counted
+separately.
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ from harness.costmodel.llama import (
     head_params,
     kv_bytes_per_token,
     params_per_layer,
+    routed_expert_params_per_layer,
     stored_head_params,
 )
 
@@ -66,11 +79,15 @@ LOGIT_BYTES = 4
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def max_stage_params(model: Any, pp: int = 1) -> float:
-    """Parameters of the heaviest of ``pp`` uniform pipeline stages (before tp sharding). A
-    tied LM head counts once at ``pp = 1`` and as the last stage's own copy at ``pp > 1``."""
+def max_stage_params(model: Any, pp: int = 1, ep: int = 1) -> float:
+    """Parameters of the heaviest of ``pp`` uniform pipeline stages (before tp sharding) that one
+    device of an expert-parallel group of ``ep`` holds: its stage's share of the routed experts is
+    ``1 / ep`` (every expert at ep = 1). A tied LM head counts once at ``pp = 1`` and as the last
+    stage's own copy at ``pp > 1``."""
     d = ModelDims.of(model)
     layers = d.num_layers / pp * params_per_layer(d)
+    if ep != 1:
+        layers -= stage_expert_params(d, pp) * (ep - 1) / ep
     first = embedding_params(d)
     if pp == 1:
         return layers + first + (d.hidden_size + stored_head_params(d))  # final norm + head
@@ -78,18 +95,34 @@ def max_stage_params(model: Any, pp: int = 1) -> float:
     return layers + max(first, last)
 
 
-def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYTES) -> float:
-    """Inference weights on one device."""
-    return max_stage_params(model, pp) / tp * dtype_bytes / GB
+def stage_expert_params(model: Any, pp: int = 1) -> float:
+    """Routed-expert parameters of one of ``pp`` uniform pipeline stages, all its experts (before
+    ep and tp sharding; 0 for a dense model)."""
+    d = ModelDims.of(model)
+    return d.num_layers / pp * routed_expert_params_per_layer(d)
+
+
+def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYTES, ep: int = 1) -> float:
+    """Inference weights on one device (routed experts split over ``ep`` ranks)."""
+    return max_stage_params(model, pp, ep) / tp * dtype_bytes / GB
+
+
+def expert_weights_gb(model: Any, tp: int = 1, pp: int = 1, ep: int = 1, dtype_bytes: int = BF16_BYTES) -> float:
+    """The routed-expert part of :func:`weights_gb` (0 for a dense model)."""
+    return stage_expert_params(model, pp) / (ep * tp) * dtype_bytes / GB
 
 
 def training_state_gb(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                      zero_stage: int = 0, optimizer_offload: bool = False) -> float:
+                      zero_stage: int = 0, optimizer_offload: bool = False, ep: int = 1) -> float:
     """Weights + gradients + Adam states on one device under ZeRO stage 0-3. With
     ``optimizer_offload`` (ZeRO-Offload) the Adam states live in host memory and the gradients
-    follow them there, one reduce bucket at a time: the device keeps at most one bucket."""
+    follow them there, one reduce bucket at a time: the device keeps at most one bucket. With
+    expert parallelism (``ep``) the routed experts' states are ``/ (ep * tp)`` and ZeRO shards them
+    over the ``dp / ep`` ranks that hold the same experts (module docstring)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    if ep != 1:
+        return _expert_parallel_state_gb(model, dp, tp, pp, zero_stage, optimizer_offload, ep)
     params = max_stage_params(model, pp) / tp
     weights = WEIGHT_BYTES / (dp if zero_stage >= 3 else 1)
     grads = params * GRAD_BYTES / (dp if zero_stage >= 2 else 1)
@@ -97,6 +130,37 @@ def training_state_gb(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
         return (params * weights + min(grads, OFFLOAD_GRAD_BUCKET_PARAMS * GRAD_BYTES)) / GB
     optimizer = OPTIMIZER_BYTES / (dp if zero_stage >= 1 else 1)
     return (params * (weights + optimizer) + grads) / GB
+
+
+def _state_bytes(params: float, shards: int, zero_stage: int) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer-state) bytes of ``params`` parameters that ZeRO at
+    ``zero_stage`` shards over ``shards`` ranks."""
+    return (params * WEIGHT_BYTES / (shards if zero_stage >= 3 else 1),
+            params * GRAD_BYTES / (shards if zero_stage >= 2 else 1),
+            params * OPTIMIZER_BYTES / (shards if zero_stage >= 1 else 1))
+
+
+def _expert_parallel_state_gb(model: Any, dp: int, tp: int, pp: int, zero_stage: int,
+                              optimizer_offload: bool, ep: int) -> float:
+    experts = stage_expert_params(model, pp)
+    dense = (max_stage_params(model, pp) - experts) / tp
+    parts = [_state_bytes(dense, dp, zero_stage), _state_bytes(experts / (ep * tp), dp // ep, zero_stage)]
+    weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
+    if optimizer_offload:
+        return (weights + min(grads, OFFLOAD_GRAD_BUCKET_PARAMS * GRAD_BYTES)) / GB
+    return (weights + grads + optimizer) / GB
+
+
+def updated_params_per_device(model: Any, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
+                              ep: int = 1) -> float:
+    """Parameters whose optimizer step one device runs (the most loaded stage): its stage's /
+    tp, further / dp when ZeRO (any stage >= 1) shards the optimizer states; with expert
+    parallelism the routed experts' / (ep * tp), sharded over dp / ep."""
+    if ep == 1:
+        return max_stage_params(model, pp) / tp / (dp if zero_stage >= 1 else 1)
+    experts = stage_expert_params(model, pp)
+    dense = (max_stage_params(model, pp) - experts) / tp / (dp if zero_stage >= 1 else 1)
+    return dense + experts / (ep * tp) / (dp // ep if zero_stage >= 1 else 1)
 
 
 def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: float,

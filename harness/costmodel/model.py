@@ -17,6 +17,14 @@ Groups given by size only (the tp group of a compute op, the tp x pp devices of 
 generation instance) are assumed to be packed onto consecutive devices: they talk over
 NVLink when they fit on one node, else over the NICs.
 
+Expert parallelism (mixture-of-experts models, :mod:`.llama`): the op and memory methods take
+``ep``, the expert-parallel degree of the layout (default 1: none). Its ep ranks are carved from
+the data-parallel group (Megatron-core's convention): consecutive dp replicas, so the group spans
+``ep * tp * pp`` consecutive devices, and its all-to-alls run over NVLink when those fit on one
+node, else over the NICs (alpha-beta, :func:`harness.costmodel.comm.alltoall_s`; no all-to-all
+was measured), timed as the tp all-reduces are and added where they are. ``ep > 1`` on a dense
+model, or an ``ep`` that does not divide its experts, raises PlanError.
+
 Speed: the generation simulator calls :meth:`CostModel.decode_step_s` ~1e5 times per
 simulated iteration. Configs are read once in the constructor into plain dataclasses; models
 go through :meth:`ModelDims.of` (identity-cached) and the counts derived from them are
@@ -33,9 +41,10 @@ from harness.costmodel import comm, memory
 from harness.costmodel.calibrated import CalibratedCompute, Calibration
 from harness.costmodel.compute import Roofline
 from harness.costmodel.engines import EngineCosts
-from harness.costmodel.llama import ModelDims
-from harness.costmodel.memory import max_stage_params
+from harness.costmodel.llama import ModelDims, expert_parallel_problem
+from harness.costmodel.memory import max_stage_params, updated_params_per_device
 from harness.costmodel.profile import ProfileTable
+from harness.errors import PlanError
 
 
 # Bound of the op-time memo (entries; ~200 bytes each): cleared when full, which only costs recomputation.
@@ -114,12 +123,12 @@ class CostModel:
             raise ValueError(f"cluster.cost_model must be roofline or calibrated, not {self.kind!r}")
         # The datasheet roofline is always available (the calibration report compares with it).
         self.roofline = Roofline(self.gpu, allreduce_s=self._packed_allreduce_s,
-                                 p2p_s=self._packed_p2p_s)
+                                 p2p_s=self._packed_p2p_s, alltoall_s=self._packed_alltoall_s)
         self.compute = self.roofline
         if self.calibration is not None:
             self.compute = CalibratedCompute(self.calibration, self.gpu.peak_bf16_tflops,
                                              allreduce_s=self._packed_allreduce_s,
-                                             p2p_s=self._packed_p2p_s)
+                                             p2p_s=self._packed_p2p_s, alltoall_s=self._packed_alltoall_s)
 
     def with_engines(self, engines: Any, gen_gather_s: float = 0.0) -> "CostModel":
         """This cost model with every op timed as ``engines`` (:class:`harness.core.engines.Engines`,
@@ -151,6 +160,27 @@ class CostModel:
             if curve is not None:
                 return curve(num_bytes)
         return comm.allreduce_s(num_bytes, n, self._link_for_size(n))
+
+    def _packed_alltoall_s(self, num_bytes: float, ep: int, span: int) -> float:
+        """One all-to-all over an expert-parallel group of ``ep`` ranks, each holding ``num_bytes``,
+        whose members lie among ``span`` consecutive devices: NVLink when those fit on one node, else
+        the per-GPU NIC (module docstring)."""
+        if ep <= 1 or num_bytes <= 0:
+            return 0.0
+        return comm.alltoall_s(num_bytes, ep, self._link_for_size(span))
+
+    def alltoall_s(self, num_bytes: float, ep: int, span: int) -> float:
+        """Public form of the all-to-all timing the op methods use (:meth:`_packed_alltoall_s`)."""
+        return self._packed_alltoall_s(num_bytes, ep, span)
+
+    @staticmethod
+    def check_expert_parallel(model: Any, ep: int) -> None:
+        """PlanError when ``model`` cannot run at expert-parallel degree ``ep``
+        (:func:`~harness.costmodel.llama.expert_parallel_problem`)."""
+        if ep != 1:
+            problem = expert_parallel_problem(model, ep)
+            if problem:
+                raise PlanError(problem)
 
     def _packed_p2p_s(self, num_bytes: float, group_size: int) -> float:
         if self.calibration is not None:
@@ -244,54 +274,73 @@ class CostModel:
 
     def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                   num_layers: Optional[float] = None,
-                  include_head: Optional[bool] = None) -> float:
+                  include_head: Optional[bool] = None, ep: int = 1, pp: int = 1) -> float:
         """Forward of ``num_tokens`` tokens in causal sequences of ``seq_len`` through
         ``num_layers`` layers (a pipeline stage; all when ``None``). A profiled whole-model
-        time is scaled by ``num_layers / model.num_layers``."""
+        time is scaled by ``num_layers / model.num_layers``. ``ep``: the layout's expert
+        parallelism, ``pp``: its pipeline degree (with ``ep``, where the all-to-alls run)."""
         if self.engine_costs is not None:
-            return self.engine_costs.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
+            return self.engine_costs.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, pp)
+        if ep != 1:
+            self.check_expert_parallel(model, ep)
+            return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, pp)
         return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
 
     @_memoised
     def _forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
-                   num_layers: Optional[float] = None, include_head: Optional[bool] = None) -> float:
+                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
+                   ep: int = 1, pp: int = 1) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("forward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
+        if ep != 1:
+            return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head, ep, pp)
         return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                       include_head)
 
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: Optional[str] = None) -> float:
-        """Backward (with the workload's activation recomputation unless ``recompute``)."""
+                   recompute: Optional[str] = None, ep: int = 1, pp: int = 1) -> float:
+        """Backward (with the workload's activation recomputation unless ``recompute``); ``ep``,
+        ``pp`` as in :meth:`forward_s`."""
         if self.engine_costs is not None:
-            return self.engine_costs.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
+            return self.engine_costs.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute,
+                                                ep, pp)
+        if ep != 1:
+            self.check_expert_parallel(model, ep)
+            return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, pp)
         return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
 
     @_memoised
     def _backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                     num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                    recompute: Optional[str] = None) -> float:
+                    recompute: Optional[str] = None, ep: int = 1, pp: int = 1) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("backward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
+        if ep != 1:
+            return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head,
+                                           recompute or self.recompute, ep, pp)
         return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                        include_head, recompute or self.recompute)
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                  seq_len: Optional[float] = None) -> float:
+                  seq_len: Optional[float] = None, ep: int = 1) -> float:
         """Prefill of ``num_tokens`` prompt tokens (sequences of ``seq_len``, default one)
-        on a tp x pp generation instance (a CUDA-graph engine's, without engines; see :mod:`.calibrated`)."""
+        on a tp x pp generation instance (a CUDA-graph engine's, without engines; see :mod:`.calibrated`),
+        one of ``ep`` expert-parallel instances (a MoE model's)."""
         if self.engine_costs is not None:
-            return self.engine_costs.prefill_s(model, num_tokens, tp, pp, seq_len)
+            return self.engine_costs.prefill_s(model, num_tokens, tp, pp, seq_len, ep)
+        if ep != 1:
+            self.check_expert_parallel(model, ep)
+            return self._prefill_s(model, num_tokens, tp, pp, seq_len, ep)
         return self._prefill_s(model, num_tokens, tp, pp, seq_len)
 
     @_memoised
     def _prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
-                   seq_len: Optional[float] = None) -> float:
+                   seq_len: Optional[float] = None, ep: int = 1) -> float:
         d = ModelDims.of(model)
         if self.profile is not None and num_tokens > 0:
             # Same steady-state pipeline rule as decode_step_s, micro-batches of whole
@@ -302,22 +351,30 @@ class CostModel:
             if measured is not None:
                 return measured + self._pp_hops_s(d, mb, tp, pp)
         if self.calibration is not None:
+            if ep != 1:
+                return self.compute.prefill_s(d, num_tokens, tp, pp, seq_len, ep)
             return self.compute.prefill_s(d, num_tokens, tp, pp, seq_len)
+        if ep != 1:
+            return self.roofline.prefill_s(d, num_tokens, tp, pp, seq_len, ep)
         return self.roofline.prefill_s(d, num_tokens, tp, pp, seq_len)
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                      tp: int = 1, pp: int = 1) -> float:
+                      tp: int = 1, pp: int = 1, ep: int = 1) -> float:
         """One decode step of ``batch_size`` samples whose caches hold
-        ``context_tokens_total`` tokens in all, on a tp x pp generation instance. A
+        ``context_tokens_total`` tokens in all, on a tp x pp generation instance (one of ``ep``
+        expert-parallel instances stepping together, for a MoE model). A
         profiled time (measured at pp = 1 for the micro-batch size) stands for the
         ``pp`` stage times of a step (see :mod:`.compute`); the pipeline hops are added."""
         if self.engine_costs is not None:
-            return self.engine_costs.decode_step_s(model, batch_size, context_tokens_total, tp, pp)
+            return self.engine_costs.decode_step_s(model, batch_size, context_tokens_total, tp, pp, ep)
+        if ep != 1:
+            self.check_expert_parallel(model, ep)
+            return self._decode_step_s(model, batch_size, context_tokens_total, tp, pp, ep)
         return self._decode_step_s(model, batch_size, context_tokens_total, tp, pp)
 
     @_memoised
     def _decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
-                       tp: int = 1, pp: int = 1) -> float:
+                       tp: int = 1, pp: int = 1, ep: int = 1) -> float:
         d = ModelDims.of(model)
         if self.profile is not None and batch_size > 0:
             mb = batch_size / min(pp, batch_size)
@@ -325,24 +382,37 @@ class CostModel:
             if measured is not None:
                 return measured + self._pp_hops_s(d, mb, tp, pp)
         if self.calibration is not None:
+            if ep != 1:
+                return self.compute.decode_step_s(d, batch_size, context_tokens_total, tp, pp, ep)
             return self.compute.decode_step_s(d, batch_size, context_tokens_total, tp, pp)
+        if ep != 1:
+            return self.roofline.decode_step_s(d, batch_size, context_tokens_total, tp, pp, ep)
         return self.roofline.decode_step_s(d, batch_size, context_tokens_total, tp, pp)
 
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
-                      tp: int = 1, pp: int = 1) -> tuple[float, ...]:
+                      tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, ...]:
         """The :meth:`decode_step_s` times of ``num_steps`` consecutive steps of one batch, each
         step adding a token to every sample: contexts ``c, c + b, c + 2b, ...``. One memo hit
         per span instead of one per step (the generation task model's inner loop); the
         calibrated model times a span in one pass."""
         if self.engine_costs is not None:
-            return self.engine_costs.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp)
+            return self.engine_costs.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp, ep)
+        if ep != 1:
+            self.check_expert_parallel(model, ep)
+            return self._decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp, ep)
         return self._decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp)
 
     @_memoised
     def _decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
-                       tp: int = 1, pp: int = 1) -> tuple[float, ...]:
+                       tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, ...]:
         if self.profile is None and self.calibration is not None:
+            if ep != 1:
+                return tuple(self.compute.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp,
+                                                        ep))
             return tuple(self.compute.decode_span_s(model, batch_size, context_tokens_total, num_steps, tp, pp))
+        if ep != 1:
+            return tuple(self._decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, ep)
+                         for j in range(num_steps))
         return tuple(self._decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp)
                      for j in range(num_steps))
 
@@ -352,13 +422,15 @@ class CostModel:
         return (pp - 1) * self._packed_p2p_s(mb_tokens * d.hidden_size * 2, tp * pp)
 
     def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                         zero_stage: int = 0) -> float:
+                         zero_stage: int = 0, ep: int = 1) -> float:
         """Adam step on the most loaded device: its stage's parameters / tp, further / dp
-        when ZeRO (any stage >= 1) shards the optimizer states."""
+        when ZeRO (any stage >= 1) shards the optimizer states; a MoE model's routed experts
+        / (ep * tp), sharded over dp / ep (:func:`~harness.costmodel.memory.updated_params_per_device`)."""
         if self.engine_costs is not None:
-            return self.engine_costs.optimizer_step_s(model, dp, tp, pp, zero_stage)
+            return self.engine_costs.optimizer_step_s(model, dp, tp, pp, zero_stage, ep)
         d = ModelDims.of(model)
-        params = max_stage_params(d, pp) / tp / (dp if zero_stage >= 1 else 1)
+        self.check_expert_parallel(d, ep)
+        params = updated_params_per_device(d, dp, tp, pp, zero_stage, ep)
         measured = self._profiled("optimizer_step", d, tp, 0)
         if measured is not None:  # measured for the whole model on tp ranks: scale by params
             return measured * params * tp / max_stage_params(d, 1)
@@ -371,12 +443,21 @@ class CostModel:
         """HBM a plan may fill per device: ``hbm_gb * usable_memory_frac``."""
         return self.gpu.hbm_gb * self.gpu.usable_memory_frac
 
-    def weights_gb(self, model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = 2) -> float:
-        return memory.weights_gb(ModelDims.of(model), tp, pp, dtype_bytes)
+    def weights_gb(self, model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = 2, ep: int = 1) -> float:
+        """Weights on one device of a tp x pp layout (a MoE model's routed experts split over ``ep``)."""
+        d = ModelDims.of(model)
+        self.check_expert_parallel(d, ep)
+        return memory.weights_gb(d, tp, pp, dtype_bytes, ep)
+
+    def expert_weights_gb(self, model: Any, tp: int = 1, pp: int = 1, ep: int = 1) -> float:
+        """The routed-expert part of :meth:`weights_gb` (0 for a dense model)."""
+        return memory.expert_weights_gb(ModelDims.of(model), tp, pp, ep)
 
     def training_state_gb(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                          zero_stage: int = 0, optimizer_offload: bool = False) -> float:
-        return memory.training_state_gb(ModelDims.of(model), dp, tp, pp, zero_stage, optimizer_offload)
+                          zero_stage: int = 0, optimizer_offload: bool = False, ep: int = 1) -> float:
+        d = ModelDims.of(model)
+        self.check_expert_parallel(d, ep)
+        return memory.training_state_gb(d, dp, tp, pp, zero_stage, optimizer_offload, ep)
 
     def activation_gb(self, model: Any, micro_batch_size: float, seq_len: float, tp: int = 1,
                       num_layers: Optional[float] = None, recompute: Optional[str] = None,

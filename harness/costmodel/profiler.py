@@ -124,6 +124,9 @@ def local_dims(llama_cfg, tp: int = 1) -> dict[str, int]:
     """Per-rank sizes at tensor parallelism ``tp``: ``heads, kv_heads, head_dim, q, kv, h_tp,
     f_tp, vocab_tp`` (``q`` / ``kv`` the local Q and K (= V) widths)."""
     h, heads, kv_heads = llama_cfg.hidden_size, llama_cfg.num_heads, llama_cfg.num_kv_heads
+    if getattr(llama_cfg, "num_experts", 0):  # Vidur's ops are a dense layer's: no router, no experts
+        raise ValueError(f"num_experts={llama_cfg.num_experts}: profiles of mixture-of-experts layers are not "
+                         f"supported (the profile table's ops are those of a dense decoder layer)")
     if h % heads:
         raise ValueError(f"hidden_size={h} is not divisible by num_heads={heads}")
     head_dim = h // heads

@@ -50,7 +50,8 @@ def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: 
                                          type(task.allocation.strategy)(1, task.allocation.strategy.tp,
                                                                         task.allocation.strategy.pp)))
         res = simulate_generation(ctx.cost_model, sub, policy, ctx.model(task.model), batch.prompt_lens[mine],
-                                  batch.output_lens[mine], 0.0, kv_capacity_gb, ctx.workload.max_gen_len)
+                                  batch.output_lens[mine], 0.0, kv_capacity_gb, ctx.workload.max_gen_len,
+                                  ep=task.allocation.strategy.ep)
         worst = max(worst, res.end_s)
         if worst > stop_above:
             break

@@ -26,6 +26,14 @@ refusing the plan:
    (copied in over PCIe before each pass, as the simulator charges), when the system allows it
    (``offload``; not for RLHFuse's streamed inference).
 
+**Expert parallelism.** For mixture-of-experts models the training and inference candidates
+include each (dp, tp, pp) at every expert-parallel degree of
+:func:`~harness.planning.strategies.ep_options` (dense models: the (dp, tp, pp) alone, as
+before). Generation layouts keep ``ep = 1`` unless pinned: a generation instance is one dp replica
+that batches, finishes and (RLHFuse) is released on its own in the instance model
+(:mod:`harness.planning.taskmodels.generation`), while an ep group would tie ``ep`` instances into
+one engine; a MoE actor generates with its experts sharded over tp.
+
 Each choice takes the fastest candidate of the first tier that has one that fits; so a plan that
 fits with the fastest layouts is the one the search made before memory was counted this way. A
 search refuses only when no candidate fits (:class:`~harness.planning.memory.NoLayoutFits`),
@@ -39,6 +47,7 @@ carry per task.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Iterable, Optional
 
 from harness.errors import PlanError
@@ -93,15 +102,17 @@ class LayoutSearch:
     def candidates(self, role: str, zero: int = 0, task: str = "",
                    shared_with: tuple[str, ...] = ()) -> list[ParallelStrategy]:
         """Layouts of ``role``'s model over the pool (the pinned one if ``task`` is pinned); a layout
-        shared with other roles' models (``shared_with``) must shard their heads too."""
+        shared with other roles' models (``shared_with``) must shard their heads too. Expert-parallel
+        degrees for MoE models, but not for ``gen`` (module docstring)."""
         if task in self.pinned:  # pinned by the user: checked, not searched
             pinned = parse_layout(self.pinned[task], zero, task)
             check_layout_fits(pinned, self.n, self.ctx.cluster.gpus_per_node, self.ctx.model(role).num_layers,
-                              f"{self.name} {task} (system.layouts.{task})")
+                              f"{self.name} {task} (system.layouts.{task})",
+                              [self.ctx.model(r) for r in (role, *shared_with)])
             return [pinned]
         models = [self.ctx.model(r) for r in (role, *shared_with)]
         return list(candidate_strategies(self.n, self.ctx.cluster.gpus_per_node, models[0].num_layers, zero,
-                                         models=models))
+                                         models=models, expert_parallel=task != "gen"))
 
     def shared_candidates(self) -> list[ParallelStrategy]:
         """Layouts of the one inference layout ref, reward and the critic's values share (those of
@@ -122,7 +133,7 @@ class LayoutSearch:
     def training_need(self, task: str, role: str, s: ParallelStrategy, in_flight: int) -> MemoryNeed:
         """Training states, and the activations of ``in_flight`` micro-batches on the first stage."""
         model = self.ctx.model(role)
-        return MemoryNeed({role: self.cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage)},
+        return MemoryNeed({role: self.cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep)},
                           {task: one_f_one_b_activation_gb(self.cm, model, s, self.w, in_flight)})
 
     def inference_need(self, task: str, s: ParallelStrategy, offload: bool = False) -> MemoryNeed:
@@ -130,7 +141,7 @@ class LayoutSearch:
         while it runs); the critic's inference copy is held only while ``values`` runs."""
         role = PPO_TASKS[task][1]
         model = self.ctx.model(role)
-        weights = self.cm.weights_gb(model, s.tp, s.pp)
+        weights = self.cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
         act = inference_activation_gb(self.cm, model, s, self.w)
         if role in ("ref", "reward") and not offload:
             return MemoryNeed({role: weights}, {task: act})
@@ -145,7 +156,7 @@ class LayoutSearch:
 
     def generation_need(self, s: ParallelStrategy) -> MemoryNeed:
         actor = self.ctx.model("actor")
-        return MemoryNeed({}, {"gen": self.cm.weights_gb(actor, s.tp, s.pp) +
+        return MemoryNeed({}, {"gen": self.cm.weights_gb(actor, s.tp, s.pp, ep=s.ep) +
                                kv_one_sample_gb(self.cm, actor, s, self.w)})
 
     def options(self, step: str, offload: bool = False) -> list[MemoryNeed]:
@@ -186,7 +197,7 @@ class LayoutSearch:
         base = [(s, None) for s in self.candidates(role, self.zero_stage, task)]
         if task in self.pinned:
             return [base]
-        zero = base + [(ParallelStrategy(s.dp, s.tp, s.pp, z), None) for z in (2, 3) if z > self.zero_stage
+        zero = base + [(replace(s, zero_stage=z), None) for z in (2, 3) if z > self.zero_stage
                        for s, _ in base if s.pp == 1 and s.dp > 1]
         fewer = [(s, k) for s, _ in zero for k in _halvings(s.pp)]
         return [base, zero, zero + fewer]
@@ -404,7 +415,7 @@ class LayoutSearch:
                 self.ledger.require(self.inference_need(task_name, s, offload), task_name)
                 t = inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
                 if offload:  # weights copied in from host memory before the pass, as the simulator charges
-                    t += self.cm.host_transfer_s(self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp) * 1e9)
+                    t += self.cm.host_transfer_s(self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp, ep=s.ep) * 1e9)
                 return t
             what = self._what(task_name) + (" (weights offloaded)" if offload else "")
             try:
@@ -423,7 +434,7 @@ class LayoutSearch:
     # ---- generation ---------------------------------------------------------------------------
     def kv_capacity_gb(self, s: ParallelStrategy) -> float:
         """Memory a generation instance in layout ``s`` may fill with KV cache beside the resident states."""
-        actor_weights = self.cm.weights_gb(self.ctx.model("actor"), s.tp, s.pp)
+        actor_weights = self.cm.weights_gb(self.ctx.model("actor"), s.tp, s.pp, ep=s.ep)
         return self.capacity - sum(self.ledger.resident.values()) - actor_weights
 
     def search_generation(self, policy: GenerationPolicy) -> None:

@@ -44,11 +44,19 @@ class MemoryReport:
 
 def state_gb(cm: CostModel, model, s, what: str, optimizer_offload: bool = False) -> float:
     """A model's ``train`` state (weights, gradients, optimizer; without the optimizer states when the
-    training engine offloads them to host memory, ZeRO-Offload) or ``weights`` in strategy ``s``."""
+    training engine offloads them to host memory, ZeRO-Offload) or ``weights`` in strategy ``s`` (a
+    MoE model's routed experts split over ``s.ep``; ZeRO-3 shards the ep ranks' experts over the
+    ``dp / ep`` ranks that hold the same ones, which is ``1 / dp`` of them as without ep)."""
     if what == "train":
-        return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, optimizer_offload)
-    weights = cm.weights_gb(model, s.tp, s.pp)
-    return weights / s.dp if s.zero_stage == 3 else weights
+        return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, optimizer_offload, s.ep)
+    if s.zero_stage == 3:
+        return cm.weights_gb(model, s.tp, s.pp) / s.dp
+    return cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
+
+
+def layout_label(s) -> str:
+    """``tp<T> pp<P>`` (with `` ep<E>`` under expert parallelism): the layout a weights term names."""
+    return f"tp{s.tp} pp{s.pp}" + (f" ep{s.ep}" if s.ep != 1 else "")
 
 
 def _state_gb(cm: CostModel, model, alloc: Allocation, what: str, optimizer_offload: bool = False) -> float:
@@ -103,13 +111,14 @@ def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: 
     if task.kind == "generate":
         if s.zero_stage == 3 and resident_here:  # generate() on ZeRO-3 shards in place: the shards are the resident
             # training state; a layer is gathered at a time, the next one prefetched
-            terms[f"{task.model} weights gathered (2 layers, zero3)"] = 2 * cm.weights_gb(model, s.tp, s.pp) / model.num_layers
+            terms[f"{task.model} weights gathered (2 layers, zero3)"] = \
+                2 * cm.weights_gb(model, s.tp, s.pp, ep=s.ep) / model.num_layers
         elif not resident_here:
-            terms[f"{task.model} weights (tp{s.tp} pp{s.pp})"] = cm.weights_gb(model, s.tp, s.pp)
+            terms[f"{task.model} weights ({layout_label(s)})"] = cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
         terms["KV cache of one max-length sample"] = kv_one_sample_gb(cm, model, s, workload)
     elif task.kind == "inference":
         if not resident_here:
-            terms[f"{task.model} weights (tp{s.tp} pp{s.pp})"] = _state_gb(cm, model, task.allocation, "weights")
+            terms[f"{task.model} weights ({layout_label(s)})"] = _state_gb(cm, model, task.allocation, "weights")
         terms["forward activations (1 layer)"] = inference_activation_gb(cm, model, s, workload)
     elif task.kind == "train":
         if not resident_here:

@@ -2,11 +2,15 @@
 
 - :func:`candidate_strategies`: every (dp, tp, pp) over a mesh of N devices with tp dividing the
   GPUs of a node (tensor parallelism stays on NVLink, Megatron-LM practice) and the models' heads
-  (:func:`tp_splits_heads`), and pp within the model's layers;
+  (:func:`tp_splits_heads`), and pp within the model's layers; for mixture-of-experts models also
+  every expert-parallel degree of :func:`ep_options` (dense models: exactly the (dp, tp, pp) set);
 - :func:`mesh_options` / :func:`strategy_options`: ReaLHF's per-call search space (aligned slices
   of a node or ranges of whole nodes; strategies filling them, training ones splitting the
   mini-batch into micro-batches per replica);
-- :func:`parse_layout`: a pinned ``dp<D>tp<T>pp<P>`` from the command line;
+- :func:`parse_layout`: a pinned ``dp<D>tp<T>pp<P>`` (``ep<E>`` after it: expert parallelism) from the
+  command line;
+- :func:`check_expert_parallel`: every task's ep fits its model (a mixture of experts whose experts
+  ep divides; 1 for a dense model);
 - :func:`search`: score every candidate, skip infeasible ones (PlanError), keep the fastest, and
   say why none fit when none does, naming the smallest memory requirement among them
   (:class:`harness.planning.memory.MemoryShortfall`).
@@ -20,11 +24,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from harness.costmodel.llama import ModelDims, expert_parallel_problem
 from harness.errors import PlanError
 from harness.core.plan import ParallelStrategy
 from harness.planning.memory import MemoryShortfall, NoLayoutFits
 
-_LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)$")
+_LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)(?:ep(\d+))?$")
 
 
 def divisors(n: int) -> list[int]:
@@ -32,11 +37,18 @@ def divisors(n: int) -> list[int]:
 
 
 def parse_layout(text: str, zero_stage: int, what: str) -> ParallelStrategy:
+    """A pinned layout ``dp<D>tp<T>pp<P>``, optionally followed by ``ep<E>`` (expert parallelism of a
+    mixture-of-experts model, carved from dp: E divides D), as ``str(ParallelStrategy)`` writes it."""
     m = _LAYOUT_RE.match(text.strip())
     if not m:
-        raise PlanError(f"system.layouts.{what}={text!r}: expected the form dp<D>tp<T>pp<P>, e.g. dp32tp8pp1")
-    dp, tp, pp = (int(g) for g in m.groups())
-    return ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage)
+        raise PlanError(f"system.layouts.{what}={text!r}: expected the form dp<D>tp<T>pp<P>, e.g. dp32tp8pp1, "
+                        f"optionally with ep<E> for expert parallelism, e.g. dp32tp4pp1ep8")
+    dp, tp, pp = (int(g) for g in m.groups()[:3])
+    ep = int(m.group(4)) if m.group(4) is not None else 1
+    try:
+        return ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, ep=ep)
+    except PlanError as e:
+        raise PlanError(f"system.layouts.{what}={text!r}: {e}") from None
 
 
 def tp_splits_heads(tp: int, models: Sequence[Any] = ()) -> bool:
@@ -54,16 +66,45 @@ def largest_tp(gpus_per_node: int, models: Sequence[Any] = (), num_devices: int 
                if tp_splits_heads(tp, models) and (num_devices is None or num_devices % tp == 0))
 
 
+def ep_options(dp: int, gpus_per_node: int, models: Sequence[Any] = ()) -> list[int]:
+    """Expert-parallel degrees a search tries at data parallelism ``dp``: 1, and for models that are
+    all mixtures of experts, the powers of two up to a node's GPUs that divide ``dp`` and every
+    model's routed experts (Megatron-core's conditions: ep divides dp and num_experts).
+
+    The bound keeps the search small (at most ``log2(gpus_per_node) + 1`` degrees per (dp, tp, pp):
+    1, 2, 4, 8 on 8-GPU nodes, so at most 4x the dense candidates) and where expert parallelism pays:
+    beyond a node's GPUs the group's all-to-alls leave NVLink for the NICs on every MoE layer, while
+    the memory it saves (the routed experts / ep) is already most of what it can save at 8 (7/8 of
+    the experts). Powers of two: the experts counts of released MoE models (64, 128, 256) are."""
+    dims = [ModelDims.of(m) for m in models]
+    if not dims or not all(d.is_moe for d in dims):
+        return [1]
+    out, ep = [1], 2
+    while ep <= gpus_per_node:
+        if dp % ep == 0 and all(d.num_experts % ep == 0 for d in dims):
+            out.append(ep)
+        ep *= 2
+    return out
+
+
 def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, zero_stage: int = 0,
-                         max_pp: int = 32, models: Sequence[Any] = ()) -> Iterable[ParallelStrategy]:
-    """Layouts of ``num_devices``; with ``models``, only tensor-parallel degrees that shard their heads."""
+                         max_pp: int = 32, models: Sequence[Any] = (),
+                         expert_parallel: bool = True) -> Iterable[ParallelStrategy]:
+    """Layouts of ``num_devices``; with ``models``, only tensor-parallel degrees that shard their heads,
+    and, when they are mixtures of experts (and ``expert_parallel``), each (dp, tp, pp) with every
+    expert-parallel degree of :func:`ep_options` (ep = 1 first). Dense models: the (dp, tp, pp) alone."""
+    moe = expert_parallel and bool(models) and all(ModelDims.of(m).is_moe for m in models)
     for tp in divisors(gpus_per_node):
         if num_devices % tp or not tp_splits_heads(tp, models):
             continue
         for pp in divisors(num_devices // tp):
             if pp > min(num_layers, max_pp):
                 continue
-            yield ParallelStrategy(dp=num_devices // (tp * pp), tp=tp, pp=pp, zero_stage=zero_stage)
+            dp = num_devices // (tp * pp)
+            yield ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage)
+            if moe:
+                for ep in ep_options(dp, gpus_per_node, models)[1:]:
+                    yield ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, ep=ep)
 
 
 class MeshOptions(abc.Sequence):
@@ -161,6 +202,30 @@ def search(candidates: Iterable[ParallelStrategy], score: Callable[[ParallelStra
         raise error(f"{system}: no feasible parallel strategy for {what} among {tried} candidates"
                     f"{smallest_requirement(shortfalls)} ({detail})")
     return SearchResult(best[1], best[0], tried)
+
+
+def check_expert_parallel(plan: Any, models: Any) -> None:
+    """Every task's (and weight movement's) expert-parallel degree fits its model
+    (:func:`harness.costmodel.llama.expert_parallel_problem`: ep > 1 only on a mixture-of-experts
+    model whose experts it divides), and a generate task with ep > 1 does not migrate its long tail
+    (migration releases instances whose devices hold experts the tail still needs). PlanError naming
+    the task otherwise."""
+    for task in plan.tasks:
+        ep = task.allocation.strategy.ep
+        model = getattr(models, task.model.value)
+        problem = expert_parallel_problem(model, ep)
+        if problem:
+            raise PlanError(f"task {task.name} runs {model.name} at {task.allocation.strategy}: {problem}")
+        if ep > 1 and task.kind == "generate" and plan.generation.migration is not None:
+            raise PlanError(f"task {task.name} generates at {task.allocation.strategy} with long-tail migration: "
+                            f"the instances it releases hold 1/{ep} of the experts the tail still needs; pin a "
+                            f"generation layout without ep, or turn migration off")
+    for move in plan.weight_movements:
+        model = getattr(models, move.model.value)
+        for alloc in (move.source, move.target):
+            problem = expert_parallel_problem(model, alloc.strategy.ep)
+            if problem:
+                raise PlanError(f"weight movement {move.task} of {model.name} at {alloc.strategy}: {problem}")
 
 
 def check_tensor_parallel(plan: Any, models: Any) -> None:

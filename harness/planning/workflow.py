@@ -31,7 +31,10 @@ pass of the actor in its training layout that writes ``old_logprobs``, which ``g
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from harness.core.algorithm import PPO, AlgorithmConfig
+from harness.costmodel.llama import expert_parallel_problem
 from harness.errors import PlanError
 from harness.core.plan import Allocation, MovementKind, ParallelStrategy, Task, TrainingStage, WeightMovement
 from harness.planning.dataflow import training_reads
@@ -123,8 +126,13 @@ def full_mesh(num_devices: int) -> tuple[int, ...]:
 
 
 def check_layout_fits(strategy: ParallelStrategy, num_devices: int, gpus_per_node: int, num_layers: int,
-                      what: str) -> None:
-    """Raise PlanError naming the bad value when a layout cannot run on the cluster."""
+                      what: str, models: Sequence[Any] = ()) -> None:
+    """Raise PlanError naming the bad value when a layout cannot run on the cluster, or its expert
+    parallelism on one of ``models`` (ep > 1 needs mixtures of experts whose experts it divides)."""
+    for model in models:
+        problem = expert_parallel_problem(model, strategy.ep)
+        if problem:
+            raise PlanError(f"{what}: layout {strategy}: {problem}")
     if strategy.size != num_devices:
         raise PlanError(f"{what}: layout {strategy} uses {strategy.size} devices, the cluster has {num_devices}")
     if strategy.tp > gpus_per_node or gpus_per_node % strategy.tp:

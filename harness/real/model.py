@@ -14,9 +14,9 @@ embedding, the last the final norm and head. Parameter names use global layer in
 Running the stages of :meth:`LlamaModel.split` in sequence equals :meth:`LlamaModel.forward`.
 
 Only the LLaMA architecture is built: a config asking for another one (``LlamaConfig.mlp="gelu"``,
-``tied_embeddings``, ``learned_positions``: the OPT and GPT configs the simulator also costs) is
-refused with a ConfigError naming the field (:func:`check_architecture`, called by
-:meth:`ModelArgs.from_llama_config`), before any module is built.
+``tied_embeddings``, ``learned_positions``: the OPT and GPT configs the simulator also costs;
+``num_experts`` > 0: the mixture-of-experts configs) is refused with a ConfigError naming the field
+(:func:`check_architecture`, called by :meth:`ModelArgs.from_llama_config`), before any module is built.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from harness.core.config import LlamaConfig
 from harness.errors import ConfigError
 
-# LlamaConfig architecture fields and the only value this module builds (LLaMA's).
-LLAMA_ARCHITECTURE = {"mlp": "swiglu", "tied_embeddings": False, "learned_positions": False}
+# LlamaConfig architecture fields and the only value this module builds (LLaMA's: dense).
+LLAMA_ARCHITECTURE = {"mlp": "swiglu", "tied_embeddings": False, "learned_positions": False, "num_experts": 0}
 
 
 def _field(cfg, name: str, default=None):
@@ -53,15 +53,15 @@ def unsupported_architecture(cfg) -> list[str]:
 
 def check_architecture(cfg, where: str | None = None) -> None:
     """Raise :class:`ConfigError` naming every field of ``cfg`` this module cannot build (a GeLU MLP,
-    a tied LM head, learned positions). ``where`` is the config's key (``model.actor``), which
-    prefixes the fields in the message; by default the message names the model."""
+    a tied LM head, learned positions, mixture-of-experts layers). ``where`` is the config's key
+    (``model.actor``), which prefixes the fields in the message; by default the message names the model."""
     bad = unsupported_architecture(cfg)
     if not bad:
         return
     prefix = f"{where}." if where else ""
     subject = where or f"model {_field(cfg, 'name', '?')}"
-    raise ConfigError(f"{subject}: backend=ray builds LLaMA modules only (SwiGLU MLP, untied LM head, rotary "
-                      f"positions) and cannot run {', '.join(prefix + b for b in bad)}; use backend=sim for "
+    raise ConfigError(f"{subject}: backend=ray builds LLaMA modules only (dense SwiGLU MLP, untied LM head, "
+                      f"rotary positions) and cannot run {', '.join(prefix + b for b in bad)}; use backend=sim for "
                       f"this model, or a LLaMA model on backend=ray")
 
 

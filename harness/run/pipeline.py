@@ -48,7 +48,7 @@ from harness.costmodel.profile import load_profile_table
 from harness.errors import ConfigError
 from harness.planning.collector import full_collections_deferred
 from harness.planning.memory import MemoryReport, check_plan_memory
-from harness.planning.strategies import check_tensor_parallel
+from harness.planning.strategies import check_expert_parallel, check_tensor_parallel
 from harness.run import provenance, results, runner
 from harness.run.loggers import WandbLogger, resolve_mode
 from harness.run.progress import planning_progress
@@ -136,6 +136,7 @@ def make_plan(system: System, ctx: PlanContext) -> tuple[Plan, float, MemoryRepo
     plan_s = time.perf_counter() - start
     new_plan.validate(ctx.num_devices)
     check_tensor_parallel(new_plan, ctx.models)
+    check_expert_parallel(new_plan, ctx.models)
     return new_plan, plan_s, check_plan_memory(new_plan, ctx.cost_model, ctx.models, ctx.workload)
 
 

@@ -38,15 +38,16 @@ DEFAULT_FRACS = tuple(round(0.05 * k, 2) for k in range(1, 20))
 
 
 def max_flat_batch_size(cm: CostModel, model, tp: int, pp: int, context_len: int, flat_tol: float = 0.1,
-                        limit: int = 4096) -> int:
-    """BS_max: the largest batch whose decode step is within ``flat_tol`` of the batch-1 step."""
-    base = cm.decode_step_s(model, 1, context_len, tp, pp)
+                        limit: int = 4096, ep: int = 1) -> int:
+    """BS_max: the largest batch whose decode step is within ``flat_tol`` of the batch-1 step (a MoE
+    model's step streams more experts as the batch grows, so its BS_max is smaller)."""
+    base = cm.decode_step_s(model, 1, context_len, tp, pp, ep)
     lo, hi = 1, limit
-    if cm.decode_step_s(model, hi, hi * context_len, tp, pp) <= base * (1 + flat_tol):
+    if cm.decode_step_s(model, hi, hi * context_len, tp, pp, ep) <= base * (1 + flat_tol):
         return hi
     while hi - lo > 1:  # step time grows monotonically with the batch
         mid = (lo + hi) // 2
-        if cm.decode_step_s(model, mid, mid * context_len, tp, pp) <= base * (1 + flat_tol):
+        if cm.decode_step_s(model, mid, mid * context_len, tp, pp, ep) <= base * (1 + flat_tol):
             lo = mid
         else:
             hi = mid
@@ -93,7 +94,7 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
     s = gen.allocation.strategy
     actor = ctx.model("actor")
     typical_context = int(ctx.workload.prompt_len.median + ctx.workload.output_len.median)
-    bs_max = max_flat_batch_size(ctx.cost_model, actor, s.tp, s.pp, typical_context)
+    bs_max = max_flat_batch_size(ctx.cost_model, actor, s.tp, s.pp, typical_context, ep=s.ep)
     batch = representative_batch(ctx)
     probe_frac = pinned_frac if pinned_frac is not None else probe_frac
     swept = (pinned_frac,) if pinned_frac is not None else (0.0,) + tuple(fracs)

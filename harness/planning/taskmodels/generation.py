@@ -25,6 +25,12 @@ generation engine runs it when the cost model carries the plan's engines
 CUDA-graph engine's step. Steps between two batch changes form one span, timed by one
 ``decode_span_s`` call (memoised: replays and candidate layouts ask for the same spans).
 
+With expert parallelism (``ParallelStrategy.ep > 1``, a mixture-of-experts actor), each instance
+holds ``1 / ep`` of the routed experts and its steps include the all-to-alls with the other
+instances of its ep group, whose batches are taken to be the same size as its own (they are not
+simulated in lockstep; the searched generation layouts keep ``ep = 1``,
+:class:`harness.planning.layout_search.LayoutSearch`).
+
 Static rounds may be **synced** across instances (``GenerationPolicy.synced_instances``:
 ``generate(synced_gpus=True)`` under ZeRO-3 keeps every rank stepping until all ranks' rounds
 end): round ``r`` of every instance then pads its prompts to, and decodes until, the longest
@@ -84,8 +90,8 @@ class ContinuousInstance:
 
     def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
                  max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
-                 task_name: str):
-        self.cm, self.model, self.devices, self.tp, self.pp = cm, model, devices, tp, pp
+                 task_name: str, ep: int = 1):
+        self.cm, self.model, self.devices, self.tp, self.pp, self.ep = cm, model, devices, tp, pp, ep
         self.task_name = task_name
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
@@ -118,7 +124,7 @@ class ContinuousInstance:
             admitted.append(sample)
         to_prefill = sum(s.context for s in admitted if not s.has_kv)
         if to_prefill:
-            dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp)
+            dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp, ep=self.ep)
             self._span(self.now, self.now + dt, "prefill")
             self.now += dt
         for s in admitted:
@@ -136,7 +142,7 @@ class ContinuousInstance:
             batch = len(self.running)
             self.result.peak_kv_tokens = max(self.result.peak_kv_tokens, self._target_total)
             num_steps, start = self._due[0][0] - self.steps, self.now
-            span = self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp)
+            span = self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp, self.ep)
             # the clock after each step, added in order; a step starts only while the clock is before
             # until_s (step times are non-negative, so the clocks are sorted and bisect finds the stop)
             clocks = list(itertools.accumulate(span, initial=self.now))
@@ -193,7 +199,7 @@ def padded_lengths(policy: GenerationPolicy, dp: int, prompt_lens: np.ndarray,
 
 
 def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts: np.ndarray,
-            outputs: np.ndarray, start: float, finishes: list[SampleRecord]) -> list[InstanceResult]:
+            outputs: np.ndarray, start: float, finishes: list[SampleRecord], ep: int = 1) -> list[InstanceResult]:
     s = task.allocation.strategy
     tp, pp = s.tp, s.pp
     round_size = policy.max_batch_size or max(1, math.ceil(len(prompts) / s.dp))
@@ -207,11 +213,11 @@ def _static(cm: CostModel, model, task: Task, policy: GenerationPolicy, prompts:
             res, now, batch = results[k], nows[k], len(ids)
             span_of = ids if not policy.synced_instances else everyone
             padded_prompt = int(prompts[span_of].max())
-            dt = cm.prefill_s(model, padded_prompt * batch, tp, pp)
+            dt = cm.prefill_s(model, padded_prompt * batch, tp, pp, ep=ep)
             res.spans.append(Span(res.devices, task.name, "prefill", now, now + dt))
             now += dt
             num_steps = int(outputs[span_of].max())
-            step_times = cm.decode_span_s(model, batch, padded_prompt * batch, num_steps, tp, pp)
+            step_times = cm.decode_span_s(model, batch, padded_prompt * batch, num_steps, tp, pp, ep)
             elapsed = np.cumsum(step_times)
             for i in ids:  # a row's last token comes out at the end of its own step
                 finishes.append(SampleRecord(int(i), int(prompts[i]), int(outputs[i]),
@@ -244,13 +250,13 @@ class GenerationResult:
 
 
 def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, outputs, start_s, kv_tokens,
-                    max_gen_len, finishes) -> list[ContinuousInstance]:
+                    max_gen_len, finishes, ep: int = 1) -> list[ContinuousInstance]:
     s = task.allocation.strategy
     instances = []
     for k in range(s.dp):
         inst = ContinuousInstance(cm, model, task.allocation.replica_devices(k), s.tp, s.pp, start_s,
                                   policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes,
-                                  task.name)
+                                  task.name, ep)
         inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in range(k, len(prompts), s.dp)]
         instances.append(inst)
     return instances
@@ -306,14 +312,16 @@ def _migrate(cm: CostModel, model, instances: list[ContinuousInstance], num_targ
 
 def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, model, prompt_lens: np.ndarray,
                         output_lens: np.ndarray, start_s: float, kv_capacity_gb: float,
-                        max_gen_len: int) -> GenerationResult:
+                        max_gen_len: int, ep: int | None = None) -> GenerationResult:
+    """``ep``: the expert-parallel degree of the whole generation layout, when ``task`` holds only
+    some of its instances (a planner's estimate); None: the task's own."""
     return simulate_generation_each(cm, task, [policy], model, prompt_lens, output_lens, start_s, kv_capacity_gb,
-                                    max_gen_len)[0]
+                                    max_gen_len, ep)[0]
 
 
 def simulate_generation_each(cm: CostModel, task: Task, policies: list[GenerationPolicy], model,
                              prompt_lens: np.ndarray, output_lens: np.ndarray, start_s: float,
-                             kv_capacity_gb: float, max_gen_len: int) -> list[GenerationResult]:
+                             kv_capacity_gb: float, max_gen_len: int, ep: int | None = None) -> list[GenerationResult]:
     """``[simulate_generation(..., policy, ...) for policy in policies]`` for policies that differ
     only in their migration (a planner sweeping the threshold): the unmigrated run, which fixes
     each policy's migration time, is made once. Results of policies that do not migrate are one
@@ -321,19 +329,20 @@ def simulate_generation_each(cm: CostModel, task: Task, policies: list[Generatio
     if len({replace(p, migration=None) for p in policies}) > 1:
         raise ValueError("simulate_generation_each: the policies differ in more than their migration")
     s = task.allocation.strategy
+    ep = s.ep if ep is None else ep
     kv_per_token_gb = cm.kv_cache_gb(model, 1, s.tp, s.pp)
     kv_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40
     policy = policies[0]
     if policy.batching == "static":
         finishes: list[SampleRecord] = []
-        instances = _static(cm, model, task, policy, prompt_lens, output_lens, start_s, finishes)
+        instances = _static(cm, model, task, policy, prompt_lens, output_lens, start_s, finishes, ep)
         finishes.sort(key=lambda r: r.sample_id)
         return [GenerationResult(finishes, instances)] * len(policies)
 
     def fresh():
         out: list[SampleRecord] = []
         return _make_instances(cm, task, policy, model, prompt_lens, output_lens, start_s, kv_tokens,
-                               max_gen_len, out), out
+                               max_gen_len, out, ep), out
 
     instances, finishes = fresh()
     for inst in instances:

@@ -13,6 +13,10 @@
   bounded by the senders' links as well.
 - Offloaded models (``Plan.offloaded``) copy their weights in from host memory (PCIe) before
   each inference pass.
+- Expert parallelism (``ParallelStrategy.ep``, mixture-of-experts models): forward and backward
+  passes carry the layout's ep (each device's share of the experts, the all-to-alls; the ep replicas
+  of a group are taken to run the same passes at the same time), and the gradients of the routed
+  experts are synchronised over the ``dp / ep`` replicas that hold the same experts, the rest over dp.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ def _zero3_gather_s(cm: CostModel, model, task: Task, num_layers: float) -> floa
     s = task.allocation.strategy
     if s.zero_stage != 3 or s.dp == 1:
         return 0.0
-    stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9 * num_layers / model.num_layers
+    stage_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9 * num_layers / model.num_layers
     return cm.allgather_s(stage_bytes, list(task.allocation.mesh))
 
 
@@ -63,7 +67,7 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
     gather = _zero3_gather_s(cm, model, task, layers)
     spans: list[Span] = []
     if offloaded:  # weights live in host memory between uses: copy them in over PCIe first
-        load_s = cm.host_transfer_s(cm.weights_gb(model, s.tp, s.pp) * 1e9)
+        load_s = cm.host_transfer_s(cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9)
         if record_spans:
             spans.append(Span(task.allocation.mesh, task.name, "load", start_s, start_s + load_s))
         start_s += load_s
@@ -75,8 +79,8 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
         num_mbs = max(1, int(np.ceil(len(mine) / micro_batch_size)))
         tokens_per_mb = float(mine.sum()) / num_mbs
         seq = float(mine.mean())
-        compute = [cm.forward_s(model, tokens_per_mb, seq, s.tp, layers, include_head=p == s.pp - 1)
-                   for p in range(s.pp)]
+        compute = [cm.forward_s(model, tokens_per_mb, seq, s.tp, layers, include_head=p == s.pp - 1, ep=s.ep,
+                                pp=s.pp) for p in range(s.pp)]
         stage_s = [max(c, gather) for c in compute]
         first = start_s
         for p in range(s.pp if record_spans else 0):
@@ -92,18 +96,21 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
 
 
 def training_pipe_costs(cm: CostModel, model, num_stages: int, tp: int, micro_batch_size: int, seq: float,
-                        activation_seq: float, recompute: str, p2p_s: float = 0.0) -> PipeCosts:
+                        activation_seq: float, recompute: str, p2p_s: float = 0.0, ep: int = 1) -> PipeCosts:
     """The one builder of a training pipe's :class:`PipeCosts` from the cost model (the plan's
     stages here, RLHFuse's fused-layout candidates and its experiments): per stage of
     ``model.num_layers / num_stages`` layers, forward and backward seconds of one micro-batch of
-    ``micro_batch_size`` sequences of ``seq`` tokens (the LM or value head on the last stage),
-    activation GB per in-flight micro-batch at ``activation_seq`` tokens a sequence, and
-    ``p2p_s`` per pipeline hop. No ZeRO-3 gathers (:func:`_pipe_costs` adds them)."""
+    ``micro_batch_size`` sequences of ``seq`` tokens (the LM or value head on the last stage; a MoE
+    model's experts split over ``ep`` ranks, with their all-to-alls), activation GB per in-flight
+    micro-batch at ``activation_seq`` tokens a sequence, and ``p2p_s`` per pipeline hop. No ZeRO-3
+    gathers (:func:`_pipe_costs` adds them)."""
     tokens = micro_batch_size * seq
     layers = model.num_layers / num_stages
     last = num_stages - 1
-    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last) for st in range(num_stages))
-    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last) for st in range(num_stages))
+    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, pp=num_stages)
+                for st in range(num_stages))
+    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, pp=num_stages)
+                for st in range(num_stages))
     act = cm.activation_gb(model, micro_batch_size, activation_seq, tp, layers, recompute)
     return PipeCosts(fwd, bwd, (act,) * num_stages, p2p_s)
 
@@ -122,11 +129,12 @@ def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: fl
         if pipe.num_stages > 1:
             a, b = task.allocation.device(0, 0, 0), task.allocation.device(0, 1, 0)
             p2p = cm.p2p_s(tokens * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
-        pure = training_pipe_costs(cm, model, pipe.num_stages, s.tp, stage.micro_batch_size, seq, seq, recompute, p2p)
+        pure = training_pipe_costs(cm, model, pipe.num_stages, s.tp, stage.micro_batch_size, seq, seq, recompute, p2p,
+                                   s.ep)
         layers = model.num_layers / pipe.num_stages
         gather = _zero3_gather_s(cm, model, task, layers)
         if gather:
-            stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9 * layers / model.num_layers
+            stage_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9 * layers / model.num_layers
             scatter = cm.reduce_scatter_s(stage_bytes, list(task.allocation.mesh))
             costs[pipe.name] = replace(pure, fwd=tuple(max(f, gather) for f in pure.fwd),
                                        bwd=tuple(max(b, gather + scatter) for b in pure.bwd))
@@ -167,8 +175,17 @@ def pipe_stage_devices(plan: Plan, stage: TrainingStage) -> dict[tuple[str, int]
 
 
 def grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
-    """(communication, optimizer) seconds after each mini-batch's pipeline."""
+    """(communication, optimizer) seconds after each mini-batch's pipeline. Under expert parallelism
+    the routed experts' gradients are synchronised over the ``dp / ep`` replicas holding the same
+    experts (one of each ep group), after the rest's over dp."""
     s = task.allocation.strategy
+    if s.ep > 1 and s.dp > 1 and s.zero_stage != 3:
+        expert_bytes = cm.expert_weights_gb(model, s.tp, s.pp, s.ep) * 1e9
+        dense_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9 - expert_bytes
+        group = [task.allocation.device(k, 0, 0) for k in range(s.dp)]
+        expert_group = [task.allocation.device(k, 0, 0) for k in range(0, s.dp, s.ep)]
+        comm = _sync_s(cm, dense_bytes, group, s.zero_stage) + _sync_s(cm, expert_bytes, expert_group, s.zero_stage)
+        return comm, cm.optimizer_step_s(model, s.dp, s.tp, s.pp, s.zero_stage, s.ep)
     stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9
     group = [task.allocation.device(k, 0, 0) for k in range(s.dp)]
     if s.dp == 1 or s.zero_stage == 3:  # ZeRO-3 reduce-scatters inside backward (costed there)
@@ -177,7 +194,17 @@ def grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
         comm = cm.reduce_scatter_s(stage_bytes, group) + cm.allgather_s(stage_bytes, group)
     else:
         comm = cm.allreduce_s(stage_bytes, group)
-    return comm, cm.optimizer_step_s(model, s.dp, s.tp, s.pp, s.zero_stage)
+    return comm, cm.optimizer_step_s(model, s.dp, s.tp, s.pp, s.zero_stage, s.ep)
+
+
+def _sync_s(cm: CostModel, num_bytes: float, group: list[int], zero_stage: int) -> float:
+    """Gradient synchronisation of ``num_bytes`` per device over ``group`` (ZeRO-1/2: reduce-scatter
+    then all-gather of the updated weights; else all-reduce)."""
+    if len(group) == 1:
+        return 0.0
+    if zero_stage in (1, 2):
+        return cm.reduce_scatter_s(num_bytes, group) + cm.allgather_s(num_bytes, group)
+    return cm.allreduce_s(num_bytes, group)
 
 
 def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq_lens: np.ndarray,

@@ -52,14 +52,16 @@ def _load_times(cm: CostModel, move: WeightMovement | None, model) -> dict[int, 
 
 
 def _stage_times(cm: CostModel, tasks: list[Task], models: dict, tokens: float, seq: float, tp: int,
-                 pp: int) -> dict[str, list[float]]:
-    """Forward time of each pipeline stage for each task (stages are equal but for the head on the last)."""
+                 pp: int, ep: int = 1) -> dict[str, list[float]]:
+    """Forward time of each pipeline stage for each task (stages are equal but for the head on the last;
+    a MoE model's at the layout's expert parallelism, its ep replicas taken to pass together)."""
     out = {}
     for t in tasks:
         model = models[t.model]
         layers = model.num_layers / pp
-        body = cm.forward_s(model, tokens, seq, tp, layers, include_head=False) if pp > 1 else 0.0
-        out[t.name] = [body] * (pp - 1) + [cm.forward_s(model, tokens, seq, tp, layers, include_head=True)]
+        body = cm.forward_s(model, tokens, seq, tp, layers, include_head=False, ep=ep, pp=pp) if pp > 1 else 0.0
+        out[t.name] = [body] * (pp - 1) + [cm.forward_s(model, tokens, seq, tp, layers, include_head=True,
+                                                        ep=ep, pp=pp)]
     return out
 
 
@@ -111,7 +113,7 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
             seq = tokens / len(taken)
             # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
             # stage time is the sum over the three models
-            per_task = _stage_times(cm, tasks, models, tokens, seq, s.tp, s.pp)
+            per_task = _stage_times(cm, tasks, models, tokens, seq, s.tp, s.pp, s.ep)
             # the stages are equal but the last (the head): two sums, not one per stage
             body = sum(per_task[t.name][0] for t in tasks) if s.pp > 1 else 0.0
             stage = [body] * (s.pp - 1) + [sum(per_task[t.name][-1] for t in tasks)]

@@ -250,7 +250,7 @@ def test_calibrated_layer_follows_the_architecture(gpu):
 NODES = {"opt_30b_350m": 2, "opt_66b_350m": 4, "opt_175b_350m": 16, "codellama_34b": 4,
          "llama3_70b": 8, "13b_33b": 2, "33b_13b": 2, "33b": 4, "33b_65b": 4, "65b_33b": 4,
          "65b": 8, "70b": 8, "qwen2_5_14b": 2, "qwen2_5_32b": 4, "qwen2_5_72b": 8, "llama3_1_70b": 8,
-         "qwen3_32b": 4}
+         "qwen3_32b": 4, "qwen3_30b_a3b": 4, "qwen3_235b_a22b": 96}
 
 
 @pytest.mark.parametrize("model_set", MODEL_SETS)
