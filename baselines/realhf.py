@@ -51,7 +51,8 @@ from harness.core.units import Unit
 from harness.core.option_effects import effective_when
 from harness.core.plan import Allocation, GenerationPolicy, Plan, ParallelStrategy, TaskKind
 from harness.planning.assembler import assemble_ppo_plan
-from harness.planning.estimate import generation_s, inference_s, representative_batch, simulated_makespan_s, training_s
+from harness.planning.estimate import (GenerationEstimates, inference_s, representative_batch, simulated_makespan_s,
+                                       training_s)
 from harness.planning.memory import check_plan_memory
 from harness.planning.scheduler import schedule_durations
 from harness.planning.strategies import divisors, largest_tp, mesh_options, strategy_options
@@ -114,6 +115,7 @@ class RealHF(System):
     # ---- evaluation -------------------------------------------------------------------------
     def _evaluator(self, ctx: PlanContext):
         batch = representative_batch(ctx)
+        generation_s = GenerationEstimates(ctx, batch)  # memoised across the candidates' meshes
         cache: dict = {}
         w = ctx.workload
 
@@ -124,7 +126,7 @@ class RealHF(System):
             if key in cache:
                 return cache[key]
             if task.kind == TaskKind.GENERATE:
-                t = generation_s(ctx, task, plan.generation, batch, memory.kv_capacity_gb[task.name])
+                t = generation_s(task, plan.generation, memory.kv_capacity_gb[task.name])
             elif task.kind == TaskKind.INFERENCE:
                 t = inference_s(ctx, task, batch)
                 if task.model in plan.offloaded:

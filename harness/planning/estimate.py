@@ -30,32 +30,81 @@ def representative_batch(ctx: PlanContext, global_batch_size: int | None = None)
     return batch
 
 
+class GenerationEstimates:
+    """:func:`generation_s` of one batch for many candidate layouts, memoised: a search scores
+    hundreds of candidates (ReaLHF's annealing moves tasks between meshes; RLHFuse-Base tries every
+    layout), and many of them simulate the same instance.
+
+    An instance's simulated end depends on its tensor/pipeline widths, the data-parallel width and its
+    rank (which samples it holds), the expert parallelism, the policy, the model and its KV capacity,
+    never on which devices it runs on (the generation task model prices prefill and decode by widths
+    only). The KV capacity
+    only matters while it binds: an instance never reserves more than its ``m`` largest samples'
+    ``prompt + max_gen_len`` tokens (``m`` the most it runs at once), so every capacity above that
+    sum gives the same run. The memo keys instances by these inputs with the capacity clamped to that
+    sum, so the estimates are those of :func:`generation_s` computed afresh, bit for bit."""
+
+    def __init__(self, ctx: PlanContext, batch: Batch):
+        self.ctx, self.batch = ctx, batch
+        # a stable sort: many samples tie at max_gen_len, and numpy's default sort breaks ties by
+        # the SIMD kernel the CPU dispatches to (AVX-512 or not), which made estimates machine-dependent
+        self._longest_first = np.argsort(-batch.output_lens, kind="stable")
+        self._ids = np.arange(batch.num_samples)
+        self._end_s: dict[tuple, float] = {}
+        self._slowest: dict[int, list[int]] = {}
+
+    @property
+    def num_simulated(self) -> int:
+        """Instance runs simulated so far (every other estimate came from the memo)."""
+        return len(self._end_s)
+
+    def slowest_instances(self, dp: int) -> list[int]:
+        """The (at most NUM_GEN_INSTANCES_ESTIMATED) instances holding the longest samples, longest first."""
+        if dp not in self._slowest:
+            instance_of = self._ids % dp
+            self._slowest[dp] = [int(k) for k in dict.fromkeys(instance_of[self._longest_first])][
+                :NUM_GEN_INSTANCES_ESTIMATED]
+        return self._slowest[dp]
+
+    def _kv_key(self, mine: np.ndarray, policy: GenerationPolicy, kv_tokens: int) -> int:
+        """``kv_tokens``, or the most the instance can ever reserve when that is less (module docstring)."""
+        need = np.sort(self.batch.prompt_lens[mine] + self.ctx.workload.max_gen_len)[::-1]
+        at_once = min(policy.max_batch_size or len(mine), len(mine))
+        return min(kv_tokens, int(need[:at_once].sum()))
+
+    def __call__(self, task: Task, policy: GenerationPolicy, kv_capacity_gb: float, stop_above: float = np.inf) -> float:
+        """Estimated generation time: simulate only the instances that hold the longest samples.
+        Returns as soon as one instance ends after ``stop_above`` (a search's best so far: the
+        candidate has lost), with a time above it."""
+        ctx, batch, strategy = self.ctx, self.batch, task.allocation.strategy
+        model = ctx.model(task.model)
+        kv_per_token_gb = ctx.cost_model.kv_cache_gb(model, 1, strategy.tp, strategy.pp)
+        kv_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40  # as the task model
+        worst = 0.0
+        for k in self.slowest_instances(strategy.dp):
+            mine = self._ids[self._ids % strategy.dp == k]
+            key = (task.model, strategy.dp, strategy.tp, strategy.pp, strategy.ep, k, policy,
+                   self._kv_key(mine, policy, kv_tokens))
+            end_s = self._end_s.get(key)
+            if end_s is None:
+                sub = Task(task.name, task.kind, task.model,
+                           type(task.allocation)(task.allocation.replica_devices(k),
+                                                 type(strategy)(1, strategy.tp, strategy.pp)))
+                end_s = simulate_generation(ctx.cost_model, sub, policy, model, batch.prompt_lens[mine],
+                                            batch.output_lens[mine], 0.0, kv_capacity_gb, ctx.workload.max_gen_len,
+                                            ep=strategy.ep).end_s
+                self._end_s[key] = end_s
+            worst = max(worst, end_s)
+            if worst > stop_above:
+                break
+        return worst
+
+
 def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: Batch, kv_capacity_gb: float,
                  stop_above: float = np.inf) -> float:
-    """Estimated generation time: simulate only the instances that hold the longest samples.
-    Returns as soon as one instance ends after ``stop_above`` (a search's best so far: the
-    candidate has lost), with a time above it."""
-    dp = task.allocation.strategy.dp
-    ids = np.arange(batch.num_samples)
-    instance_of = ids % dp
-    # a stable sort: many samples tie at max_gen_len, and numpy's default sort breaks ties by
-    # the SIMD kernel the CPU dispatches to (AVX-512 or not), which made estimates machine-dependent
-    longest_first = np.argsort(-batch.output_lens, kind="stable")
-    slowest = list(dict.fromkeys(instance_of[longest_first]))[:NUM_GEN_INSTANCES_ESTIMATED]
-    worst = 0.0
-    for k in slowest:
-        mine = ids[instance_of == k]
-        sub = Task(task.name, task.kind, task.model,
-                   type(task.allocation)(task.allocation.replica_devices(int(k)),
-                                         type(task.allocation.strategy)(1, task.allocation.strategy.tp,
-                                                                        task.allocation.strategy.pp)))
-        res = simulate_generation(ctx.cost_model, sub, policy, ctx.model(task.model), batch.prompt_lens[mine],
-                                  batch.output_lens[mine], 0.0, kv_capacity_gb, ctx.workload.max_gen_len,
-                                  ep=task.allocation.strategy.ep)
-        worst = max(worst, res.end_s)
-        if worst > stop_above:
-            break
-    return worst
+    """Estimated generation time of ``task`` on ``batch`` (:class:`GenerationEstimates`, unmemoised:
+    a search scoring many candidates keeps one :class:`GenerationEstimates`)."""
+    return GenerationEstimates(ctx, batch)(task, policy, kv_capacity_gb, stop_above)
 
 
 def inference_s(ctx: PlanContext, task: Task, batch: Batch) -> float:

@@ -83,3 +83,25 @@ def test_training_bound_never_exceeds_the_simulated_time(planned, dp, tp, pp):
         stage = single_pipe_stage(task.name, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
         bound = training_bound_s(ctx, task, stage, w.mini_batch_size, batch)
         assert 0 < bound <= training_s(ctx, task, stage, w.mini_batch_size, batch) * (1 + 1e-12)
+
+
+def test_memoised_generation_estimates_equal_fresh_ones(planned):
+    """One GenerationEstimates scoring many candidates gives generation_s's numbers bit for bit: on
+    other meshes, other widths, and KV capacities that bind (a few hundred tokens) or not (1-2 GB:
+    the same run, simulated once)."""
+    from harness.core.plan import Allocation, ParallelStrategy, Task
+    from harness.planning.estimate import GenerationEstimates, generation_s, representative_batch
+
+    ctx, plan = planned
+    batch = representative_batch(ctx)
+    estimates = GenerationEstimates(ctx, batch)
+    capacities_gb = (1e-5, 3e-5, 1e-4, 1.0, 2.0)
+    for dp, tp, pp in ((8, 1, 1), (4, 2, 1), (2, 2, 2)):
+        for mesh in (tuple(range(8)), tuple(range(7, -1, -1))):
+            gen = Task("gen", "generate", "actor", Allocation(mesh, ParallelStrategy(dp, tp, pp)))
+            for kv_gb in capacities_gb:
+                assert estimates(gen, plan.generation, kv_gb) == generation_s(ctx, gen, plan.generation, batch, kv_gb)
+    # ample capacities and the second mesh reuse the first mesh's runs: at most the three binding
+    # capacities plus one ample one per instance of each layout
+    instances = sum(len(estimates.slowest_instances(dp)) for dp in (8, 4, 2))
+    assert estimates.num_simulated <= 4 * instances
