@@ -22,6 +22,7 @@ from harness.run.pipeline import compose
 from harness.core.config import LengthDistConfig, WorkloadConfig
 from harness.errors import ConfigError
 from harness.core.workload import (REPO_ROOT, load_workload_file, make_batch, resolve_workload, text_token_ids)
+from tests.helpers import run_in_process
 
 SAMPLE = REPO_ROOT / "data" / "workloads" / "sample.jsonl"
 SIM = ["workload=jsonl", "model=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "logger=none",
@@ -237,18 +238,18 @@ def test_text_rule_is_one_token_per_utf8_byte():
 
 
 @pytest.mark.ray
-def test_ray_run_generates_from_the_files_prompts_to_its_lengths(tmp_path, run_harness):
+def test_ray_run_generates_from_the_files_prompts_to_its_lengths(tmp_path):
     """One PPO iteration of tiny models on one CPU worker: every sample's prompt is the file's (its
     token count) and its response has the file's length (the rollout's action mask, dumped)."""
     pytest.importorskip("ray")
     path = write(tmp_path, RAY_FILE)
-    proc = run_harness(["model=tiny", "workload=jsonl", f"workload.path={path}", "backend=ray", "cluster=h100_8x",
-                        "cluster.num_nodes=1", "cluster.gpus_per_node=1", "+system=deepspeed_chat",
-                        "system.mini_batch_size=4", "system.generation_batch_size=8",
-                        "workload.global_batch_size=8", "workload.mini_batch_size=4", "workload.micro_batch_size=2",
-                        "workload.max_gen_len=16", "backend.num_iterations=1", "backend.num_warmup_iterations=0",
-                        "logger=none", "logger.progress_bar=false", "backend.options.dump_weights_dir=w"],
-                       tmp_path / "run", timeout=300)
+    proc = run_in_process(["model=tiny", "workload=jsonl", f"workload.path={path}", "backend=ray", "cluster=h100_8x",
+                           "cluster.num_nodes=1", "cluster.gpus_per_node=1", "+system=deepspeed_chat",
+                           "system.mini_batch_size=4", "system.generation_batch_size=8",
+                           "workload.global_batch_size=8", "workload.mini_batch_size=4", "workload.micro_batch_size=2",
+                           "workload.max_gen_len=16", "backend.num_iterations=1", "backend.num_warmup_iterations=0",
+                           "logger=none", "logger.progress_bar=false", "backend.options.dump_weights_dir=w"],
+                          tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     batch = make_batch(file_workload(path, global_batch_size=8, max_gen_len=16), 0, 0)
     mask = np.load(tmp_path / "run" / "w" / "experience.npz")["action_mask"]

@@ -15,6 +15,8 @@ import json
 
 import pytest
 
+from tests.helpers import run_in_process
+
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
@@ -27,9 +29,9 @@ ARGS = ["+system=rlhfuse_base", "model=tiny", "workload=tiny", "backend=ray", "c
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, run_harness):
+def run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("bf16")
-    proc = run_harness(ARGS, cwd, timeout=600)
+    proc = run_in_process(ARGS, cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [summary] = cwd.glob("results/default/*/tiny/seed0/summary.json")
     return cwd, proc, summary.parent
