@@ -74,7 +74,7 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
     s = alloc.strategy
     order = sorted(samples, key=lambda r: (r.finish_s, r.sample_id))
     ready_s = [r.finish_s for r in order]
-    lengths = np.array([r.prompt_len + r.response_len for r in order], dtype=float)
+    lengths = [r.prompt_len + r.response_len for r in order]  # whole tokens: sums are exact in any order
     spans: list[Span] = []
     feed = StreamFeed(s.dp, micro_batch_size)  # the feeding rule Ray's streamed generation uses too
     # replica events in time order (ties: lower replica first): (when, k, kind), kind 1 = available
@@ -93,6 +93,8 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
         last_done[k] = start + load
     heapq.heapify(events)
     end = {t.name: 0.0 for t in tasks}
+    # a micro-batch's stage times depend on its token count and size only: computed once per shape
+    shapes: dict[tuple[int, int], tuple[dict[str, list[float]], list[float]]] = {}
     num_samples, num_finished, num_taken = len(order), 0, 0
     while num_taken < num_samples:
         # the next moment something happens; every sample finished by then is queued before any is taken
@@ -109,14 +111,16 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
                 feed.done(k)
         for k, taken in feed.take():
             num_taken += len(taken)
-            tokens = float(lengths[taken].sum())
-            seq = tokens / len(taken)
-            # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
-            # stage time is the sum over the three models
-            per_task = _stage_times(cm, tasks, models, tokens, seq, s.tp, s.pp, s.ep)
-            # the stages are equal but the last (the head): two sums, not one per stage
-            body = sum(per_task[t.name][0] for t in tasks) if s.pp > 1 else 0.0
-            stage = [body] * (s.pp - 1) + [sum(per_task[t.name][-1] for t in tasks)]
+            shape = (sum(lengths[i] for i in taken), len(taken))
+            if shape not in shapes:
+                tokens = float(shape[0])
+                # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
+                # stage time is the sum over the three models
+                per_task = _stage_times(cm, tasks, models, tokens, tokens / shape[1], s.tp, s.pp, s.ep)
+                # the stages are equal but the last (the head): two sums, not one per stage
+                body = sum(per_task[t.name][0] for t in tasks) if s.pp > 1 else 0.0
+                shapes[shape] = per_task, [body] * (s.pp - 1) + [sum(per_task[t.name][-1] for t in tasks)]
+            per_task, stage = shapes[shape]
             clock = now
             for p in range(s.pp):
                 if record_spans:
