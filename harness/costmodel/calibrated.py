@@ -270,6 +270,7 @@ class CalibratedCompute:
         self._layer_terms = lru_cache(maxsize=1024)(self._layer_terms_uncached)
         self._head = lru_cache(maxsize=65536)(self._head_s)
         self._allreduces = lru_cache(maxsize=65536)(self._allreduces_uncached_s)
+        self._decode_step_parts = lru_cache(maxsize=65536)(self._decode_step_parts_uncached)
         if graph_step_overhead_s is None:
             graph_step_overhead_s = derived_graph_step_overhead_s()
         self.graph_step_overhead_s = graph_step_overhead_s
@@ -512,18 +513,29 @@ class CalibratedCompute:
         if batch_size <= 0:
             return 0.0
         d = ModelDims.of(model)
-        num_mbs = min(pp, batch_size)  # one step by the rule of _decode_span_gpu_s, the scalar ops
-        mb = batch_size / num_mbs
+        # one step by the rule of _decode_span_gpu_s, the scalar ops; the parts that do not depend on
+        # the context are the batch's (memoised: the generation task model asks for 1e5 steps a plan)
+        num_mbs, mb, linear, head, comm, hops = self._decode_step_parts(d, batch_size, tp, pp, ep)
         attention = self.attention_s(d, tp, mb, context_tokens_total / batch_size, context_tokens_total / num_mbs)
+        time_s = d.num_layers * (linear + attention) + head
+        time_s += comm
+        if pp > 1:
+            time_s += hops
+        return time_s
+
+    def _decode_step_parts_uncached(self, d: ModelDims, batch_size: int, tp: int, pp: int,
+                                    ep: int) -> tuple[int, float, float, float, float, float]:
+        """A decode step's micro-batches, micro-batch size, linear ops of a layer, head, collectives
+        and pipeline hops: everything of :meth:`decode_step_gpu_s` but the attention core."""
+        num_mbs = min(pp, batch_size)
+        mb = batch_size / num_mbs
         linear = self.linear_layer_s(d, tp, mb, ep, decode=True)
-        time_s = d.num_layers * (linear + attention) + self.head_s(d, tp, batch_size / num_mbs)
+        head = self.head_s(d, tp, batch_size / num_mbs)
         comm = self._allreduces_s(d.num_layers, mb, d, tp)
         if ep > 1:  # summed as _decode_span_gpu_s sums them (a span equals its steps bit for bit)
             comm += moe_alltoalls_s(self._alltoall_s, d, d.num_layers, mb, ep, ep * tp * pp)
-        time_s += comm
-        if pp > 1:
-            time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
-        return time_s
+        hops = (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp) if pp > 1 else 0.0
+        return num_mbs, mb, linear, head, comm, hops
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float,
                       tp: int = 1, pp: int = 1, ep: int = 1) -> float:

@@ -114,6 +114,8 @@ class ContinuousInstance:
         self.result.spans.append(Span(self.devices, self.task_name, kind, start, end))
 
     def _admit(self) -> None:
+        if not self.waiting:  # nothing to admit (most steps of a run)
+            return
         admitted: list[_Sample] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             need = self.waiting[0].prompt_len + self.max_gen_len
