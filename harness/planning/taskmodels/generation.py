@@ -114,7 +114,7 @@ class ContinuousInstance:
         self.result.spans.append(Span(self.devices, self.task_name, kind, start, end))
 
     def _admit(self) -> None:
-        if not self.waiting:  # nothing to admit (most steps of a run)
+        if not self.waiting or len(self.running) >= self.max_batch:  # nothing to admit (most steps of a run)
             return
         admitted: list[_Sample] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
