@@ -97,8 +97,15 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
     shapes: dict[tuple[int, int], tuple[dict[str, list[float]], list[float]]] = {}
     num_samples, num_finished, num_taken = len(order), 0, 0
     while num_taken < num_samples:
-        # the next moment something happens; every sample finished by then is queued before any is taken
-        now = min(ready_s[num_finished] if num_finished < num_samples else np.inf, events[0][0] if events else np.inf)
+        # the next moment something happens; every sample finished by then is queued before any is taken.
+        # A sample's finish is such a moment only while a replica is idle to take it: with every
+        # replica busy or not yet available, the finishes up to the next replica event only queue
+        # (in finish order, as they would one by one)
+        next_event = events[0][0] if events else np.inf
+        if feed.idle:
+            now = min(ready_s[num_finished] if num_finished < num_samples else np.inf, next_event)
+        else:
+            now = next_event
         first = num_finished
         while num_finished < num_samples and ready_s[num_finished] <= now:
             num_finished += 1
