@@ -13,7 +13,7 @@ import numpy as np
 from harness.core.plan import GenerationPolicy, Plan, Task, TrainingStage
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import PlanSimulator, simulate_iteration
-from harness.planning.taskmodels.generation import simulate_generation
+from harness.planning.taskmodels.generation import kv_capacity_tokens, simulate_generation
 from harness.planning.taskmodels.passes import simulate_inference, simulate_training, training_work_bound_s
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
@@ -38,10 +38,9 @@ class GenerationEstimates:
     An instance's simulated end depends on its tensor/pipeline widths, the data-parallel width and its
     rank (which samples it holds), the expert parallelism, the policy, the model and its KV capacity,
     never on which devices it runs on (the generation task model prices prefill and decode by widths
-    only). The KV capacity
-    only matters while it binds: an instance never reserves more than its ``m`` largest samples'
-    ``prompt + max_gen_len`` tokens (``m`` the most it runs at once), so every capacity above that
-    sum gives the same run. The memo keys instances by these inputs with the capacity clamped to that
+    only). The KV capacity only matters while it binds: an instance never reserves more than its
+    ``m`` largest samples' ``prompt + max_gen_len`` tokens (``m`` the most it runs at once), so every
+    capacity above that sum gives the same run. The memo keys instances by these inputs with the capacity clamped to that
     sum, so the estimates are those of :func:`generation_s` computed afresh, bit for bit."""
 
     def __init__(self, ctx: PlanContext, batch: Batch):
@@ -67,7 +66,7 @@ class GenerationEstimates:
         return self._slowest[dp]
 
     def _kv_key(self, mine: np.ndarray, policy: GenerationPolicy, kv_tokens: int) -> int:
-        """``kv_tokens``, or the most the instance can ever reserve when that is less (module docstring)."""
+        """``kv_tokens``, or the most the instance can ever reserve when that is less (class docstring)."""
         need = np.sort(self.batch.prompt_lens[mine] + self.ctx.workload.max_gen_len)[::-1]
         at_once = min(policy.max_batch_size or len(mine), len(mine))
         return min(kv_tokens, int(need[:at_once].sum()))
@@ -78,8 +77,7 @@ class GenerationEstimates:
         candidate has lost), with a time above it."""
         ctx, batch, strategy = self.ctx, self.batch, task.allocation.strategy
         model = ctx.model(task.model)
-        kv_per_token_gb = ctx.cost_model.kv_cache_gb(model, 1, strategy.tp, strategy.pp)
-        kv_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40  # as the task model
+        kv_tokens = kv_capacity_tokens(ctx.cost_model, model, strategy.tp, strategy.pp, kv_capacity_gb)
         worst = 0.0
         for k in self.slowest_instances(strategy.dp):
             mine = self._ids[self._ids % strategy.dp == k]

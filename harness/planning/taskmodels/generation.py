@@ -312,6 +312,12 @@ def _migrate(cm: CostModel, model, instances: list[ContinuousInstance], num_targ
     return moved, len(targets)
 
 
+def kv_capacity_tokens(cm: CostModel, model, tp: int, pp: int, kv_capacity_gb: float) -> int:
+    """Tokens of KV cache an instance of ``tp x pp`` devices holds in ``kv_capacity_gb`` per device."""
+    kv_per_token_gb = cm.kv_cache_gb(model, 1, tp, pp)
+    return int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40
+
+
 def simulate_generation(cm: CostModel, task: Task, policy: GenerationPolicy, model, prompt_lens: np.ndarray,
                         output_lens: np.ndarray, start_s: float, kv_capacity_gb: float,
                         max_gen_len: int, ep: int | None = None) -> GenerationResult:
@@ -332,8 +338,7 @@ def simulate_generation_each(cm: CostModel, task: Task, policies: list[Generatio
         raise ValueError("simulate_generation_each: the policies differ in more than their migration")
     s = task.allocation.strategy
     ep = s.ep if ep is None else ep
-    kv_per_token_gb = cm.kv_cache_gb(model, 1, s.tp, s.pp)
-    kv_tokens = int(kv_capacity_gb / kv_per_token_gb) if kv_per_token_gb > 0 else 1 << 40
+    kv_tokens = kv_capacity_tokens(cm, model, s.tp, s.pp, kv_capacity_gb)
     policy = policies[0]
     if policy.batching == "static":
         finishes: list[SampleRecord] = []
