@@ -51,9 +51,10 @@ def _ray_cli() -> str:
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop one ``ray start --block`` and everything in its process group (GCS, raylet, workers):
-    SIGTERM, a grace period, then SIGKILL to the group."""
+    SIGINT (Ctrl-C in the terminal that runs it, which it answers by stopping its processes within
+    a second or two; it ignores SIGTERM to the group), a grace period, then SIGKILL to the group."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=10)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
