@@ -486,26 +486,28 @@ class CalibratedCompute:
         """GPU time of ``num_steps`` consecutive decode steps (contexts ``c, c + b, ...``) by the
         pipeline rule of :meth:`_pipelined_s` (one micro-batch per stage, up to ``pp``): the parts of
         a step that do not depend on the context (linear ops, head, all-reduces, pipeline hops) are
-        computed once, the attention core (:meth:`attention_s`, the same operations in the same
-        order, elementwise over the steps) for every step at once. ``batch_size`` must be positive."""
-        num_mbs = min(pp, batch_size)
-        mb = batch_size / num_mbs
-        linear = self.linear_layer_s(d, tp, mb, ep, decode=True)
-        head = self.head_s(d, tp, batch_size / num_mbs)
-        comm = self._allreduces_s(d.num_layers, mb, d, tp)
-        if ep > 1:
-            comm += moe_alltoalls_s(self._alltoall_s, d, d.num_layers, mb, ep, ep * tp * pp)
+        computed once, the attention core for every step at once (:meth:`_steps_gpu_s`).
+        ``batch_size`` must be positive."""
         total = context_tokens_total + np.arange(num_steps, dtype=np.int64) * batch_size
-        flops = 4.0 * d.q_dim * (total / batch_size) * mb / tp
+        return self._steps_gpu_s(d, tp, pp, self._decode_step_parts(d, batch_size, tp, pp, ep), total, batch_size)
+
+    def _steps_gpu_s(self, d: ModelDims, tp: int, pp: int, parts: Any, context_totals: np.ndarray,
+                     batch_sizes: Any) -> np.ndarray:
+        """GPU time of decode steps from their context-independent ``parts``
+        (:meth:`_decode_step_parts`: scalars, or one array per part) and their contexts: the
+        attention core (:meth:`attention_s`'s operations in the same order, elementwise), then the
+        sum of :meth:`decode_step_gpu_s`, so a step equals its scalar timing bit for bit."""
+        num_mbs, mb, linear, head, comm, hops = parts
+        flops = 4.0 * d.q_dim * (context_totals / batch_sizes) * mb / tp
         kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
         q_out = 2.0 * mb * d.q_dim / tp
-        nbytes = (2.0 * kv_local * (total / num_mbs) + q_out) * BF16_BYTES
+        nbytes = (2.0 * kv_local * (context_totals / num_mbs) + q_out) * BF16_BYTES
         attention = np.maximum(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte)
         attention += self.cal.law("add", tp).f0
         time_s = d.num_layers * (linear + attention) + head
         time_s += comm
         if pp > 1:
-            time_s += (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp)
+            time_s += hops
         return time_s
 
     def decode_step_gpu_s(self, model: Any, batch_size: int, context_tokens_total: float,
@@ -513,7 +515,7 @@ class CalibratedCompute:
         if batch_size <= 0:
             return 0.0
         d = ModelDims.of(model)
-        # one step by the rule of _decode_span_gpu_s, the scalar ops; the parts that do not depend on
+        # one step by the rule of _steps_gpu_s, the scalar ops; the parts that do not depend on
         # the context are the batch's (memoised: the generation task model asks for 1e5 steps a plan)
         num_mbs, mb, linear, head, comm, hops = self._decode_step_parts(d, batch_size, tp, pp, ep)
         attention = self.attention_s(d, tp, mb, context_tokens_total / batch_size, context_tokens_total / num_mbs)
@@ -532,7 +534,7 @@ class CalibratedCompute:
         linear = self.linear_layer_s(d, tp, mb, ep, decode=True)
         head = self.head_s(d, tp, batch_size / num_mbs)
         comm = self._allreduces_s(d.num_layers, mb, d, tp)
-        if ep > 1:  # summed as _decode_span_gpu_s sums them (a span equals its steps bit for bit)
+        if ep > 1:  # summed as the steps of a span sum them (a span equals its steps bit for bit)
             comm += moe_alltoalls_s(self._alltoall_s, d, d.num_layers, mb, ep, ep * tp * pp)
         hops = (pp - 1) * self._p2p_s(mb * d.hidden_size * BF16_BYTES, tp * pp) if pp > 1 else 0.0
         return num_mbs, mb, linear, head, comm, hops
@@ -544,6 +546,43 @@ class CalibratedCompute:
             return 0.0
         return self.decode_step_gpu_s(model, batch_size, context_tokens_total, tp, pp, ep) + self.graph_step_overhead_s
 
+    def _short_decode_span_s(self, d: ModelDims, batch_size: int, context_tokens_total: float, num_steps: int,
+                             tp: int, pp: int, ep: int) -> list[float]:
+        """:meth:`decode_step_s` of ``num_steps`` consecutive steps in one loop: the operations of
+        :meth:`decode_step_gpu_s` and :meth:`attention_s` in the same order (so bit for bit the
+        same), with the step's context-independent parts and the attention core's constant factors
+        taken once. The generation task model's spans between two batch changes are mostly a few
+        steps long, and it times ~1e5 of them a plan."""
+        num_mbs, mb, linear, head, comm, hops = self._decode_step_parts(d, batch_size, tp, pp, ep)
+        layers, overhead_s = d.num_layers, self.graph_step_overhead_s
+        flops_per_query_key = 4.0 * d.q_dim  # attention_s: 4.0 * q_dim * context_len * num_tokens / tp
+        kv_bytes_factor = 2.0 * (max(1, d.num_kv_heads // tp) * d.head_dim)
+        q_out = 2.0 * mb * d.q_dim / tp
+        flops_rate, s_per_byte = self.flops_per_s_attention, self.stream_s_per_byte
+        floor = self.cal.law("add", tp).f0
+        steps = []
+        for j in range(num_steps):
+            context_total = context_tokens_total + j * batch_size
+            flops = flops_per_query_key * (context_total / batch_size) * mb / tp
+            nbytes = (kv_bytes_factor * (context_total / num_mbs) + q_out) * BF16_BYTES
+            attention = max(flops / flops_rate, nbytes * s_per_byte) + floor
+            time_s = layers * (linear + attention) + head
+            time_s += comm
+            if pp > 1:
+                time_s += hops
+            steps.append(time_s + overhead_s)
+        return steps
+
+    def decode_steps_s(self, d: ModelDims, batch_sizes: np.ndarray, context_totals: np.ndarray, tp: int, pp: int,
+                       ep: int = 1) -> np.ndarray:
+        """:meth:`decode_step_s` of many steps at once, bit for bit: step ``i`` has ``batch_sizes[i]``
+        (positive) samples whose caches hold ``context_totals[i]`` tokens in all (integer arrays).
+        The context-independent parts are taken once per distinct batch size, the attention core
+        elementwise, in :meth:`decode_step_gpu_s`'s order."""
+        sizes, which = np.unique(batch_sizes, return_inverse=True)
+        parts = np.array([self._decode_step_parts(d, int(b), tp, pp, ep) for b in sizes], dtype=np.float64)
+        return self._steps_gpu_s(d, tp, pp, parts[which].T, context_totals, batch_sizes) + self.graph_step_overhead_s
+
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: float, num_steps: int,
                       tp: int = 1, pp: int = 1, ep: int = 1) -> list[float]:
         """:meth:`decode_step_s` of ``num_steps`` consecutive steps (contexts ``c, c + b, ...``),
@@ -551,10 +590,9 @@ class CalibratedCompute:
         (:meth:`_decode_span_gpu_s`; numpy's per-call cost is repaid only on longer spans)."""
         if batch_size <= 0:
             return [0.0] * num_steps
-        if num_steps <= SHORT_SPAN_STEPS:
-            return [self.decode_step_s(model, batch_size, context_tokens_total + j * batch_size, tp, pp, ep)
-                    for j in range(num_steps)]
         d = ModelDims.of(model)
+        if num_steps <= SHORT_SPAN_STEPS:
+            return self._short_decode_span_s(d, batch_size, context_tokens_total, num_steps, tp, pp, ep)
         gpu_s = self._decode_span_gpu_s(d, batch_size, context_tokens_total, num_steps, tp, pp, ep)
         return (gpu_s + self.graph_step_overhead_s).tolist()
 

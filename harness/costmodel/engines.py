@@ -87,7 +87,8 @@ class EngineCosts:
         if extra_passes <= 0.0:
             return 0.0
         d = ModelDims.of(model)
-        per_device = kv_bytes_per_token(d) * context_tokens_total / (min(tp, d.num_kv_heads) * min(pp, batch_size))
+        num_mbs = min(pp, batch_size) if np.isscalar(batch_size) else np.minimum(pp, batch_size)
+        per_device = kv_bytes_per_token(d) * context_tokens_total / (min(tp, d.num_kv_heads) * num_mbs)
         return extra_passes * per_device * self._stream_s_per_byte
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,
@@ -127,6 +128,17 @@ class EngineCosts:
             self._spans[key] = hit
             self._span_models[id(model)] = model
         return hit
+
+    def decode_steps_s(self, model: Any, batch_sizes: np.ndarray, context_totals: np.ndarray, tp: int = 1,
+                       pp: int = 1, ep: int = 1) -> Optional[np.ndarray]:
+        """:meth:`decode_step_s` of many steps at once (positive batch sizes), elementwise and bit for
+        bit; None where the base cost model has no such pass or the engine keeps no KV cache."""
+        if not self.engines.generation.kv_cache:
+            return None
+        graph_s = self.base.decode_steps_s(model, batch_sizes, context_totals, tp, pp, ep)
+        if graph_s is None:
+            return None
+        return self._step_each(graph_s, model, self._kv_extra_s(model, batch_sizes, context_totals, tp, pp))
 
     def prefill_s(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1,
                   seq_len: Optional[float] = None, ep: int = 1) -> float:

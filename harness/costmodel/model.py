@@ -36,6 +36,8 @@ import copy
 import functools
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from harness.core.config import GpuConfig, LinkConfig
 from harness.costmodel import comm, memory
 from harness.costmodel.calibrated import CalibratedCompute, Calibration
@@ -388,6 +390,20 @@ class CostModel:
         if ep != 1:
             return self.roofline.decode_step_s(d, batch_size, context_tokens_total, tp, pp, ep)
         return self.roofline.decode_step_s(d, batch_size, context_tokens_total, tp, pp)
+
+    def decode_steps_s(self, model: Any, batch_sizes: np.ndarray, context_totals: np.ndarray, tp: int = 1,
+                       pp: int = 1, ep: int = 1) -> Optional[np.ndarray]:
+        """:meth:`decode_step_s` of many steps at once, elementwise and bit for bit: step ``i`` of
+        ``batch_sizes[i]`` (positive) samples holding ``context_totals[i]`` context tokens (integer
+        arrays). The calibrated model's (and its engines') steps only; None for a profile table or
+        the roofline, whose steps a caller then asks for one span at a time."""
+        if self.engine_costs is not None:
+            return self.engine_costs.decode_steps_s(model, batch_sizes, context_totals, tp, pp, ep)
+        if self.profile is not None or self.calibration is None:
+            return None
+        if ep != 1:
+            self.check_expert_parallel(model, ep)
+        return self.compute.decode_steps_s(ModelDims.of(model), batch_sizes, context_totals, tp, pp, ep)
 
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
                       tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, ...]:

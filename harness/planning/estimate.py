@@ -13,7 +13,8 @@ import numpy as np
 from harness.core.plan import GenerationPolicy, Plan, Task, TrainingStage
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import PlanSimulator, simulate_iteration
-from harness.planning.taskmodels.generation import kv_capacity_tokens, simulate_generation
+from harness.planning.taskmodels.generation import (StepSchedule, kv_capacity_tokens, simulate_generation, step_schedule,
+                                                     timed_end_s)
 from harness.planning.taskmodels.passes import simulate_inference, simulate_training, training_work_bound_s
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
@@ -51,6 +52,7 @@ class GenerationEstimates:
         self._ids = np.arange(batch.num_samples)
         self._end_s: dict[tuple, float] = {}
         self._slowest: dict[int, list[int]] = {}
+        self._schedules: dict[tuple, StepSchedule] = {}
 
     @property
     def num_simulated(self) -> int:
@@ -64,6 +66,17 @@ class GenerationEstimates:
             self._slowest[dp] = [int(k) for k in dict.fromkeys(instance_of[self._longest_first])][
                 :NUM_GEN_INSTANCES_ESTIMATED]
         return self._slowest[dp]
+
+    def _schedule(self, dp: int, k: int, mine: np.ndarray, policy: GenerationPolicy, kv_tokens: int) -> StepSchedule:
+        """Instance ``k`` of ``dp``'s continuous batching in steps (:func:`step_schedule`), kept per
+        (its samples, batch limit, KV capacity): the layouts and models that share them share it."""
+        max_batch = policy.max_batch_size or len(mine)
+        key = (dp, k, max_batch, kv_tokens)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            schedule = self._schedules[key] = step_schedule(self.batch.prompt_lens[mine], self.batch.output_lens[mine],
+                                                            max_batch, kv_tokens, self.ctx.workload.max_gen_len)
+        return schedule
 
     def _kv_key(self, mine: np.ndarray, policy: GenerationPolicy, kv_tokens: int) -> int:
         """``kv_tokens``, or the most the instance can ever reserve when that is less (class docstring)."""
@@ -84,7 +97,11 @@ class GenerationEstimates:
             key = (task.model, strategy.dp, strategy.tp, strategy.pp, strategy.ep, k, policy,
                    self._kv_key(mine, policy, kv_tokens))
             end_s = self._end_s.get(key)
-            if end_s is None:
+            if end_s is None and policy.batching == "continuous":
+                schedule = self._schedule(strategy.dp, k, mine, policy, key[-1])
+                end_s = self._end_s[key] = timed_end_s(schedule, ctx.cost_model, model, strategy.tp, strategy.pp,
+                                                       strategy.ep, 0.0)
+            elif end_s is None:
                 sub = Task(task.name, task.kind, task.model,
                            type(task.allocation)(task.allocation.replica_devices(k),
                                                  type(strategy)(1, strategy.tp, strategy.pp)))

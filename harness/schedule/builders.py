@@ -37,11 +37,22 @@ def one_f_one_b_stage(pipe: PipeSpec, stage: int) -> list[Action]:
     return list(_one_f_one_b_stage(pipe.name, pipe.num_stages, pipe.num_mbs, stage))
 
 
+# (pipe, stage, kind) -> that stage's actions of micro-batches 0, 1, ...: the schedules of one pipe
+# with other micro-batch counts share them (a layout search builds thousands of 1F1B stages)
+_STAGE_ACTIONS: dict[tuple[str, int, str], list[Action]] = {}
+
+
+def _stage_actions(name: str, stage: int, kind: str, num_mbs: int) -> list[Action]:
+    """The (immutable, shared) actions ``kind`` of micro-batches ``0 .. num_mbs - 1`` of one stage."""
+    made = _STAGE_ACTIONS.setdefault((name, stage, kind), [])
+    made.extend(Action(name, stage, kind, mb) for mb in range(len(made), num_mbs))
+    return made[:num_mbs]
+
+
 @lru_cache(maxsize=4096)
 def _one_f_one_b_stage(name: str, num_stages: int, num_mbs: int, stage: int) -> tuple[Action, ...]:
     warmup = min(num_stages - stage - 1, num_mbs)
-    fwd = [Action(name, stage, "F", mb) for mb in range(num_mbs)]
-    bwd = [Action(name, stage, "B", mb) for mb in range(num_mbs)]
+    fwd, bwd = _stage_actions(name, stage, "F", num_mbs), _stage_actions(name, stage, "B", num_mbs)
     actions = fwd[:warmup]
     for i in range(num_mbs - warmup):
         actions.append(fwd[warmup + i])

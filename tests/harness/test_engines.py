@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra.utils import get_class
 from omegaconf import OmegaConf
@@ -602,6 +603,28 @@ def test_a_decode_span_under_an_engine_is_its_steps_bit_for_bit(generation, fitt
         assert span == tuple(fresh.decode_step_s(model, batch, batch * 100 + j * batch, tp, pp)
                              for j in range(num_steps))
         assert all(type(t) is float for t in span)
+
+
+@pytest.mark.parametrize("generation", ["ds_hybrid", "vllm", "coati_generate", "ds_chat_generate",
+                                        "hf_generate_fa2"])
+def test_many_decode_steps_at_once_under_an_engine_are_its_steps_bit_for_bit(generation):
+    """The cost model's elementwise pass over many steps (mixed batch sizes and contexts, as the
+    planners' step schedules ask for them), under an engine, equals the engine's steps one by one,
+    bit for bit; an engine without a KV cache has no such pass (None: its caller times spans)."""
+    ctx, plan, _ = planned([*DSCHAT, f"engine.generation={generation}"])
+    costs = ctx.cost_model.with_engines(plan.engines, generation_gather_s(ctx, plan))
+    model = ctx.models.actor
+    rng = np.random.default_rng(0)
+    batch_sizes = rng.integers(1, 70, size=200)
+    contexts = batch_sizes * rng.integers(1, 900, size=200) + rng.integers(0, 50, size=200)
+    for tp, pp in ((1, 1), (2, 2), (4, 1)):
+        steps = costs.decode_steps_s(model, batch_sizes, contexts, tp, pp)
+        if not plan.engines.generation.kv_cache:
+            assert steps is None
+            continue
+        fresh = ctx.cost_model.with_engines(plan.engines, generation_gather_s(ctx, plan))
+        assert steps.tolist() == [fresh.decode_step_s(model, int(b), int(c), tp, pp)
+                                  for b, c in zip(batch_sizes, contexts)]
 
 
 def test_with_engines_is_a_view_of_the_same_cost_model(ctx):

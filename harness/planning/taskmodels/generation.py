@@ -31,6 +31,11 @@ instances of its ep group, whose batches are taken to be the same size as its ow
 simulated in lockstep; the searched generation layouts keep ``ep = 1``,
 :class:`harness.planning.layout_search.LayoutSearch`).
 
+Planners' estimates (:class:`harness.planning.estimate.GenerationEstimates`) time an instance from
+its :class:`StepSchedule`: continuous batching's admissions and spans counted in steps, which do not
+depend on step times, worked out once and shared by every layout and model that holds the same
+samples, then priced in one elementwise pass (:func:`timed_end_s`, the instance's clock bit for bit).
+
 Static rounds may be **synced** across instances (``GenerationPolicy.synced_instances``:
 ``generate(synced_gpus=True)`` under ZeRO-3 keeps every rank stepping until all ranks' rounds
 end): round ``r`` of every instance then pads its prompts to, and decodes until, the longest
@@ -40,9 +45,11 @@ each sample has in later passes when the policy pads to the longest of its round
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -116,52 +123,72 @@ class ContinuousInstance:
     def _admit(self) -> None:
         if not self.waiting or len(self.running) >= self.max_batch:  # nothing to admit (most steps of a run)
             return
-        admitted: list[_Sample] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-            need = self.waiting[0].prompt_len + self.max_gen_len
-            if self.reserved + need > self.kv_capacity_tokens and (self.running or admitted):
+        waiting, running, max_gen_len, capacity = self.waiting, self.running, self.max_gen_len, self.kv_capacity_tokens
+        room = self.max_batch - len(running)
+        reserved, num_admitted, to_prefill = self.reserved, 0, 0
+        while num_admitted < len(waiting) and num_admitted < room:
+            sample = waiting[num_admitted]
+            need = sample.prompt_len + max_gen_len
+            if reserved + need > capacity and (running or num_admitted):
                 break
-            sample = self.waiting.pop(0)
-            self.reserved += need
-            admitted.append(sample)
-        to_prefill = sum(s.context for s in admitted if not s.has_kv)
+            reserved += need
+            num_admitted += 1
+            if not sample.has_kv:
+                to_prefill += sample.prompt_len + sample.generated
+        admitted = waiting[:num_admitted]
+        del waiting[:num_admitted]
+        self.reserved = reserved
         if to_prefill:
             dt = self.cm.prefill_s(self.model, to_prefill, self.tp, self.pp, ep=self.ep)
             self._span(self.now, self.now + dt, "prefill")
             self.now += dt
+        due, steps, number = self._due, self.steps, self._admitted
+        context_total, target_total = self._context_total, self._target_total
         for s in admitted:
             s.has_kv = True
-            self.running[self._admitted] = s
-            heapq.heappush(self._due, (self.steps + s.left, self._admitted))
-            self._admitted += 1
-            self._context_total += s.context
-            self._target_total += s.prompt_len + s.output_len
+            running[number] = s
+            context = s.prompt_len + s.generated
+            heapq.heappush(due, (steps + s.output_len - s.generated, number))
+            number += 1
+            context_total += context
+            target_total += s.prompt_len + s.output_len
+        self._admitted, self._context_total, self._target_total = number, context_total, target_total
 
     def run(self, until_s: float = math.inf) -> None:
         """Generate until every sample finished, or until the first step that ends at/after ``until_s``."""
-        while (self.waiting or self.running) and self.now < until_s:
+        cm, model, tp, pp, ep = self.cm, self.model, self.tp, self.pp, self.ep
+        running, due, finishes, result = self.running, self._due, self.finishes, self.result
+        spans, devices, task_name = result.spans, self.devices, self.task_name
+        until = until_s != math.inf
+        while (self.waiting or running) and self.now < until_s:
             self._admit()
-            batch = len(self.running)
-            self.result.peak_kv_tokens = max(self.result.peak_kv_tokens, self._target_total)
-            num_steps, start = self._due[0][0] - self.steps, self.now
-            span = self.cm.decode_span_s(self.model, batch, self._context_total, num_steps, self.tp, self.pp, self.ep)
-            # the clock after each step, added in order; a step starts only while the clock is before
-            # until_s (step times are non-negative, so the clocks are sorted and bisect finds the stop)
-            clocks = list(itertools.accumulate(span, initial=self.now))
-            done_steps = num_steps if until_s == math.inf else bisect.bisect_left(clocks, until_s, 0, num_steps)
-            self.now = clocks[done_steps]
-            self._span(start, self.now, "decode")
-            self.steps += done_steps
-            self._context_total += done_steps * batch
-            while self._due and self._due[0][0] <= self.steps:  # in admission order among equals
-                _, number = heapq.heappop(self._due)
-                s = self.running.pop(number)
+            batch = len(running)
+            if self._target_total > result.peak_kv_tokens:
+                result.peak_kv_tokens = self._target_total
+            num_steps, start = due[0][0] - self.steps, self.now
+            span = cm.decode_span_s(model, batch, self._context_total, num_steps, tp, pp, ep)
+            if until:
+                # the clock after each step, added in order; a step starts only while the clock is before
+                # until_s (step times are non-negative, so the clocks are sorted and bisect finds the stop)
+                clocks = list(itertools.accumulate(span, initial=start))
+                done_steps = bisect.bisect_left(clocks, until_s, 0, num_steps)
+                now = clocks[done_steps]
+            else:  # the same additions, in the same order
+                done_steps, now = num_steps, functools.reduce(operator.add, span, start)
+            self.now = now
+            spans.append(Span(devices, task_name, "decode", start, now))
+            steps = self.steps = self.steps + done_steps
+            context_total = self._context_total + done_steps * batch
+            while due and due[0][0] <= steps:  # in admission order among equals
+                _, number = heapq.heappop(due)
+                s = running.pop(number)
                 s.generated = s.output_len
-                self.finishes.append(SampleRecord(s.sample_id, s.prompt_len, s.output_len, self.now))
+                finishes.append(SampleRecord(s.sample_id, s.prompt_len, s.output_len, now))
                 self.reserved -= s.prompt_len + self.max_gen_len
-                self._context_total -= s.context
+                context_total -= s.prompt_len + s.output_len
                 self._target_total -= s.prompt_len + s.output_len
-        self.result.end_s = self.now
+            self._context_total = context_total
+        result.end_s = self.now
 
     def take_unfinished(self) -> list[_Sample]:
         due = {number: step for step, number in self._due}
@@ -172,6 +199,90 @@ class ContinuousInstance:
         self.running, self.waiting, self._due, self.reserved = {}, [], [], 0
         self._context_total = self._target_total = 0
         return out
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """One instance's continuous batching counted in decode steps: :class:`ContinuousInstance`'s
+    admissions and spans from start to end, without their times (no migration, no stop). What
+    happens depends only on the samples' lengths, the batch limit and the KV capacity, never on how
+    long a step takes, so one schedule serves every layout and model whose instance holds these
+    samples with these limits; :func:`timed_end_s` prices it. Per span, in order:"""
+
+    prefill_tokens: np.ndarray  # tokens prefilled just before it (0: none)
+    batch_sizes: np.ndarray  # samples running in it
+    context_totals: np.ndarray  # their context tokens at its first step
+    num_steps: np.ndarray  # its decode steps
+
+
+def step_schedule(prompt_lens: np.ndarray, output_lens: np.ndarray, max_batch: int, kv_capacity_tokens: int,
+                  max_gen_len: int) -> StepSchedule:
+    """The :class:`StepSchedule` of :class:`ContinuousInstance` run to the end on these samples (in
+    this order) from an empty cache: the same admission rule (slots, then KV reserved for prompt +
+    ``max_gen_len`` tokens), the same spans between batch changes, the same finishes."""
+    prompts, outputs = prompt_lens.tolist(), output_lens.tolist()
+    num_samples, next_sample, number = len(prompts), 0, 0
+    due: list[tuple[int, int, int, int]] = []  # heap of (finish step, admission number, prompt, output)
+    steps = reserved = context_total = 0
+    spans: list[tuple[int, int, int, int]] = []
+    while next_sample < num_samples or due:
+        to_prefill, room = 0, max_batch - len(due)
+        while next_sample < num_samples and room > 0:
+            prompt, output = prompts[next_sample], outputs[next_sample]
+            need = prompt + max_gen_len
+            if reserved + need > kv_capacity_tokens and due:
+                break
+            reserved += need
+            to_prefill += prompt
+            context_total += prompt
+            heapq.heappush(due, (steps + output, number, prompt, output))
+            number += 1
+            next_sample += 1
+            room -= 1
+        batch, num_steps = len(due), due[0][0] - steps
+        spans.append((to_prefill, batch, context_total, num_steps))
+        steps += num_steps
+        context_total += num_steps * batch
+        while due and due[0][0] <= steps:
+            _, _, prompt, output = heapq.heappop(due)
+            reserved -= prompt + max_gen_len
+            context_total -= prompt + output
+    columns = np.array(spans, dtype=np.int64).reshape(-1, 4).T
+    return StepSchedule(*columns)
+
+
+def timed_end_s(schedule: StepSchedule, cm: CostModel, model, tp: int, pp: int, ep: int, start_s: float) -> float:
+    """When an instance of ``tp x pp`` devices (one of ``ep``) that starts at ``start_s`` ends
+    ``schedule``: :class:`ContinuousInstance`'s clock, bit for bit (every prefill and every decode
+    step added in order), with the steps timed in one elementwise pass where the cost model has one
+    (:meth:`CostModel.decode_steps_s`), else one span at a time."""
+    num_steps, batch_sizes = schedule.num_steps, schedule.batch_sizes
+    num_spans = len(num_steps)
+    if num_spans == 0:
+        return start_s
+    prefilled = schedule.prefill_tokens > 0
+    prefill_s: dict[int, float] = {}
+    for tokens in schedule.prefill_tokens[prefilled].tolist():
+        if tokens not in prefill_s:
+            prefill_s[tokens] = cm.prefill_s(model, tokens, tp, pp, ep=ep)
+    # one slot per prefill and per step, in the order the instance's clock adds them
+    slots = num_steps + prefilled
+    first_slot = np.cumsum(slots) - slots
+    durations = np.empty(int(slots.sum()) + 1)
+    durations[0] = start_s
+    is_step = np.ones(len(durations) - 1, dtype=bool)
+    is_step[first_slot[prefilled]] = False
+    durations[1:][~is_step] = [prefill_s[t] for t in schedule.prefill_tokens[prefilled].tolist()]
+    step_batch = np.repeat(batch_sizes, num_steps)
+    first_step = np.cumsum(num_steps) - num_steps
+    step_in_span = np.arange(len(step_batch)) - np.repeat(first_step, num_steps)
+    step_context = np.repeat(schedule.context_totals, num_steps) + step_in_span * step_batch
+    steps_s = cm.decode_steps_s(model, step_batch, step_context, tp, pp, ep) if len(step_batch) else step_batch
+    if steps_s is None:  # no elementwise pass: the spans one by one, as the instance asks for them
+        steps_s = [t for b, c, n in zip(batch_sizes.tolist(), schedule.context_totals.tolist(), num_steps.tolist())
+                   for t in cm.decode_span_s(model, b, c, n, tp, pp, ep)]
+    durations[1:][is_step] = steps_s
+    return float(np.cumsum(durations)[-1])
 
 
 def _rounds(num_samples: int, dp: int, round_size: int) -> list[list[np.ndarray]]:

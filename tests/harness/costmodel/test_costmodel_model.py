@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from harness.core.config import LlamaConfig
 from harness.costmodel import CostModel, ProfileTable, training_state_gb
+from harness.costmodel.llama import ModelDims
 
 from costmodel_testdata import LLAMA, workload
 
@@ -114,6 +115,30 @@ def test_decode_span_is_its_steps_bit_for_bit(testbed, kind, batch, tp, pp, num_
     assert span == steps
     assert cm.decode_span_s(model, batch, batch * 333, num_steps, tp, pp) is span  # memoised
     assert cm.decode_span_s(model, 0, 0, 3, tp, pp) == (0.0, 0.0, 0.0)
+
+
+def test_calibrated_spans_are_their_steps_bit_for_bit_on_random_cases(testbed):
+    """The calibrated model's spans, short (one scalar loop) and long (one elementwise pass), against
+    its steps computed one by one, on random batches, contexts (any total, not a multiple of the
+    batch), widths and span lengths, for multi-head, grouped-query and mixture-of-experts models."""
+    import random
+
+    from harness.costmodel.calibrated import SHORT_SPAN_STEPS
+    from harness.real.model import load_llama_config
+
+    testbed.calibration = "h100"
+    compute = CostModel(testbed, workload()).compute
+    moe = ModelDims.of(load_llama_config("qwen3_30b_a3b"))
+    rng = random.Random(0)
+    for _ in range(300):
+        d = rng.choice([LLAMA["13b"], LLAMA["70b"], moe])
+        batch, tp, pp = rng.randint(1, 300), rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4])
+        ep = rng.choice([1, 2, 4]) if d is moe else 1
+        context = rng.randint(batch, 3000 * batch)
+        num_steps = rng.randint(1, 3 * SHORT_SPAN_STEPS)
+        span = compute.decode_span_s(d, batch, context, num_steps, tp, pp, ep)
+        steps = [compute.decode_step_s(d, batch, context + j * batch, tp, pp, ep) for j in range(num_steps)]
+        assert span == steps, (d.name, batch, context, num_steps, tp, pp, ep)
 
 
 def test_memoised_op_times_equal_fresh_ones(testbed):

@@ -76,6 +76,27 @@ def test_list_order_peak_memory_of_fused_schedules():
         assert list_order_peak_memory(schedule, costs) == simulate(schedule, costs).peak_memory
 
 
+def test_list_order_peak_memory_answers_from_its_memo_only_for_the_same_actions_and_activations():
+    """The memory check's memo (keyed on each rank's actions by identity and the activations) gives
+    the timed pass's peak again for a schedule built again from the same shared actions, and a fresh
+    count for an edited list, for new action objects and for other activations."""
+    pipe = _pipe(4, 6)
+    costs = _uneven_costs([pipe], 0)
+    first = list_order_peak_memory(build("1f1b", [pipe]), costs)
+    again = build("1f1b", [pipe])
+    assert list_order_peak_memory(again, costs) == first == simulate(again, costs).peak_memory
+    edited = build("1f1b", [pipe])
+    edited.order[0] = [a for a in edited.order[0] if not (a.kind == "B" and a.mb == 0)] + \
+                      [a for a in edited.order[0] if a.kind == "B" and a.mb == 0]  # frees micro-batch 0 last
+    assert list_order_peak_memory(edited, costs) == simulate(edited, costs).peak_memory
+    assert list_order_peak_memory(edited, costs)[0] > first[0]
+    copied = Schedule({"A": pipe}, {r: [Action(a.pipe, a.stage, a.kind, a.mb) for a in seq]
+                                    for r, seq in build("1f1b", [pipe]).order.items()})
+    assert list_order_peak_memory(copied, costs) == first
+    doubled = {"A": PipeCosts(costs["A"].fwd, costs["A"].bwd, tuple(2 * a for a in costs["A"].activation))}
+    assert list_order_peak_memory(again, doubled) == simulate(again, doubled).peak_memory != first
+
+
 @pytest.mark.parametrize("p,m", [(1, 1), (3, 5), (8, 16)])
 def test_forward_only(p, m):
     pipe = _pipe(p, m)

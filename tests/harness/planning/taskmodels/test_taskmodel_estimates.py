@@ -85,14 +85,34 @@ def test_training_bound_never_exceeds_the_simulated_time(planned, dp, tp, pp):
         assert 0 < bound <= training_s(ctx, task, stage, w.mini_batch_size, batch) * (1 + 1e-12)
 
 
-def test_memoised_generation_estimates_equal_fresh_ones(planned):
-    """One GenerationEstimates scoring many candidates gives generation_s's numbers bit for bit: on
-    other meshes, other widths, and KV capacities that bind (a few hundred tokens) or not (1-2 GB:
-    the same run, simulated once)."""
+def _simulated_generation_s(ctx, gen, policy, batch, kv_gb, instances):
+    """The latest end of ``instances`` of ``gen`` run alone by the simulator's generation task model."""
+    from harness.core.plan import Allocation, ParallelStrategy, Task
+
+    s, ids = gen.allocation.strategy, np.arange(batch.num_samples)
+    ends = []
+    for k in instances:
+        mine = ids[ids % s.dp == k]
+        sub = Task("gen", "generate", "actor", Allocation(gen.allocation.replica_devices(k), ParallelStrategy(1, s.tp, s.pp)))
+        ends.append(simulate_generation(ctx.cost_model, sub, policy, ctx.model("actor"), batch.prompt_lens[mine],
+                                        batch.output_lens[mine], 0.0, kv_gb, ctx.workload.max_gen_len).end_s)
+    return max(ends)
+
+
+@pytest.mark.parametrize("max_batch_size", [None, 3])
+def test_memoised_generation_estimates_equal_the_simulated_instances(planned, max_batch_size):
+    """One GenerationEstimates scoring many candidates gives the simulator's numbers bit for bit (the
+    latest end of the instances it estimates, each run by the generation task model): on other
+    meshes, other widths, and KV capacities that bind (a few hundred tokens) or not (1-2 GB: the same
+    run, simulated once), with the batch limited or not; and so does generation_s."""
+    from dataclasses import replace
+
     from harness.core.plan import Allocation, ParallelStrategy, Task
     from harness.planning.estimate import GenerationEstimates, generation_s, representative_batch
 
     ctx, plan = planned
+    policy = replace(plan.generation, max_batch_size=max_batch_size)
+    assert policy.batching == "continuous"
     batch = representative_batch(ctx)
     estimates = GenerationEstimates(ctx, batch)
     capacities_gb = (1e-5, 3e-5, 1e-4, 1.0, 2.0)
@@ -100,7 +120,8 @@ def test_memoised_generation_estimates_equal_fresh_ones(planned):
         for mesh in (tuple(range(8)), tuple(range(7, -1, -1))):
             gen = Task("gen", "generate", "actor", Allocation(mesh, ParallelStrategy(dp, tp, pp)))
             for kv_gb in capacities_gb:
-                assert estimates(gen, plan.generation, kv_gb) == generation_s(ctx, gen, plan.generation, batch, kv_gb)
+                simulated = _simulated_generation_s(ctx, gen, policy, batch, kv_gb, estimates.slowest_instances(dp))
+                assert estimates(gen, policy, kv_gb) == simulated == generation_s(ctx, gen, policy, batch, kv_gb)
     # ample capacities and the second mesh reuse the first mesh's runs: at most the three binding
     # capacities plus one ample one per instance of each layout
     instances = sum(len(estimates.slowest_instances(dp)) for dp in (8, 4, 2))

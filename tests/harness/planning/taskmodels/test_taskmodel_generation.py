@@ -93,3 +93,55 @@ def test_padding_and_sync_need_static_rounds():
 
     with pytest.raises(PlanError, match="static"):
         GenerationPolicy("continuous", pad_to_longest=True)
+
+
+def _one_instance_end_s(cm, model, prompts, outputs, max_batch, kv_tokens, max_gen_len, tp, pp, ep):
+    """The end of one continuous-batching instance as the simulator runs it (ContinuousInstance)."""
+    from harness.planning.taskmodels.generation import ContinuousInstance, _Sample
+
+    inst = ContinuousInstance(cm, model, tuple(range(tp * pp)), tp, pp, 0.5, max_batch, kv_tokens, max_gen_len, [],
+                              "gen", ep)
+    inst.waiting = [_Sample(i, int(p), int(o)) for i, (p, o) in enumerate(zip(prompts, outputs))]
+    inst.run()
+    return inst.result.end_s
+
+
+@pytest.mark.parametrize("kind", ["calibrated", "engines", "roofline", "profile", "moe"])
+def test_a_step_schedule_timed_ends_where_the_instance_does(setup, kind):
+    """A continuous-batching instance's step schedule (admissions and spans counted in steps), timed
+    for a layout, ends where the instance run on the same samples does, bit for bit: on random
+    lengths, batch limits and KV capacities that bind or not; timed in one elementwise pass (the
+    calibrated model, with or without engines) or span by span (a profile table, the roofline)."""
+    from harness.planning.taskmodels.generation import step_schedule, timed_end_s
+    from harness.testing import context, plan_for
+
+    ep = 1
+    if kind == "profile":
+        cm, model = setup
+    elif kind == "engines":
+        plan, ctx, _ = plan_for(["+system=deepspeed_chat", "model=7b", "cluster=a800_8x", "cluster.num_nodes=1",
+                                 "workload.global_batch_size=64", "workload.mini_batch_size=64", "logger=none"])
+        cm, model = ctx.cost_model.with_engines(plan.engines), ctx.models.actor
+        assert plan.engines.generation.kernels != "graph"
+    else:
+        cluster = ["cluster=rlhfuse_testbed"] + (["cluster.cost_model=roofline"] if kind == "roofline" else [])
+        ctx = context(["+system=rlhfuse_base", "model=qwen3_30b_a3b" if kind == "moe" else "model=13b", *cluster,
+                       "logger=none"])
+        cm, model = ctx.cost_model, ctx.models.actor
+        ep = 2 if kind == "moe" else 1
+    if kind in ("calibrated", "engines", "moe"):
+        assert cm.decode_steps_s(model, np.array([3]), np.array([300]), 1, 1, ep) is not None
+    else:
+        assert cm.decode_steps_s(model, np.array([3]), np.array([300]), 1, 1, ep) is None
+    rng = np.random.default_rng(1)
+    for case in range(12):
+        n, max_gen_len = int(rng.integers(1, 60)), int(rng.integers(8, 400))
+        prompts = rng.integers(1, 200, size=n)
+        outputs = rng.integers(1, max_gen_len + 1, size=n)
+        max_batch = int(rng.choice([1, 4, 16, n]))
+        kv_tokens = int(rng.choice([300, 2000, 1 << 40]))  # binding, mid, ample
+        tp, pp = (1, 1) if kind == "profile" else (int(rng.choice([1, 2, 4])), int(rng.choice([1, 2])))
+        schedule = step_schedule(prompts, outputs, max_batch, kv_tokens, max_gen_len)
+        expected = _one_instance_end_s(cm, model, prompts, outputs, max_batch, kv_tokens, max_gen_len, tp, pp, ep)
+        assert timed_end_s(schedule, cm, model, tp, pp, ep, 0.5) == expected, case
+        assert int(schedule.num_steps.sum()) >= outputs.max()  # the longest sample decodes to its end
