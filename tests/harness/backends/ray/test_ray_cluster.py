@@ -51,11 +51,12 @@ def _ray_cli() -> str:
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop one ``ray start --block`` and everything in its process group (GCS, raylet, workers):
-    SIGINT (Ctrl-C in the terminal that runs it, which it answers by stopping its processes within
-    a second or two; it ignores SIGTERM to the group), a grace period, then SIGKILL to the group."""
+    SIGINT (Ctrl-C in the terminal that runs it, which it answers by stopping its processes, in a
+    second or two on an idle machine; SIGTERM to the group took 10 s), 3 s of grace, then SIGKILL to
+    the group (a throw-away cluster: nothing checks that it stops cleanly)."""
     try:
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=10)
+        proc.wait(timeout=3)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     try:

@@ -183,7 +183,7 @@ def test_cpu_worker_uses_gloo_without_cuda(monkeypatch):
 GLOO_WORLD = 3
 GLOO_SETS = [(0, 1), (0, 2), (1, 2), (0, 1, 2)]
 SCRIPT = r"""
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 from harness.real.parallel import comm
@@ -222,7 +222,12 @@ if rank in (0, 2):
     real_all_reduce(t, group=group)
     log.append(["sum02", float(t)])
 worker.shutdown()
-print("LOG " + json.dumps({"log": log, "got": {str(k): v.tolist() for k, v in got.items()}}))
+print("LOG " + json.dumps({"log": log, "got": {str(k): v.tolist() for k, v in got.items()}}), flush=True)
+# leave without the interpreter's teardown: what this test checks ends with the log line, and a rank that
+# tears down while the rank hosting the store exits can abort there ("terminate called without an active
+# exception", seen once in a CI run on the loaded 2-core machine, not in 45 runs alone); the Ray runs' clean shutdown is checked by
+# test_ray_backend.py, whose workers stay up until the driver has every shutdown reply
+os._exit(0)
 """
 
 
