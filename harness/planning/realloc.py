@@ -15,6 +15,7 @@ its own node, else over the inter-node NIC.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from harness.core.plan import Allocation
 
@@ -35,14 +36,24 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
+@lru_cache(maxsize=1024)
 def _coords(alloc: Allocation) -> dict[int, tuple[int, int, int]]:
+    """Device -> (dp, pp, tp) rank in ``alloc``, in mesh order (:meth:`Allocation.device`'s indexing).
+    Memoised (a layout search prices movements between the same allocations again and again): read
+    it, do not change it."""
     s = alloc.strategy
-    out = {}
-    for k in range(s.dp):
-        for p in range(s.pp):
-            for t in range(s.tp):
-                out[alloc.device(k, p, t)] = (k, p, t)
-    return out
+    return {dev: (i // (s.pp * s.tp), (i // s.tp) % s.pp, i % s.tp) for i, dev in enumerate(alloc.mesh)}
+
+
+@lru_cache(maxsize=1024)
+def _holders_by_node(source: Allocation, gpus_per_node: int) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Distinct (stage, tp-slice) pieces ``source`` holds on each node, in the order a set of them
+    built in mesh order iterates (memoised): nodes holding the same pieces in the same order get
+    equal tuples, whose covered areas are the same sum."""
+    holders: dict[int, set[tuple[int, int]]] = {}
+    for dev, (_, p, t) in _coords(source).items():
+        holders.setdefault(dev // gpus_per_node, set()).add((p, t))
+    return {node: tuple(pieces) for node, pieces in holders.items()}
 
 
 def _piece(alloc: Allocation, num_layers: int, coord: tuple[int, int, int]):
@@ -59,11 +70,10 @@ def reallocation_transfers(source: Allocation, target: Allocation, num_layers: i
     src_shard = 1.0 / source.strategy.dp if source.strategy.zero_stage == 3 else 1.0
     # Distinct (stage, tp-slice) pieces held on each node: pieces of one replica tile the model
     # disjointly, so de-duplicating across dp replicas makes the covered area exact.
-    holders_by_node: dict[int, set[tuple[int, int]]] = {}
-    for dev, (_, p, t) in src_coords.items():
-        holders_by_node.setdefault(dev // gpus_per_node, set()).add((p, t))
+    holders_by_node = _holders_by_node(source, gpus_per_node)
     source_nodes = {d // gpus_per_node for d in source.mesh}
-    covered_by: dict[tuple[int, int, int], float] = {}  # (node, stage, tp slice) of the target -> covered
+    # (the node's source pieces, stage, tp slice) of the target -> covered: nodes with the same pieces share it
+    covered_by: dict[tuple, float] = {}
     transfers = []
     for dev, coord in _coords(target).items():
         layers, cols = _piece(target, num_layers, coord)
@@ -76,11 +86,11 @@ def reallocation_transfers(source: Allocation, target: Allocation, num_layers: i
         if source.strategy.zero_stage == 3:  # each piece is spread over every dp rank of the source
             intra = source_nodes == {node}
         else:
-            key = (node, coord[1], coord[2])  # every dp replica on a node needs the same piece
+            holders = holders_by_node.get(node, ())
+            key = (holders, coord[1], coord[2])  # every dp replica on a node needs the same piece
             if key not in covered_by:
                 covered_by[key] = sum(_overlap(layers, l) * _overlap(cols, c)
-                                      for l, c in (_piece(source, num_layers, (0, p, t))
-                                                   for p, t in holders_by_node.get(node, ())))
+                                      for l, c in (_piece(source, num_layers, (0, p, t)) for p, t in holders))
             intra = covered_by[key] >= need - 1e-9
         transfers.append(DeviceTransfer(dev, max(0.0, need - held) * layer_bytes, intra))
     return transfers

@@ -111,6 +111,14 @@ class _Structure:
         # per action: does each dependency cross ranks (and so pay the pipe's p2p latency)?
         self.cross_a = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_a, self.home)]
         self.cross_b = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_b, self.home)]
+        self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def dep_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``dep_a`` and ``dep_b`` as int64 arrays, made once for every model of these pipes."""
+        if self._dep_arrays is None:
+            self._dep_arrays = (np.asarray(self.dep_a, dtype=np.int64), np.asarray(self.dep_b, dtype=np.int64))
+        return self._dep_arrays
 
     @property
     def actions(self) -> list[Action]:
@@ -212,7 +220,7 @@ class SimModel:
         """The per-action lists as NumPy arrays for :func:`~harness.schedule.kernel.list_schedule`
         (made on first use: callers that only read the lists never pay for them)."""
         if self._np is None:
-            self._np = (np.asarray(self.dep_a, dtype=np.int64), np.asarray(self.dep_b, dtype=np.int64),
+            self._np = (*self._structure.dep_arrays,
                         np.asarray(self.lat_a, dtype=np.float64), np.asarray(self.lat_b, dtype=np.float64),
                         np.asarray(self.dur, dtype=np.float64), np.asarray(self.mem_delta, dtype=np.float64))
         return self._np
