@@ -69,6 +69,18 @@ class LlamaConfig:
     moe_ffn_hidden_size: Optional[int] = None  # width of one expert's MLP; required with num_experts > 0
     num_shared_experts: int = 0
     num_dense_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2, Liu et al. 2024, arXiv 2405.04434 section 2.1; DeepSeek-V3,
+    # arXiv 2412.19437 section 2.1.1); defaults: standard multi-head / grouped-query attention. Keys and
+    # values are up-projected from one kv_lora_rank-wide latent per token, which with the
+    # qk_rope_head_dim-wide rotary key is all the KV cache holds (shared by every head, so each tensor-
+    # parallel rank keeps all of it); queries come through a q_lora_rank-wide latent (0: projected from the
+    # hidden state directly). Each head's query and key are head_dim (DeepSeek's qk_nope_head_dim) +
+    # qk_rope_head_dim wide, its value v_head_dim (None: head_dim). Hugging Face config.json names.
+    # backend=ray builds standard attention only and refuses kv_lora_rank > 0.
+    kv_lora_rank: int = 0  # 0: standard attention
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
         kinds = ("swiglu", "gelu")  # == harness.costmodel.llama.MLP_KINDS (no import: layering)
@@ -77,7 +89,7 @@ class LlamaConfig:
 
             raise ConfigError(f"model {self.name}: mlp={self.mlp!r} is not one of {', '.join(kinds)} "
                               f"(swiglu: LLaMA's gate/up/down; gelu: OPT/GPT's up/down)")
-        problem = moe_config_problem(self)
+        problem = moe_config_problem(self) or mla_config_problem(self)
         if problem:
             from harness.errors import ConfigError
 
@@ -113,6 +125,33 @@ def moe_config_problem(cfg: Any) -> Optional[str]:
         return f"num_experts={experts} needs moe_ffn_hidden_size (the width of one expert's MLP) >= 1"
     if isinstance(layers, int) and not isinstance(layers, bool) and dense > layers:
         return f"num_dense_layers={dense} exceeds num_layers={layers}"
+    return None
+
+
+def mla_config_problem(cfg: Any) -> Optional[str]:
+    """What is wrong with the multi-head latent attention fields of ``cfg`` (a :class:`LlamaConfig`
+    or any object with its fields), or None. Standard attention (``kv_lora_rank = 0``) must leave the
+    other latent-attention fields unset; latent attention needs an explicit ``head_dim`` (the
+    per-head query/key width without rotary, DeepSeek's qk_nope_head_dim). Shared by
+    :class:`LlamaConfig` and :func:`harness.costmodel.llama.ModelDims.of`."""
+    def value(name: str, default: Any = 0) -> Any:
+        got = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+        return default if got is None else got
+
+    kv_rank, q_rank, rope, v = (value(n) for n in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim"))
+    for name, v_ in (("kv_lora_rank", kv_rank), ("q_lora_rank", q_rank), ("qk_rope_head_dim", rope), ("v_head_dim", v)):
+        if not isinstance(v_, int) or isinstance(v_, bool) or v_ < 0:
+            return f"{name}={v_!r} must be an integer >= 0"
+    if kv_rank == 0:
+        set_fields = [f"{n}={v_}" for n, v_ in (("q_lora_rank", q_rank), ("qk_rope_head_dim", rope),
+                                                ("v_head_dim", v)) if v_]
+        if set_fields:
+            return (f"{', '.join(set_fields)} describe multi-head latent attention, but kv_lora_rank=0 "
+                    f"(standard attention); set kv_lora_rank or leave them unset")
+        return None
+    if not (value("head_dim") or value("head_size")):
+        return (f"kv_lora_rank={kv_rank} (multi-head latent attention) needs head_dim, the per-head query/key "
+                f"width without its rotary part (DeepSeek's qk_nope_head_dim)")
     return None
 
 

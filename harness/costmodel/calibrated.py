@@ -302,10 +302,19 @@ class CalibratedCompute:
         gemm_shapes = {"attn_pre_proj": (h, q / tp + 2.0 * kv), "attn_post_proj": (q / tp, h),
                        "mlp_up_proj": (h, up * f / tp), "mlp_down_proj": (f / tp, h)}
         terms = []
+        mla = _mla_ops(d, tp) if d.is_mla else {}
         for op in ops:
             if op == "attn_rope" and d.learned_positions:
                 continue
             law = self.cal.law(OP_CLASS[op], tp)
+            if op in mla:  # latent attention's projections (several GEMMs) and rotary part
+                for k, n, width in mla[op]:
+                    if k is None:
+                        terms.append((None, None, None, width, law.f0 + law.f_w * width, law.c0, law.c_flop,
+                                      law.c_byte))
+                    else:
+                        terms.append((k, n, k * n, None, law.f0 + law.f_w * width, law.c0, law.c_flop, law.c_byte))
+                continue
             _, _, width = _op_work(op, dims, tp, 0.0)
             floor = law.f0 + law.f_w * width
             if op in gemm_shapes:
@@ -377,15 +386,16 @@ class CalibratedCompute:
         return total
 
     def attention_s(self, d: ModelDims, tp: int, num_tokens: float, context_len: float,
-                    kv_tokens_read: float) -> float:
+                    kv_tokens_read: float, decode: bool = False) -> float:
         """Attention core of one layer: ``num_tokens`` queries over ``context_len`` keys each,
-        ``kv_tokens_read`` KV entries streamed from HBM (the whole cache in decode)."""
+        ``kv_tokens_read`` KV entries streamed from HBM (the whole cache in decode); a decode step's
+        (``decode``) FLOPs by :attr:`ModelDims.decode_attention_width`."""
         if num_tokens <= 0:
             return 0.0
-        flops = 4.0 * d.q_dim * context_len * num_tokens / tp
-        kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
+        width = d.decode_attention_width if decode else d.attention_width
+        flops = 4.0 * width * context_len * num_tokens / tp
         q_out = 2.0 * num_tokens * d.q_dim / tp  # read Q, write O
-        nbytes = (2.0 * kv_local * kv_tokens_read + q_out) * BF16_BYTES
+        nbytes = (float(d.kv_cache_width(tp)) * kv_tokens_read + q_out) * BF16_BYTES
         floor = self.cal.law("add", tp).f0
         return max(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte) + floor
 
@@ -498,10 +508,9 @@ class CalibratedCompute:
         attention core (:meth:`attention_s`'s operations in the same order, elementwise), then the
         sum of :meth:`decode_step_gpu_s`, so a step equals its scalar timing bit for bit."""
         num_mbs, mb, linear, head, comm, hops = parts
-        flops = 4.0 * d.q_dim * (context_totals / batch_sizes) * mb / tp
-        kv_local = max(1, d.num_kv_heads // tp) * d.head_dim
+        flops = 4.0 * d.decode_attention_width * (context_totals / batch_sizes) * mb / tp
         q_out = 2.0 * mb * d.q_dim / tp
-        nbytes = (2.0 * kv_local * (context_totals / num_mbs) + q_out) * BF16_BYTES
+        nbytes = (float(d.kv_cache_width(tp)) * (context_totals / num_mbs) + q_out) * BF16_BYTES
         attention = np.maximum(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte)
         attention += self.cal.law("add", tp).f0
         time_s = d.num_layers * (linear + attention) + head
@@ -518,7 +527,8 @@ class CalibratedCompute:
         # one step by the rule of _steps_gpu_s, the scalar ops; the parts that do not depend on
         # the context are the batch's (memoised: the generation task model asks for 1e5 steps a plan)
         num_mbs, mb, linear, head, comm, hops = self._decode_step_parts(d, batch_size, tp, pp, ep)
-        attention = self.attention_s(d, tp, mb, context_tokens_total / batch_size, context_tokens_total / num_mbs)
+        attention = self.attention_s(d, tp, mb, context_tokens_total / batch_size, context_tokens_total / num_mbs,
+                                     decode=True)
         time_s = d.num_layers * (linear + attention) + head
         time_s += comm
         if pp > 1:
@@ -555,8 +565,8 @@ class CalibratedCompute:
         steps long, and it times ~1e5 of them a plan."""
         num_mbs, mb, linear, head, comm, hops = self._decode_step_parts(d, batch_size, tp, pp, ep)
         layers, overhead_s = d.num_layers, self.graph_step_overhead_s
-        flops_per_query_key = 4.0 * d.q_dim  # attention_s: 4.0 * q_dim * context_len * num_tokens / tp
-        kv_bytes_factor = 2.0 * (max(1, d.num_kv_heads // tp) * d.head_dim)
+        flops_per_query_key = 4.0 * d.decode_attention_width  # 4.0 * width * context_len * num_tokens / tp
+        kv_bytes_factor = float(d.kv_cache_width(tp))
         q_out = 2.0 * mb * d.q_dim / tp
         flops_rate, s_per_byte = self.flops_per_s_attention, self.stream_s_per_byte
         floor = self.cal.law("add", tp).f0
@@ -635,6 +645,27 @@ def _vidur_dims(d: ModelDims) -> tuple[float, float, float, float, float, float]
     (gate and up) for SwiGLU, Vidur's ``use_gated_mlp``; 1 for a GeLU MLP."""
     return (float(d.hidden_size), float(d.ffn_hidden_size), float(d.num_heads),
             float(d.num_kv_heads), 2.0 if d.gated_mlp else 1.0, float(d.head_dim))
+
+
+def _mla_ops(d: ModelDims, tp: int) -> dict[str, list[tuple[Optional[float], Optional[float], float]]]:
+    """Latent attention's ops in place of Vidur's (``(k, n, width)`` per GEMM of ``(m x k)`` by ``(k x
+    n)``, ``(None, None, bytes per token)`` for the rotary op) on one of ``tp`` ranks, as vLLM's
+    DeepSeek-V2/V3 attention shards them: the down-projections to the query latent (``h x
+    q_lora_rank``) and to the KV latent with the rotary key (``h x (kv_lora_rank + qk_rope_head_dim)``)
+    replicated on every rank, the up-projections of queries (``q_lora_rank x q_dim``) and of keys and
+    values (``kv_lora_rank x heads (head_dim + v_head_dim)``) split by heads, the output projection by
+    rows. A decode step, which runs with the key and value up-projections absorbed into the query and
+    output (:attr:`ModelDims.decode_attention_width`), is priced with the same GEMMs per token."""
+    b = BF16_BYTES
+    h, heads = float(d.hidden_size), float(d.num_heads)
+    q_dim, v_dim = float(d.q_dim), heads * float(d.v_head_dim or d.head_dim)
+    kv_rank, rope = float(d.kv_lora_rank), float(d.qk_rope_head_dim)
+    query = [(h, float(d.q_lora_rank)), (float(d.q_lora_rank), q_dim / tp)] if d.q_lora_rank else [(h, q_dim / tp)]
+    pre = query + [(h, kv_rank + rope), (kv_rank, heads * float(d.head_dim) / tp + v_dim / tp)]
+    rotary = 2.0 * (heads * rope / tp + rope)  # read and write the queries' and the key's rotary parts
+    return {"attn_pre_proj": [(k, n, b * (k * n + k + n)) for k, n in pre],
+            "attn_post_proj": [(v_dim / tp, h, b * (v_dim / tp * h + v_dim / tp + h))],
+            "attn_rope": [(None, None, b * rotary)]}
 
 
 def _op_work(op: str, dims: tuple[float, float, float, float, float, float], tp: int,

@@ -58,6 +58,7 @@ from harness.costmodel.llama import (
     kv_bytes_per_token,
     local_experts_streamed,
     moe_dispatch_bytes,
+    norm_params_per_layer,
     params_per_layer,
     routed_expert_params_per_layer,
     streamed_matmul_params_per_layer,
@@ -222,7 +223,7 @@ class Roofline:
         elif recompute == "selective":
             d = ModelDims.of(model)
             layers = d.num_layers if num_layers is None else num_layers
-            core_flops = 4.0 * d.q_dim * context_len * num_tokens * layers / tp
+            core_flops = 4.0 * d.attention_width * context_len * num_tokens * layers / tp
             time_s += core_flops / self.flops_per_s
         elif recompute != "none":
             raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
@@ -252,10 +253,10 @@ class Roofline:
         mb_tokens = batch_tokens / num_mbs
         if d.is_moe:  # the routed experts this device holds and the micro-batch's tokens use
             local = local_experts_streamed(d, mb_tokens, ep, decode)
-            layer = streamed_matmul_params_per_layer(d, local) + 2 * d.hidden_size
+            layer = streamed_matmul_params_per_layer(d, local) + norm_params_per_layer(d)
             weights = d.num_layers * layer + d.hidden_size + head_params(d)
         weight_bytes = weights * BF16_BYTES / tp
-        kv_bytes = kv_bytes_per_token(d) * kv_tokens / (min(tp, d.num_kv_heads) * num_mbs)
+        kv_bytes = kv_bytes_per_token(d) * kv_tokens / (min(tp, d.kv_cache_heads) * num_mbs)
         activations = activation_io_elems_per_token_layer(d) * batch_tokens * d.num_layers
         num_bytes = weight_bytes + kv_bytes + activations * BF16_BYTES / per_mb
         mb_bytes = batch_tokens / num_mbs * d.hidden_size * BF16_BYTES

@@ -88,7 +88,7 @@ class EngineCosts:
             return 0.0
         d = ModelDims.of(model)
         num_mbs = min(pp, batch_size) if np.isscalar(batch_size) else np.minimum(pp, batch_size)
-        per_device = kv_bytes_per_token(d) * context_tokens_total / (min(tp, d.num_kv_heads) * num_mbs)
+        per_device = kv_bytes_per_token(d) * context_tokens_total / (min(tp, d.kv_cache_heads) * num_mbs)
         return extra_passes * per_device * self._stream_s_per_byte
 
     def decode_step_s(self, model: Any, batch_size: int, context_tokens_total: float, tp: int = 1,

@@ -61,6 +61,17 @@ per-layer`` and a pipeline stage's ``layers x per-layer`` keep their meaning; a 
 differs by where its layers sit. Dense models are unchanged: every function returns what it returned
 before for ``num_experts = 0``.
 
+Multi-head latent attention (``kv_lora_rank > 0``; DeepSeek-AI 2024, "DeepSeek-V2", arXiv 2405.04434,
+section 2.1; DeepSeek-V3, arXiv 2412.19437, section 2.1.1). Each token's keys and values are
+up-projected from one ``kv_lora_rank``-wide latent, which the KV cache holds with a
+``qk_rope_head_dim``-wide rotary key shared by the heads; queries pass through a
+``q_lora_rank``-wide latent. Each head's query and key are ``head_dim`` (DeepSeek's
+``qk_nope_head_dim``) + ``qk_rope_head_dim`` wide, its value ``v_head_dim``. Parameters follow from
+the projections (:func:`_attention_params`); the cache from the latent
+(:meth:`ModelDims.kv_cache_width`, on every tensor-parallel rank); attention FLOPs from the
+up-projected widths in prefill and training (:attr:`ModelDims.attention_width`) and from the latent
+in a decode step, whose up-projections are absorbed (:attr:`ModelDims.decode_attention_width`).
+
 Hot paths (the generation simulator calls the cost model ~1e5 times per iteration) must not
 re-read configs: :meth:`ModelDims.of` turns any config into a small frozen, hashable record,
 and the derived counts are memoised per record with :func:`functools.lru_cache`.
@@ -74,7 +85,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from harness.core.config import moe_config_problem
+from harness.core.config import mla_config_problem, moe_config_problem
 
 # Bytes per element of the bf16/fp16 tensors we store weights, activations and KV in.
 BF16_BYTES = 2
@@ -107,6 +118,11 @@ class ModelDims:
     moe_ffn_hidden_size: int = 0  # one expert's MLP width (LlamaConfig: None = 0)
     num_shared_experts: int = 0  # always-active experts of the same width
     num_dense_layers: int = 0  # leading layers with a dense MLP of ffn_hidden_size
+    # multi-head latent attention (module docstring; LlamaConfig's fields of the same names); 0: standard
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0  # 0: head_dim
 
     @property
     def num_moe_layers(self) -> int:
@@ -128,15 +144,56 @@ class ModelDims:
         return self.head_size or self.hidden_size // self.num_heads
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank > 0``, module docstring)."""
+        return self.kv_lora_rank > 0
+
+    @property
     def q_dim(self) -> int:
-        """Width of the Q projection (and the input of the output projection): ``num_heads * head_dim``,
-        ``hidden_size`` unless the model sets its own head width."""
-        return self.num_heads * self.head_dim
+        """Width of the Q projection: ``num_heads * head_dim``, ``hidden_size`` unless the model sets
+        its own head width; with latent attention each head's query also carries its rotary part."""
+        return self.num_heads * (self.head_dim + self.qk_rope_head_dim)
 
     @property
     def kv_dim(self) -> int:
-        """Width of the K (and of the V) projection: ``num_kv_heads * head_dim``."""
+        """Width of the K (and of the V) projection: ``num_kv_heads * head_dim``; with latent
+        attention, the mean of the up-projected keys' and values' widths (all heads)."""
+        if self.is_mla:
+            return self.num_heads * (self.head_dim + self.qk_rope_head_dim + (self.v_head_dim or self.head_dim)) / 2
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_width(self) -> float:
+        """The attention core's FLOPs per (query, key) pair are ``4 x`` this: ``q_dim`` (scores and
+        the weighted sum, ``2 x q_dim`` each); with latent attention computed on up-projected keys
+        and values (prefill, training), ``heads x (qk width + v width) / 2``."""
+        if self.is_mla:
+            return self.num_heads * (self.head_dim + self.qk_rope_head_dim + (self.v_head_dim or self.head_dim)) / 2
+        return self.q_dim
+
+    @property
+    def decode_attention_width(self) -> float:
+        """:attr:`attention_width` of a decode step. With latent attention, decode runs on the
+        cached latents with the up-projections absorbed into the query and output (DeepSeek-V2
+        section 2.1.2, as vLLM's and SGLang's MLA kernels do): scores over ``kv_lora_rank +
+        qk_rope_head_dim`` and the weighted sum over ``kv_lora_rank`` per head."""
+        if self.is_mla:
+            return self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim) / 2
+        return self.q_dim
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """How many ways tensor parallelism can shard the KV cache (its KV heads; replicated beyond):
+        ``num_kv_heads``; 1 with latent attention, whose one latent per token every head reads."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    def kv_cache_width(self, tp: int = 1) -> int:
+        """Elements one token's KV cache holds per layer on one of ``tp`` ranks: K and V of its
+        ``max(1, num_kv_heads // tp)`` KV heads; with latent attention, the ``kv_lora_rank`` latent
+        and the ``qk_rope_head_dim`` rotary key, on every rank."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
 
     @staticmethod
     def of(cfg: Any) -> "ModelDims":
@@ -179,7 +236,7 @@ def _dims_from(cfg: Any) -> ModelDims:
         if f.name == "head_size":  # a config's head_dim (None or absent: derived from the width)
             values[f.name] = int(get("head_dim", None) or get("head_size", 0) or 0)
             continue
-        if f.name == "moe_ffn_hidden_size":  # None or absent: unset (a dense model)
+        if f.name in ("moe_ffn_hidden_size", "v_head_dim"):  # None or absent: unset (dense; the head width)
             values[f.name] = int(get(f.name, None) or 0)
             continue
         value = get(f.name, f.default)
@@ -195,7 +252,7 @@ def _dims_from(cfg: Any) -> ModelDims:
             f"model {dims.name!r}: hidden_size {dims.hidden_size} must divide into "
             f"{dims.num_heads} heads (or head_dim be set), and heads into {dims.num_kv_heads} kv heads"
         )
-    problem = moe_config_problem(dims)
+    problem = moe_config_problem(dims) or mla_config_problem(dims)
     if problem:
         raise ValueError(f"model {dims.name!r}: {problem}")
     return dims
@@ -207,9 +264,23 @@ def _dims_from(cfg: Any) -> ModelDims:
 
 
 def _attention_params(d: ModelDims) -> int:
-    """W_q: h x q_dim, W_o: q_dim x h; W_k, W_v: h x kv_dim."""
+    """W_q: h x q_dim, W_o: q_dim x h; W_k, W_v: h x kv_dim. Latent attention (DeepSeek-V2 section
+    2.1.2): W_DQ (h x q_lora_rank) and W_UQ (q_lora_rank x q_dim), or W_Q (h x q_dim) without a query
+    latent; W_DKV with the rotary key (h x (kv_lora_rank + qk_rope_head_dim)); W_UK and W_UV
+    (kv_lora_rank x heads x (head_dim + v_head_dim)); W_O (heads x v_head_dim x h)."""
     h = d.hidden_size
+    if d.is_mla:
+        query = d.q_lora_rank * (h + d.q_dim) if d.q_lora_rank else h * d.q_dim
+        v_dim = d.num_heads * (d.v_head_dim or d.head_dim)
+        return (query + h * (d.kv_lora_rank + d.qk_rope_head_dim)
+                + d.kv_lora_rank * (d.num_heads * d.head_dim + v_dim) + v_dim * h)
     return 2 * h * d.q_dim + 2 * h * d.kv_dim
+
+
+def norm_params_per_layer(d: ModelDims) -> int:
+    """Norm weight vectors of one layer: before attention and before the MLP (``h`` each), and with
+    latent attention those of the query and KV latents."""
+    return 2 * d.hidden_size + (d.q_lora_rank + d.kv_lora_rank if d.is_mla else 0)
 
 
 def _dense_layer_matmul_params(d: ModelDims) -> int:
@@ -288,7 +359,7 @@ def params_per_layer(m: Any) -> float:
     layer; averaged over the layers when some are dense, module docstring) and two norm weight
     vectors (biases of OPT/GPT LayerNorms and linears not counted; see the module docstring)."""
     d = ModelDims.of(m)
-    return _matmul_params_per_layer(d) + 2 * d.hidden_size
+    return _matmul_params_per_layer(d) + norm_params_per_layer(d)
 
 
 def expected_experts_touched(num_experts: int, experts_per_token: int, num_tokens: float) -> float:
@@ -347,7 +418,7 @@ def _num_params(d: ModelDims) -> int:
 def _layers_params(d: ModelDims, routed_experts: int) -> int:
     """Weights of all decoder layers of a MoE model, each MoE layer with ``routed_experts`` routed
     experts (integer arithmetic)."""
-    norms = 2 * d.hidden_size
+    norms = norm_params_per_layer(d)
     dense_layer = _dense_layer_matmul_params(d) + norms
     moe_layer = (_attention_params(d) + router_params(d)
                  + (d.num_shared_experts + routed_experts) * expert_params(d) + norms)
@@ -390,7 +461,7 @@ def forward_flops(
     lookups (tokens, learned positions) cost no FLOPs."""
     d = ModelDims.of(m)
     layers = d.num_layers if num_layers is None else num_layers
-    per_token_layer = 2.0 * _active_matmul_params_per_layer(d) + 4.0 * d.q_dim * context_len
+    per_token_layer = 2.0 * _active_matmul_params_per_layer(d) + 4.0 * d.attention_width * context_len
     flops = per_token_layer * num_tokens * layers
     if include_head:
         flops += 2.0 * head_params(d) * num_tokens
@@ -398,9 +469,10 @@ def forward_flops(
 
 
 def kv_bytes_per_token(m: Any, dtype_bytes: int = BF16_BYTES) -> int:
-    """KV-cache bytes one token occupies over all layers: K and V of ``kv_dim`` each."""
+    """KV-cache bytes one token occupies over all layers: K and V of ``kv_dim`` each; with latent
+    attention its latent and rotary key (:meth:`ModelDims.kv_cache_width`)."""
     d = ModelDims.of(m)
-    return 2 * d.num_layers * d.kv_dim * dtype_bytes
+    return d.num_layers * d.kv_cache_width() * dtype_bytes
 
 
 @lru_cache(maxsize=None)

@@ -218,6 +218,6 @@ def activation_gb(
 def kv_cache_gb(model: Any, num_tokens: float, tp: int = 1, pp: int = 1) -> float:
     """KV cache of ``num_tokens`` cached tokens on one device of a tp x pp instance. Layers
     split over pp; KV heads over at most ``num_kv_heads`` tp ranks (replicated beyond, as
-    inference engines do for grouped-query attention)."""
+    inference engines do for grouped-query attention); a latent-attention cache on every rank."""
     d = ModelDims.of(model)
-    return kv_bytes_per_token(d) * num_tokens / (min(tp, d.num_kv_heads) * pp) / GB
+    return kv_bytes_per_token(d) * num_tokens / (min(tp, d.kv_cache_heads) * pp) / GB

@@ -127,6 +127,9 @@ def local_dims(llama_cfg, tp: int = 1) -> dict[str, int]:
     if getattr(llama_cfg, "num_experts", 0):  # Vidur's ops are a dense layer's: no router, no experts
         raise ValueError(f"num_experts={llama_cfg.num_experts}: profiles of mixture-of-experts layers are not "
                          f"supported (the profile table's ops are those of a dense decoder layer)")
+    if getattr(llama_cfg, "kv_lora_rank", 0):  # and of standard attention: fused QKV, one output projection
+        raise ValueError(f"kv_lora_rank={llama_cfg.kv_lora_rank}: profiles of latent attention are not supported "
+                         f"(the profile table's ops are those of standard multi-head attention)")
     if h % heads:
         raise ValueError(f"hidden_size={h} is not divisible by num_heads={heads}")
     head_dim = h // heads

@@ -15,7 +15,7 @@ Running the stages of :meth:`LlamaModel.split` in sequence equals :meth:`LlamaMo
 
 Only the LLaMA architecture is built: a config asking for another one (``LlamaConfig.mlp="gelu"``,
 ``tied_embeddings``, ``learned_positions``: the OPT and GPT configs the simulator also costs;
-``num_experts`` > 0: the mixture-of-experts configs) is refused with a ConfigError naming the field
+``num_experts`` > 0: the mixture-of-experts configs; ``kv_lora_rank`` > 0: latent attention) is refused with a ConfigError naming the field
 (:func:`check_architecture`, called by :meth:`ModelArgs.from_llama_config`), before any module is built.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from harness.core.config import LlamaConfig
 from harness.errors import ConfigError
 
 # LlamaConfig architecture fields and the only value this module builds (LLaMA's: dense).
-LLAMA_ARCHITECTURE = {"mlp": "swiglu", "tied_embeddings": False, "learned_positions": False, "num_experts": 0}
+LLAMA_ARCHITECTURE = {"mlp": "swiglu", "tied_embeddings": False, "learned_positions": False, "num_experts": 0,
+                      "kv_lora_rank": 0}
 
 
 def _field(cfg, name: str, default=None):
@@ -53,7 +54,7 @@ def unsupported_architecture(cfg) -> list[str]:
 
 def check_architecture(cfg, where: str | None = None) -> None:
     """Raise :class:`ConfigError` naming every field of ``cfg`` this module cannot build (a GeLU MLP,
-    a tied LM head, learned positions, mixture-of-experts layers). ``where`` is the config's key
+    a tied LM head, learned positions, mixture-of-experts layers, latent attention). ``where`` is the config's key
     (``model.actor``), which prefixes the fields in the message; by default the message names the model."""
     bad = unsupported_architecture(cfg)
     if not bad:

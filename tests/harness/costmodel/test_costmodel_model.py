@@ -120,7 +120,8 @@ def test_decode_span_is_its_steps_bit_for_bit(testbed, kind, batch, tp, pp, num_
 def test_calibrated_spans_are_their_steps_bit_for_bit_on_random_cases(testbed):
     """The calibrated model's spans, short (one scalar loop) and long (one elementwise pass), against
     its steps computed one by one, on random batches, contexts (any total, not a multiple of the
-    batch), widths and span lengths, for multi-head, grouped-query and mixture-of-experts models."""
+    batch), widths and span lengths, for multi-head, grouped-query, mixture-of-experts and
+    latent-attention models."""
     import random
 
     from harness.costmodel.calibrated import SHORT_SPAN_STEPS
@@ -128,12 +129,12 @@ def test_calibrated_spans_are_their_steps_bit_for_bit_on_random_cases(testbed):
 
     testbed.calibration = "h100"
     compute = CostModel(testbed, workload()).compute
-    moe = ModelDims.of(load_llama_config("qwen3_30b_a3b"))
+    moe, mla = ModelDims.of(load_llama_config("qwen3_30b_a3b")), ModelDims.of(load_llama_config("deepseek_v3"))
     rng = random.Random(0)
     for _ in range(300):
-        d = rng.choice([LLAMA["13b"], LLAMA["70b"], moe])
+        d = rng.choice([LLAMA["13b"], LLAMA["70b"], moe, mla])
         batch, tp, pp = rng.randint(1, 300), rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4])
-        ep = rng.choice([1, 2, 4]) if d is moe else 1
+        ep = rng.choice([1, 2, 4]) if d in (moe, mla) else 1
         context = rng.randint(batch, 3000 * batch)
         num_steps = rng.randint(1, 3 * SHORT_SPAN_STEPS)
         span = compute.decode_span_s(d, batch, context, num_steps, tp, pp, ep)
