@@ -245,7 +245,7 @@ class Roofline:
         model of the module docstring; a MoE model's experts split over ``ep`` and, in a decode
         step (``decode``), streamed only where the tokens go."""
         per_mb = tp * num_mbs
-        flops = forward_flops(d, batch_tokens, context_len, d.num_layers, include_head=False)
+        flops = forward_flops(d, batch_tokens, context_len, d.num_layers, include_head=False, decode=decode)
         flops += 2.0 * head_params(d) * head_tokens
         # Streamed weights: the layers, final norm and head GEMM (a tied LM head is the embedding
         # matrix, streamed all the same); the looked-up embedding rows are negligible.

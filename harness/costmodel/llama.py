@@ -452,16 +452,19 @@ def forward_flops(
     context_len: float,
     num_layers: Optional[float] = None,
     include_head: bool = True,
+    decode: bool = False,
 ) -> float:
     """FLOPs of one forward pass over ``num_tokens`` tokens through ``num_layers`` layers
     (all of them when ``None``), each token attending to ``context_len`` keys on average
     (see the module docstring for the convention). Matmuls count the *active* weights
     (:func:`active_matmul_params_per_layer`: a MoE layer's top-k and shared experts and
     router). ``include_head`` adds the LM / value head matmul (tied or not); the embedding
-    lookups (tokens, learned positions) cost no FLOPs."""
+    lookups (tokens, learned positions) cost no FLOPs. A decode step (``decode``) counts the
+    attention core by :attr:`ModelDims.decode_attention_width` (latent attention's absorbed form)."""
     d = ModelDims.of(m)
     layers = d.num_layers if num_layers is None else num_layers
-    per_token_layer = 2.0 * _active_matmul_params_per_layer(d) + 4.0 * d.attention_width * context_len
+    width = d.decode_attention_width if decode else d.attention_width
+    per_token_layer = 2.0 * _active_matmul_params_per_layer(d) + 4.0 * width * context_len
     flops = per_token_layer * num_tokens * layers
     if include_head:
         flops += 2.0 * head_params(d) * num_tokens

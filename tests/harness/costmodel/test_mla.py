@@ -39,6 +39,9 @@ def test_small_latent_attention_counts_match_closed_forms():
     assert SMALL.q_dim == 4 * 20 and SMALL.kv_cache_heads == 1
     assert SMALL.attention_width == 4 * (20 + 10) / 2  # 2 x heads x (qk + v) FLOPs per (query, key) pair
     assert SMALL.decode_attention_width == 4 * (2 * 16 + 8) / 2  # over the latent: qk 16 + 8, v 16
+    # a decode step's attention core runs on the latents (absorbed up-projections), prefill's on keys and values
+    assert (L.forward_flops(SMALL, 5, 100.0, decode=True) - L.forward_flops(SMALL, 5, 100.0)
+            == 4.0 * (SMALL.decode_attention_width - SMALL.attention_width) * 100.0 * 5 * 3)
     without_query_latent = dataclasses.replace(SMALL, q_lora_rank=0)
     assert L.params_per_layer(without_query_latent) == layer - (64 * 24 + 24 * 80 + 24) + 64 * 80
 
