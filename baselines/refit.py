@@ -16,8 +16,10 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
   use the same layout.
 - **Generation in vLLM's own layout**: ``N / tp`` engines of ``system.rollout_tp`` GPUs each
   (searched when 0: the fastest whole iteration among the tensor-parallel degrees that fit a node
-  and shard the actor's heads), continuous batching of up to ``system.max_num_seqs`` sequences,
-  CUDA graphs (the ``vllm`` generation engine).
+  and shard the actor's heads; when no engine of at most a node fits, among engines over 2, 4, ...
+  whole nodes, as NeMo-RL runs DeepSeek-V3 on vLLM engines of 32 or 64 GPUs, their tensor-parallel
+  all-reduces then crossing the NICs), continuous batching of up to ``system.max_num_seqs``
+  sequences, CUDA graphs (the ``vllm`` generation engine).
 - **Refit**: after each actor update the new weights are gathered from the training layout and
   loaded into the generation layout on the same GPUs (verl's sharding manager, its
   "3D-HybridEngine", section 5.3; NeMo-RL's refit through CUDA IPC handles): a weight movement every
@@ -103,13 +105,21 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         train_candidates = list(candidate_strategies(len(train_mesh), per_node, num_layers, zero_stage,
                                                      models=[ctx.model(r) for r in ctx.roles]))
     if rollout_tp:
-        if per_node % rollout_tp or len(gen_mesh) % rollout_tp or not tp_splits_heads(rollout_tp, [actor]):
+        whole_nodes = rollout_tp > per_node
+        if ((rollout_tp % per_node if whole_nodes else per_node % rollout_tp) or len(gen_mesh) % rollout_tp
+                or not tp_splits_heads(rollout_tp, [actor])):
             raise PlanError(f"{system} ({keys['rollout_tp']}={rollout_tp}): a vLLM engine's tensor parallelism "
-                            f"must divide a node's {per_node} GPUs and the {len(gen_mesh)} generation GPUs and "
-                            f"split the actor's {actor.num_heads} heads")
+                            f"must divide a node's {per_node} GPUs (or be a multiple of them: an engine over whole "
+                            f"nodes), divide the {len(gen_mesh)} generation GPUs and split the actor's "
+                            f"{actor.num_heads} heads")
         tp_candidates = [rollout_tp]
     else:
         tp_candidates = [tp for tp in divisors(per_node) if len(gen_mesh) % tp == 0 and tp_splits_heads(tp, [actor])]
+    # engines over whole nodes (tp = 2, 4, ... nodes' GPUs), searched only when no engine of at most a node
+    # fits: as NeMo-RL runs DeepSeek-V3 on vLLM engines of 32 or 64 GPUs (its v0.4-v0.5 performance recipes)
+    multi_node_tps = [] if rollout_tp else [
+        tp for tp in (per_node * 2 ** k for k in range(1, len(gen_mesh).bit_length()))
+        if tp <= len(gen_mesh) and len(gen_mesh) % tp == 0 and tp_splits_heads(tp, [actor])]
     policy = GenerationPolicy("continuous", max_num_seqs)
     sync = MovementKind.PARAM_SYNC if generation_nodes else MovementKind.REALLOC
     plans: dict[tuple[ParallelStrategy, int], Plan] = {}
@@ -127,12 +137,21 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
 
     # Two searches, not one over every pair: the training layout with the widest feasible vLLM
     # engines (the least generation memory), then the engines' width with that layout.
-    widest = tp_candidates[-1]
-    train = search(train_candidates, lambda s: simulated_makespan_s(ctx, assemble(s, widest)),
-                   "the training layout", system=system)
-    gen_tp = search([ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1) for tp in tp_candidates],
-                    lambda s: simulated_makespan_s(ctx, assemble(train.strategy, s.tp)),
-                    "the vLLM engines' tensor parallelism", system=system)
+    def choose(tps: list[int]):
+        widest = tps[-1]
+        train = search(train_candidates, lambda s: simulated_makespan_s(ctx, assemble(s, widest)),
+                       "the training layout", system=system)
+        gen_tp = search([ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1) for tp in tps],
+                        lambda s: simulated_makespan_s(ctx, assemble(train.strategy, s.tp)),
+                        "the vLLM engines' tensor parallelism", system=system)
+        return train, gen_tp
+
+    try:
+        train, gen_tp = choose(tp_candidates)
+    except PlanError:
+        if not multi_node_tps:
+            raise
+        train, gen_tp = choose(multi_node_tps)
     plan = plans[(train.strategy, gen_tp.strategy.tp)]
     plan.notes.update({
         "train_layout": f"{train.strategy}" + (f" ({train.num_candidates} candidates)" if len(train_candidates) > 1

@@ -87,6 +87,23 @@ def test_pinned_knobs_are_used_or_refused_with_their_key():
         plan_for(["+system=verl", *ONE_NODE, "system.train_layout=dp2tp4pp1"])
 
 
+def test_engines_span_whole_nodes_only_when_a_node_cannot_hold_one():
+    """DeepSeek-V3 (671B: 168 GB a GPU in a vLLM engine of one node's 8 GPUs) gets engines over whole
+    nodes in both frameworks, as NeMo-RL's DeepSeek-V3 recipes run vLLM (tensor parallelism 32 or
+    64); a model a node holds keeps engines of at most a node (the other tests); a pinned width over
+    whole nodes is used, and one that neither divides a node nor is a multiple of it is refused."""
+    for system in ("verl", "nemo_rl"):
+        plan, ctx, _ = plan_for([f"+system={system}", "algo=dapo", "model=deepseek_v3", "cluster.num_nodes=64"])
+        gen, per_node = plan.task("gen").allocation.strategy, ctx.cluster.gpus_per_node
+        assert gen.tp > per_node and gen.tp % per_node == 0 and gen.tp == plan.notes["rollout_tp"], system
+    two_nodes = ["+system=nemo_rl", "model=7b", "cluster.num_nodes=2", "workload.global_batch_size=64",
+                 "workload.mini_batch_size=16"]
+    plan, _, _ = plan_for([*two_nodes, "system.gen_tp=16"])
+    assert plan.task("gen").allocation.strategy.tp == 16
+    with pytest.raises(HarnessError, match=r"system.gen_tp=12\): .*or be a multiple of them"):
+        plan_for([*two_nodes, "system.gen_tp=12"])
+
+
 def test_fsdp_refuses_a_mini_batch_smaller_than_the_gpus_and_names_the_fix():
     with pytest.raises(HarnessError, match=r"set workload.mini_batch_size=8 or engine.training=megatron"):
         plan_for(["+system=verl", *ONE_NODE, "workload.mini_batch_size=4", "workload.micro_batch_size=1"])
