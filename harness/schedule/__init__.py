@@ -21,7 +21,8 @@ from harness.schedule.io import (
 )
 from harness.schedule.ir import Action, PipeCosts, PipeSpec, Schedule
 from harness.schedule.lower import lower, strip_comm
-from harness.schedule.simulate import SimModel, SimResult, list_order_peak_memory, sim_model, simulate, simulate_each
+from harness.schedule.simulate import (SimModel, SimResult, list_order_peak_memory, sim_model, simulate, simulate_each,
+                                       simulate_makespans)
 from harness.schedule.checks import ScheduleError, find_deadlock, validate
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
     "build", "forward_only", "gpipe", "merge_sequential", "one_f_one_b", "sequential_actor_critic",
     "ScheduleError", "find_deadlock", "validate",
     "lower", "strip_comm",
-    "SimModel", "SimResult", "list_order_peak_memory", "sim_model", "simulate", "simulate_each",
+    "SimModel", "SimResult", "list_order_peak_memory", "sim_model", "simulate", "simulate_each", "simulate_makespans",
     "ascii_grid", "from_csv", "from_csv_string", "schedule_from_dict", "schedule_to_dict",
     "to_chrome_trace_events", "to_csv", "to_csv_string",
 ]

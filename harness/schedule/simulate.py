@@ -90,34 +90,36 @@ class _Structure:
         self.pipes = tuple(pipes)
         self.pipe_slots: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {}
         self._actions: list[Action] | None = None
-        self.dep_a: list[int] = []  # F: previous stage's F; B: own F
-        self.dep_b: list[int] = []  # B: next stage's B; F: -1
-        self.home: list[int] = []
+        home, dep_a, dep_b = [], [], []  # dep_a: F: previous stage's F; B: own F. dep_b: B: next stage's B
+        num_ids = 0
         for pipe in pipes:
             S, M, ranks = pipe.num_stages, pipe.num_mbs, pipe.stage_to_rank
-            f_base = len(self.home)
-            b_base = f_base + S * M
+            f_base, b_base = num_ids, num_ids + S * M
             self.pipe_slots[pipe.name] = (f_base, b_base, S, M, ranks)
-            for kind in ("F", "B"):
-                for s in range(S):
-                    for mb in range(M):
-                        self.home.append(ranks[s])
-                        if kind == "F":
-                            self.dep_a.append(f_base + (s - 1) * M + mb if s > 0 else -1)
-                            self.dep_b.append(-1)
-                        else:
-                            self.dep_a.append(f_base + s * M + mb)
-                            self.dep_b.append(b_base + (s + 1) * M + mb if s < S - 1 else -1)
+            num_ids += 2 * S * M
+            stage_home = np.repeat(np.asarray(ranks[:S], dtype=np.int64), M)
+            fwd_ids = np.arange(f_base, b_base, dtype=np.int64)
+            none = np.full(S * M, -1, dtype=np.int64)
+            # F(s, m) <- F(s - 1, m); B(s, m) <- F(s, m), B(s + 1, m)
+            f_dep = np.concatenate([none[:M], fwd_ids[:-M] if S > 1 else none[:0]])
+            b_dep = np.concatenate([fwd_ids[M:] + S * M if S > 1 else none[:0], none[:M]])
+            home += [stage_home, stage_home]
+            dep_a += [f_dep, fwd_ids]
+            dep_b += [none, b_dep]
+        home_np, dep_a_np, dep_b_np = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64)
+                                       for x in (home, dep_a, dep_b))
+        self.home: list[int] = home_np.tolist()
+        self.dep_a: list[int] = dep_a_np.tolist()
+        self.dep_b: list[int] = dep_b_np.tolist()
         # per action: does each dependency cross ranks (and so pay the pipe's p2p latency)?
-        self.cross_a = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_a, self.home)]
-        self.cross_b = [d >= 0 and self.home[d] != h for d, h in zip(self.dep_b, self.home)]
-        self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self.cross_a_np = (dep_a_np >= 0) & (home_np[np.maximum(dep_a_np, 0)] != home_np)
+        self.cross_b_np = (dep_b_np >= 0) & (home_np[np.maximum(dep_b_np, 0)] != home_np)
+        self.cross_a, self.cross_b = self.cross_a_np.tolist(), self.cross_b_np.tolist()
+        self._dep_arrays = (dep_a_np, dep_b_np)
 
     @property
     def dep_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """``dep_a`` and ``dep_b`` as int64 arrays, made once for every model of these pipes."""
-        if self._dep_arrays is None:
-            self._dep_arrays = (np.asarray(self.dep_a, dtype=np.int64), np.asarray(self.dep_b, dtype=np.int64))
+        """``dep_a`` and ``dep_b`` as int64 arrays, shared by every model of these pipes."""
         return self._dep_arrays
 
     @property
@@ -152,31 +154,41 @@ class SimModel:
         st = self._structure = _structure(pipes)
         self.pipe_slots, self.home = st.pipe_slots, st.home
         self.dep_a, self.dep_b = st.dep_a, st.dep_b
-        self.dur: list[float] = []
-        self.mem_delta: list[float] = []
-        self.lat_a: list[float] = []
-        self.lat_b: list[float] = []
+        # per action id, built as arrays (the compiled pass reads them); the list forms are made
+        # on first read (:attr:`dur`, ...) for the interpreted pass and the searches
+        dur, mem_delta, lat_a, lat_b = [], [], [], []
         for pipe, cost in zip(pipes, costs):
             S, M = pipe.num_stages, pipe.num_mbs
             if min(len(cost.fwd), len(cost.bwd), len(cost.activation)) < S:
                 raise ValueError(f"pipe {pipe.name}: costs cover fewer than its {S} stages")
             if min(*cost.fwd[:S], *cost.bwd[:S], cost.p2p) < 0:
                 raise ValueError(f"pipe {pipe.name}: times must be >= 0")
-            fwd = [float(cost.fwd[s]) for s in range(S)]
-            bwd = [float(cost.bwd[s]) for s in range(S)]
-            act = [float(cost.activation[s]) for s in range(S)]
-            for s in range(S):
-                self.dur.extend([fwd[s]] * M)
-                self.mem_delta.extend([act[s]] * M)
-            for s in range(S):
-                self.dur.extend([bwd[s]] * M)
-                self.mem_delta.extend([-act[s]] * M)
+            fwd = np.array([float(cost.fwd[s]) for s in range(S)], dtype=np.float64)
+            bwd = np.array([float(cost.bwd[s]) for s in range(S)], dtype=np.float64)
+            act = np.array([float(cost.activation[s]) for s in range(S)], dtype=np.float64)
+            dur += [np.repeat(fwd, M), np.repeat(bwd, M)]
+            mem_delta += [np.repeat(act, M), np.repeat(-act, M)]
             f_base = st.pipe_slots[pipe.name][0]
-            p2p = cost.p2p
-            self.lat_a += [p2p if cross else 0.0 for cross in st.cross_a[f_base:f_base + 2 * S * M]]
-            self.lat_b += [p2p if cross else 0.0 for cross in st.cross_b[f_base:f_base + 2 * S * M]]
+            ids = slice(f_base, f_base + 2 * S * M)
+            p2p = float(cost.p2p)
+            lat_a.append(np.where(st.cross_a_np[ids], p2p, 0.0))
+            lat_b.append(np.where(st.cross_b_np[ids], p2p, 0.0))
         self.num_actions = len(self.home)
-        self._np: tuple[np.ndarray, ...] | None = None
+        self._np: tuple[np.ndarray, ...] = (*st.dep_arrays, *(_joined(x) for x in (lat_a, lat_b, dur, mem_delta)))
+        self._lists: dict[str, list[float]] = {}
+
+    def _list(self, k: int, name: str) -> list[float]:
+        out = self._lists.get(name)
+        if out is None:
+            out = self._lists[name] = self._np[k].tolist()
+        return out
+
+    # The per-action lists (read-only; shared with the arrays' values): durations, memory deltas
+    # (F adds its stage's activation, B frees it) and each dependency's latency.
+    lat_a = property(lambda self: self._list(2, "lat_a"))
+    lat_b = property(lambda self: self._list(3, "lat_b"))
+    dur = property(lambda self: self._list(4, "dur"))
+    mem_delta = property(lambda self: self._list(5, "mem_delta"))
 
     @property
     def actions(self) -> list[Action]:
@@ -213,16 +225,14 @@ class SimModel:
         """The same actions and dependencies with other durations and latencies (per action id),
         e.g. the exact refinement's integer ones; the structure lists stay shared."""
         out = copy.copy(self)
-        out.dur, out.lat_a, out.lat_b, out._np = list(dur), list(lat_a), list(lat_b), None
+        dep_a, dep_b, _, _, _, mem_delta = self._np
+        out._np = (dep_a, dep_b, *(np.asarray(x, dtype=np.float64) for x in (lat_a, lat_b, dur)), mem_delta)
+        out._lists = {"mem_delta": self.mem_delta, "dur": list(dur), "lat_a": list(lat_a), "lat_b": list(lat_b)}
         return out
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        """The per-action lists as NumPy arrays for :func:`~harness.schedule.kernel.list_schedule`
-        (made on first use: callers that only read the lists never pay for them)."""
-        if self._np is None:
-            self._np = (*self._structure.dep_arrays,
-                        np.asarray(self.lat_a, dtype=np.float64), np.asarray(self.lat_b, dtype=np.float64),
-                        np.asarray(self.dur, dtype=np.float64), np.asarray(self.mem_delta, dtype=np.float64))
+        """The per-action arrays for :func:`~harness.schedule.kernel.list_schedule`: dependencies,
+        latencies, durations, memory deltas."""
         return self._np
 
     def run(self, seqs: Sequence[Sequence[int]], want_start: bool = False):
@@ -234,14 +244,16 @@ class SimModel:
         actions or has run another compiled kernel, then compiled (:mod:`harness.schedule.kernel`);
         both give the same numbers, bit for bit (tested), so this only decides where the time
         goes."""
-        global _python_actions_timed
-        if _python_actions_timed < COMPILE_AFTER_ACTIONS and not _numba_warm():
-            _python_actions_timed += self.num_actions
+        if _interpret_next(self.num_actions):
             return self._run_interpreted(seqs, want_start)
-        num_ranks = len(seqs)
-        offsets = np.zeros(num_ranks + 1, dtype=np.int64)
-        np.cumsum([len(seq) for seq in seqs], out=offsets[1:])
-        flat = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(offsets[-1]))
+        end, start, clock, peak, pos = self._run_compiled(_flatten(seqs))
+        return (end.tolist(), start.tolist() if want_start else None, clock.tolist(), peak.tolist(),
+                pos.tolist())
+
+    def _run_compiled(self, flat_seqs: tuple[np.ndarray, np.ndarray]):
+        """The compiled pass over flattened rank lists (:func:`_flatten`); arrays out."""
+        flat, offsets = flat_seqs
+        num_ranks = len(offsets) - 1
         end, start = np.empty(self.num_actions), np.empty(self.num_actions)
         clock, peak = np.empty(num_ranks), np.empty(num_ranks)
         pos = np.empty(num_ranks, dtype=np.int64)
@@ -250,8 +262,7 @@ class SimModel:
         status = kernel.list_schedule(flat, offsets, *self._arrays(), end, start, clock, peak, pos)
         if status != kernel.OK:
             raise _EncodeError(f"{self.actions[status].token()} appears more than once")
-        return (end.tolist(), start.tolist() if want_start else None, clock.tolist(), peak.tolist(),
-                pos.tolist())
+        return end, start, clock, peak, pos
 
     def _run_interpreted(self, seqs: Sequence[Sequence[int]], want_start: bool):
         """:meth:`run` in Python over the lists (the same pass as the kernel, same numbers)."""
@@ -312,6 +323,27 @@ class SimModel:
                         ready.extend(extra_waiters.pop(a))
             pos[r], clock[r], mem[r], peak[r] = i, t, m, pk
         return end, start, clock, peak, pos
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _interpret_next(num_actions: int) -> bool:
+    """Whether the next pass, over ``num_actions`` actions, runs interpreted (the tiering of
+    :data:`COMPILE_AFTER_ACTIONS`); counts the actions if so."""
+    global _python_actions_timed
+    if _python_actions_timed < COMPILE_AFTER_ACTIONS and not _numba_warm():
+        _python_actions_timed += num_actions
+        return True
+    return False
+
+
+def _flatten(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rank lists of action ids as one array and each rank's offsets into it."""
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum([len(seq) for seq in seqs], out=offsets[1:])
+    return np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(offsets[-1])), offsets
 
 
 @lru_cache(maxsize=64)
@@ -395,20 +427,55 @@ def simulate_each(schedule: Schedule, costs_each: Sequence[Mapping[str, PipeCost
     if not costs_each:
         return []
     models = [sim_model(schedule, costs) for costs in costs_each]
-    ranks = schedule.ranks
-    empty: list[Action] = []
+    seqs = _encoded(schedule, models[0])
     try:
-        seqs = [models[0].encode(schedule.order.get(r, empty), r) for r in ranks]
         run_outs = [model.run(seqs, want_start=record_times) for model in models]
     except _EncodeError as err:
         raise ScheduleError(format_error("cannot simulate schedule", [str(err)], schedule)) from None
     for run_out in run_outs:
-        pos = run_out[4]
-        if any(p < len(seq) for p, seq in zip(pos, seqs)):
-            compute_only = strip_comm(schedule)
-            stuck = find_deadlock(compute_only) or {}
-            raise ScheduleError(deadlock_report(compute_only, stuck))
-    return [_result(schedule, model, ranks, seqs, run_out, record_times) for model, run_out in zip(models, run_outs)]
+        _check_ran(schedule, seqs, run_out[4])
+    return [_result(schedule, model, schedule.ranks, seqs, run_out, record_times)
+            for model, run_out in zip(models, run_outs)]
+
+
+def simulate_makespans(schedule: Schedule, costs_each: Sequence[Mapping[str, PipeCosts]]) -> list[float]:
+    """``[simulate(schedule, costs, record_times=False).makespan for costs in costs_each]``, the
+    same numbers with less made: the rank lists encoded and flattened once, no per-rank sums
+    (planners' estimates need the makespans alone)."""
+    if not costs_each:
+        return []
+    models = [sim_model(schedule, costs) for costs in costs_each]
+    seqs = _encoded(schedule, models[0])
+    flat_seqs = None
+    out = []
+    try:
+        for model in models:
+            if _interpret_next(model.num_actions):
+                _, _, clock, _, pos = model._run_interpreted(seqs, False)
+            else:
+                flat_seqs = flat_seqs or _flatten(seqs)
+                _, _, clock, _, pos = model._run_compiled(flat_seqs)
+            _check_ran(schedule, seqs, pos)
+            out.append(float(max(clock, default=0.0)))
+    except _EncodeError as err:
+        raise ScheduleError(format_error("cannot simulate schedule", [str(err)], schedule)) from None
+    return out
+
+
+def _encoded(schedule: Schedule, model: SimModel) -> list[list[int]]:
+    empty: list[Action] = []
+    try:
+        return [model.encode(schedule.order.get(r, empty), r) for r in schedule.ranks]
+    except _EncodeError as err:
+        raise ScheduleError(format_error("cannot simulate schedule", [str(err)], schedule)) from None
+
+
+def _check_ran(schedule: Schedule, seqs: list[list[int]], pos) -> None:
+    """Raise ScheduleError with the deadlock's report if a rank stopped before its list's end."""
+    if any(p < len(seq) for p, seq in zip(pos, seqs)):
+        compute_only = strip_comm(schedule)
+        stuck = find_deadlock(compute_only) or {}
+        raise ScheduleError(deadlock_report(compute_only, stuck))
 
 
 def simulate(schedule: Schedule, costs: Mapping[str, PipeCosts],

@@ -29,7 +29,7 @@ from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
 from harness.core.plan import Plan, Task, TrainingStage, WeightMovement
 from harness.planning.realloc import reallocation_transfers
-from harness.schedule import PipeCosts, simulate_each
+from harness.schedule import PipeCosts, simulate_each, simulate_makespans
 from harness.core.trace import PipelineRun, SampleRecord, Span
 
 BYTES_PER_PARAM = 2  # bf16 weights and gradients
@@ -223,14 +223,15 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
         lo = mb_index * plan.mini_batch_size
         seq = float(seq_lens[lo:lo + plan.mini_batch_size].mean())
         minibatch_costs.append((seq, *_pipe_costs(cm, plan, stage, models, seq, recompute)))
-    results = simulate_each(stage.schedule, [costs for _, costs, _ in minibatch_costs], record_times=record_spans)
-    for (seq, costs, compute_only), result in zip(minibatch_costs, results):
-        if not record_spans:
-            now += result.makespan
+    if not record_spans:
+        for makespan in simulate_makespans(stage.schedule, [costs for _, costs, _ in minibatch_costs]):
+            now += makespan
             for task in tasks:
                 comm, optim = grad_sync_s(cm, task, getattr(models, task.model))
                 now += comm + optim
-            continue
+        return PassResult(spans, now, runs)
+    results = simulate_each(stage.schedule, [costs for _, costs, _ in minibatch_costs])
+    for (seq, costs, compute_only), result in zip(minibatch_costs, results):
         pipeline_busy = sum(result.busy.values())
         per_pipe = {}
         for name, pipe in stage.schedule.pipes.items():

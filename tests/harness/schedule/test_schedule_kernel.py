@@ -158,6 +158,36 @@ def test_simulate_gives_the_same_result_on_either_tier(monkeypatch, seed):
             simulate(bad, costs)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_simulate_makespans_is_each_simulations_makespan_on_either_tier(monkeypatch, seed):
+    """Planners' estimates time a stage's mini-batches with ``simulate_makespans``: the same
+    makespans as ``simulate`` under each mini-batch's costs, bit for bit, on either tier, and the
+    same deadlock error."""
+    import importlib
+
+    from harness.schedule import Action, ScheduleError, build, simulate, simulate_makespans
+    sim_module = importlib.import_module("harness.schedule.simulate")
+
+    rng = random.Random(seed)
+    pipes = [PipeSpec("a", 4, rng.randint(1, 6), (0, 1, 2, 3)), PipeSpec("c", 2, rng.randint(1, 4), (3, 1))]
+    costs_each = [{p.name: PipeCosts(tuple(rng.uniform(0.1, 2.0) for _ in range(p.num_stages)),
+                                     tuple(rng.uniform(0.1, 3.0) for _ in range(p.num_stages)),
+                                     tuple(rng.uniform(0.0, 1.0) for _ in range(p.num_stages)), rng.uniform(0, 0.2))
+                   for p in pipes} for _ in range(rng.randint(1, 5))]
+    schedule = build(rng.choice(["1f1b", "gpipe"]), pipes[:1])
+    schedule = type(schedule)({p.name: p for p in pipes}, {
+        r: list(schedule.order.get(r, [])) + list(build("1f1b", pipes[1:]).order.get(r, [])) for r in range(4)})
+    for after in (10**12, 0):
+        monkeypatch.setattr(sim_module, "COMPILE_AFTER_ACTIONS", after)
+        assert simulate_makespans(schedule, costs_each) == [simulate(schedule, c).makespan for c in costs_each]
+    stuck = type(schedule)({"a": pipes[0]}, {0: [Action("a", 0, "B", 0), Action("a", 0, "F", 0)],
+                                             1: [], 2: [], 3: []})
+    for after in (10**12, 0):
+        monkeypatch.setattr(sim_module, "COMPILE_AFTER_ACTIONS", after)
+        with pytest.raises(ScheduleError, match="deadlock"):
+            simulate_makespans(stuck, costs_each[:1])
+
+
 @pytest.mark.skipif(not AVAILABLE, reason="numba is not installed: nothing compiled")
 def test_a_process_is_warm_once_a_kernel_ran():
     """``harness.compiled.warm`` (which lets ``SimModel.run`` switch to its kernel at once) is true
