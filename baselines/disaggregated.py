@@ -60,7 +60,7 @@ from harness.planning.estimate import simulated_makespan_s
 from harness.planning.layout_search import PoolLayoutSearch
 from harness.planning.strategies import SearchResult
 from harness.system import PlanContext, System, register_system_config
-from harness.core.workload import make_batch
+from harness.core.workload import draw_batch
 from baselines.interleaved import pool_plan, split_cluster
 
 SPLIT_SEARCHES = ("refine", "exhaustive")
@@ -136,7 +136,7 @@ class SplitPlanner:
     def __init__(self, ctx: PlanContext, cfg: DisaggregatedConfig):
         self.ctx, self.cfg = ctx, cfg
         self.policy = GenerationPolicy(batching="continuous", max_batch_size=cfg.max_gen_batch_size)
-        self.batch = make_batch(ctx.workload, ctx.seed, 0, ctx.algorithm.group_size)
+        self.batch = draw_batch(ctx.workload, ctx.seed, 0, ctx.algorithm)
         self._gen: dict[tuple[int, ...], SearchResult] = {}
         self._train: dict[tuple[int, ...], tuple[dict[str, SearchResult], list, list[str], dict]] = {}
 

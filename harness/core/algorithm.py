@@ -35,13 +35,26 @@ batch. No model, no GPU.
 Three fields act on the loss only, so they apply on ``backend=ray`` (the simulator computes no
 loss): where the KL term goes (``kl_penalty``: the reward, or GRPO's loss term), DAPO's
 clip-higher (``clip_eps_high``) and its overlong filtering (``overlong_filter``); the advantage
-estimators and the KL loss are :mod:`harness.real.advantages`. DAPO's dynamic sampling (drawing
-extra prompts and dropping groups whose responses all score alike) is not implemented: every group
-trains.
+estimators and the KL loss are :mod:`harness.real.advantages`.
+
+**Dynamic sampling** (DAPO section 3.2; ``dynamic_sampling: true``): a group whose responses all
+score alike (accuracy 0 or 1) has zero advantage and no gradient, so the iteration over-samples
+and drops such groups until the batch is full of groups that teach. As verl's DAPO recipe runs it
+(``gen_prompt_bsz = 3 x train_prompt_bsz``, ``max_num_gen_batches``): generation runs in rounds
+of ``oversample_factor x global_batch_size`` prompts, each round's rewards are verified, the groups
+with mixed outcomes are kept, and rounds continue until ``global_batch_size`` prompts are kept (at
+most ``max_gen_rounds``); the first ``global_batch_size`` kept groups train, the rest of the last
+round is dropped. What decides how many groups are kept is each prompt's pass rate under the
+current policy, which a synthetic workload draws (:func:`harness.core.workload.draw_batch`,
+``workload.pass_rate``). The
+rounds' generation is what the iteration pays for (the simulator's generate task runs them one
+after the other); inference and training see the kept samples only. It needs a rule-based reward
+(the filter reads the verifier's accuracy) and runs in the simulator; ``backend=ray`` refuses it.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,6 +67,7 @@ REWARD_KINDS = ("model", "rule")
 KL_PENALTIES = ("reward", "loss")
 LOSS_ONLY = effective_when(ON_REAL_BACKEND, why="the simulator computes no loss")
 RULE_ONLY = effective_when(("algo.reward", "==", "rule"), why="a reward model's cost is its inference task's")
+DYNAMIC_ONLY = effective_when(("algo.dynamic_sampling", "==", True), why="only dynamic sampling over-samples")
 
 
 @dataclass
@@ -82,6 +96,13 @@ class AlgorithmConfig:
     # regular-expression answer check takes well under a millisecond, a symbolic comparison more)
     rule_reward_s_per_sample: float = field(default=0.002, metadata=RULE_ONLY)
     num_reward_workers: int = field(default=8, metadata=RULE_ONLY)  # processes verifying responses in parallel
+    # DAPO's dynamic sampling (module docstring): over-sample, drop groups whose responses all score
+    # alike, generate again until global_batch_size prompts with mixed outcomes are kept
+    dynamic_sampling: bool = False
+    # prompts generated per round, as a multiple of global_batch_size (verl's DAPO recipe: 3)
+    oversample_factor: float = field(default=3.0, metadata=DYNAMIC_ONLY)
+    # most generation rounds per iteration; more needed is an error (verl: max_num_gen_batches)
+    max_gen_rounds: int = field(default=10, metadata=DYNAMIC_ONLY)
 
     def __post_init__(self) -> None:
         if self.advantage not in ADVANTAGE_ESTIMATORS:
@@ -103,6 +124,18 @@ class AlgorithmConfig:
             raise ConfigError(f"algo.rule_reward_s_per_sample={self.rule_reward_s_per_sample}: must be >= 0")
         if self.num_reward_workers < 1:
             raise ConfigError(f"algo.num_reward_workers={self.num_reward_workers}: must be at least 1")
+        if self.dynamic_sampling:
+            if self.group_size < 2:
+                raise ConfigError(f"algo.dynamic_sampling drops groups whose responses all score alike: "
+                                  f"algo.group_size={self.group_size} must be at least 2")
+            if self.reward != "rule":
+                raise ConfigError("algo.dynamic_sampling filters groups on the rule-based verifier's accuracy: "
+                                  f"set algo.reward=rule (not {self.reward!r}) or algo.dynamic_sampling=false")
+            if not (self.oversample_factor >= 1):
+                raise ConfigError(f"algo.oversample_factor={self.oversample_factor}: a round generates at least "
+                                  f"the prompts it trains on (>= 1)")
+            if self.max_gen_rounds < 1:
+                raise ConfigError(f"algo.max_gen_rounds={self.max_gen_rounds}: must be at least 1")
 
     @property
     def has_critic(self) -> bool:
@@ -139,3 +172,14 @@ def sample_workload(workload, algorithm: AlgorithmConfig):
                           f"response length per prompt, not {g}; use a synthetic workload (workload=hh_rlhf)")
     return dataclasses.replace(workload, global_batch_size=workload.global_batch_size * g,
                                mini_batch_size=workload.mini_batch_size * g)
+
+
+def samples_per_round(workload, algorithm: AlgorithmConfig) -> int:
+    """Samples one generation round holds: the batch (``workload`` counting samples, as
+    :func:`sample_workload` makes it), or under dynamic sampling its over-sampled rounds'
+    (:func:`~harness.core.workload.make_sampled_batch`)."""
+    if not algorithm.dynamic_sampling:
+        return workload.global_batch_size
+    g = algorithm.group_size
+    return math.ceil(algorithm.oversample_factor * (workload.global_batch_size // g)) * g
+

@@ -219,6 +219,18 @@ class LengthDistConfig:
     max: int = MISSING
 
 
+@dataclass
+class PassRateConfig:
+    """How often the policy answers each prompt correctly: per prompt, a pass rate drawn from
+    Beta(alpha, beta); each response is correct with that probability (harness.core.workload.
+    make_sampled_batch). Read by dynamic sampling only, which drops the groups that all pass or all
+    fail. An assumption about the model and the data, not a measurement: Beta(1, 1) (every pass
+    rate equally likely) by default; mass near 0 and 1 (alpha, beta < 1) drops more groups."""
+
+    alpha: float = 1.0
+    beta: float = 1.0
+
+
 # prompt_len / output_len apply to synthetic workloads only (harness.core.workload.resolve_workload)
 SYNTHETIC_ONLY = effective_when(Condition("workload.path", "==", None, says="workload.path=null"),
                                 why="a file workload's lengths are the file's",
@@ -238,6 +250,9 @@ class WorkloadConfig:
     prompt_len: LengthDistConfig = field(default=MISSING, metadata=SYNTHETIC_ONLY)
     output_len: LengthDistConfig = field(default=MISSING, metadata=SYNTHETIC_ONLY)
     activation_recompute: str = "selective"  # none | selective | full (Korthikanti et al. 2022)
+    # Per-prompt pass rates under the policy, for dynamic sampling's filter (PassRateConfig)
+    pass_rate: PassRateConfig = field(default_factory=PassRateConfig, metadata=effective_when(
+        ("algo.dynamic_sampling", "==", True), why="only dynamic sampling reads whether responses pass"))
     # A JSON-lines file of prompts (or prompt lengths) and response lengths (conf/workload/jsonl.yaml,
     # harness/core/workload.py). Set: batches are drawn from its records and prompt_len / output_len are
     # only summaries for the planners (replaced by the file's). None: lengths drawn from prompt_len / output_len.

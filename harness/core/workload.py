@@ -40,6 +40,13 @@ class Batch:
     # prompts), and the 1-based file line each sample came from.
     prompt_ids: tuple[np.ndarray | None, ...] | None = None
     source_lines: np.ndarray | None = None
+    # Dynamic sampling only (None otherwise): the generation rounds that filled the batch, each a
+    # Batch of the samples generated in it; the samples above are the kept ones, sample i being
+    # sample trained_ids[i] of the rounds' samples laid end to end (make_sampled_batch).
+    rounds: tuple[Batch, ...] | None = None
+    trained_ids: np.ndarray | None = None
+    # A round's only: per group (prompt), how many of its responses pass the verifier
+    group_num_correct: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -112,6 +119,9 @@ def validate_workload(w: WorkloadConfig, group_size: int = 1) -> None:
                           f"workload.micro_batch_size={w.micro_batch_size}")
     if w.activation_recompute not in ("none", "selective", "full"):
         raise ConfigError(f"workload.activation_recompute={w.activation_recompute!r}; use none, selective or full")
+    a, b = w.pass_rate.alpha, w.pass_rate.beta
+    if not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)):
+        raise ConfigError(f"workload.pass_rate: alpha={a} and beta={b} must be finite and > 0 (a Beta distribution)")
     if w.max_gen_len < 1 or w.output_len.min > w.max_gen_len:
         raise ConfigError(f"workload.max_gen_len={w.max_gen_len} is below output_len.min={w.output_len.min}")
 
@@ -131,6 +141,57 @@ def make_batch(w: WorkloadConfig, seed: int, iteration: int, group_size: int = 1
     prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng), group_size)
     outputs = sample_lengths(w.output_len, w.global_batch_size, rng, cap=w.max_gen_len)
     return Batch(iteration, prompts, outputs)
+
+
+def draw_batch(w: WorkloadConfig, seed: int, iteration: int, algorithm) -> Batch:
+    """Iteration ``iteration``'s batch under ``algorithm`` (an ``AlgorithmConfig``): :func:`make_batch`
+    of the samples ``w`` (counting samples: ``harness.core.algorithm.sample_workload``) trains on;
+    under dynamic sampling, the generation rounds that fill it (:func:`make_sampled_batch`)."""
+    if not algorithm.dynamic_sampling:
+        return make_batch(w, seed, iteration, algorithm.group_size)
+    return make_sampled_batch(w, seed, iteration, algorithm.group_size, algorithm.oversample_factor,
+                              algorithm.max_gen_rounds)
+
+
+def make_sampled_batch(w: WorkloadConfig, seed: int, iteration: int, group_size: int, oversample_factor: float,
+                       max_rounds: int) -> Batch:
+    """Iteration ``iteration``'s batch under DAPO's dynamic sampling (arXiv 2503.14476 section 3.2;
+    :mod:`harness.core.algorithm`): rounds of ``ceil(oversample_factor x P)`` prompts (``P =
+    w.global_batch_size / group_size`` prompts trained), ``group_size`` responses each, until ``P``
+    groups with mixed outcomes are kept; the first ``P`` kept groups, in round and prompt order,
+    are the batch. Each round draws its lengths as :func:`make_batch` does, and each prompt a pass
+    rate from ``w.pass_rate`` (Beta) and its group's number of correct responses (binomial):
+    a group is kept unless all or none pass. Lengths and outcomes are drawn independently (the
+    synthetic workload has no answers; a model that fails long responses more often is not
+    modelled). Raises ConfigError if ``max_rounds`` rounds do not fill the batch."""
+    num_prompts, rest = divmod(w.global_batch_size, group_size)
+    if rest:
+        raise ConfigError(f"{w.global_batch_size} samples are not whole groups of {group_size}")
+    if w.path is not None:
+        raise ConfigError("dynamic sampling draws pass rates for synthetic prompts; a JSON-lines workload has none")
+    a, b = w.pass_rate.alpha, w.pass_rate.beta
+    per_round = math.ceil(oversample_factor * num_prompts)
+    rounds, kept = [], []  # kept: (round, group) of each kept group
+    for r in range(max_rounds):
+        rng = np.random.default_rng([seed, iteration, 1 + r])  # make_batch draws from [seed, iteration]
+        prompts = np.repeat(sample_lengths(w.prompt_len, per_round, rng), group_size)
+        outputs = sample_lengths(w.output_len, per_round * group_size, rng, cap=w.max_gen_len)
+        num_correct = rng.binomial(group_size, rng.beta(a, b, size=per_round))
+        rounds.append(Batch(iteration, prompts, outputs, group_num_correct=num_correct))
+        kept += [(r, g) for g in np.flatnonzero((num_correct > 0) & (num_correct < group_size)).tolist()]
+        if len(kept) >= num_prompts:
+            break
+    else:
+        raise ConfigError(f"dynamic sampling kept {len(kept)} of the {num_prompts} prompts it needs after "
+                          f"algo.max_gen_rounds={max_rounds} rounds of {per_round} prompts (workload.pass_rate "
+                          f"alpha={a}, beta={b} leaves few groups with mixed outcomes); raise algo.max_gen_rounds "
+                          f"or algo.oversample_factor")
+    offset = per_round * group_size
+    trained = np.array([r * offset + g * group_size + i for r, g in kept[:num_prompts] for i in range(group_size)],
+                       dtype=np.int64)
+    prompts = np.concatenate([rb.prompt_lens for rb in rounds])[trained]
+    outputs = np.concatenate([rb.output_lens for rb in rounds])[trained]
+    return Batch(iteration, prompts, outputs, rounds=tuple(rounds), trained_ids=trained)
 
 
 # ---- Workloads read from a JSON-lines file (workload.path; conf/workload/jsonl.yaml) ---------------

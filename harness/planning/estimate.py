@@ -19,16 +19,14 @@ from harness.planning.taskmodels.passes import simulate_inference, simulate_trai
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
 from harness.core.trace import StepTrace
-from harness.core.workload import Batch, make_batch
+from harness.core.workload import Batch, draw_batch
 
 NUM_GEN_INSTANCES_ESTIMATED = 4
 
 
-def representative_batch(ctx: PlanContext, global_batch_size: int | None = None) -> Batch:
-    batch = make_batch(ctx.workload, ctx.seed, iteration=0, group_size=ctx.algorithm.group_size)
-    if global_batch_size is not None and global_batch_size != batch.num_samples:
-        return Batch(0, batch.prompt_lens[:global_batch_size], batch.output_lens[:global_batch_size])
-    return batch
+def representative_batch(ctx: PlanContext) -> Batch:
+    """The batch planners estimate on: iteration 0's (:func:`~harness.core.workload.draw_batch`)."""
+    return draw_batch(ctx.workload, ctx.seed, 0, ctx.algorithm)
 
 
 class GenerationEstimates:
@@ -46,6 +44,8 @@ class GenerationEstimates:
 
     def __init__(self, ctx: PlanContext, batch: Batch):
         self.ctx, self.batch = ctx, batch
+        # dynamic sampling: the rounds run one after the other, each estimated as a batch of its own
+        self._rounds = [GenerationEstimates(ctx, rb) for rb in batch.rounds] if batch.rounds is not None else None
         # a stable sort: many samples tie at max_gen_len, and numpy's default sort breaks ties by
         # the SIMD kernel the CPU dispatches to (AVX-512 or not), which made estimates machine-dependent
         self._longest_first = np.argsort(-batch.output_lens, kind="stable")
@@ -57,7 +57,7 @@ class GenerationEstimates:
     @property
     def num_simulated(self) -> int:
         """Instance runs simulated so far (every other estimate came from the memo)."""
-        return len(self._end_s)
+        return len(self._end_s) + sum(r.num_simulated for r in self._rounds or ())
 
     def slowest_instances(self, dp: int) -> list[int]:
         """The (at most NUM_GEN_INSTANCES_ESTIMATED) instances holding the longest samples, longest first."""
@@ -87,7 +87,15 @@ class GenerationEstimates:
     def __call__(self, task: Task, policy: GenerationPolicy, kv_capacity_gb: float, stop_above: float = np.inf) -> float:
         """Estimated generation time: simulate only the instances that hold the longest samples.
         Returns as soon as one instance ends after ``stop_above`` (a search's best so far: the
-        candidate has lost), with a time above it."""
+        candidate has lost), with a time above it. Under dynamic sampling, the sum of the rounds'
+        estimates (the verifier's scoring between rounds left out, as it is after the last)."""
+        if self._rounds is not None:
+            total = 0.0
+            for estimates in self._rounds:
+                total += estimates(task, policy, kv_capacity_gb, stop_above - total)
+                if total > stop_above:
+                    break
+            return total
         ctx, batch, strategy = self.ctx, self.batch, task.allocation.strategy
         model = ctx.model(task.model)
         kv_tokens = kv_capacity_tokens(ctx.cost_model, model, strategy.tp, strategy.pp, kv_capacity_gb)

@@ -32,6 +32,7 @@ from harness.planning.scheduler import Timeline, Timing, UnitQueue, run_timed, u
 from harness.planning.taskmodels.generation import GenerationResult, padded_lengths, simulate_generation
 from harness.planning.taskmodels.passes import (PassResult, simulate_inference, simulate_training,
                                                 simulate_weight_movement)
+from harness.planning.taskmodels.sampling import group_ready_s, kept_stream
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
 from harness.core.trace import UNITS, StepTrace
@@ -89,6 +90,8 @@ class PlanSimulator:
 
     # ---- handlers, one per task kind: predict the unit's Timing from its start ---------------
     def generate(self, unit: Unit) -> Timing:
+        if self.batch.rounds is not None:
+            return self._generate_rounds(unit)
         (task,) = unit.tasks
         gen = simulate_generation(self.cm, task, self.plan.generation, self.ctx.model(task.model),
                                   self.prompt_lens, self.batch.output_lens, self.now_s,
@@ -109,6 +112,51 @@ class PlanSimulator:
                              self.ctx.algorithm.num_reward_workers)
             timing.end_s[task.name] = max(timing.end_s[task.name], end)
             self.trace.counters[mk.VERIFY_TAIL] = timing.end_s[task.name] - gen.end_s
+        return timing
+
+    def _generate_rounds(self, unit: Unit) -> Timing:
+        """Generation under dynamic sampling (:func:`harness.core.workload.make_sampled_batch`):
+        each round generates its samples, the verifier scores them, and the next round starts when
+        the last is scored (the filter needs every group's outcome). The kept samples are what
+        follows: a stream consumer takes each when its group has been scored (its last response
+        verified), in the round that generated it."""
+        (task,) = unit.tasks
+        algo, policy = self.ctx.algorithm, self.plan.generation
+        model, kv_gb = self.ctx.model(task.model), self.memory.kv_capacity_gb[task.name]
+        streamed = self.consumer is not None
+        ready_s: list[np.ndarray] = []  # per round, when each of its samples' group was scored
+        finish_s: list[np.ndarray] = []
+        now, gen, migrated = self.now_s, None, 0
+        for rb in self.batch.rounds:
+            prompts = rb.prompt_lens
+            if self.plan.engines is not None and self.plan.engines.generation.pad_prompts_to_max:
+                prompts = np.full_like(prompts, self.ctx.workload.prompt_len.max)
+            gen = simulate_generation(self.cm, task, policy, model, prompts, rb.output_lens, now, kv_gb,
+                                      self.ctx.workload.max_gen_len)
+            self.trace.spans.extend(s for inst in gen.instances for s in inst.spans)
+            migrated += gen.migrated_samples
+            finished = np.empty(rb.num_samples)
+            for rec in gen.samples:
+                finished[rec.sample_id] = rec.finish_s
+            returned = finished if streamed else np.full(rb.num_samples, gen.end_s)
+            scored = verified_times(returned.tolist(), algo.rule_reward_s_per_sample, algo.num_reward_workers)
+            ready_s.append(group_ready_s(np.asarray(scored), algo.group_size))
+            finish_s.append(finished)
+            now = max(gen.end_s, float(ready_s[-1].max()))
+        own = kept_stream(self.batch, np.concatenate(finish_s))  # each kept sample at its own finish
+        self.trace.samples.extend(own)
+        timing = Timing({n: now for n in unit.names}, {d: now for d in unit_devices(self.plan, unit)})
+        timing.release_s.update(gen.device_free_s())  # the last round's instances released at migration
+        self.trace.counters[mk.GEN_ROUNDS] = float(len(self.batch.rounds))
+        self.trace.counters[mk.GENERATED_SAMPLES] = float(sum(rb.num_samples for rb in self.batch.rounds))
+        self.trace.counters[mk.VERIFY_TAIL] = now - gen.end_s
+        if policy.migration is not None:  # summed over the rounds; the last round's tail instances
+            self.trace.counters[mk.MIGRATED_SAMPLES] = migrated
+            self.trace.counters[mk.TAIL_INSTANCES] = gen.tail_instances
+            self.trace.counters[mk.MIGRATION_THRESHOLD_FRAC] = policy.migration.threshold_frac
+        if streamed:  # the kept samples, each once its group was scored
+            self._streamed_inference(self.consumer, GenerationResult(kept_stream(self.batch, np.concatenate(ready_s)),
+                                                                     gen.instances), timing)
         return timing
 
     def _streamed_inference(self, unit: Unit, gen: GenerationResult, timing: Timing) -> None:
@@ -166,6 +214,19 @@ def verified_s(returned_s: list[float], cost_s: float, num_workers: int) -> floa
         heapq.heappush(free, start + cost_s)
         end = max(end, start + cost_s)
     return end
+
+
+def verified_times(returned_s: list[float], cost_s: float, num_workers: int) -> list[float]:
+    """When each response has been scored, under :func:`verified_s`'s queue (first come first served
+    on ``num_workers`` processes; ties in the order given)."""
+    free = [0.0] * num_workers
+    heapq.heapify(free)
+    done = [0.0] * len(returned_s)
+    for i in sorted(range(len(returned_s)), key=returned_s.__getitem__):
+        start = max(returned_s[i], heapq.heappop(free))
+        heapq.heappush(free, start + cost_s)
+        done[i] = max(returned_s[i], start + cost_s)
+    return done
 
 
 def generation_gather_s(ctx: PlanContext, plan: Plan) -> float:

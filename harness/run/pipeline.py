@@ -42,7 +42,7 @@ from harness.core.engines import engine_group_overrides, select_engines
 from harness.core.option_effects import check_option_effects
 from harness.core.plan import Plan
 from harness.core.trace import StepTrace, trace_devices
-from harness.core.workload import make_batch, resolve_workload, validate_workload
+from harness.core.workload import draw_batch, resolve_workload, validate_workload
 from harness.costmodel import CostModel
 from harness.costmodel.profile import load_profile_table
 from harness.errors import ConfigError
@@ -160,7 +160,7 @@ def plan(prepared: PreparedRun, progress: Callable[[str], None] | None = None) -
 def iteration_row(ctx: PlanContext, plan: Plan, backend: Backend, iteration: int) -> IterationRow:
     """Iteration ``iteration`` of ``plan`` on ``backend`` (already set up), on its batch of the
     workload: the trace and its metrics row (:func:`harness.core.metrics.iteration_metrics`)."""
-    batch = make_batch(ctx.workload, ctx.seed, iteration, ctx.algorithm.group_size)
+    batch = draw_batch(ctx.workload, ctx.seed, iteration, ctx.algorithm)
     trace = backend.run_iteration(plan, iteration, batch)
     return trace, mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
                                        ctx.cluster.gpu.peak_bf16_tflops * 1e12)

@@ -27,6 +27,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+from harness.core.algorithm import samples_per_round
 from harness.costmodel import CostModel
 from harness.costmodel.llama import kv_bytes_per_token
 from typing import Callable
@@ -72,11 +75,23 @@ def migration_policy(ctx: PlanContext, gen: Task, frac: float, kv_capacity_gb: f
                      bs_max: int) -> MigrationPolicy:
     actor = ctx.model("actor")
     s = gen.allocation.strategy
-    threshold = math.ceil(frac * ctx.workload.global_batch_size)
+    threshold = math.ceil(frac * samples_per_round(ctx.workload, ctx.algorithm))  # R_t of a generation round
     max_len = int(ctx.workload.prompt_len.max + ctx.workload.max_gen_len)
     kv_instance_bytes = kv_capacity_gb * 1e9 * s.tp * s.pp  # capacity per device x devices of the instance
     m = num_tail_instances(threshold, bs_max, kv_bytes_per_token(actor) * max_len, kv_instance_bytes, s.dp)
     return MigrationPolicy(threshold_frac=frac, num_tail_instances=m, transfer=transfer)
+
+
+def _kept_of_first_round(result, batch, group_size: int):
+    """``result`` (a dynamic-sampling batch's first round) as the stream of its kept samples."""
+    from harness.planning.taskmodels.generation import GenerationResult
+    from harness.planning.taskmodels.sampling import group_ready_s, kept_stream
+
+    finished = np.empty(len(result.samples))
+    for rec in result.samples:
+        finished[rec.sample_id] = rec.finish_s
+    return GenerationResult(kept_stream(batch, group_ready_s(finished, group_size)), result.instances,
+                            result.migrated_samples, result.tail_instances, result.migration_s)
 
 
 def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[ParallelStrategy],
@@ -101,9 +116,14 @@ def choose_inter_stage(ctx: PlanContext, gen: Task, inference_layouts: list[Para
     # every threshold's generation in one sweep: they share the run that fixes their migration times
     migs = {frac: migration_policy(ctx, gen, frac, kv_capacity_gb, transfer, bs_max) if frac > 0 else None
             for frac in dict.fromkeys((probe_frac,) + swept)}
+    # under dynamic sampling: the first round, streaming its kept samples as their groups complete
+    # (the scoring time left out; one round fills the batch unless few groups have mixed outcomes)
+    gen_batch = batch.rounds[0] if batch.rounds is not None else batch
     results = simulate_generation_each(ctx.cost_model, gen, [replace(base_policy, migration=m) for m in migs.values()],
-                                       actor, batch.prompt_lens, batch.output_lens, 0.0, kv_capacity_gb,
+                                       actor, gen_batch.prompt_lens, gen_batch.output_lens, 0.0, kv_capacity_gb,
                                        ctx.workload.max_gen_len)
+    if batch.rounds is not None:
+        results = [_kept_of_first_round(r, batch, ctx.algorithm.group_size) for r in results]
     generated = dict(zip(migs, results))
 
     cache: dict[tuple[int, float], float] = {}

@@ -73,10 +73,15 @@ class RayBackend(Backend):
         return unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
 
     def check_before_planning(self) -> None:
-        """Refuse, before planning: a rule-based reward (``algo.reward=rule``) without a programmatic
+        """Refuse, before planning: DAPO's dynamic sampling (the simulator's only), a rule-based reward (``algo.reward=rule``) without a programmatic
         task to verify with (``backend.options.reward.kind``), and more CPU workers than the
         embedded local Ray starts on this machine (:func:`~.cluster.embedded_worker_cap`)."""
         algorithm = self.ctx.algorithm
+        if algorithm.dynamic_sampling:
+            raise ConfigError(f"algo={algorithm.name} with algo.dynamic_sampling=true: backend=ray generates one round "
+                              f"and trains every group it drew; dynamic sampling (rounds until the batch holds "
+                              f"enough groups with mixed outcomes) runs in the simulator only. Set "
+                              f"algo.dynamic_sampling=false")
         if not algorithm.has_reward_model and self.opts.reward.kind == "model":
             raise ConfigError(f"algo={algorithm.name} scores responses with a rule-based verifier (algo.reward=rule), "
                               f"and backend=ray verifies with backend.options.reward's task: set "
