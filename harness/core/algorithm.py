@@ -49,7 +49,9 @@ current policy, which a synthetic workload draws (:func:`harness.core.workload.d
 ``workload.pass_rate``). The
 rounds' generation is what the iteration pays for (the simulator's generate task runs them one
 after the other); inference and training see the kept samples only. It needs a rule-based reward
-(the filter reads the verifier's accuracy) and runs in the simulator; ``backend=ray`` refuses it.
+(the filter reads the verifier's verdicts). ``backend=ray`` runs the same rounds for real, its
+verifier deciding which groups are kept (a group is kept when its responses' scores are not all
+equal), without a stream into inference.
 """
 from __future__ import annotations
 

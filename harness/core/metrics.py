@@ -63,6 +63,7 @@ MIGRATED_SAMPLES = "gen/migrated_samples"
 VERIFY_TAIL = "gen/verify_tail_s"
 GEN_ROUNDS = "gen/rounds"  # dynamic sampling: generation rounds this iteration
 GENERATED_SAMPLES = "gen/generated_samples"  # dynamic sampling: samples generated (trained: fewer)
+MIXED_GROUP_FRAC = "gen/mixed_group_frac"  # dynamic sampling: generated groups whose responses scored unalike
 TAIL_INSTANCES = "gen/tail_instances"
 MIGRATION_THRESHOLD_FRAC = "gen/migration_threshold_frac"
 BUSY_MEAN = "util/gpu_busy_frac/mean"

@@ -153,6 +153,20 @@ def draw_batch(w: WorkloadConfig, seed: int, iteration: int, algorithm) -> Batch
                               algorithm.max_gen_rounds)
 
 
+def draw_round(w: WorkloadConfig, seed: int, iteration: int, round_index: int, num_prompts: int,
+               group_size: int) -> Batch:
+    """Generation round ``round_index`` of iteration ``iteration`` under dynamic sampling:
+    ``num_prompts`` prompts of ``group_size`` responses, their lengths drawn as :func:`make_batch`
+    draws them (from (seed, iteration, 1 + round_index), a stream of its own), and per prompt a pass
+    rate from ``w.pass_rate`` and its group's number of passing responses (``group_num_correct``).
+    ``backend=ray`` generates the same rounds and judges them by its verifier instead."""
+    rng = np.random.default_rng([seed, iteration, 1 + round_index])  # make_batch draws from [seed, iteration]
+    prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng), group_size)
+    outputs = sample_lengths(w.output_len, num_prompts * group_size, rng, cap=w.max_gen_len)
+    num_correct = rng.binomial(group_size, rng.beta(w.pass_rate.alpha, w.pass_rate.beta, size=num_prompts))
+    return Batch(iteration, prompts, outputs, group_num_correct=num_correct)
+
+
 def make_sampled_batch(w: WorkloadConfig, seed: int, iteration: int, group_size: int, oversample_factor: float,
                        max_rounds: int) -> Batch:
     """Iteration ``iteration``'s batch under DAPO's dynamic sampling (arXiv 2503.14476 section 3.2;
@@ -173,12 +187,9 @@ def make_sampled_batch(w: WorkloadConfig, seed: int, iteration: int, group_size:
     per_round = math.ceil(oversample_factor * num_prompts)
     rounds, kept = [], []  # kept: (round, group) of each kept group
     for r in range(max_rounds):
-        rng = np.random.default_rng([seed, iteration, 1 + r])  # make_batch draws from [seed, iteration]
-        prompts = np.repeat(sample_lengths(w.prompt_len, per_round, rng), group_size)
-        outputs = sample_lengths(w.output_len, per_round * group_size, rng, cap=w.max_gen_len)
-        num_correct = rng.binomial(group_size, rng.beta(a, b, size=per_round))
-        rounds.append(Batch(iteration, prompts, outputs, group_num_correct=num_correct))
-        kept += [(r, g) for g in np.flatnonzero((num_correct > 0) & (num_correct < group_size)).tolist()]
+        rounds.append(draw_round(w, seed, iteration, r, per_round, group_size))
+        k = rounds[-1].group_num_correct
+        kept += [(r, g) for g in np.flatnonzero((k > 0) & (k < group_size)).tolist()]
         if len(kept) >= num_prompts:
             break
     else:

@@ -53,6 +53,7 @@ class GenerationEstimates:
         self._end_s: dict[tuple, float] = {}
         self._slowest: dict[int, list[int]] = {}
         self._schedules: dict[tuple, StepSchedule] = {}
+        self._prefill_s: dict[tuple, dict[int, float]] = {}  # per (model, tp, pp, ep): seconds by prefill tokens
 
     @property
     def num_simulated(self) -> int:
@@ -107,8 +108,9 @@ class GenerationEstimates:
             end_s = self._end_s.get(key)
             if end_s is None and policy.batching == "continuous":
                 schedule = self._schedule(strategy.dp, k, mine, policy, key[-1])
+                prefill_memo = self._prefill_s.setdefault((task.model, strategy.tp, strategy.pp, strategy.ep), {})
                 end_s = self._end_s[key] = timed_end_s(schedule, ctx.cost_model, model, strategy.tp, strategy.pp,
-                                                       strategy.ep, 0.0)
+                                                       strategy.ep, 0.0, prefill_memo)
             elif end_s is None:
                 sub = Task(task.name, task.kind, task.model,
                            type(task.allocation)(task.allocation.replica_devices(k),

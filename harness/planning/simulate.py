@@ -26,10 +26,11 @@ import numpy as np
 from harness.core import metrics as mk
 from harness.errors import PlanError
 from harness.core.units import Unit
-from harness.core.plan import Plan, TaskKind
+from harness.core.plan import Plan, Task, TaskKind
 from harness.planning.memory import MemoryReport
 from harness.planning.scheduler import Timeline, Timing, UnitQueue, run_timed, unit_devices
-from harness.planning.taskmodels.generation import GenerationResult, padded_lengths, simulate_generation
+from harness.planning.taskmodels.generation import (GenerationResult, continuous_instance_ends, padded_lengths,
+                                                    simulate_generation)
 from harness.planning.taskmodels.passes import (PassResult, simulate_inference, simulate_training,
                                                 simulate_weight_movement)
 from harness.planning.taskmodels.sampling import group_ready_s, kept_stream
@@ -93,9 +94,7 @@ class PlanSimulator:
         if self.batch.rounds is not None:
             return self._generate_rounds(unit)
         (task,) = unit.tasks
-        gen = simulate_generation(self.cm, task, self.plan.generation, self.ctx.model(task.model),
-                                  self.prompt_lens, self.batch.output_lens, self.now_s,
-                                  self.memory.kv_capacity_gb[task.name], self.ctx.workload.max_gen_len)
+        gen = self._generation(task, self.prompt_lens, self.batch.output_lens, self.now_s)
         spans = [s for inst in gen.instances for s in inst.spans]
         timing = self._record(unit, PassResult(spans, gen.end_s, [], gen.samples))
         timing.release_s.update(gen.device_free_s())  # instances released at migration free early
@@ -107,12 +106,26 @@ class PlanSimulator:
         if self.consumer is not None:
             self._streamed_inference(self.consumer, gen, timing)
         if not self.ctx.algorithm.has_reward_model:  # the rule-based verifier writes gen's rewards
-            returned = [s.finish_s for s in gen.samples] if self.consumer is not None else [gen.end_s] * len(gen.samples)
+            returned = ([s.finish_s for s in gen.samples] if self.consumer is not None
+                        else [gen.end_s] * len(self.prompt_lens))
             end = verified_s(returned, self.ctx.algorithm.rule_reward_s_per_sample,
                              self.ctx.algorithm.num_reward_workers)
             timing.end_s[task.name] = max(timing.end_s[task.name], end)
             self.trace.counters[mk.VERIFY_TAIL] = timing.end_s[task.name] - gen.end_s
         return timing
+
+    def _generation(self, task: Task, prompt_lens: np.ndarray, output_lens: np.ndarray, start_s: float) -> GenerationResult:
+        """``task``'s generation of these samples from ``start_s``. Scoring a plan
+        (``record_spans=False``) without a stream to feed or a migration to replay needs only its
+        instances' ends: their step schedules, the same ends bit for bit
+        (:func:`~harness.planning.taskmodels.generation.continuous_instance_ends`)."""
+        policy, model = self.plan.generation, self.ctx.model(task.model)
+        kv_gb, max_gen_len = self.memory.kv_capacity_gb[task.name], self.ctx.workload.max_gen_len
+        if (not self.record_spans and self.consumer is None and policy.batching == "continuous"
+                and policy.migration is None):
+            return continuous_instance_ends(self.cm, task, policy, model, prompt_lens, output_lens, start_s, kv_gb,
+                                            max_gen_len)
+        return simulate_generation(self.cm, task, policy, model, prompt_lens, output_lens, start_s, kv_gb, max_gen_len)
 
     def _generate_rounds(self, unit: Unit) -> Timing:
         """Generation under dynamic sampling (:func:`harness.core.workload.make_sampled_batch`):
@@ -122,7 +135,6 @@ class PlanSimulator:
         verified), in the round that generated it."""
         (task,) = unit.tasks
         algo, policy = self.ctx.algorithm, self.plan.generation
-        model, kv_gb = self.ctx.model(task.model), self.memory.kv_capacity_gb[task.name]
         streamed = self.consumer is not None
         ready_s: list[np.ndarray] = []  # per round, when each of its samples' group was scored
         finish_s: list[np.ndarray] = []
@@ -131,11 +143,10 @@ class PlanSimulator:
             prompts = rb.prompt_lens
             if self.plan.engines is not None and self.plan.engines.generation.pad_prompts_to_max:
                 prompts = np.full_like(prompts, self.ctx.workload.prompt_len.max)
-            gen = simulate_generation(self.cm, task, policy, model, prompts, rb.output_lens, now, kv_gb,
-                                      self.ctx.workload.max_gen_len)
+            gen = self._generation(task, prompts, rb.output_lens, now)
             self.trace.spans.extend(s for inst in gen.instances for s in inst.spans)
             migrated += gen.migrated_samples
-            finished = np.empty(rb.num_samples)
+            finished = np.full(rb.num_samples, gen.end_s)  # without the samples' own finishes: the end
             for rec in gen.samples:
                 finished[rec.sample_id] = rec.finish_s
             returned = finished if streamed else np.full(rb.num_samples, gen.end_s)
@@ -149,6 +160,8 @@ class PlanSimulator:
         timing.release_s.update(gen.device_free_s())  # the last round's instances released at migration
         self.trace.counters[mk.GEN_ROUNDS] = float(len(self.batch.rounds))
         self.trace.counters[mk.GENERATED_SAMPLES] = float(sum(rb.num_samples for rb in self.batch.rounds))
+        outcomes = np.concatenate([rb.group_num_correct for rb in self.batch.rounds])
+        self.trace.counters[mk.MIXED_GROUP_FRAC] = float(((outcomes > 0) & (outcomes < algo.group_size)).mean())
         self.trace.counters[mk.VERIFY_TAIL] = now - gen.end_s
         if policy.migration is not None:  # summed over the rounds; the last round's tail instances
             self.trace.counters[mk.MIGRATED_SAMPLES] = migrated

@@ -120,10 +120,11 @@ def test_over_sampling_options_without_dynamic_sampling_are_refused(refused_in_p
     assert "algo.oversample_factor=2 has no effect with algo.dynamic_sampling=false" in line
 
 
-def test_backend_ray_refuses_dynamic_sampling_before_ray_starts(refused_in_process):
-    line = refused_in_process("+system=rlhfuse_base", "model=tiny", "workload=tiny", "backend=ray", "algo=dapo",
-                              "backend.options.reward.kind=token_range", "cluster=h100_8x", "cluster.gpus_per_node=2")
-    assert "algo.dynamic_sampling=true" in line and "set algo.dynamic_sampling=false" in line.lower()
+def test_backend_ray_refuses_dynamic_sampling_with_streamed_generation(refused_in_process):
+    line = refused_in_process("+system=rlhfuse", "model=tiny", "workload=tiny", "backend=ray", "algo=grpo",
+                              "algo.dynamic_sampling=true", "backend.options.reward.kind=token_range",
+                              "system.fused_search.max_steps=50", "cluster=h100_8x", "cluster.gpus_per_node=2")
+    assert "dynamic sampling with streamed generation" in line and "system.inter_stage=false" in line
 
 
 # ---- the simulator and the planners ---------------------------------------------------------------

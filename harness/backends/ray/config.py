@@ -35,6 +35,11 @@ class RewardOptions:
     kind: str = "model"  # model | token_range
     low: int = 0  # token_range: first rewarded token id
     high: int = 32  # token_range: one past the last rewarded token id
+    # token_range: null scores the fraction of the response's tokens in range; a number in (0, 1]
+    # makes the score a verdict, 1 when that fraction reaches it and 0 otherwise, as a math
+    # verifier's accuracy (what DAPO's dynamic sampling filters groups on)
+    pass_at: Optional[float] = field(default=None, metadata=effective_when(
+        ("backend.options.reward.kind", "==", "token_range"), why="only the token-range task gives verdicts"))
 
 
 @dataclass
@@ -134,6 +139,9 @@ class RayOptions:
             raise ConfigError(f"backend.options.reward.kind={r.kind!r}: use one of {', '.join(REWARD_KINDS)}")
         if r.kind == "token_range" and not 0 <= r.low < r.high:
             raise ConfigError(f"backend.options.reward: low={r.low}, high={r.high} must satisfy 0 <= low < high")
+        if r.pass_at is not None and not 0 < r.pass_at <= 1:
+            raise ConfigError(f"backend.options.reward.pass_at={r.pass_at}: a fraction of the response's tokens "
+                              f"in (0, 1], or null")
 
     @staticmethod
     def from_config(options: "RayOptions | dict[str, Any] | None") -> "RayOptions":

@@ -50,10 +50,12 @@ class Request:
 @dataclass(frozen=True)
 class TaskReward:
     """A programmatic reward (:mod:`harness.backends.ray.rewards`): the score of a sample is the
-    fraction of its response tokens whose id lies in ``[low, high)``."""
+    fraction of its response tokens whose id lies in ``[low, high)``; with ``pass_at`` set, 1 when
+    that fraction reaches it and 0 otherwise (a pass/fail verdict)."""
     kind: str
     low: int
     high: int
+    pass_at: Optional[float] = None
 
 
 @dataclass(frozen=True)

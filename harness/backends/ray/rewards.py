@@ -4,7 +4,8 @@ that a run shows whether PPO learns (``backend.options.reward``, docs/LEARNING.m
 With random tiny models and the default ``reward.kind=model`` the reward model's scores are noise
 that no policy can improve, so a reward curve cannot tell a working pipeline from a broken one.
 ``token_range`` is a task with a known optimum and a dense signal: the score of a sample is the
-fraction of its response tokens whose id lies in ``[low, high)``. A policy that ignores the task
+fraction of its response tokens whose id lies in ``[low, high)`` (or, with ``pass_at``, whether that
+fraction reaches it: a pass/fail verdict, as a math verifier gives). A policy that ignores the task
 scores about ``(high - low) / vocab_size`` (1/8 with the defaults and the 256-token tiny models);
 one that emits only tokens of the range scores 1. It does not depend on the prompt.
 
@@ -33,7 +34,8 @@ def task_scores(tokens: Tensor, prompt_lens: Tensor, last_index: Tensor, reward:
     pos = torch.arange(tokens.shape[1], device=tokens.device)
     response = (pos[None, :] >= prompt_lens[:, None]) & (pos[None, :] <= last_index[:, None])
     hit = (tokens >= int(reward.low)) & (tokens < int(reward.high)) & response
-    return hit.sum(-1).float() / response.sum(-1).clamp(min=1).float()
+    frac = hit.sum(-1).float() / response.sum(-1).clamp(min=1).float()
+    return frac if reward.pass_at is None else (frac >= float(reward.pass_at)).float()
 
 
 def task_reward(role: str, options: RewardOptions) -> Optional[TaskReward]:
@@ -44,4 +46,4 @@ def task_reward(role: str, options: RewardOptions) -> Optional[TaskReward]:
     refused ``kind=model`` there."""
     if role != "reward" or options.kind == "model":
         return None
-    return TaskReward(options.kind, options.low, options.high)
+    return TaskReward(options.kind, options.low, options.high, options.pass_at)

@@ -50,6 +50,7 @@ import heapq
 import itertools
 import math
 import operator
+import sys
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -215,11 +216,38 @@ class StepSchedule:
     num_steps: np.ndarray  # its decode steps
 
 
+# step_schedule's tiering (as the schedule simulator's, harness.schedule.simulate): interpreted until
+# this process has scheduled this many samples, then compiled; numba's start-up (about 0.3 s) is
+# then small beside what the interpreted heap would spend on the rest.
+COMPILE_AFTER_SAMPLES = 200_000
+_samples_scheduled = 0
+
+
+def _numba_warm() -> bool:
+    compiled = sys.modules.get("harness.compiled")
+    return compiled is not None and compiled.warm()
+
+
 def step_schedule(prompt_lens: np.ndarray, output_lens: np.ndarray, max_batch: int, kv_capacity_tokens: int,
                   max_gen_len: int) -> StepSchedule:
     """The :class:`StepSchedule` of :class:`ContinuousInstance` run to the end on these samples (in
     this order) from an empty cache: the same admission rule (slots, then KV reserved for prompt +
-    ``max_gen_len`` tokens), the same spans between batch changes, the same finishes."""
+    ``max_gen_len`` tokens), the same spans between batch changes, the same finishes.
+
+    Compiled (:mod:`.kernel`) once this process has scheduled :data:`COMPILE_AFTER_SAMPLES`
+    samples here or has run another compiled kernel; the same spans either way (tested)."""
+    global _samples_scheduled
+    if _samples_scheduled >= COMPILE_AFTER_SAMPLES or _numba_warm():
+        from harness.compiled import AVAILABLE
+        if AVAILABLE:
+            from harness.planning.taskmodels.kernel import step_schedule_spans
+
+            spans = np.empty((len(prompt_lens) + 1, 4), dtype=np.int64)
+            num_spans = step_schedule_spans(np.ascontiguousarray(prompt_lens, dtype=np.int64),
+                                            np.ascontiguousarray(output_lens, dtype=np.int64),
+                                            int(max_batch), int(kv_capacity_tokens), int(max_gen_len), spans)
+            return StepSchedule(*np.ascontiguousarray(spans[:num_spans].T))
+    _samples_scheduled += len(prompt_lens)
     prompts, outputs = prompt_lens.tolist(), output_lens.tolist()
     num_samples, next_sample, number = len(prompts), 0, 0
     due: list[tuple[int, int, int, int]] = []  # heap of (finish step, admission number, prompt, output)
@@ -251,17 +279,19 @@ def step_schedule(prompt_lens: np.ndarray, output_lens: np.ndarray, max_batch: i
     return StepSchedule(*columns)
 
 
-def timed_end_s(schedule: StepSchedule, cm: CostModel, model, tp: int, pp: int, ep: int, start_s: float) -> float:
+def timed_end_s(schedule: StepSchedule, cm: CostModel, model, tp: int, pp: int, ep: int, start_s: float,
+                prefill_memo: dict[int, float] | None = None) -> float:
     """When an instance of ``tp x pp`` devices (one of ``ep``) that starts at ``start_s`` ends
     ``schedule``: :class:`ContinuousInstance`'s clock, bit for bit (every prefill and every decode
     step added in order), with the steps timed in one elementwise pass where the cost model has one
-    (:meth:`CostModel.decode_steps_s`), else one span at a time."""
+    (:meth:`CostModel.decode_steps_s`), else one span at a time. ``prefill_memo``: prefill seconds
+    by token count of this cost model, model and layout, kept by a caller that times many schedules."""
     num_steps, batch_sizes = schedule.num_steps, schedule.batch_sizes
     num_spans = len(num_steps)
     if num_spans == 0:
         return start_s
     prefilled = schedule.prefill_tokens > 0
-    prefill_s: dict[int, float] = {}
+    prefill_s: dict[int, float] = {} if prefill_memo is None else prefill_memo
     for tokens in schedule.prefill_tokens[prefilled].tolist():
         if tokens not in prefill_s:
             prefill_s[tokens] = cm.prefill_s(model, tokens, tp, pp, ep=ep)
@@ -283,6 +313,40 @@ def timed_end_s(schedule: StepSchedule, cm: CostModel, model, tp: int, pp: int, 
                    for t in cm.decode_span_s(model, b, c, n, tp, pp, ep)]
     durations[1:][is_step] = steps_s
     return float(np.cumsum(durations)[-1])
+
+
+# continuous_instance_ends' step schedules: (ids of the length arrays, dp, instance, limits) ->
+# (the arrays, kept alive so that their ids stay theirs, and the schedule). Batches' length arrays
+# are never changed in place.
+_SCHEDULES: dict[tuple, tuple[np.ndarray, np.ndarray, StepSchedule]] = {}
+SCHEDULES_MAX_ENTRIES = 1024
+
+
+def continuous_instance_ends(cm: CostModel, task: Task, policy: GenerationPolicy, model, prompt_lens: np.ndarray,
+                             output_lens: np.ndarray, start_s: float, kv_capacity_gb: float,
+                             max_gen_len: int) -> GenerationResult:
+    """:func:`simulate_generation` under continuous batching without migration, less what only a
+    trace reads: each instance's end (its step schedule, :func:`step_schedule`, priced by
+    :func:`timed_end_s`: the instance's clock bit for bit) and devices, no per-sample finishes
+    and no spans. Planners scoring whole plans read this; the schedules are kept across calls on
+    the same length arrays (candidate plans of one search share the batch)."""
+    if policy.batching != "continuous" or policy.migration is not None:
+        raise ValueError("continuous_instance_ends: continuous batching without migration only")
+    s = task.allocation.strategy
+    kv_tokens = kv_capacity_tokens(cm, model, s.tp, s.pp, kv_capacity_gb)
+    max_batch = policy.max_batch_size or len(prompt_lens)
+    instances = []
+    for k in range(s.dp):
+        key = (id(prompt_lens), id(output_lens), s.dp, k, max_batch, kv_tokens, max_gen_len)
+        hit = _SCHEDULES.get(key)
+        if hit is None:
+            if len(_SCHEDULES) >= SCHEDULES_MAX_ENTRIES:
+                _SCHEDULES.clear()
+            hit = _SCHEDULES[key] = (prompt_lens, output_lens, step_schedule(
+                prompt_lens[k::s.dp], output_lens[k::s.dp], max_batch, kv_tokens, max_gen_len))
+        end_s = timed_end_s(hit[2], cm, model, s.tp, s.pp, s.ep, start_s)
+        instances.append(InstanceResult(task.allocation.replica_devices(k), end_s))
+    return GenerationResult([], instances)
 
 
 def _rounds(num_samples: int, dp: int, round_size: int) -> list[list[np.ndarray]]:

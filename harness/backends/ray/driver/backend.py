@@ -29,7 +29,7 @@ from harness.backends.ray.driver.iteration import Iteration
 from harness.backends.ray.driver.options import (engine_unsupported, option_conflicts, unsupported_features,
                                                  zero3_engine)
 from harness.backends.ray.settings import HomeSetup, OptimizerSettings, WorkerSetup
-from harness.core.plan import Plan, TaskKind, TrainingStage
+from harness.core.plan import Feature, Plan, TaskKind, TrainingStage
 from harness.core.trace import StepTrace
 from harness.core.workload import Batch
 from harness.costmodel.llama import ModelDims
@@ -70,18 +70,17 @@ class RayBackend(Backend):
     def unsupported(self, plan: Plan) -> list[str]:
         """Plan features and layouts this backend cannot execute (options.py), and what in the plan
         the chosen generation engine cannot."""
-        return unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
+        out = unsupported_features(plan, self.args) + engine_unsupported(plan, self.args, self.opts.generation_engine)
+        if self.ctx.algorithm.dynamic_sampling and Feature.STREAMING in plan.features():
+            out.append("dynamic sampling with streamed generation: its rounds run on backend=ray without a stream "
+                       "(system.inter_stage=false), or set algo.dynamic_sampling=false")
+        return out
 
     def check_before_planning(self) -> None:
-        """Refuse, before planning: DAPO's dynamic sampling (the simulator's only), a rule-based reward (``algo.reward=rule``) without a programmatic
+        """Refuse, before planning: a rule-based reward (``algo.reward=rule``) without a programmatic
         task to verify with (``backend.options.reward.kind``), and more CPU workers than the
         embedded local Ray starts on this machine (:func:`~.cluster.embedded_worker_cap`)."""
         algorithm = self.ctx.algorithm
-        if algorithm.dynamic_sampling:
-            raise ConfigError(f"algo={algorithm.name} with algo.dynamic_sampling=true: backend=ray generates one round "
-                              f"and trains every group it drew; dynamic sampling (rounds until the batch holds "
-                              f"enough groups with mixed outcomes) runs in the simulator only. Set "
-                              f"algo.dynamic_sampling=false")
         if not algorithm.has_reward_model and self.opts.reward.kind == "model":
             raise ConfigError(f"algo={algorithm.name} scores responses with a rule-based verifier (algo.reward=rule), "
                               f"and backend=ray verifies with backend.options.reward's task: set "

@@ -49,11 +49,15 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int, group_size: int = 1) -> list[list[int]]:
+def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int, group_size: int = 1,
+                  round_index: int | None = None) -> list[list[int]]:
     """The prompt of sample ``i`` of iteration ``iteration``: the workload file's token ids when the
     batch carries them (``workload.path``; ``batch.prompt_ids[i]``), else ``prompt_lens[i]`` tokens
     uniform over the vocabulary, drawn from (seed, iteration, i // group_size): the ``group_size``
-    consecutive samples of a group answer one prompt (:func:`harness.core.workload.make_batch`)."""
+    consecutive samples of a group answer one prompt (:func:`harness.core.workload.make_batch`).
+    ``round_index``: the prompts of that generation round of dynamic sampling
+    (:func:`harness.core.workload.draw_round`), drawn from a stream of their own."""
+    stream = () if round_index is None else (f"round{round_index}",)
     out = []
     for i, n in enumerate(batch.prompt_lens.tolist()):
         ids = None if batch.prompt_ids is None else batch.prompt_ids[i]
@@ -64,7 +68,7 @@ def prompt_tokens(seed: int, iteration: int, batch: Batch, vocab_size: int, grou
                                   f"actor's vocabulary (vocab_size={vocab_size})")
             out.append(ids.tolist())
             continue
-        gen = torch.Generator().manual_seed(stable_seed("prompt", seed, iteration, i // group_size))
+        gen = torch.Generator().manual_seed(stable_seed("prompt", seed, iteration, *stream, i // group_size))
         out.append(torch.randint(0, vocab_size, (int(n),), generator=gen).tolist())
     return out
 
@@ -209,7 +213,7 @@ def policy_reward(actor_cfg, workload, seed: int, iteration: int, spec: Mapping[
     gives the reward of the untrained policy, the bar a learning run has to clear. ``spec``: a run's
     ``backend.options.reward`` as a mapping (as its saved config holds it); ``workload`` counts
     prompts, each answered ``algorithm.group_size`` times."""
-    reward = TaskReward(spec["kind"], int(spec["low"]), int(spec["high"]))
+    reward = TaskReward(spec["kind"], int(spec["low"]), int(spec["high"]), spec.get("pass_at"))
     args = ModelArgs.from_llama_config(actor_cfg)
     model = LlamaModel(args, seed=stable_seed("init", seed, "actor"))
     if state is not None:

@@ -51,7 +51,8 @@ from harness.core import metrics as mk
 from harness.core.plan import Allocation, Plan, Task, TaskKind
 from harness.core.trace import PARAM_DIGEST, UNITS, SampleRecord, Span, StepTrace
 from harness.core.units import Unit, execution_units
-from harness.core.workload import Batch
+from harness.core.algorithm import samples_per_round
+from harness.core.workload import Batch, draw_round
 from harness.planning.scheduler import UnitQueue
 from harness.real.digest import weights_digest
 from harness.real.parallel.layout import assemble
@@ -175,6 +176,9 @@ class Iteration:
             return
         (task,) = unit.tasks
         yield from self.ensure_current(task.name, "actor", task.allocation)
+        if self.ctx.algorithm.dynamic_sampling:
+            yield from self._generate_rounds(task)
+            return
         policy, w = self.plan.generation, self.ctx.workload
         request = Generate(task.name, "actor", task.allocation, prompts=self.prompts,
                            target_lens=self.batch.output_lens.tolist(), batching=policy.batching,
@@ -189,6 +193,63 @@ class Iteration:
                 responses[sample.sample_id] = (sample.tokens, sample.logprobs)
                 self.record_sample(sample)
         self.set_rollout(responses, "generation")
+
+    def _generate_rounds(self, task: Task) -> UnitRun:
+        """DAPO's dynamic sampling, for real (:mod:`harness.core.algorithm`): generation round ``r``
+        generates the prompts and target lengths of :func:`~harness.core.workload.draw_round` (the
+        simulator's rounds; prompts from a stream of their own), the driver verifies every response,
+        and the groups whose scores are not all equal are kept, rounds running until the batch's
+        prompts are kept; the first of them are the iteration's batch, as the simulator's kept
+        groups are its (which groups those are is the verifier's verdict here, a draw there)."""
+        algo, w, opts, seed = self.ctx.algorithm, self.ctx.workload, self.opts, self.ctx.seed
+        g, policy = algo.group_size, self.plan.generation
+        needed = self.batch.num_samples  # samples: the batch's prompts x g
+        per_round = samples_per_round(w, algo) // g
+        reward = task_reward("reward", opts.reward)
+        kept: list[tuple[list[int], FinishedSample, int]] = []  # prompt, generated sample, target length
+        generated = mixed = 0
+        verify_s = 0.0
+        for r in range(algo.max_gen_rounds):
+            rb = draw_round(w, seed, self.iteration, r, per_round, g)
+            prompts = ex.prompt_tokens(seed, self.iteration, rb, self.model_args["actor"].vocab_size, g, round_index=r)
+            request = Generate(task.name, "actor", task.allocation, prompts=prompts,
+                               target_lens=rb.output_lens.tolist(), batching=policy.batching,
+                               max_batch_size=policy.max_batch_size, temperature=opts.temperature,
+                               sampling_seed=ex.stable_seed("sampling", seed, self.iteration, f"round{r}"),
+                               kv_capacity=int(rb.prompt_lens.max() + w.max_gen_len))
+            done = yield [self.group.start(request)]
+            self.record(task.name, done.results)
+            samples = {s.sample_id: s for generated_part in outputs(done.results) for s in generated_part.samples}
+            missing = sorted(set(range(rb.num_samples)) - set(samples))
+            if missing:
+                raise RuntimeError(f"generation round {r} returned no response for samples {missing[:8]}")
+            start = time.perf_counter()
+            rollout = ex.build_rollout(prompts, {i: (s.tokens, s.logprobs) for i, s in samples.items()})
+            scores = ex.rule_scores(rollout, reward).reshape(-1, g)
+            verify_s += time.perf_counter() - start
+            generated += rb.num_samples
+            for group in np.flatnonzero(scores.max(axis=1) > scores.min(axis=1)).tolist():
+                mixed += 1
+                kept += [(prompts[i], samples[i], int(rb.output_lens[i])) for i in range(group * g, (group + 1) * g)]
+            if len(kept) >= needed:
+                break
+        else:
+            raise RuntimeError(f"dynamic sampling kept {len(kept) // g} of the {needed // g} prompts it needs after "
+                               f"algo.max_gen_rounds={algo.max_gen_rounds} rounds of {per_round} prompts: the "
+                               f"verifier scored the other groups' responses all alike; raise algo.max_gen_rounds "
+                               f"or algo.oversample_factor")
+        kept = kept[:needed]
+        self.prompts = [p for p, _, _ in kept]
+        self.batch = Batch(self.iteration, np.array([len(p) for p in self.prompts], dtype=np.int64),
+                           np.array([t for _, _, t in kept], dtype=np.int64))
+        for i, (_, sample, _) in enumerate(kept):
+            self.trace.samples.append(SampleRecord(i, len(self.prompts[i]), len(sample.tokens),
+                                                   sample.finish_time_s - self.t0))
+        self.set_rollout({i: (s.tokens, s.logprobs) for i, (_, s, _) in enumerate(kept)}, "generation")
+        self.trace.counters[mk.VERIFY_TAIL] += verify_s  # the rounds' verdicts, then the batch's scores
+        self.trace.counters[mk.GEN_ROUNDS] = float(r + 1)
+        self.trace.counters[mk.GENERATED_SAMPLES] = float(generated)
+        self.trace.counters[mk.MIXED_GROUP_FRAC] = mixed / (generated // g)
 
     def infer_request(self, task: Task, rollout: ex.Rollout, rows: list[int] | None = None) -> Infer:
         """The forward passes of ``task`` over ``rollout`` (``rows``: those of one replica)."""

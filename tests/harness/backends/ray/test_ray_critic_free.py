@@ -7,14 +7,15 @@ Two sets of runs:
   into the reference model's inference; its fused pipeline off for want of a critic) and verl (FSDP
   training, log-probs recomputed in the training layout, the refit into the generation layout)
   under ``algo=grpo``, and DeepSpeed-Chat (ZeRO-3 and hybrid-engine generation) and NeMo-RL
-  (Megatron-style layout, recomputed log-probs, refit) under ``algo=dapo``, each on 2 devices, 2
-  prompts x 4 responses, 2 iterations, end with
+  (Megatron-style layout, recomputed log-probs, refit) under ``algo=dapo`` with its dynamic
+  sampling (rounds of 3x the prompts, a pass/fail verifier, groups all alike dropped), each on 2
+  devices, 2 prompts x 4 responses, 2 iterations, end with
   the same actor weights as the others of their algorithm (relative L2 distance below 1e-6 and
   below 1% of the update, the tolerance of test_ray_backend.py's PPO runs), and GRPO's weights are
   not DAPO's (the algorithm changes the math). Only the actor is trained: no critic, and the
   summary's final weights name the actor alone;
 - **reward rises**: GRPO (RLHFuse, 4 prompts x 8 responses) and DAPO (RLHFuse-Base, 2 prompts x 16
-  responses) for 20 iterations each on the token-range reward (the fraction of response tokens
+  responses, without dynamic sampling: the fraction score, which rarely ties) for 20 iterations each on the token-range reward (the fraction of response tokens
   with id in [0, 32) of 256). The bar is the untrained policy's reward measured in-process on the
   same algorithm's batches (4 seeds x 2 iterations, :func:`~harness.backends.ray.driver.experience.policy_reward`:
   about 0.13): the mean over the last 3 iterations must exceed it by 0.3 and exceed the first 3
@@ -50,9 +51,11 @@ GROUPS = ["workload.global_batch_size=2", "workload.mini_batch_size=1", "algo.gr
 SAME_WEIGHTS = {"grpo": ("rlhfuse_base", "rlhfuse", "verl"), "dapo": ("deepspeed_chat", "nemo_rl")}
 TWO_DEVICES = ["model=tiny", "workload=tiny", "backend=ray", "cluster=h100_8x", "cluster.num_nodes=1",
                "cluster.gpus_per_node=2"]
-# backend=ray runs DAPO without its dynamic sampling (the simulator's only; refused here otherwise)
-ONE_ROUND = {"grpo": [], "dapo": ["algo.dynamic_sampling=false"]}
-RUNS = {f"{name}_{system}": [f"+system={system}", *TWO_DEVICES, f"algo={name}", *ONE_ROUND[name], *GROUPS]
+# DAPO's runs keep its dynamic sampling, with a pass/fail verdict (a response passes when a quarter
+# of its tokens are in range) so that some groups pass or fail whole and are dropped
+DYNAMIC = ["backend.options.reward.pass_at=0.25"]
+EXTRA = {"grpo": [], "dapo": DYNAMIC}
+RUNS = {f"{name}_{system}": [f"+system={system}", *TWO_DEVICES, f"algo={name}", *EXTRA[name], *GROUPS]
         for name, systems in SAME_WEIGHTS.items() for system in systems}
 
 ITERATIONS = 20
@@ -62,7 +65,8 @@ LEARN = ["model=tiny", "workload=learn", "backend=ray", "cluster=h100_8x", "clus
          "workload.mini_batch_size=1", *VERIFIER, "logger=none", "logger.progress_bar=false"]
 LEARNING = {"grpo": ["+system=rlhfuse", "algo=grpo", "algo.kl_coef=0.01", "workload.global_batch_size=4",
                      "system.fused_search.max_steps=200", *LEARN],
-            "dapo": ["+system=rlhfuse_base", "algo=dapo", *ONE_ROUND["dapo"], "workload.global_batch_size=2", *LEARN]}
+            "dapo": ["+system=rlhfuse_base", "algo=dapo", "algo.dynamic_sampling=false", "workload.global_batch_size=2",
+                     *LEARN]}
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +122,23 @@ def test_same_seed_same_weights_across_systems(runs, name):
         assert diff < 1e-2 * update, (name, other, diff, update)
 
 
+@pytest.mark.parametrize("system", SAME_WEIGHTS["dapo"])
+def test_dynamic_sampling_trains_only_groups_the_verifier_told_apart(runs, system):
+    """DAPO's dynamic sampling for real: each iteration generated whole rounds of 3 x 2 prompts x 4
+    responses, dropped the groups whose verdicts were all alike (some were, at this threshold), and
+    trained on 2 prompts whose 4 responses did not all pass or all fail."""
+    metrics = _metrics(runs[f"dapo_{system}"])
+    for m in metrics:
+        assert m["gen/rounds"] >= 1 and m["gen/generated_samples"] == m["gen/rounds"] * 3 * 2 * 4
+        assert 0 < m["gen/mixed_group_frac"] <= 1
+    assert min(m["gen/mixed_group_frac"] for m in metrics) < 1  # the filter dropped groups
+    scores = np.load(runs[f"dapo_{system}"] / "w" / "experience.npz")["scores"].reshape(-1, 4)
+    assert scores.shape == (2, 4) and set(np.unique(scores)) <= {0.0, 1.0}  # verdicts
+    assert (scores.max(axis=1) > scores.min(axis=1)).all()
+
+
 def test_the_algorithm_changes_the_math(runs):
-    """GRPO and DAPO start from the same weights and batches of the same prompts, and end apart."""
+    """GRPO and DAPO start from the same weights (DAPO's prompts drawn in its rounds), and end apart."""
     grpo, dapo = _actor(runs["grpo_rlhfuse_base"]), _actor(runs["dapo_deepspeed_chat"])
     update = _summary(runs["grpo_rlhfuse_base"])["final_weights"]["models"]["actor"]["update_l2"]
     assert float((grpo - dapo).norm()) > 0.1 * update

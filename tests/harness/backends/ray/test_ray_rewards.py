@@ -28,6 +28,19 @@ def test_token_range_score_counts_only_response_tokens():
         task_scores(tokens, torch.tensor([3, 2]), torch.tensor([6, 3]), TaskReward("model", 0, 32))
 
 
+def test_pass_at_makes_the_score_a_verdict():
+    """``pass_at``: 1 where the in-range fraction reaches it (0.5 >= 0.5, 0.75), 0 below (0.25)."""
+    tokens = torch.tensor([[9, 1, 40, 41, 42], [9, 1, 2, 40, 41], [9, 1, 2, 3, 40]])
+    prompt_lens, last = torch.tensor([1, 1, 1]), torch.tensor([4, 4, 4])
+    fractions = task_scores(tokens, prompt_lens, last, TaskReward(**SPEC))
+    torch.testing.assert_close(fractions, torch.tensor([0.25, 0.5, 0.75]))
+    verdicts = task_scores(tokens, prompt_lens, last, TaskReward(**SPEC, pass_at=0.5))
+    torch.testing.assert_close(verdicts, torch.tensor([0.0, 1.0, 1.0]))
+    assert task_reward("reward", RewardOptions(**SPEC, pass_at=0.5)) == TaskReward("token_range", 0, 32, 0.5)
+    with pytest.raises(ConfigError, match="pass_at=1.5"):
+        RayOptions(reward=RewardOptions(**SPEC, pass_at=1.5))
+
+
 def test_only_the_reward_pass_gets_the_task():
     options = RewardOptions(**SPEC)
     assert task_reward("reward", options) == TaskReward("token_range", 0, 32)

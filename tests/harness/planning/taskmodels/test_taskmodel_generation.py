@@ -145,3 +145,55 @@ def test_a_step_schedule_timed_ends_where_the_instance_does(setup, kind):
         expected = _one_instance_end_s(cm, model, prompts, outputs, max_batch, kv_tokens, max_gen_len, tp, pp, ep)
         assert timed_end_s(schedule, cm, model, tp, pp, ep, 0.5) == expected, case
         assert int(schedule.num_steps.sum()) >= outputs.max()  # the longest sample decodes to its end
+
+
+def test_the_compiled_step_schedule_is_the_interpreted_one(monkeypatch):
+    """``step_schedule`` switches to its compiled kernel (:mod:`harness.planning.taskmodels.kernel`)
+    after enough samples: the same spans as the interpreted heap on random lengths (with ties),
+    batch limits and binding or ample KV capacities."""
+    import importlib
+
+    from harness.compiled import AVAILABLE
+
+    generation = importlib.import_module("harness.planning.taskmodels.generation")
+    rng = np.random.default_rng(7)
+    for case in range(60):
+        n = int(rng.integers(0, 200))
+        prompts, outputs = rng.integers(1, 200, n), rng.integers(1, 400, n)
+        if case % 3 == 0:
+            outputs = rng.choice([5, 9], n)  # many samples finish at the same step
+        max_batch, kv = int(rng.integers(1, 40)), int(rng.choice([900, 5000, 1 << 40]))
+        schedules = []
+        for compiled in (False, True):
+            monkeypatch.setattr(generation, "_numba_warm", lambda: False)
+            monkeypatch.setattr(generation, "_samples_scheduled", 1 << 60 if compiled else 0)
+            schedules.append(generation.step_schedule(prompts, outputs, max_batch, kv, 512))
+            assert (generation._samples_scheduled == n) == (not compiled or not AVAILABLE)
+        for a, b in zip(vars(schedules[0]).values(), vars(schedules[1]).values()):
+            assert np.array_equal(a, b), case
+
+
+@pytest.mark.parametrize("overrides", [["+system=nemo_rl", "algo=dapo"], ["+system=colocated", "algo=grpo"],
+                                       ["+system=deepspeed_chat", "algo=ppo"]])
+def test_scoring_a_plan_times_its_generation_as_the_full_simulation_does(overrides):
+    """Planners score whole plans (``record_spans=False``) with each generation instance's end from
+    its step schedule (``continuous_instance_ends``) where nothing needs the samples' finishes:
+    the same task ends, bit for bit, as the full simulation, whose instances run sample by sample."""
+    from harness.planning.estimate import representative_batch
+    from harness.planning.memory import check_plan_memory
+    from harness.planning.simulate import PlanSimulator
+    from harness.testing import plan_for
+
+    plan, ctx, _ = plan_for([*overrides, "model=13b", "cluster.num_nodes=4", "workload.global_batch_size=64",
+                             "workload.mini_batch_size=64", "logger=none"])
+    if overrides[0] != "+system=deepspeed_chat":  # the step-schedule path (DeepSpeed-Chat's static rounds: not)
+        assert plan.generation.batching == "continuous" and plan.generation.migration is None
+    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    batch = representative_batch(ctx)
+    runs = []
+    for record_spans in (True, False):
+        simulator = PlanSimulator(ctx, plan, memory, 0, batch, record_spans=record_spans)
+        simulator.run()
+        runs.append((simulator.timeline.makespan_s, dict(simulator.timeline.end_s),
+                     simulator.timeline.device_free_s.tolist()))
+    assert runs[0] == runs[1]
