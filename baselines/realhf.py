@@ -119,9 +119,16 @@ class RealHF(System):
         cache: dict = {}
         w = ctx.workload
 
+        per_node = ctx.cluster.gpus_per_node
+
         def duration(unit: Unit, plan: Plan, memory) -> float:
             (task,) = unit.tasks
-            key = (task.name, task.allocation, task.model in plan.offloaded,
+            allocation = task.allocation
+            if task.kind in (TaskKind.TRAIN, TaskKind.INFERENCE):
+                # their times depend on which devices share a node, not on which node: a mesh moved
+                # by whole nodes takes as long (the cost model's links are chosen by node membership)
+                allocation = node_relative(allocation, per_node)
+            key = (task.name, allocation, task.model in plan.offloaded,
                    round(memory.kv_capacity_gb.get(task.name, 0.0), 3))
             if key in cache:
                 return cache[key]
@@ -287,3 +294,11 @@ class RealHFHeuristic(RealHF):
 
 register_system_config("realhf", RealHFConfig)
 register_system_config("realhf_heuristic", RealHFHeuristicConfig)
+
+
+def node_relative(allocation: Allocation, gpus_per_node: int) -> Allocation:
+    """``allocation`` with its mesh moved by whole nodes so that its first node is node 0."""
+    base = min(allocation.mesh) // gpus_per_node * gpus_per_node
+    if base == 0:
+        return allocation
+    return Allocation(tuple(d - base for d in allocation.mesh), allocation.strategy)

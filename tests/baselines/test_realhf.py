@@ -107,3 +107,30 @@ def test_offloaded_ref_and_reward_pay_a_load():
     s = plan.task("ref").allocation.strategy
     expected = ctx.cost_model.host_transfer_s(ctx.cost_model.weights_gb(ctx.models.ref, s.tp, s.pp) * 1e9)
     assert loads[0].duration_s == pytest.approx(expected)
+
+
+def test_task_times_do_not_change_when_a_mesh_moves_by_whole_nodes():
+    """ReaLHF's evaluator keys training and inference times on meshes moved to node 0
+    (``node_relative``): the cost model picks links by node membership only, so a mesh moved by
+    whole nodes trains and infers in the same time, bit for bit."""
+    from baselines.realhf import node_relative
+    from harness.core.plan import Allocation, ParallelStrategy, Task
+    from harness.planning.estimate import inference_s, representative_batch, training_s
+    from harness.planning.workflow import single_pipe_stage
+    from harness.testing import context
+
+    ctx = context(["+system=realhf", "model=13b", "cluster.num_nodes=4", "workload.global_batch_size=64",
+                   "workload.mini_batch_size=16"])
+    batch, w, per_node = representative_batch(ctx), ctx.workload, ctx.cluster.gpus_per_node
+    for strategy, first in [(ParallelStrategy(2, 2, 4, 1), 8), (ParallelStrategy(1, 4, 2, 1), 12)]:
+        mesh = tuple(range(first, first + strategy.size))
+        moved = Allocation(tuple(d + per_node for d in mesh), strategy)
+        here = Allocation(mesh, strategy)
+        assert node_relative(moved, per_node) == node_relative(here, per_node)
+        for a in (here, moved):
+            assert node_relative(a, per_node).mesh[0] == first % per_node
+        stage = single_pipe_stage("update_actor", "actor", strategy, w.mini_batch_size, w.micro_batch_size,
+                                  w.global_batch_size)
+        times = [(training_s(ctx, Task("update_actor", "train", "actor", a), stage, w.mini_batch_size, batch),
+                  inference_s(ctx, Task("ref", "inference", "ref", a), batch)) for a in (here, moved)]
+        assert times[0] == times[1]
