@@ -153,6 +153,11 @@ def draw_batch(w: WorkloadConfig, seed: int, iteration: int, algorithm) -> Batch
                               algorithm.max_gen_rounds)
 
 
+def mixed_groups(group_num_correct: np.ndarray, group_size: int) -> np.ndarray:
+    """Per group, whether its responses neither all pass nor all fail: the groups dynamic sampling keeps."""
+    return (group_num_correct > 0) & (group_num_correct < group_size)
+
+
 def draw_round(w: WorkloadConfig, seed: int, iteration: int, round_index: int, num_prompts: int,
                group_size: int) -> Batch:
     """Generation round ``round_index`` of iteration ``iteration`` under dynamic sampling:
@@ -188,8 +193,7 @@ def make_sampled_batch(w: WorkloadConfig, seed: int, iteration: int, group_size:
     rounds, kept = [], []  # kept: (round, group) of each kept group
     for r in range(max_rounds):
         rounds.append(draw_round(w, seed, iteration, r, per_round, group_size))
-        k = rounds[-1].group_num_correct
-        kept += [(r, g) for g in np.flatnonzero((k > 0) & (k < group_size)).tolist()]
+        kept += [(r, g) for g in np.flatnonzero(mixed_groups(rounds[-1].group_num_correct, group_size)).tolist()]
         if len(kept) >= num_prompts:
             break
     else:

@@ -37,7 +37,7 @@ from harness.planning.taskmodels.sampling import group_ready_s, kept_stream
 from harness.planning.taskmodels.streaming import simulate_streaming_inference
 from harness.system import PlanContext
 from harness.core.trace import UNITS, StepTrace
-from harness.core.workload import Batch
+from harness.core.workload import Batch, mixed_groups
 
 
 class PlanSimulator:
@@ -53,11 +53,9 @@ class PlanSimulator:
         self.ctx, self.cm, self.plan, self.memory, self.batch = ctx, ctx.cost_model, plan, memory, batch
         self.record_spans = record_spans
         self.timeline: Timeline | None = None
-        self.prompt_lens = batch.prompt_lens
         if plan.engines is not None:  # ops as the plan's execution engines run them
             self.cm = ctx.cost_model.with_engines(plan.engines, generation_gather_s(ctx, plan))
-            if plan.engines.generation.pad_prompts_to_max:  # every prompt padded to the longest allowed
-                self.prompt_lens = np.full_like(batch.prompt_lens, ctx.workload.prompt_len.max)
+        self.prompt_lens = self._generated_prompt_lens(batch.prompt_lens)
         self.trace = StepTrace(iteration=iteration, num_devices=ctx.num_devices)
         gen_dp = max((t.allocation.strategy.dp for t in plan.tasks if t.kind == TaskKind.GENERATE), default=1)
         # what later passes see: own lengths, or padded to the longest of a generation round
@@ -114,6 +112,13 @@ class PlanSimulator:
             self.trace.counters[mk.VERIFY_TAIL] = timing.end_s[task.name] - gen.end_s
         return timing
 
+    def _generated_prompt_lens(self, prompt_lens: np.ndarray) -> np.ndarray:
+        """The prompt lengths generation runs on: their own, or every prompt padded to the longest
+        allowed where the plan's generation engine pads (``pad_prompts_to_max``)."""
+        if self.plan.engines is not None and self.plan.engines.generation.pad_prompts_to_max:
+            return np.full_like(prompt_lens, self.ctx.workload.prompt_len.max)
+        return prompt_lens
+
     def _generation(self, task: Task, prompt_lens: np.ndarray, output_lens: np.ndarray, start_s: float) -> GenerationResult:
         """``task``'s generation of these samples from ``start_s``. Scoring a plan
         (``record_spans=False``) without a stream to feed or a migration to replay needs only its
@@ -140,10 +145,7 @@ class PlanSimulator:
         finish_s: list[np.ndarray] = []
         now, gen, migrated = self.now_s, None, 0
         for rb in self.batch.rounds:
-            prompts = rb.prompt_lens
-            if self.plan.engines is not None and self.plan.engines.generation.pad_prompts_to_max:
-                prompts = np.full_like(prompts, self.ctx.workload.prompt_len.max)
-            gen = self._generation(task, prompts, rb.output_lens, now)
+            gen = self._generation(task, self._generated_prompt_lens(rb.prompt_lens), rb.output_lens, now)
             self.trace.spans.extend(s for inst in gen.instances for s in inst.spans)
             migrated += gen.migrated_samples
             finished = np.full(rb.num_samples, gen.end_s)  # without the samples' own finishes: the end
@@ -161,7 +163,7 @@ class PlanSimulator:
         self.trace.counters[mk.GEN_ROUNDS] = float(len(self.batch.rounds))
         self.trace.counters[mk.GENERATED_SAMPLES] = float(sum(rb.num_samples for rb in self.batch.rounds))
         outcomes = np.concatenate([rb.group_num_correct for rb in self.batch.rounds])
-        self.trace.counters[mk.MIXED_GROUP_FRAC] = float(((outcomes > 0) & (outcomes < algo.group_size)).mean())
+        self.trace.counters[mk.MIXED_GROUP_FRAC] = float(mixed_groups(outcomes, algo.group_size).mean())
         self.trace.counters[mk.VERIFY_TAIL] = now - gen.end_s
         if policy.migration is not None:  # summed over the rounds; the last round's tail instances
             self.trace.counters[mk.MIGRATED_SAMPLES] = migrated
@@ -219,14 +221,7 @@ def verified_s(returned_s: list[float], cost_s: float, num_workers: int) -> floa
     they finish when the plan streams them (the verifier runs on the driver's CPUs, beside the
     GPUs: ``harness.core.algorithm``). The generate task, which writes the rewards, ends then: as
     verl's trainer computes a rule-based reward right after generation, before the log-prob passes."""
-    free = [0.0] * num_workers
-    heapq.heapify(free)
-    end = max(returned_s, default=0.0)
-    for t in sorted(returned_s):
-        start = max(t, heapq.heappop(free))
-        heapq.heappush(free, start + cost_s)
-        end = max(end, start + cost_s)
-    return end
+    return max(verified_times(returned_s, cost_s, num_workers), default=0.0)
 
 
 def verified_times(returned_s: list[float], cost_s: float, num_workers: int) -> list[float]:

@@ -70,9 +70,10 @@ COMPILE_AFTER_ACTIONS = 300_000
 _python_actions_timed = 0
 
 
-def _numba_warm() -> bool:
+def compiled_kernels_warm() -> bool:
     """Has this process run a compiled kernel already? (``harness.compiled`` imports numba, so it
-    is only asked if something imported it.)"""
+    is only asked if something imported it.) The tiering of every interpreted-then-compiled pass
+    reads it (this module's, ``harness.planning.taskmodels.generation.step_schedule``)."""
     compiled = sys.modules.get("harness.compiled")
     return compiled is not None and compiled.warm()
 
@@ -112,9 +113,8 @@ class _Structure:
         self.dep_a: list[int] = dep_a_np.tolist()
         self.dep_b: list[int] = dep_b_np.tolist()
         # per action: does each dependency cross ranks (and so pay the pipe's p2p latency)?
-        self.cross_a_np = (dep_a_np >= 0) & (home_np[np.maximum(dep_a_np, 0)] != home_np)
-        self.cross_b_np = (dep_b_np >= 0) & (home_np[np.maximum(dep_b_np, 0)] != home_np)
-        self.cross_a, self.cross_b = self.cross_a_np.tolist(), self.cross_b_np.tolist()
+        self.cross_a = (dep_a_np >= 0) & (home_np[np.maximum(dep_a_np, 0)] != home_np)
+        self.cross_b = (dep_b_np >= 0) & (home_np[np.maximum(dep_b_np, 0)] != home_np)
         self._dep_arrays = (dep_a_np, dep_b_np)
 
     @property
@@ -171,8 +171,8 @@ class SimModel:
             f_base = st.pipe_slots[pipe.name][0]
             ids = slice(f_base, f_base + 2 * S * M)
             p2p = float(cost.p2p)
-            lat_a.append(np.where(st.cross_a_np[ids], p2p, 0.0))
-            lat_b.append(np.where(st.cross_b_np[ids], p2p, 0.0))
+            lat_a.append(np.where(st.cross_a[ids], p2p, 0.0))
+            lat_b.append(np.where(st.cross_b[ids], p2p, 0.0))
         self.num_actions = len(self.home)
         self._np: tuple[np.ndarray, ...] = (*st.dep_arrays, *(_joined(x) for x in (lat_a, lat_b, dur, mem_delta)))
         self._lists: dict[str, list[float]] = {}
@@ -333,7 +333,7 @@ def _interpret_next(num_actions: int) -> bool:
     """Whether the next pass, over ``num_actions`` actions, runs interpreted (the tiering of
     :data:`COMPILE_AFTER_ACTIONS`); counts the actions if so."""
     global _python_actions_timed
-    if _python_actions_timed < COMPILE_AFTER_ACTIONS and not _numba_warm():
+    if _python_actions_timed < COMPILE_AFTER_ACTIONS and not compiled_kernels_warm():
         _python_actions_timed += num_actions
         return True
     return False

@@ -50,7 +50,6 @@ import heapq
 import itertools
 import math
 import operator
-import sys
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -59,6 +58,7 @@ from harness.costmodel import CostModel
 from harness.costmodel.llama import kv_bytes_per_token
 from harness.core.plan import GenerationPolicy, Task
 from harness.planning.taskmodels.migration import destination, due, tail_instances, threshold
+from harness.schedule.simulate import compiled_kernels_warm
 from harness.core.trace import SampleRecord, Span
 
 
@@ -223,11 +223,6 @@ COMPILE_AFTER_SAMPLES = 200_000
 _samples_scheduled = 0
 
 
-def _numba_warm() -> bool:
-    compiled = sys.modules.get("harness.compiled")
-    return compiled is not None and compiled.warm()
-
-
 def step_schedule(prompt_lens: np.ndarray, output_lens: np.ndarray, max_batch: int, kv_capacity_tokens: int,
                   max_gen_len: int) -> StepSchedule:
     """The :class:`StepSchedule` of :class:`ContinuousInstance` run to the end on these samples (in
@@ -237,7 +232,7 @@ def step_schedule(prompt_lens: np.ndarray, output_lens: np.ndarray, max_batch: i
     Compiled (:mod:`.kernel`) once this process has scheduled :data:`COMPILE_AFTER_SAMPLES`
     samples here or has run another compiled kernel; the same spans either way (tested)."""
     global _samples_scheduled
-    if _samples_scheduled >= COMPILE_AFTER_SAMPLES or _numba_warm():
+    if _samples_scheduled >= COMPILE_AFTER_SAMPLES or compiled_kernels_warm():
         from harness.compiled import AVAILABLE
         if AVAILABLE:
             from harness.planning.taskmodels.kernel import step_schedule_spans

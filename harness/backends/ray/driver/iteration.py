@@ -179,12 +179,8 @@ class Iteration:
         if self.ctx.algorithm.dynamic_sampling:
             yield from self._generate_rounds(task)
             return
-        policy, w = self.plan.generation, self.ctx.workload
-        request = Generate(task.name, "actor", task.allocation, prompts=self.prompts,
-                           target_lens=self.batch.output_lens.tolist(), batching=policy.batching,
-                           max_batch_size=policy.max_batch_size, temperature=self.opts.temperature,
-                           sampling_seed=ex.stable_seed("sampling", self.ctx.seed, self.iteration),
-                           kv_capacity=int(self.batch.prompt_lens.max() + w.max_gen_len))
+        request = self._generate_request(task, self.prompts, self.batch,
+                                         ex.stable_seed("sampling", self.ctx.seed, self.iteration))
         done = yield [self.group.start(request)]
         self.record(task.name, done.results)
         responses = {}
@@ -194,6 +190,14 @@ class Iteration:
                 self.record_sample(sample)
         self.set_rollout(responses, "generation")
 
+    def _generate_request(self, task: Task, prompts: list[list[int]], batch: Batch, sampling_seed: int) -> Generate:
+        """``task``'s generation of ``prompts`` up to ``batch``'s target lengths under the plan's policy."""
+        policy = self.plan.generation
+        return Generate(task.name, "actor", task.allocation, prompts=prompts, target_lens=batch.output_lens.tolist(),
+                        batching=policy.batching, max_batch_size=policy.max_batch_size,
+                        temperature=self.opts.temperature, sampling_seed=sampling_seed,
+                        kv_capacity=int(batch.prompt_lens.max() + self.ctx.workload.max_gen_len))
+
     def _generate_rounds(self, task: Task) -> UnitRun:
         """DAPO's dynamic sampling, for real (:mod:`harness.core.algorithm`): generation round ``r``
         generates the prompts and target lengths of :func:`~harness.core.workload.draw_round` (the
@@ -202,7 +206,7 @@ class Iteration:
         prompts are kept; the first of them are the iteration's batch, as the simulator's kept
         groups are its (which groups those are is the verifier's verdict here, a draw there)."""
         algo, w, opts, seed = self.ctx.algorithm, self.ctx.workload, self.opts, self.ctx.seed
-        g, policy = algo.group_size, self.plan.generation
+        g = algo.group_size
         needed = self.batch.num_samples  # samples: the batch's prompts x g
         per_round = samples_per_round(w, algo) // g
         reward = task_reward("reward", opts.reward)
@@ -212,11 +216,8 @@ class Iteration:
         for r in range(algo.max_gen_rounds):
             rb = draw_round(w, seed, self.iteration, r, per_round, g)
             prompts = ex.prompt_tokens(seed, self.iteration, rb, self.model_args["actor"].vocab_size, g, round_index=r)
-            request = Generate(task.name, "actor", task.allocation, prompts=prompts,
-                               target_lens=rb.output_lens.tolist(), batching=policy.batching,
-                               max_batch_size=policy.max_batch_size, temperature=opts.temperature,
-                               sampling_seed=ex.stable_seed("sampling", seed, self.iteration, f"round{r}"),
-                               kv_capacity=int(rb.prompt_lens.max() + w.max_gen_len))
+            request = self._generate_request(task, prompts, rb,
+                                             ex.stable_seed("sampling", seed, self.iteration, f"round{r}"))
             done = yield [self.group.start(request)]
             self.record(task.name, done.results)
             samples = {s.sample_id: s for generated_part in outputs(done.results) for s in generated_part.samples}

@@ -165,7 +165,7 @@ def test_the_compiled_step_schedule_is_the_interpreted_one(monkeypatch):
         max_batch, kv = int(rng.integers(1, 40)), int(rng.choice([900, 5000, 1 << 40]))
         schedules = []
         for compiled in (False, True):
-            monkeypatch.setattr(generation, "_numba_warm", lambda: False)
+            monkeypatch.setattr(generation, "compiled_kernels_warm", lambda: False)
             monkeypatch.setattr(generation, "_samples_scheduled", 1 << 60 if compiled else 0)
             schedules.append(generation.step_schedule(prompts, outputs, max_batch, kv, 512))
             assert (generation._samples_scheduled == n) == (not compiled or not AVAILABLE)
