@@ -619,6 +619,40 @@ class CalibratedCompute:
                                   num_mbs, ep)
         return gpu_s + self.graph_step_overhead_s
 
+    def prefills_s(self, d: ModelDims, num_tokens: np.ndarray, tp: int, pp: int, ep: int = 1) -> np.ndarray:
+        """:meth:`prefill_s` of many prefills of one sequence each (``num_tokens``: positive integer
+        token counts), elementwise and bit for bit: :meth:`_pipelined_s`'s operations in its order
+        with one micro-batch, the linear ops and the attention core in numpy (a dense model's), the
+        collectives (memoised scalars) and a MoE model's linear ops element by element. A
+        generation instance's step schedule prefills as many distinct token counts as it has
+        admissions, and a layout search prices tens of thousands of them."""
+        m = np.asarray(num_tokens, dtype=np.float64)  # mb = num_tokens / 1.0
+        if d.is_moe:
+            linear = np.array([self.linear_layer_s(d, tp, x, ep) for x in m.tolist()])
+        else:
+            linear = 0.0
+            for k, n, kn, per_token_bytes, floor, c0, c_flop, c_byte in self._layer_terms(d, int(tp)):
+                if per_token_bytes is None:
+                    linear = linear + np.maximum(floor, c0 + c_flop * (2.0 * m * k * n)
+                                                 + c_byte * (BF16_BYTES * (kn + m * k + m * n)))
+                else:
+                    linear = linear + np.maximum(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
+        # attention_s(d, tp, m, m / 2.0, m): queries over half the sequence, the whole of it read
+        flops = 4.0 * d.attention_width * (m / 2.0) * m / tp
+        q_out = 2.0 * m * d.q_dim / tp
+        nbytes = (float(d.kv_cache_width(tp)) * m + q_out) * BF16_BYTES
+        attention = np.maximum(flops / self.flops_per_s_attention, nbytes * self.stream_s_per_byte)
+        attention += self.cal.law("add", tp).f0
+        time_s = d.num_layers * (linear + attention) + self.head_s(d, tp, 1.0)
+        time_s += np.array([self._allreduces_s(d.num_layers, x, d, tp) for x in m.tolist()])
+        if pp > 1:
+            time_s += np.array([(pp - 1) * self._p2p_s(x * d.hidden_size * BF16_BYTES, tp * pp)
+                                for x in m.tolist()])
+        if ep > 1:
+            time_s += np.array([moe_alltoalls_s(self._alltoall_s, d, d.num_layers, x, ep, ep * tp * pp)
+                                for x in m.tolist()])
+        return time_s + self.graph_step_overhead_s
+
 
 # A100 SXM4 datasheet dense bf16 peak (the reference step below is bandwidth-bound anyway).
 A100_PEAK_BF16_TFLOPS = 312.0

@@ -146,6 +146,15 @@ class EngineCosts:
             return 0.0
         return self._step(self.base.prefill_s(model, num_tokens, tp, pp, seq_len, ep), model)
 
+    def prefills_s(self, model: Any, num_tokens: np.ndarray, tp: int = 1, pp: int = 1,
+                   ep: int = 1) -> Optional[np.ndarray]:
+        """:meth:`prefill_s` of many prefills of one sequence each (positive token counts),
+        elementwise and bit for bit; None where the base cost model has no such pass."""
+        graph_s = self.base.prefills_s(model, num_tokens, tp, pp, ep)
+        if graph_s is None:
+            return None
+        return self._step_each(graph_s, model, 0.0)
+
     # -- training and inference passes ----------------------------------------------------------
 
     def _score_traffic_s(self, bytes_per_score: float, model: Any, num_tokens: float, seq_len: float,

@@ -405,6 +405,20 @@ class CostModel:
             self.check_expert_parallel(model, ep)
         return self.compute.decode_steps_s(ModelDims.of(model), batch_sizes, context_totals, tp, pp, ep)
 
+    def prefills_s(self, model: Any, num_tokens: np.ndarray, tp: int = 1, pp: int = 1,
+                   ep: int = 1) -> Optional[np.ndarray]:
+        """:meth:`prefill_s` of many prefills of one sequence each at once, elementwise and bit for
+        bit (``num_tokens``: positive integer token counts). The calibrated model's (and its
+        engines') only; None for a profile table or the roofline, whose prefills a caller then asks
+        for one at a time."""
+        if self.engine_costs is not None:
+            return self.engine_costs.prefills_s(model, num_tokens, tp, pp, ep)
+        if self.profile is not None or self.calibration is None:
+            return None
+        if ep != 1:
+            self.check_expert_parallel(model, ep)
+        return self.compute.prefills_s(ModelDims.of(model), num_tokens, tp, pp, ep)
+
     def decode_span_s(self, model: Any, batch_size: int, context_tokens_total: int, num_steps: int,
                       tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, ...]:
         """The :meth:`decode_step_s` times of ``num_steps`` consecutive steps of one batch, each

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from harness.core.plan import Allocation
 
 
@@ -27,73 +29,82 @@ class DeviceTransfer:
     intra_node: bool  # every needed piece has a holder on the device's node
 
 
-def _stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[float, float]:
-    per = num_layers / pp
-    return stage * per, (stage + 1) * per
-
-
-def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
-    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+@lru_cache(maxsize=1024)
+def _coords(alloc: Allocation) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``alloc``'s devices in mesh order (:meth:`Allocation.device`'s indexing) with the pp and tp
+    rank of each. Memoised (a layout search prices movements between the same allocations again
+    and again): read them, do not change them."""
+    s = alloc.strategy
+    i = np.arange(len(alloc.mesh), dtype=np.int64)
+    return np.array(alloc.mesh, dtype=np.int64), (i // s.tp) % s.pp, i % s.tp
 
 
 @lru_cache(maxsize=1024)
-def _coords(alloc: Allocation) -> dict[int, tuple[int, int, int]]:
-    """Device -> (dp, pp, tp) rank in ``alloc``, in mesh order (:meth:`Allocation.device`'s indexing).
-    Memoised (a layout search prices movements between the same allocations again and again): read
-    it, do not change it."""
-    s = alloc.strategy
-    return {dev: (i // (s.pp * s.tp), (i // s.tp) % s.pp, i % s.tp) for i, dev in enumerate(alloc.mesh)}
+def _holders_by_node(source: Allocation, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """The nodes ``source`` occupies (ascending) and, per node, which (stage, tp-slice) pieces it
+    holds (``held[i, stage, slice]``: 1 or 0; memoised)."""
+    devices, stages, slices = _coords(source)
+    nodes = devices // gpus_per_node
+    node_ids = np.unique(nodes)
+    held = np.zeros((len(node_ids), source.strategy.pp, source.strategy.tp))
+    held[np.searchsorted(node_ids, nodes), stages, slices] = 1.0
+    return node_ids, held
 
 
-@lru_cache(maxsize=1024)
-def _holders_by_node(source: Allocation, gpus_per_node: int) -> dict[int, tuple[tuple[int, int], ...]]:
-    """Distinct (stage, tp-slice) pieces ``source`` holds on each node, in the order a set of them
-    built in mesh order iterates (memoised): nodes holding the same pieces in the same order get
-    equal tuples, whose covered areas are the same sum."""
-    holders: dict[int, set[tuple[int, int]]] = {}
-    for dev, (_, p, t) in _coords(source).items():
-        holders.setdefault(dev // gpus_per_node, set()).add((p, t))
-    return {node: tuple(pieces) for node, pieces in holders.items()}
+def _overlaps(starts_a: np.ndarray, ends_a: np.ndarray, starts_b: np.ndarray, ends_b: np.ndarray) -> np.ndarray:
+    """Length of the overlap of every interval of a with every interval of b (rows: a)."""
+    return np.maximum(0.0, np.minimum(ends_a[:, None], ends_b[None, :]) - np.maximum(starts_a[:, None], starts_b[None, :]))
 
 
-def _piece(alloc: Allocation, num_layers: int, coord: tuple[int, int, int]):
-    _, p, t = coord
-    s = alloc.strategy
-    return _stage_layer_range(num_layers, s.pp, p), (t / s.tp, (t + 1) / s.tp)
+def transfer_arrays(source: Allocation, target: Allocation, num_layers: int, layer_bytes: float,
+                    gpus_per_node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`reallocation_transfers` as arrays over the target's devices in mesh order: the
+    devices, the bytes each receives, and whether every piece it needs has a holder on its node."""
+    devices, stages, slices = _coords(target)
+    t, s = target.strategy, source.strategy
+    per, source_per = num_layers / t.pp, num_layers / s.pp
+    lo, hi = stages * per, (stages + 1) * per  # the layer range and tp columns each device needs
+    left, right = slices / t.tp, (slices + 1) / t.tp
+    need = (hi - lo) * (right - left)
+    # what a device holds itself, where it is in the source mesh
+    src_devices, src_stages, src_slices = _coords(source)
+    size = int(max(devices.max(), src_devices.max())) + 1
+    where = np.full(size, -1, dtype=np.int64)
+    where[src_devices] = np.arange(len(src_devices))
+    at = where[devices]
+    mine = at >= 0
+    s_stage, s_slice = src_stages[at[mine]], src_slices[at[mine]]
+    src_shard = 1.0 / s.dp if s.zero_stage == 3 else 1.0
+    held = np.zeros(len(devices))
+    held[mine] = (np.maximum(0.0, np.minimum(hi[mine], (s_stage + 1) * source_per) - np.maximum(lo[mine], s_stage * source_per))
+                  * np.maximum(0.0, np.minimum(right[mine], (s_slice + 1) / s.tp) - np.maximum(left[mine], s_slice / s.tp))
+                  * src_shard)
+    moved = np.maximum(0.0, need - held) * layer_bytes
+    nodes = devices // gpus_per_node
+    node_ids, pieces = _holders_by_node(source, gpus_per_node)
+    if s.zero_stage == 3:  # each piece is spread over every dp rank of the source
+        intra = (nodes == node_ids[0]) if len(node_ids) == 1 else np.zeros(len(devices), dtype=bool)
+        return devices, moved, intra
+    # the area of each target piece that each source node's pieces cover: pieces of one replica
+    # tile the model disjointly, and a node's pieces are counted once however many replicas hold them
+    k = np.arange(t.pp)
+    layer_cover = _overlaps(k * per, (k + 1) * per, np.arange(s.pp) * source_per, (np.arange(s.pp) + 1) * source_per)
+    j = np.arange(t.tp)
+    col_cover = _overlaps(j / t.tp, (j + 1) / t.tp, np.arange(s.tp) / s.tp, (np.arange(s.tp) + 1) / s.tp)
+    covered = layer_cover @ pieces @ col_cover.T  # (source node, target stage, target slice)
+    node_at = np.searchsorted(node_ids, nodes)
+    on_source_node = (node_at < len(node_ids)) & (node_ids[np.minimum(node_at, len(node_ids) - 1)] == nodes)
+    area = np.zeros(len(devices))
+    area[on_source_node] = covered[node_at[on_source_node], stages[on_source_node], slices[on_source_node]]
+    return devices, moved, area >= need - 1e-9
 
 
 def reallocation_transfers(source: Allocation, target: Allocation, num_layers: int,
                            layer_bytes: float, gpus_per_node: int) -> list[DeviceTransfer]:
     """Bytes each target device must receive, and over which tier. ``layer_bytes`` is the size of
     one layer's weights (embedding and head are folded into the per-layer size by the caller)."""
-    src_coords = _coords(source)
-    src_shard = 1.0 / source.strategy.dp if source.strategy.zero_stage == 3 else 1.0
-    # Distinct (stage, tp-slice) pieces held on each node: pieces of one replica tile the model
-    # disjointly, so de-duplicating across dp replicas makes the covered area exact.
-    holders_by_node = _holders_by_node(source, gpus_per_node)
-    source_nodes = {d // gpus_per_node for d in source.mesh}
-    # (the node's source pieces, stage, tp slice) of the target -> covered: nodes with the same pieces share it
-    covered_by: dict[tuple, float] = {}
-    transfers = []
-    for dev, coord in _coords(target).items():
-        layers, cols = _piece(target, num_layers, coord)
-        need = (layers[1] - layers[0]) * (cols[1] - cols[0])
-        held = 0.0
-        if dev in src_coords:
-            s_layers, s_cols = _piece(source, num_layers, src_coords[dev])
-            held = _overlap(layers, s_layers) * _overlap(cols, s_cols) * src_shard
-        node = dev // gpus_per_node
-        if source.strategy.zero_stage == 3:  # each piece is spread over every dp rank of the source
-            intra = source_nodes == {node}
-        else:
-            holders = holders_by_node.get(node, ())
-            key = (holders, coord[1], coord[2])  # every dp replica on a node needs the same piece
-            if key not in covered_by:
-                covered_by[key] = sum(_overlap(layers, l) * _overlap(cols, c)
-                                      for l, c in (_piece(source, num_layers, (0, p, t)) for p, t in holders))
-            intra = covered_by[key] >= need - 1e-9
-        transfers.append(DeviceTransfer(dev, max(0.0, need - held) * layer_bytes, intra))
-    return transfers
+    devices, moved, intra = transfer_arrays(source, target, num_layers, layer_bytes, gpus_per_node)
+    return [DeviceTransfer(d, b, i) for d, b, i in zip(devices.tolist(), moved.tolist(), intra.tolist())]
 
 
 def total_bytes(transfers: list[DeviceTransfer]) -> float:

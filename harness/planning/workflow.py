@@ -31,6 +31,7 @@ pass of the actor in its training layout that writes ``old_logprobs``, which ``g
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Sequence
 
 from harness.core.algorithm import PPO, AlgorithmConfig
@@ -112,9 +113,13 @@ def microbatches_per_replica(mini_batch_size: int, dp: int, micro_batch_size: in
     return per_replica
 
 
+@lru_cache(maxsize=4096)
 def single_pipe_stage(task: str, model: str, strategy: ParallelStrategy, mini_batch_size: int,
                       micro_batch_size: int, global_batch_size: int, schedule: str = "1f1b") -> TrainingStage:
-    """One training task as its own stage: a ``pp``-stage pipeline per dp replica, 1F1B by default."""
+    """One training task as its own stage: a ``pp``-stage pipeline per dp replica, 1F1B by default.
+    Memoised: the same arguments give the same (immutable) stage object, so a layout search's
+    candidates share the stages they have in common, and checks memoised on a schedule's identity
+    (:func:`harness.planning.memory.training_activation_gb`) answer them once."""
     num_mbs = microbatches_per_replica(mini_batch_size, strategy.dp, micro_batch_size, task)
     pipe = PipeSpec(name=model[0].upper(), num_stages=strategy.pp, num_mbs=num_mbs,
                     stage_to_rank=tuple(range(strategy.pp)), model=model)

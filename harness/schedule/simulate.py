@@ -386,6 +386,13 @@ def list_order_peak_memory(schedule: Schedule, costs: Mapping[str, PipeCosts]) -
     the schedule does (memory checks of plans use this; the timing pass checks)."""
     activation = {name: [float(a) for a in costs[name].activation] for name in schedule.pipes}
     activation_key = tuple((name, tuple(values)) for name, values in activation.items())
+    # memoised on the schedule by identity first (kept alive beside the answer; schedules are not
+    # changed once built): planners share their stages' schedules across candidates
+    # (:func:`harness.planning.workflow.single_pipe_stage`) and check each candidate's memory
+    schedule_key = (id(schedule), activation_key)
+    known = _SCHEDULE_PEAKS.get(schedule_key)
+    if known is not None:
+        return dict(known[1])
     peaks: dict[int, float] = {}
     for rank in schedule.ranks:
         seq = schedule.order.get(rank, ())
@@ -411,12 +418,17 @@ def list_order_peak_memory(schedule: Schedule, costs: Mapping[str, PipeCosts]) -
                 _RANK_PEAKS.clear()
             hit = _RANK_PEAKS[key] = (tuple(seq), peak)
         peaks[rank] = hit[1]
+    if len(_SCHEDULE_PEAKS) >= RANK_PEAKS_MAX_ENTRIES:
+        _SCHEDULE_PEAKS.clear()
+    _SCHEDULE_PEAKS[schedule_key] = (schedule, dict(peaks))
     return peaks
 
 
 # list_order_peak_memory's answers per rank: (action ids as bytes, activations) -> (the actions, peak)
 RANK_PEAKS_MAX_ENTRIES = 256  # ~16 bytes an action: at most a few tens of MB
 _RANK_PEAKS: dict[tuple, tuple[tuple, float]] = {}
+# and per schedule: (schedule id, activations) -> (the schedule, its ranks' peaks)
+_SCHEDULE_PEAKS: dict[tuple, tuple[Schedule, dict[int, float]]] = {}
 
 
 def simulate_each(schedule: Schedule, costs_each: Sequence[Mapping[str, PipeCosts]],

@@ -287,9 +287,13 @@ def timed_end_s(schedule: StepSchedule, cm: CostModel, model, tp: int, pp: int, 
         return start_s
     prefilled = schedule.prefill_tokens > 0
     prefill_s: dict[int, float] = {} if prefill_memo is None else prefill_memo
-    for tokens in schedule.prefill_tokens[prefilled].tolist():
-        if tokens not in prefill_s:
-            prefill_s[tokens] = cm.prefill_s(model, tokens, tp, pp, ep=ep)
+    prefill_tokens = schedule.prefill_tokens[prefilled].tolist()
+    missing = [tokens for tokens in dict.fromkeys(prefill_tokens) if tokens not in prefill_s]
+    if missing:  # priced in one elementwise pass where the cost model has one
+        priced = cm.prefills_s(model, np.array(missing, dtype=np.int64), tp, pp, ep)
+        if priced is None:
+            priced = [cm.prefill_s(model, tokens, tp, pp, ep=ep) for tokens in missing]
+        prefill_s.update(zip(missing, np.asarray(priced).tolist()))
     # one slot per prefill and per step, in the order the instance's clock adds them
     slots = num_steps + prefilled
     first_slot = np.cumsum(slots) - slots
@@ -297,7 +301,7 @@ def timed_end_s(schedule: StepSchedule, cm: CostModel, model, tp: int, pp: int, 
     durations[0] = start_s
     is_step = np.ones(len(durations) - 1, dtype=bool)
     is_step[first_slot[prefilled]] = False
-    durations[1:][~is_step] = [prefill_s[t] for t in schedule.prefill_tokens[prefilled].tolist()]
+    durations[1:][~is_step] = [prefill_s[t] for t in prefill_tokens]
     step_batch = np.repeat(batch_sizes, num_steps)
     first_step = np.cumsum(num_steps) - num_steps
     step_in_span = np.arange(len(step_batch)) - np.repeat(first_step, num_steps)

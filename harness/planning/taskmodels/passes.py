@@ -9,7 +9,7 @@
   cost model (ZeRO-3 adds weight gathers in forward and backward and a gradient reduce-scatter,
   overlapped with compute); then gradients are synchronised across dp (all-reduce, or
   reduce-scatter + all-gather under ZeRO-1/2) and the optimizer steps.
-- Weight movement: :func:`harness.planning.realloc.reallocation_transfers` bytes per device over its tier,
+- Weight movement: :func:`harness.planning.realloc.transfer_arrays` bytes per device over its tier,
   bounded by the senders' links as well.
 - Offloaded models (``Plan.offloaded``) copy their weights in from host memory (PCIe) before
   each inference pass.
@@ -28,7 +28,7 @@ from harness.costmodel import CostModel
 from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
 from harness.core.plan import Plan, Task, TrainingStage, WeightMovement
-from harness.planning.realloc import reallocation_transfers
+from harness.planning.realloc import DeviceTransfer, transfer_arrays
 from harness.schedule import PipeCosts, simulate_each, simulate_makespans
 from harness.core.trace import PipelineRun, SampleRecord, Span
 
@@ -307,12 +307,14 @@ def weight_movement_s(cm: CostModel, move: WeightMovement, model) -> tuple[float
     source devices, spread evenly over them; when few devices feed many (a small training pool
     syncing many generation replicas) the senders' links are the bottleneck."""
     layer_bytes = cm.weights_gb(model, 1, 1) * 1e9 / model.num_layers
-    transfers = reallocation_transfers(move.source, move.target, model.num_layers, layer_bytes, cm.gpus_per_node)
-    moved = [t for t in transfers if t.bytes > 0]
-    if not moved:
+    devices, received, intra = transfer_arrays(move.source, move.target, model.num_layers, layer_bytes,
+                                               cm.gpus_per_node)
+    is_moved = received > 0
+    if not is_moved.any():
         return 0.0, []
-
-    receive = max(cm.transfer_s(t.bytes, t.intra_node) for t in moved)
+    moved = [DeviceTransfer(d, b, i) for d, b, i in zip(devices[is_moved].tolist(), received[is_moved].tolist(),
+                                                        intra[is_moved].tolist())]
+    receive = max(cm.transfer_s(b, i) for b, i in {(t.bytes, t.intra_node) for t in moved})
     send = cm.transfer_s(sum(t.bytes for t in moved) / len(move.source.mesh), all(t.intra_node for t in moved))
     return max(receive, send), moved
 

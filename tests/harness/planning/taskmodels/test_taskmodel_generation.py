@@ -106,6 +106,25 @@ def _one_instance_end_s(cm, model, prompts, outputs, max_batch, kv_tokens, max_g
     return inst.result.end_s
 
 
+def _cost_model_of(kind, setup):
+    """(cost model, actor model) of each kind the generation task model is timed under: a profile
+    table (``setup``), the calibrated model with eager engines (DeepSpeed-Chat 7B), the calibrated
+    model, the roofline, and the calibrated model of a MoE (Qwen3-30B-A3B)."""
+    from harness.testing import context, plan_for
+
+    if kind == "profile":
+        return setup
+    if kind == "engines":
+        plan, ctx, _ = plan_for(["+system=deepspeed_chat", "model=7b", "cluster=a800_8x", "cluster.num_nodes=1",
+                                 "workload.global_batch_size=64", "workload.mini_batch_size=64", "logger=none"])
+        assert plan.engines.generation.kernels != "graph"
+        return ctx.cost_model.with_engines(plan.engines), ctx.models.actor
+    cluster = ["cluster=rlhfuse_testbed"] + (["cluster.cost_model=roofline"] if kind == "roofline" else [])
+    ctx = context(["+system=rlhfuse_base", "model=qwen3_30b_a3b" if kind == "moe" else "model=13b", *cluster,
+                   "logger=none"])
+    return ctx.cost_model, ctx.models.actor
+
+
 @pytest.mark.parametrize("kind", ["calibrated", "engines", "roofline", "profile", "moe"])
 def test_a_step_schedule_timed_ends_where_the_instance_does(setup, kind):
     """A continuous-batching instance's step schedule (admissions and spans counted in steps), timed
@@ -113,22 +132,9 @@ def test_a_step_schedule_timed_ends_where_the_instance_does(setup, kind):
     lengths, batch limits and KV capacities that bind or not; timed in one elementwise pass (the
     calibrated model, with or without engines) or span by span (a profile table, the roofline)."""
     from harness.planning.taskmodels.generation import step_schedule, timed_end_s
-    from harness.testing import context, plan_for
 
-    ep = 1
-    if kind == "profile":
-        cm, model = setup
-    elif kind == "engines":
-        plan, ctx, _ = plan_for(["+system=deepspeed_chat", "model=7b", "cluster=a800_8x", "cluster.num_nodes=1",
-                                 "workload.global_batch_size=64", "workload.mini_batch_size=64", "logger=none"])
-        cm, model = ctx.cost_model.with_engines(plan.engines), ctx.models.actor
-        assert plan.engines.generation.kernels != "graph"
-    else:
-        cluster = ["cluster=rlhfuse_testbed"] + (["cluster.cost_model=roofline"] if kind == "roofline" else [])
-        ctx = context(["+system=rlhfuse_base", "model=qwen3_30b_a3b" if kind == "moe" else "model=13b", *cluster,
-                       "logger=none"])
-        cm, model = ctx.cost_model, ctx.models.actor
-        ep = 2 if kind == "moe" else 1
+    cm, model = _cost_model_of(kind, setup)
+    ep = 2 if kind == "moe" else 1
     if kind in ("calibrated", "engines", "moe"):
         assert cm.decode_steps_s(model, np.array([3]), np.array([300]), 1, 1, ep) is not None
     else:
@@ -145,6 +151,23 @@ def test_a_step_schedule_timed_ends_where_the_instance_does(setup, kind):
         expected = _one_instance_end_s(cm, model, prompts, outputs, max_batch, kv_tokens, max_gen_len, tp, pp, ep)
         assert timed_end_s(schedule, cm, model, tp, pp, ep, 0.5) == expected, case
         assert int(schedule.num_steps.sum()) >= outputs.max()  # the longest sample decodes to its end
+
+
+@pytest.mark.parametrize("kind", ["calibrated", "engines", "roofline", "profile", "moe"])
+def test_many_prefills_at_once_are_the_prefills_one_by_one(setup, kind):
+    """The cost model's elementwise pass over many one-sequence prefills equals its prefills one by
+    one, bit for bit (dense and MoE, with and without engines, across tp, pp and ep); a profile
+    table and the roofline have no such pass (None: their callers price prefills one at a time)."""
+    cm, model = _cost_model_of(kind, setup)
+    layouts = [(1, 1, 2), (2, 1, 4), (2, 2, 2), (1, 1, 1)] if kind == "moe" else [(1, 1, 1), (2, 1, 1), (4, 2, 1),
+                                                                                (1, 4, 1)]
+    tokens = np.random.default_rng(3).integers(1, 40_000, size=300)
+    for tp, pp, ep in layouts:
+        priced = cm.prefills_s(model, tokens, tp, pp, ep)
+        if kind in ("roofline", "profile"):
+            assert priced is None
+            continue
+        assert priced.tolist() == [cm.prefill_s(model, int(t), tp, pp, ep=ep) for t in tokens]
 
 
 def test_the_compiled_step_schedule_is_the_interpreted_one(monkeypatch):
