@@ -38,12 +38,15 @@ class NemoRLConfig(SystemConfig):
     generation_nodes: int = 0  # 0: colocated (refit on the same GPUs); k: generation on the last k nodes
     generation_engine: str = "vllm"
     training_engine: str = "megatron"
+    # colocated: the policy's training states and the reference weights in host memory while vLLM generates
+    offload_for_generation: bool = True
 
 
 class NemoRL(RefitSystem):
     cfg: NemoRLConfig
     KNOBS = {"rollout_tp": "gen_tp", "max_num_seqs": "max_num_seqs", "train_layout": "train_layout",
-             "zero_stage": "zero_stage", "generation_nodes": "generation_nodes"}
+             "zero_stage": "zero_stage", "generation_nodes": "generation_nodes",
+             "offload_for_generation": "offload_for_generation"}
 
 
 register_system_config("nemo_rl", NemoRLConfig)

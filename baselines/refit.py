@@ -29,6 +29,13 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
   The copy in the generation layout is not kept resident: it is freed after generation, as the
   frameworks release vLLM's weights and KV cache while training runs (verl's and NeMo-RL's sleep
   of the inference engine), so generation and training each have the GPUs' memory.
+- **Training states in host memory while generating** (the ``offload_for_generation`` knob,
+  colocated only): NeMo-RL's colocated policy moves its optimizer states and then its weights to
+  host memory around the refit (``offload_before_refit``, ``offload_after_refit``) and keeps the
+  reference model's weights in host memory, swapping them in for the reference pass. As plan
+  data the actor and the reference model are ``offloaded``: generation's memory holds neither,
+  each pass copies its model's weights in over PCIe first, and training copies the actor's
+  states in and back out.
 - **Log-probs recomputed by the training engine**: after generation the behaviour policy's
   log-probs come from a forward pass of the actor in its training layout (task ``logprobs``: verl's
   ``compute_log_prob``, NeMo-RL's "get logprobs"), not from vLLM, whose numbers differ; the
@@ -59,12 +66,14 @@ TRAINING_LAYOUT_TASKS = ("ref", "reward", "values", "update_actor", "update_crit
 
 def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: int,
                train_layout: Optional[str], zero_stage: int, generation_nodes: int = 0,
-               keys: dict[str, str]) -> Plan:
+               offload_for_generation: bool = False, keys: dict[str, str]) -> Plan:
     """The plan of the module docstring for ``system``. ``generation_nodes`` > 0 gives generation
     that many nodes of its own (the last ones) and the training engine the rest, the new weights
     then broadcast to the generation engines each iteration (``param_sync``) instead of refit on
-    the same GPUs. ``keys`` names the system's option of each knob (``rollout_tp``,
-    ``train_layout``, ``generation_nodes``) for errors and hints."""
+    the same GPUs. With ``offload_for_generation`` (colocated only) the policy's training states and
+    the reference model's weights wait in host memory while vLLM generates (``Plan.offloaded``).
+    ``keys`` names the system's option of each knob (``rollout_tp``, ``train_layout``,
+    ``generation_nodes``) for errors and hints."""
     n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
     parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
     micro_batch_size = ctx.workload.micro_batch_size
@@ -122,6 +131,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         if tp <= len(gen_mesh) and len(gen_mesh) % tp == 0 and tp_splits_heads(tp, [actor])]
     policy = GenerationPolicy("continuous", max_num_seqs)
     sync = MovementKind.PARAM_SYNC if generation_nodes else MovementKind.REALLOC
+    offloaded = tuple(m for m in ("actor", "ref") if m in ctx.roles) if offload_for_generation and not generation_nodes else ()
     plans: dict[tuple[ParallelStrategy, int], Plan] = {}
 
     def assemble(train: ParallelStrategy, tp: int) -> Plan:
@@ -131,7 +141,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
             allocs["gen"] = Allocation(gen_mesh, ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1))
             plans[(train, tp)] = assemble_ppo_plan(
                 ctx, system, allocs, policy, actor_sync=sync, recompute_logprobs=True,
-                micro_batch_size=micro_batch_size,
+                micro_batch_size=micro_batch_size, offloaded=offloaded,
                 layout_keys={"gen": keys["rollout_tp"], **{t: keys["train_layout"] for t in TRAINING_LAYOUT_TASKS}})
         return plans[(train, tp)]
 
@@ -162,6 +172,9 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
                   if plan.weight_movements else "none: the vLLM layout holds the training layout's full weights"),
         "logprobs": "recomputed by the training engine after generation",
     })
+    if offloaded:
+        plan.notes["offloaded"] = (f"{' and '.join(offloaded)} in host memory between uses: the policy's training states "
+                                   "leave the GPUs while vLLM generates")
     return plan
 
 
@@ -178,4 +191,5 @@ class RefitSystem(System):
         keys.setdefault("generation_nodes", "system.generation_nodes")  # named only when set
         return refit_plan(ctx, self.cfg.name, rollout_tp=knob["rollout_tp"], max_num_seqs=knob["max_num_seqs"],
                           train_layout=knob["train_layout"], zero_stage=knob["zero_stage"],
-                          generation_nodes=knob.get("generation_nodes", 0), keys=keys)
+                          generation_nodes=knob.get("generation_nodes", 0),
+                          offload_for_generation=bool(knob.get("offload_for_generation", False)), keys=keys)

@@ -1,7 +1,9 @@
 """Write data/published/replay.jsonl: every calibration point graded A or B in
-../shared/published/measurements.jsonl, expressed as harness overrides.
+../shared/published/measurements.jsonl (A100/A800, DeepSpeed-era PPO), and every on-policy point
+graded A or B in ../shared/published/hopper.jsonl (H100 and GB200, critic-free GRPO on NeMo-RL),
+expressed as harness overrides.
 
-    python data/published/make_replay.py [--measurements PATH]
+    python data/published/make_replay.py [--measurements PATH] [--hopper PATH]
 
 Where a source also gives a point's stages (OpenRLHF's benchmark table, the DeepSpeed blog's Figure 5
 bars), each stage is one more line with the point's overrides (``P037.gen``, ``P021.train``, ...).
@@ -15,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MEASUREMENTS = HERE.parents[1] / ".." / "shared" / "published" / "measurements.jsonl"
+DEFAULT_HOPPER = DEFAULT_MEASUREMENTS.with_name("hopper.jsonl")
 EPOCH_SAMPLES = 264_292  # DS-Chat BenckmarkSetting.md: 135,317,504 tokens / 512 tokens per pair
 FAST = ["backend.num_iterations=1", "backend.num_warmup_iterations=0"]
 
@@ -49,17 +54,22 @@ def ds_chat_cluster(gpu: str, num_gpus: int) -> list[str]:
     return [f"cluster={name}", f"cluster.num_nodes={num_gpus // 8}"]
 
 
-def fits(overrides: list[str]) -> bool:
-    """Whether ``overrides`` plan as ``python -m harness`` would, memory check included."""
+def plan_error(overrides: list[str]) -> str:
+    """Why ``overrides`` do not plan as ``python -m harness`` would (memory check included), or ''
+    when they do."""
     from harness.errors import PlanError
     from harness.run import pipeline
 
     cfg = pipeline.compose([*overrides, "logger=none", "logger.progress_bar=false"])
     try:
         pipeline.plan(pipeline.prepare(cfg))
-    except PlanError:  # PlanMemoryError included
-        return False
-    return True
+    except PlanError as e:
+        return str(e)
+    return ""
+
+
+def fits(overrides: list[str]) -> bool:
+    return not plan_error(overrides)
 
 
 def largest_batch(base: list[str], num_gpus: int) -> tuple[int, list[str]]:
@@ -262,6 +272,175 @@ def chatlearn(m: dict) -> dict:
                             f"{gen_batch}; 2048 samples per episode, train global batch 512")}
 
 
+# ---- Hopper-class critic-free runs (../shared/published/hopper.jsonl) ------------------------------
+
+HOPPER_MODELS = {"Llama-3.1-8B": "llama3_1_8b", "Llama-3.1-70B": "llama3_1_70b", "Qwen3-32B": "qwen3_32b",
+                 "Qwen3-30B-A3B": "qwen3_30b_a3b", "Qwen3-235B-A22B": "qwen3_235b_a22b", "DeepSeek-V3": "deepseek_v3"}
+# The shape of the response lengths, which no source publishes: lognormal with this sigma (the
+# harness's default shape, conf/workload/hh_rlhf.yaml: P99.9 22x the median), clipped at the
+# sequence cap, its median chosen so that the clipped mean is the published mean length.
+HOPPER_OUTPUT_SIGMA = 1.0
+# A GB200 NVL72 rack is one NVLink domain of 72 GPUs; a run on more GPUs than a rack is modelled as
+# racks of this many (a power of two, as the recipes' node counts are).
+GB200_GPUS_PER_DOMAIN = 64
+
+
+def clipped_lognormal_median(mean: float, sigma: float, cap: float) -> float:
+    """The median of a lognormal of shape ``sigma`` whose values clipped at ``cap`` average ``mean``:
+    E[min(X, c)] = exp(mu + sigma^2 / 2) Phi((ln c - mu - sigma^2) / sigma) + c (1 - Phi((ln c - mu) / sigma)),
+    increasing in mu, solved by bisection."""
+    def phi(x: float) -> float:
+        return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+    def clipped_mean(mu: float) -> float:
+        lc = math.log(cap)
+        return (math.exp(mu + sigma ** 2 / 2) * phi((lc - mu - sigma ** 2) / sigma)
+                + cap * (1.0 - phi((lc - mu) / sigma)))
+
+    if not 0 < mean < cap:
+        raise ValueError(f"mean {mean} must lie in (0, cap {cap})")
+    lo, hi = math.log(mean) - 5 * sigma - 5, math.log(cap) + 5
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if clipped_mean(mid) < mean else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def hopper_grade(m: dict) -> str:
+    return m["notes"].split("]")[0].removeprefix("[completeness ").strip()
+
+
+def hopper_source(m: dict) -> str:
+    """The publication a row belongs to (its table), without the row's own recipe, led by a short
+    label (the report shows a source's first 60 characters): points are grouped by it."""
+    source = m["source"].split(" + ")[0]
+    version = re.search(r"v0\.\d", source).group(0)
+    table = "blog" if "blog" in source else "GB200" if "GB200" in source else "H100 FP8" if "FP8" in source else "H100"
+    return f"NeMo-RL {version} {table} table: {source}"
+
+
+def hopper_cluster(gpu: str, num_gpus: int) -> tuple[list[str], str]:
+    if gpu.startswith("H100"):
+        if num_gpus < 8:
+            return ["cluster=h100_8x", "cluster.num_nodes=1", f"cluster.gpus_per_node={num_gpus}"], ""
+        return ["cluster=h100_8x", f"cluster.num_nodes={num_gpus // 8}"], ""
+    if gpu.startswith("GB200"):
+        per = min(num_gpus, GB200_GPUS_PER_DOMAIN)
+        note = (f"; GB200 NVL72 racks modelled as NVLink domains of {per} GPUs (cluster=gb200_nvl72, no "
+                "calibration: the roofline cost model)")
+        return ["cluster=gb200_nvl72", f"cluster.num_nodes={num_gpus // per}", f"cluster.gpus_per_node={per}"], note
+    raise NoFit(f"no cluster config for {gpu!r}")
+
+
+def hopper_model(actor: str) -> str:
+    for prefix, name in HOPPER_MODELS.items():
+        if actor.startswith(prefix):
+            return name
+    raise NoFit(f"no model config for {actor!r}")
+
+
+def first_int(text: Any) -> int:
+    match = re.search(r"\d[\d,]*", str(text))
+    if match is None:
+        raise NoFit(f"no number in {text!r}")
+    return int(match.group(0).replace(",", ""))
+
+
+def nemo_rl_row(m: dict) -> list[dict]:
+    """A NeMo-RL on-policy GRPO row (performance tables v0.4-v0.6 and the v0.3 release's table):
+    ``+system=nemo_rl`` with the recipe's model, GPUs, batch, lengths, parallelism and engines; the
+    v0.3 rows' published stages as lines of their own."""
+    p, o = m["parallelism"], m["other_settings"]
+    n, group = int(m["num_gpus"]), int(m["responses_per_prompt"])
+    prompts, per_step = int(m["prompts_per_iter"]), first_int(m["train_global_batch"])
+    cluster, cluster_note = hopper_cluster(m["gpu"], n)
+    mean_out = float(m["gen_len_mean"])
+    tokens_per_gpu_s = m["secondary_metrics"].get("tokens_per_sec_per_gpu")
+    if tokens_per_gpu_s:  # the table's tokens/s/GPU counts prompt + response tokens over the step
+        prompt = round(float(tokens_per_gpu_s) * n * float(m["value"]) / (prompts * group) - mean_out)
+        prompt_note = (f"prompts of {prompt} tokens: Tokens/sec/GPU x GPUs x step time / samples - the mean response "
+                       f"({tokens_per_gpu_s} x {n} x {m['value']} / {prompts * group} - {mean_out:g})")
+    else:  # the v0.3 blog gives none: the v0.4/v0.5 rows of the same dataset and template imply 127-132
+        prompt = 130
+        prompt_note = "prompts of 130 tokens (the v0.4/v0.5 Llama-8B rows of the same dataset and template imply 127-132)"
+    total_cap = first_int(m["gen_len_max"])
+    max_gen = total_cap - prompt
+    median = clipped_lognormal_median(mean_out, HOPPER_OUTPUT_SIGMA, max_gen)
+    fsdp = "DTensor" in o.get("training_backend", "") or p.get("train_FSDP2_shards")
+    tp, pp, dp = int(p["train_TP"]), int(p.get("train_PP") or 1), int(p["train_DP"])
+    ep, cp = int(p.get("train_EP") or 1), int(p.get("train_CP") or 1)
+    ov = ["+system=nemo_rl", "algo=grpo", f"algo.group_size={group}",
+          f"algo.kl_coef={o.get('reference_policy_kl_penalty', 0.01)}", f"model={hopper_model(m['actor'])}", *cluster,
+          "workload=hh_rlhf", f"workload.global_batch_size={prompts}", f"workload.mini_batch_size={per_step // group}",
+          f"workload.micro_batch_size={int(o.get('train_micro_batch_size') or 1)}",
+          f"workload.max_gen_len={max_gen}",
+          "workload.prompt_len.kind=constant", f"workload.prompt_len.median={prompt}",
+          f"workload.prompt_len.max={prompt}", f"workload.prompt_len.min={prompt}",
+          "workload.output_len.kind=lognormal", f"workload.output_len.median={median:.1f}",
+          f"workload.output_len.sigma={HOPPER_OUTPUT_SIGMA}", f"workload.output_len.max={max_gen}",
+          f"workload.activation_recompute={'full' if o.get('activation_checkpointing') else 'selective'}",
+          f"system.gen_tp={int(p['gen_TP'])}"]
+    layout_note = ""
+    if fsdp:  # the fsdp engine shards over every GPU (dp = N, ZeRO-3); tensor parallelism beside it is not modelled
+        ov.append("engine.training=fsdp")
+        if tp > 1:
+            layout_note = f"; FSDP2 over all {n} GPUs (the recipe's DTensor tp {tp} with sequence parallelism not modelled)"
+    elif cp > 1:  # context parallelism and Megatron's expert-parallel folding over tp x cp are not modelled
+        folded_ep = max(e for e in (1, 2, 4, 8, 16, 32, 64) if e <= ep and (dp * cp) % e == 0)
+        ov.append(f"system.train_layout=dp{dp * cp}tp{tp}pp{pp}" + (f"ep{folded_ep}" if folded_ep > 1 else ""))
+        layout_note = (f"; the recipe's tp{tp} cp{cp} ep{ep} pp{pp} dp{dp} as dp{dp * cp}tp{tp}pp{pp}ep{folded_ep}: "
+                       f"context parallelism counted as data parallelism, and expert parallelism {folded_ep} (carved "
+                       f"from dp here; Megatron folds its {ep} over tp x cp x dp), neither of which the harness models")
+    else:
+        ov.append(f"system.train_layout=dp{dp}tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else ""))
+    ov += FAST
+    assume = (f"{prompt_note}; responses lognormal (sigma {HOPPER_OUTPUT_SIGMA:g}, an assumption: no source publishes "
+              f"the shape) with median {median:.0f}, clipped at {max_gen} (the {total_cap}-token sequence cap less the "
+              f"prompt), so that their mean is the published {mean_out:g}; {prompts} prompts x {group} responses, "
+              f"{per_step} responses per optimizer step; reference model evaluated (KL "
+              f"{o.get('reference_policy_kl_penalty', 0.01)}); sequence packing"
+              f"{' (on in the recipe)' if o.get('sequence_packing') else ''} and vLLM's gpu_memory_utilization "
+              f"{o.get('vllm_gpu_memory_utilization', 0.6)} not modelled; training "
+              f"{'FSDP2 (engine.training=fsdp)' if fsdp else 'Megatron-core'}, generation vLLM tp {p['gen_TP']}"
+              f"{layout_note}{cluster_note}")
+    out = [{"metric": "step_s", "value": float(m["value"]), "overrides": ov, "assumptions": assume}]
+    stages = m.get("stage_times") or {}
+    for key, metric in (("generation", "gen_s"), ("policy_training", "train_s")):
+        if key in stages:
+            out.append({"id": f"{m['id']}.{metric.removesuffix('_s')}", "metric": metric, "value": float(stages[key]),
+                        "overrides": ov, "assumptions": assume})
+    return out
+
+
+def build_hopper(path: Path) -> list[dict]:
+    """Every on-policy point of ``hopper.jsonl`` graded A or B, as harness overrides; the
+    off-policy and asynchronous rows are not yet expressible (one-step-off and asynchronous systems)."""
+    lines = []
+    for raw in path.read_text().splitlines():
+        m = json.loads(raw)
+        if not hopper_grade(m).startswith(("A", "B")):
+            continue
+        if not m["policy_mode"].startswith("on-policy"):
+            print(m["id"], "not yet expressible:", m["policy_mode"], flush=True)
+            continue
+        if not m["system"].startswith("NeMo-RL"):
+            raise SystemExit(f"{m['id']} is graded A/B but has no expression here")
+        try:
+            out = nemo_rl_row(m)
+            why = plan_error(out[0]["overrides"])
+            if why:
+                raise NoFit(f"does not plan: {why}")
+        except NoFit as e:
+            print(m["id"], "SKIPPED:", e, flush=True)
+            continue
+        for rec in out:
+            rec.setdefault("id", m["id"])
+            rec["source"] = hopper_source(m)
+            lines.append({k: rec[k] for k in ("id", "metric", "value", "overrides", "source", "assumptions")})
+        print(m["id"], "ok", flush=True)
+    return lines
+
+
 def build(measurements: Path) -> list[dict]:
     lines = []
     for raw in measurements.read_text().splitlines():
@@ -302,8 +481,9 @@ def build(measurements: Path) -> list[dict]:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--measurements", type=Path, default=DEFAULT_MEASUREMENTS)
+    p.add_argument("--hopper", type=Path, default=DEFAULT_HOPPER)
     p.add_argument("--out", type=Path, default=HERE / "replay.jsonl")
     args = p.parse_args()
-    records = build(args.measurements)
+    records = build(args.measurements) + build_hopper(args.hopper)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(f"wrote {len(records)} lines to {args.out}")

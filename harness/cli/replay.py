@@ -3,6 +3,7 @@
     python -m harness.replay data/published/replay.jsonl                  # table + summaries
     python -m harness.replay data/published/replay.jsonl --json out.json  # and records for machines
     python -m harness.replay data/published/replay.jsonl --ids P037 P042  # some points only
+    python -m harness.replay data/published/replay.jsonl --gpu-class Hopper  # one GPU generation only
 
 A replay file has one published measurement per line (JSON)::
 
@@ -19,12 +20,13 @@ a file that is not UTF-8 text), an unknown metric, a line whose overrides choose
 or an override the harness does not know ends the command with one line on stderr naming the file
 and line, and exit code 2, before any work; so does a ``--json`` path that cannot be written. Ctrl-C
 ends it with one line ``interrupted`` and exit code 130. Then each setup is planned and simulated (``backend=sim``, its
-iterations and warm-up) and the command prints predicted vs measured per point, then per source
-and overall: the median and 90th percentile of predicted/measured as times (``time x``: a throughput
-point's ratio is measured/predicted, so > 1 always means the simulator is slower than the real run),
-and the worst points (furthest from 1 on a log scale). Deterministic: the same file gives the same numbers.
+iterations and warm-up) and the command prints predicted vs measured per point, then per source, per
+GPU generation (:data:`GPU_CLASSES`) with dense and mixture-of-experts actors apart, and overall: the
+median and 90th percentile of predicted/measured as times (``time x``: a throughput point's ratio is
+measured/predicted, so > 1 always means the simulator is slower than the real run), and the worst
+points (furthest from 1 on a log scale). Deterministic: the same file gives the same numbers.
 
-    python -m harness.replay data/published/replay.jsonl --fit --cv --write  # fit the engines' constants
+    python -m harness.replay data/published/replay.jsonl --gpu-class A100-class --fit --cv --write  # fit
 
 By default it measures with the engines' constants as ``data/engines/fitted.json`` has them
 (``--prior``: every fitted constant at its prior). ``--fit`` fits the shared per-engine constants on
@@ -148,9 +150,28 @@ def time_ratio(metric: str, predicted: float, measured: float) -> float:
     return measured / predicted if metric in THROUGHPUT_METRICS else predicted / measured
 
 
-def record(point: ReplayPoint, predicted: float) -> dict[str, Any]:
-    return {"id": point.id, "source": point.source, "metric": point.metric, "predicted": predicted,
-            "measured": point.value, "ratio": time_ratio(point.metric, predicted, point.value)}
+# GPU generations the report groups points by (the name of the cluster's GPU, by prefix)
+GPU_CLASSES = {"A100-class": ("A100", "A800"), "Hopper": ("H100", "H800", "H200", "H20"), "Blackwell": ("GB200", "B200")}
+
+
+def gpu_class(cfg) -> str:
+    """The GPU generation a composed run config runs on (:data:`GPU_CLASSES`), else the GPU's name."""
+    name = str(cfg.cluster.gpu.name)
+    return next((cls for cls, prefixes in GPU_CLASSES.items() if name.startswith(prefixes)), name)
+
+
+def is_moe(cfg) -> bool:
+    return int(cfg.model.actor.get("num_experts", 0) or 0) > 0
+
+
+def record(point: ReplayPoint, predicted: float, cfg=None) -> dict[str, Any]:
+    """A replayed point; with its composed config, the GPU generation and whether the actor is a
+    mixture of experts (what the report groups by besides the source)."""
+    out = {"id": point.id, "source": point.source, "metric": point.metric, "predicted": predicted,
+           "measured": point.value, "ratio": time_ratio(point.metric, predicted, point.value)}
+    if cfg is not None:
+        out.update({"gpu_class": gpu_class(cfg), "moe": is_moe(cfg)})
+    return out
 
 
 def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
@@ -161,7 +182,7 @@ def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
     records = []
     for point, cfg in configs:
         predicted = simulate_summary(cfg)[METRICS[point.metric]]
-        records.append(record(point, predicted))
+        records.append(record(point, predicted, cfg))
     return records
 
 
@@ -192,7 +213,7 @@ def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iter
             for i, p in enumerate(points):
                 if p.source == source:
                     predicted = predict(i, fold)
-                    cv_records.append(record(p, predicted))
+                    cv_records.append(record(p, predicted, cfgs[i]))
     return values, cv_records
 
 
@@ -209,6 +230,13 @@ def report(records: list[dict[str, Any]]) -> str:
     for source, ratios in sorted(by_source.items()):
         s = _stats(ratios)
         lines.append(f"{source[:60]:<62}{s['n']:>4}{s['median']:>9.3f}{s['p90']:>9.3f}{s['within_0.5_2x_frac']:>11.0%}")
+    by_class: dict[str, list[float]] = {}
+    for r in records:
+        if "gpu_class" in r:
+            by_class.setdefault(f"{r['gpu_class']}, {'MoE' if r['moe'] else 'dense'}", []).append(r["ratio"])
+    for group, ratios in sorted(by_class.items()):
+        s = _stats(ratios)
+        lines.append(f"{group:<62}{s['n']:>4}{s['median']:>9.3f}{s['p90']:>9.3f}{s['within_0.5_2x_frac']:>11.0%}")
     s = _stats([r["ratio"] for r in records])
     lines.append(f"{'overall':<62}{s['n']:>4}{s['median']:>9.3f}{s['p90']:>9.3f}{s['within_0.5_2x_frac']:>11.0%}")
     worst = sorted(records, key=lambda r: -abs(math.log(r["ratio"])))[:WORST_SHOWN]
@@ -230,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help=f"with --fit: write the constants to {FITTED_REL}")
     p.add_argument("--prior", action="store_true",
                    help="replay with every fitted constant at its prior (engine.fitted=false)")
+    p.add_argument("--gpu-class", choices=sorted(GPU_CLASSES), metavar="CLASS",
+                   help=f"only the points on this GPU generation ({', '.join(sorted(GPU_CLASSES))})")
     args = p.parse_args(argv)
     if (args.cv or args.write) and not args.fit:
         p.error("--cv and --write need --fit")
@@ -242,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 raise ConfigError(f"--ids: no point(s) {unknown} in {args.file}")
             points = [pt for pt in points if pt.id in set(args.ids)]
+        if args.gpu_class:
+            points = [pt for pt in points if gpu_class(_composed(pt)) == args.gpu_class]
+            if not points:
+                raise ConfigError(f"--gpu-class {args.gpu_class}: no point of {args.file} runs on it")
         if args.prior:
             points = [replace(pt, overrides=pt.overrides + ("engine.fitted=false",)) for pt in points]
         cv_records: list[dict[str, Any]] = []

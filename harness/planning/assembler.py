@@ -15,8 +15,8 @@ training stages). What is decided once, here, for all of them:
   pool (always, since the pool holds its own shadow copy). The critic reaches ``values`` by a
   ``realloc`` task, or, when inference streams, by each inference replica fetching its share as it
   starts (``per_replica``: the replica's devices are only free once generation releases them);
-- **residency**: actor and critic training states stay resident; ref and reward weights too
-  unless offloaded; a separate pool's shadow actor weights;
+- **residency**: actor and critic training states stay resident, ref and reward weights too,
+  unless offloaded (in host memory between uses); a separate pool's shadow actor weights;
 - **training**: each training task as its own 1F1B stage unless the system passes its stages
   (RLHFuse's fused pipeline);
 - **the algorithm** (``ctx.algorithm``, :mod:`harness.core.algorithm`): only its tasks are built
@@ -106,7 +106,7 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
         moved[consumer] = task.name
     tasks = movement_tasks + ppo_tasks(allocations, moved, stream_from="gen" if stream_inference else None,
                                        algorithm=algorithm, recompute_logprobs=recompute_logprobs)
-    resident = [ResidentState(m, t, "train") for t, m in TRAINING_TASKS if m in algorithm.roles]
+    resident = [ResidentState(m, t, "train") for t, m in TRAINING_TASKS if m in algorithm.roles and m not in offloaded]
     resident += [ResidentState(m, m, "weights") for m in ("ref", "reward") if m not in offloaded and m in algorithm.roles]
     if actor_sync == MovementKind.PARAM_SYNC:
         resident.append(ResidentState("actor", "gen", "weights"))  # the generation pool's shadow actor

@@ -127,3 +127,59 @@ def test_nemo_rl_with_generation_nodes_broadcasts_to_them():
     assert sync.kind == MovementKind.PARAM_SYNC
     with pytest.raises(HarnessError, match="system.generation_nodes=2"):
         plan_for(["+system=nemo_rl", "model=7b", "cluster.num_nodes=2", *GRPO, "system.generation_nodes=2"])
+
+
+def test_nemo_rl_keeps_the_policy_and_reference_in_host_memory_while_vllm_generates():
+    """Colocated NeMo-RL offloads the policy's training states and the reference weights
+    (``offload_before_refit`` / ``offload_after_refit``): the plan lists both as offloaded and keeps
+    no state of theirs resident, so generation's memory holds neither; with the knob off both stay
+    resident, as verl's plan keeps them; with generation on nodes of its own nothing is offloaded."""
+    plan, ctx, _ = plan_for(["+system=nemo_rl", *ONE_NODE, *GRPO])
+    assert set(plan.offloaded) == {"actor", "ref"} and not plan.resident
+    assert "offloaded" in plan.notes
+    resident, _, _ = plan_for(["+system=nemo_rl", *ONE_NODE, *GRPO, "system.offload_for_generation=false"])
+    assert not resident.offloaded and {r.model for r in resident.resident} == {"actor", "ref"}
+    split, _, _ = plan_for(["+system=nemo_rl", "model=7b", "cluster.num_nodes=2", *GRPO, "system.generation_nodes=1"])
+    assert not split.offloaded
+    verl, _, _ = plan_for(["+system=verl", *ONE_NODE, *GRPO])
+    assert not verl.offloaded
+
+
+def test_an_offloaded_policy_copies_its_training_states_in_and_out_around_training():
+    """Closed form: the actor's training task starts with one PCIe copy of its training states
+    (what each device holds under the layout) and ends with another, each
+    ``host_transfer_s(training_state_gb)``; the log-prob and reference passes each copy their
+    weights in first. Without offloading the same plan has none of these spans."""
+    plan, ctx, _ = plan_for(["+system=nemo_rl", *ONE_NODE, *GRPO])
+    trace = simulate_plan(ctx, plan)
+    cm, actor = ctx.cost_model.with_engines(plan.engines), ctx.models.actor
+    s = plan.task("update_actor").allocation.strategy
+    copy_s = cm.host_transfer_s(cm.training_state_gb(actor, s.dp, s.tp, s.pp, s.zero_stage, False, s.ep) * 1e9)
+    assert copy_s > 0
+    spans = [sp for sp in trace.spans if sp.task == "update_actor" and sp.kind in ("load", "offload")]
+    assert [sp.kind for sp in spans] == ["load", "offload"]
+    assert all(sp.duration_s == pytest.approx(copy_s, rel=1e-12) for sp in spans)
+    train_spans = [sp for sp in trace.spans if sp.task == "update_actor"]
+    assert spans[0].start_s == min(sp.start_s for sp in train_spans)
+    assert spans[1].end_s == max(sp.end_s for sp in train_spans)
+    assert {sp.task for sp in trace.spans if sp.kind == "load"} == {"update_actor", "logprobs", "ref"}
+    resident, rctx, _ = plan_for(["+system=nemo_rl", *ONE_NODE, *GRPO, "system.offload_for_generation=false"])
+    assert not [sp for sp in simulate_plan(rctx, resident).spans if sp.kind in ("load", "offload")]
+
+
+def test_offloading_for_generation_is_what_lets_a_recipe_layout_fit():
+    """Llama-3.1-8B on one node of 8 H100s with NeMo-RL's v0.3 layout (dp 8, vLLM tp 1): with the
+    policy's states and the reference weights resident, generation's vLLM copy does not fit beside
+    them, and the refusal names generation; offloaded, the plan fits and generation's KV capacity
+    is the whole usable memory less vLLM's copy of the weights (nothing else is resident)."""
+    base = ["+system=nemo_rl", "model=llama3_1_8b", "cluster.num_nodes=1", *GRPO, "system.train_layout=dp8tp1pp1",
+            "system.gen_tp=1"]
+    plan, ctx, _ = plan_for(base)
+    with pytest.raises(HarnessError, match="task gen"):
+        plan_for([*base, "system.offload_for_generation=false"])
+    from harness.planning.memory import check_plan_memory
+
+    report = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    cm = ctx.cost_model
+    assert report.kv_capacity_gb["gen"] == pytest.approx(cm.hbm_capacity_gb - cm.weights_gb(ctx.models.actor, 1, 1),
+                                                         rel=1e-12)

@@ -12,7 +12,8 @@
 - Weight movement: :func:`harness.planning.realloc.transfer_arrays` bytes per device over its tier,
   bounded by the senders' links as well.
 - Offloaded models (``Plan.offloaded``) copy their weights in from host memory (PCIe) before
-  each inference pass.
+  each inference pass; a trained one copies its training states in before its training task and
+  back out after it (NeMo-RL's colocated policy, in host memory while vLLM generates).
 - Expert parallelism (``ParallelStrategy.ep``, mixture-of-experts models): forward and backward
   passes carry the layout's ep (each device's share of the experts, the all-to-alls; the ep replicas
   of a group are taken to run the same passes at the same time), and the gradients of the routed
@@ -216,6 +217,11 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
     spans: list[Span] = []
     runs: list[PipelineRun] = []
     now = start_s
+    for task in tasks:  # an offloaded model's training states come in from host memory first
+        copy_s = _offloaded_states_copy_s(cm, plan, task, getattr(models, task.model))
+        if copy_s and record_spans:
+            spans.append(Span(task.allocation.mesh, task.name, "load", now, now + copy_s))
+        now += copy_s
     label = "+".join(stage.tasks)
     stage_devices = pipe_stage_devices(plan, stage) if record_spans else {}
     minibatch_costs = []
@@ -229,6 +235,8 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
             for task in tasks:
                 comm, optim = grad_sync_s(cm, task, getattr(models, task.model))
                 now += comm + optim
+        for task in tasks:
+            now += _offloaded_states_copy_s(cm, plan, task, getattr(models, task.model))
         return PassResult(spans, now, runs)
     results = simulate_each(stage.schedule, [costs for _, costs, _ in minibatch_costs])
     for (seq, costs, compute_only), result in zip(minibatch_costs, results):
@@ -264,7 +272,25 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
                 spans.append(Span(mesh, task.name, "allreduce", now, now + comm))
             spans.append(Span(mesh, task.name, "optimizer", now + comm, now + comm + optim))
             now += comm + optim
+    for task in tasks:  # and go back to host memory after the last step
+        copy_s = _offloaded_states_copy_s(cm, plan, task, getattr(models, task.model))
+        if copy_s:
+            spans.append(Span(task.allocation.mesh, task.name, "offload", now, now + copy_s))
+        now += copy_s
     return PassResult(spans, now, runs)
+
+
+def _offloaded_states_copy_s(cm: CostModel, plan: Plan, task, model) -> float:
+    """One copy of a training task's states (weights, gradients, optimizer states: what its
+    devices hold of them) between host and device memory when the plan keeps its model in host
+    memory between uses (``Plan.offloaded``; NeMo-RL's colocated policy, moved out before
+    generation and back for the log-prob pass and training), else 0."""
+    if task.model not in plan.offloaded:
+        return 0.0
+    s = task.allocation.strategy
+    optimizer_offload = plan.engines is not None and plan.engines.training.optimizer_offload
+    state_gb = cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, optimizer_offload, s.ep)
+    return cm.host_transfer_s(state_gb * 1e9)
 
 
 def training_work_bound_s(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq_lens: np.ndarray,
@@ -277,7 +303,7 @@ def training_work_bound_s(cm: CostModel, plan: Plan, stage: TrainingStage, model
     ``(M + S - 1)(f + b)`` on uniform stages. Then the exact gradient syncs and optimizer steps.
     Planners use it to skip candidates that cannot beat the best found."""
     tasks = [plan.task(n) for n in stage.tasks]
-    total = 0.0
+    total = sum(2 * _offloaded_states_copy_s(cm, plan, task, getattr(models, task.model)) for task in tasks)
     for mb_index in range(stage.num_minibatches):
         lo = mb_index * plan.mini_batch_size
         seq = float(seq_lens[lo:lo + plan.mini_batch_size].mean())

@@ -100,6 +100,18 @@ class FlatAdam:
             n += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return n
 
+    def move_to(self, device) -> None:
+        """The float32 master and the Adam states to ``device`` (host memory between uses, as NeMo-RL's
+        colocated policy keeps its optimizer while vLLM generates; back before training)."""
+        device = torch.device(device)
+        with torch.no_grad():
+            self.master.data = self.master.data.to(device)
+            for state in self.opt.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        state[key] = value.to(device)
+        self.device = device
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

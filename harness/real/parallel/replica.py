@@ -94,7 +94,8 @@ class Replica:
         return self.offloaded and torch.device(self.device).type != "cpu" and self.module is not None
 
     def offload(self) -> None:
-        """Weights to (pinned) host memory; the device copies are freed."""
+        """Weights (and a trained replica's optimizer states) to (pinned) host memory; the device
+        copies are freed."""
         if not self._swaps:
             return
         with torch.no_grad():
@@ -102,16 +103,20 @@ class Replica:
                 if p.device.type != "cpu":
                     host = p.data.to("cpu")
                     p.data = host.pin_memory() if torch.cuda.is_available() else host
+        if getattr(self, "opt", None) is not None:
+            self.opt.move_to("cpu")
         self.swaps += 1
 
     def onload(self) -> None:
-        """Weights from host memory back to the device."""
+        """Weights (and optimizer states) from host memory back to the device."""
         if not self._swaps:
             return
         with torch.no_grad():
             for p in self.module.parameters():
                 if p.device.type == "cpu":
                     p.data = p.data.to(self.device, non_blocking=True)
+        if getattr(self, "opt", None) is not None:
+            self.opt.move_to(self.device)
         self.swaps += 1
 
     swaps = 0  # host <-> device copies of the weights so far

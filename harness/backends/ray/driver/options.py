@@ -57,12 +57,10 @@ def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[s
         m = plan.movement_of(name)
         out.append(f"weight movement {name} sends {m.model.value} from {m.source.strategy} on {list(m.source.mesh)}, "
                    f"whose copy is stale when it runs (trained since it was filled); move from the home layout")
-    for role in plan.offloaded:  # offloading swaps a local replica's weights around each use (replica.py)
+    for role in plan.offloaded:  # offloading swaps a local replica's weights (and optimizer) around each use
         for t in plan.tasks:
             if t.model == role and t.allocation.strategy.zero_stage == 3:
                 out.append(f"{role} is offloaded but task {t.name} holds it as ZeRO-3 shards")
-            if t.model == role and t.kind == TaskKind.TRAIN:
-                out.append(f"{role} is offloaded but trained by task {t.name} (only inference models are offloaded)")
     return out
 
 

@@ -234,3 +234,28 @@ def test_vllm_engine_layout_limits():
     assert any("tp=2" in p for p in problems) and any("head dimension is 16" in p for p in problems)
     plan.generation = GenerationPolicy(migration=MigrationPolicy(threshold_frac=0.1, num_tail_instances=1))
     assert any("transfer=kv" in p for p in engine_unsupported(plan, args, "vllm"))
+
+
+def test_an_offloaded_trained_replica_trains_as_a_resident_one(monkeypatch):
+    """A trained replica kept in host memory between uses (NeMo-RL's colocated policy) moves its
+    weights and its optimizer's master and Adam states out after each use and back before the
+    next, and its steps give the weights a resident replica's steps give, bit for bit (the swaps
+    forced on, as on a GPU: on a CPU device there is nothing to move)."""
+    monkeypatch.setattr(LocalReplica, "_swaps", property(lambda self: self.offloaded))
+    torch.manual_seed(0)
+    x = torch.randint(0, TINY.vocab_size, (4, 12))
+    masters = []
+    for offloaded in (False, True):
+        r = _replica(LocalReplica, seed=3, offloaded=offloaded)
+        r.set_train(True)
+        for _ in range(2):
+            with r.compute():
+                out = r(x)
+                loss = torch.nn.functional.cross_entropy(out[:, :-1].float().reshape(-1, TINY.vocab_size),
+                                                         x[:, 1:].reshape(-1))
+                loss.backward()
+                r.optimizer_step()
+        masters.append(r.opt.master.detach().clone())
+        assert r.swaps == (5 if offloaded else 0)  # out at construction, then in and out around each use
+        assert bool(r.opt.opt.state) and r.opt.device == torch.device("cpu")
+    assert torch.equal(masters[0], masters[1])
