@@ -177,11 +177,15 @@ def record(point: ReplayPoint, predicted: float, cfg=None) -> dict[str, Any]:
 def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
     """One record per point: id, source, metric, predicted, measured, ratio (predicted/measured as times:
     :func:`time_ratio`); each point planned and simulated as ``python -m harness`` would
-    (:func:`harness.run.pipeline.simulate_summary`), without writing any results."""
+    (:func:`harness.run.pipeline.simulate_summary`), without writing any results; points with the
+    same overrides (a point and its stage lines) once."""
     configs = [(p, _composed(p)) for p in points]  # every config composes before any work
     records = []
+    summaries: dict[tuple[str, ...], dict] = {}  # a point's stage lines run its setup: simulated once
     for point, cfg in configs:
-        predicted = simulate_summary(cfg)[METRICS[point.metric]]
+        if point.overrides not in summaries:
+            summaries[point.overrides] = simulate_summary(cfg)
+        predicted = summaries[point.overrides][METRICS[point.metric]]
         records.append(record(point, predicted, cfg))
     return records
 

@@ -93,6 +93,18 @@ def test_points_are_grouped_by_gpu_generation_and_filtered_by_it(tmp_path, capsy
     assert "--gpu-class Blackwell: no point" in capsys.readouterr().err
 
 
+def test_a_point_and_its_stage_lines_are_simulated_once(tmp_path, monkeypatch):
+    """Lines with the same overrides (a point and its stages) read one simulation's summary."""
+    calls = []
+    real = validate.simulate_summary
+    monkeypatch.setattr(validate, "simulate_summary", lambda cfg: calls.append(cfg) or real(cfg))
+    points = [validate.ReplayPoint("a", tuple(TINY), "step_s", 1.0, "s"),
+              validate.ReplayPoint("a.gen", tuple(TINY), "gen_s", 1.0, "s"),
+              validate.ReplayPoint("b", tuple(TINY + ["workload.global_batch_size=32"]), "step_s", 1.0, "s")]
+    records = validate.replay(points)
+    assert len(calls) == 2 and records[0]["predicted"] > records[1]["predicted"] > 0
+
+
 def test_statistics_of_known_ratios():
     ratios = [0.25, 0.5, 1.0, 2.0, 3.0]
     s = validate._stats(ratios)
