@@ -282,14 +282,7 @@ class CalibratedCompute:
         with learned positions): the sum over ops of ``law.seconds(*_op_work(op, m))``, with the
         parts that do not depend on ``m`` read from :meth:`_layer_terms` (the same operations in
         the same order, so bit for bit the same sum; tested)."""
-        m = num_tokens
-        total = 0.0
-        for k, n, kn, per_token_bytes, floor, c0, c_flop, c_byte in self._layer_terms(d, int(tp)):
-            if per_token_bytes is None:  # a GEMM of (m x k) by (k x n)
-                total += max(floor, c0 + c_flop * (2.0 * m * k * n) + c_byte * (BF16_BYTES * (kn + m * k + m * n)))
-            else:  # an elementwise op over m tokens
-                total += max(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
-        return total
+        return self._sum_terms(self._layer_terms(d, int(tp)), num_tokens)
 
     def _layer_terms_uncached(self, d: ModelDims, tp: int, ops: tuple[str, ...] = LAYER_OPS) -> tuple:
         """Per op of a layer (``ops``: all of them by default), what :func:`_op_work` and the op's
@@ -335,14 +328,15 @@ class CalibratedCompute:
         return self._linear(d, int(tp), float(num_tokens))
 
     @staticmethod
-    def _sum_terms(terms: tuple, m: float) -> float:
-        """The ops of :meth:`_layer_terms` over ``m`` tokens (the loop of :meth:`_linear_layer_s`)."""
+    def _sum_terms(terms: tuple, m: Any, maximum: Callable[[Any, Any], Any] = max) -> Any:
+        """The ops of :meth:`_layer_terms` over ``m`` tokens, summed in order; elementwise over an
+        array ``m`` with ``maximum=np.maximum``."""
         total = 0.0
         for k, n, kn, per_token_bytes, floor, c0, c_flop, c_byte in terms:
-            if per_token_bytes is None:
-                total += max(floor, c0 + c_flop * (2.0 * m * k * n) + c_byte * (BF16_BYTES * (kn + m * k + m * n)))
-            else:
-                total += max(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
+            if per_token_bytes is None:  # a GEMM of (m x k) by (k x n)
+                total += maximum(floor, c0 + c_flop * (2.0 * m * k * n) + c_byte * (BF16_BYTES * (kn + m * k + m * n)))
+            else:  # an elementwise op over m tokens
+                total += maximum(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
         return total
 
     def _moe_linear_layer_s(self, d: ModelDims, tp: int, m: float, ep: int, decode: bool) -> float:
@@ -630,13 +624,7 @@ class CalibratedCompute:
         if d.is_moe:
             linear = np.array([self.linear_layer_s(d, tp, x, ep) for x in m.tolist()])
         else:
-            linear = 0.0
-            for k, n, kn, per_token_bytes, floor, c0, c_flop, c_byte in self._layer_terms(d, int(tp)):
-                if per_token_bytes is None:
-                    linear = linear + np.maximum(floor, c0 + c_flop * (2.0 * m * k * n)
-                                                 + c_byte * (BF16_BYTES * (kn + m * k + m * n)))
-                else:
-                    linear = linear + np.maximum(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
+            linear = self._sum_terms(self._layer_terms(d, int(tp)), m, np.maximum)
         # attention_s(d, tp, m, m / 2.0, m): queries over half the sequence, the whole of it read
         flops = 4.0 * d.attention_width * (m / 2.0) * m / tp
         q_out = 2.0 * m * d.q_dim / tp

@@ -51,9 +51,10 @@ def _holders_by_node(source: Allocation, gpus_per_node: int) -> tuple[np.ndarray
     return node_ids, held
 
 
-def _overlaps(starts_a: np.ndarray, ends_a: np.ndarray, starts_b: np.ndarray, ends_b: np.ndarray) -> np.ndarray:
-    """Length of the overlap of every interval of a with every interval of b (rows: a)."""
-    return np.maximum(0.0, np.minimum(ends_a[:, None], ends_b[None, :]) - np.maximum(starts_a[:, None], starts_b[None, :]))
+def _overlap(lo_a, hi_a, lo_b, hi_b) -> np.ndarray:
+    """Length of the overlap of intervals ``[lo_a, hi_a)`` and ``[lo_b, hi_b)``, elementwise
+    (broadcasting: columns against rows give every pair)."""
+    return np.maximum(0.0, np.minimum(hi_a, hi_b) - np.maximum(lo_a, lo_b))
 
 
 def transfer_arrays(source: Allocation, target: Allocation, num_layers: int, layer_bytes: float,
@@ -76,9 +77,8 @@ def transfer_arrays(source: Allocation, target: Allocation, num_layers: int, lay
     s_stage, s_slice = src_stages[at[mine]], src_slices[at[mine]]
     src_shard = 1.0 / s.dp if s.zero_stage == 3 else 1.0
     held = np.zeros(len(devices))
-    held[mine] = (np.maximum(0.0, np.minimum(hi[mine], (s_stage + 1) * source_per) - np.maximum(lo[mine], s_stage * source_per))
-                  * np.maximum(0.0, np.minimum(right[mine], (s_slice + 1) / s.tp) - np.maximum(left[mine], s_slice / s.tp))
-                  * src_shard)
+    held[mine] = (_overlap(lo[mine], hi[mine], s_stage * source_per, (s_stage + 1) * source_per)
+                  * _overlap(left[mine], right[mine], s_slice / s.tp, (s_slice + 1) / s.tp) * src_shard)
     moved = np.maximum(0.0, need - held) * layer_bytes
     nodes = devices // gpus_per_node
     node_ids, pieces = _holders_by_node(source, gpus_per_node)
@@ -87,10 +87,10 @@ def transfer_arrays(source: Allocation, target: Allocation, num_layers: int, lay
         return devices, moved, intra
     # the area of each target piece that each source node's pieces cover: pieces of one replica
     # tile the model disjointly, and a node's pieces are counted once however many replicas hold them
-    k = np.arange(t.pp)
-    layer_cover = _overlaps(k * per, (k + 1) * per, np.arange(s.pp) * source_per, (np.arange(s.pp) + 1) * source_per)
-    j = np.arange(t.tp)
-    col_cover = _overlaps(j / t.tp, (j + 1) / t.tp, np.arange(s.tp) / s.tp, (np.arange(s.tp) + 1) / s.tp)
+    k, ks = np.arange(t.pp)[:, None], np.arange(s.pp)[None, :]
+    layer_cover = _overlap(k * per, (k + 1) * per, ks * source_per, (ks + 1) * source_per)
+    j, js = np.arange(t.tp)[:, None], np.arange(s.tp)[None, :]
+    col_cover = _overlap(j / t.tp, (j + 1) / t.tp, js / s.tp, (js + 1) / s.tp)
     covered = layer_cover @ pieces @ col_cover.T  # (source node, target stage, target slice)
     node_at = np.searchsorted(node_ids, nodes)
     on_source_node = (node_at < len(node_ids)) & (node_ids[np.minimum(node_at, len(node_ids) - 1)] == nodes)

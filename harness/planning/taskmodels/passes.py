@@ -29,6 +29,7 @@ from harness.costmodel import CostModel
 from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
 from harness.core.plan import Plan, Task, TrainingStage, WeightMovement
+from harness.planning.memory import state_gb
 from harness.planning.realloc import DeviceTransfer, transfer_arrays
 from harness.schedule import PipeCosts, simulate_each, simulate_makespans
 from harness.core.trace import PipelineRun, SampleRecord, Span
@@ -217,8 +218,9 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
     spans: list[Span] = []
     runs: list[PipelineRun] = []
     now = start_s
-    for task in tasks:  # an offloaded model's training states come in from host memory first
-        copy_s = _offloaded_states_copy_s(cm, plan, task, getattr(models, task.model))
+    # an offloaded model's training states come in from host memory first and go back after
+    copies_s = [_offloaded_states_copy_s(cm, plan, task, getattr(models, task.model)) for task in tasks]
+    for task, copy_s in zip(tasks, copies_s):
         if copy_s and record_spans:
             spans.append(Span(task.allocation.mesh, task.name, "load", now, now + copy_s))
         now += copy_s
@@ -235,8 +237,8 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
             for task in tasks:
                 comm, optim = grad_sync_s(cm, task, getattr(models, task.model))
                 now += comm + optim
-        for task in tasks:
-            now += _offloaded_states_copy_s(cm, plan, task, getattr(models, task.model))
+        for copy_s in copies_s:
+            now += copy_s
         return PassResult(spans, now, runs)
     results = simulate_each(stage.schedule, [costs for _, costs, _ in minibatch_costs])
     for (seq, costs, compute_only), result in zip(minibatch_costs, results):
@@ -272,8 +274,7 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
                 spans.append(Span(mesh, task.name, "allreduce", now, now + comm))
             spans.append(Span(mesh, task.name, "optimizer", now + comm, now + comm + optim))
             now += comm + optim
-    for task in tasks:  # and go back to host memory after the last step
-        copy_s = _offloaded_states_copy_s(cm, plan, task, getattr(models, task.model))
+    for task, copy_s in zip(tasks, copies_s):
         if copy_s:
             spans.append(Span(task.allocation.mesh, task.name, "offload", now, now + copy_s))
         now += copy_s
@@ -287,10 +288,8 @@ def _offloaded_states_copy_s(cm: CostModel, plan: Plan, task, model) -> float:
     generation and back for the log-prob pass and training), else 0."""
     if task.model not in plan.offloaded:
         return 0.0
-    s = task.allocation.strategy
     optimizer_offload = plan.engines is not None and plan.engines.training.optimizer_offload
-    state_gb = cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, optimizer_offload, s.ep)
-    return cm.host_transfer_s(state_gb * 1e9)
+    return cm.host_transfer_s(state_gb(cm, model, task.allocation.strategy, "train", optimizer_offload) * 1e9)
 
 
 def training_work_bound_s(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq_lens: np.ndarray,
