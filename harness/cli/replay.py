@@ -190,34 +190,88 @@ def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
     return records
 
 
-def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iterations: int = 4):
-    """Fitted constants on every point and, when ``cross_validate``, leave-one-source-out records
-    (each source's points predicted with constants fitted without them); see :mod:`harness.costmodel.engine_fit`."""
+# What the fit's worker processes simulate: the composed config of each point (set before the workers
+# fork, so that they inherit it instead of receiving it with every job).
+_FIT_CONFIGS: list[Any] = []
+
+
+def _simulate_point(job: tuple[int, dict]) -> dict[str, float]:
+    """The replayed metrics of point ``job[0]``'s config under the constants ``job[1]``."""
+    from harness.costmodel import engine_fit as ef
+
+    i, values = job
+    summary = simulate_summary(ef.with_constants(_FIT_CONFIGS[i], values))
+    return {key: summary[key] for key in METRICS.values() if key in summary}
+
+
+def fitted_on(cfg) -> bool:
+    """Whether a point informs the engines' fitted constants: only points whose cluster runs the
+    calibrated cost model do, since the constants are relative to its measured kernel profiles (a
+    point on a GPU without profiles runs the roofline, and is replayed but not fitted)."""
+    return str(cfg.cluster.cost_model) == "calibrated"
+
+
+def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iterations: int = 4,
+                           jobs: int = 1):
+    """Fitted constants on the points :func:`fitted_on` admits and, when ``cross_validate``,
+    leave-one-source-out records of every point (each source's points predicted with constants fitted
+    without them; a source none of whose points is fitted is predicted with the full fit's); see
+    :mod:`harness.costmodel.engine_fit`. ``jobs`` processes simulate the points of each fitting
+    iteration side by side; the constants do not depend on how many. A point's stage lines (same
+    overrides) share its simulations."""
+    import multiprocessing
+
     from harness.costmodel import engine_fit as ef
 
     cfgs = [_composed(p) for p in points]
     deps = [ef.point_constants(c) for c in cfgs]
     measured = [p.value for p in points]
-    cache: dict[tuple, float] = {}
+    fitted = [i for i, c in enumerate(cfgs) if fitted_on(c)]
+    if not fitted:
+        raise ConfigError("--fit: no point runs the calibrated cost model (cluster.cost_model=calibrated); "
+                          "the engines' constants are fitted relative to measured kernel profiles")
+    cache: dict[tuple, dict[str, float]] = {}
+
+    def key_of(i: int, values: dict) -> tuple:
+        return (points[i].overrides, tuple(sorted((c.label, round(values.get(c, c.prior), 12)) for c in deps[i])))
 
     def predict(i: int, values: dict) -> float:
-        key = (i, tuple(sorted((c.label, round(values.get(c, c.prior), 12)) for c in deps[i])))
+        key = key_of(i, values)
         if key not in cache:  # point i's engines resolved with these constants (engine.constants)
-            cache[key] = simulate_summary(ef.with_constants(cfgs[i], values))[METRICS[points[i].metric]]
-        return cache[key]
+            cache[key] = _simulate_point((i, values))
+        return cache[key][METRICS[points[i].metric]]
 
-    values = ef.fit(len(points), deps, measured, predict, iterations=iterations)
-    cv_records = []
-    if cross_validate:
-        for source in sorted({p.source for p in points}):
-            train = [i for i, p in enumerate(points) if p.source != source]
-            # from the priors, as the full fit: starting from the full fit's constants would carry
-            # the left-out source's information into its own prediction
-            fold = ef.fit(len(points), deps, measured, predict, include=train, iterations=iterations)
-            for i, p in enumerate(points):
-                if p.source == source:
-                    predicted = predict(i, fold)
-                    cv_records.append(record(p, predicted, cfgs[i]))
+    _FIT_CONFIGS[:] = cfgs
+    pool = multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else None
+
+    def prefetch(wanted: list[tuple[int, dict]]) -> None:
+        todo: dict[tuple, tuple[int, dict]] = {}
+        for i, values in wanted:
+            key = key_of(i, values)
+            if key not in cache:
+                todo.setdefault(key, (i, values))
+        if pool is not None and todo:
+            for key, value in zip(todo, pool.map(_simulate_point, list(todo.values()), chunksize=1)):
+                cache[key] = value
+
+    try:
+        values = ef.fit(len(points), deps, measured, predict, include=fitted, iterations=iterations,
+                        prefetch=prefetch)
+        cv_records = []
+        if cross_validate:
+            for source in sorted({p.source for p in points}):
+                train = [i for i in fitted if points[i].source != source]
+                # from the priors, as the full fit: starting from the full fit's constants would carry
+                # the left-out source's information into its own prediction
+                fold = values if len(train) == len(fitted) else ef.fit(
+                    len(points), deps, measured, predict, include=train, iterations=iterations, prefetch=prefetch)
+                for i, p in enumerate(points):
+                    if p.source == source:
+                        cv_records.append(record(p, predict(i, fold), cfgs[i]))
+    finally:
+        if pool is not None:
+            pool.terminate()
+        _FIT_CONFIGS.clear()
     return values, cv_records
 
 
@@ -259,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", action="store_true",
                    help="fit the engines' shared constants on these points, then replay with them")
     p.add_argument("--cv", action="store_true", help="with --fit: leave-one-source-out cross-validation")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="with --fit: simulate on N processes side by side (the constants do not depend on N)")
     p.add_argument("--write", action="store_true", help=f"with --fit: write the constants to {FITTED_REL}")
     p.add_argument("--prior", action="store_true",
                    help="replay with every fitted constant at its prior (engine.fitted=false)")
@@ -267,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.cv or args.write) and not args.fit:
         p.error("--cv and --write need --fit")
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give a number of processes >= 1")
     try:
         if args.json:
             check_output_file(args.json, "--json")
@@ -286,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fit:
             from harness.costmodel import engine_fit as ef
 
-            values, cv_records = fit_and_cross_validate(points, args.cv)
+            values, cv_records = fit_and_cross_validate(points, args.cv, jobs=args.jobs)
             print("fitted constants (prior -> fitted):")
             for c, v in sorted(values.items(), key=lambda kv: kv[0].label):
                 print(f"  {c.label:<48}{c.prior:>10.4g} -> {v:.4g}")

@@ -28,8 +28,8 @@ any compatible engine, likewise ``engine.training``. The chosen engines, with th
 resolved (:func:`select_engines`), are plan data (``Plan.engines``).
 
 Fitted constants. Every mechanism constant is cited in its YAML file. The few no measurement gives
-(:data:`FITTED_PRIORS`: a GPU-time factor per generation engine and, for eager ones, a host-time
-factor; a compute factor per training engine; the CPU optimizer's streaming rate) are fitted by
+(:data:`FITTED_PRIORS`: a GPU-time factor per generation engine and its host time, in seconds per step
+for a CUDA-graph engine and as a factor on its launches for an eager one; a compute factor per training engine; the CPU optimizer's streaming rate) are fitted by
 ``python -m harness.replay FILE --fit`` on the published end-to-end measurements of
 ``data/published/replay.jsonl`` and stored, with their provenance, in ``data/engines/fitted.json``;
 they are shared by every run of an engine, never per point. ``engine.constants`` puts another table
@@ -63,8 +63,12 @@ SCHEMA_NAMES = {"generation": "generation_engine", "training": "training_engine"
 # The prior of the CPU optimizer's rate: a two-socket DGX A100 host (2 x AMD EPYC 7742, 8 channels of
 # DDR4-3200 each: 409.6 GB/s peak, AMD datasheet) streaming Adam's states at about an eighth of peak,
 # since eight ranks' optimizer processes share it. A placeholder until fitted (data/engines/fitted.json).
+# The prior of a CUDA-graph engine's host time per step: vLLM's RFC on multi-step scheduling
+# (vllm-project/vllm#6854, Jul 2024) traces "about 4ms of GPU bubble" per decode step, the GPU idle
+# while the host sends the sampled tokens back, runs the scheduler and prepares the next step's inputs
+# ("5-13ms of GPU bubble" across its runs); host work, so the same seconds on every GPU generation.
 FITTED_PRIORS = {
-    "generation": {"gpu_time_scale": 1.0, "host_time_scale": 1.0},
+    "generation": {"gpu_time_scale": 1.0, "host_time_scale": 1.0, "host_s_per_step": 0.004},
     "training": {"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0},
 }
 # ``kind/fit_key -> {constant: value}``: the fit file's table, or one given as ``engine.constants``.
@@ -103,6 +107,11 @@ class GenerationEngine:
     # EAGER_HOST_S_PER_LAUNCH); a framework's Python per layer (module hooks, generate()'s logits
     # processing) costs more than gpt-fast's. No effect on CUDA-graph engines.
     host_time_scale: Optional[float] = None
+    # graph engines: seconds of host work per step (prefill or decode) that the GPU waits for: sampled
+    # tokens copied back, the scheduler, the next step's inputs. It runs on the CPU, so it does not
+    # shrink on a faster GPU, as gpu_time_scale's share does. No effect on eager engines, whose host
+    # time is their launches.
+    host_s_per_step: Optional[float] = None
     fit_key: Optional[str] = None  # engines sharing fitted constants (None: its own name)
     source: str = ""  # where the mechanism facts come from
 

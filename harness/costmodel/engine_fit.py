@@ -104,32 +104,46 @@ def _matters(kind: str, engine: Any, const: str) -> bool:
         return bool(getattr(engine, "optimizer_offload", False))
     if const == "host_time_scale":
         return getattr(engine, "kernels", "graph") == "eager"
+    if const == "host_s_per_step":
+        return getattr(engine, "kernels", "graph") == "graph"
     return True
 
 
 Predict = Callable[[int, dict[Constant, float]], float]
 
 
+def bumped(values: dict[Constant, float], c: Constant) -> dict[Constant, float]:
+    """``values`` with ``c`` multiplied by the finite-difference step."""
+    out = dict(values)
+    out[c] = values[c] * math.exp(STEP_LOG)
+    return out
+
+
 def fit(num_points: int, deps: list[list[Constant]], measured: list[float], predict: Predict,
         include: Optional[list[int]] = None, iterations: int = 3,
-        start: Optional[dict[Constant, float]] = None) -> dict[Constant, float]:
+        start: Optional[dict[Constant, float]] = None,
+        prefetch: Optional[Callable[[list[tuple[int, dict[Constant, float]]]], None]] = None,
+        ) -> dict[Constant, float]:
     """Constants minimising the soft-L1 loss of the log errors over the points ``include`` (default
-    all); ``predict(i, values)`` simulates point ``i`` under ``values``."""
+    all); ``predict(i, values)`` simulates point ``i`` under ``values``. ``prefetch``, when given, is
+    first handed every ``(i, values)`` an iteration will ask ``predict`` for (a caller that memoises
+    ``predict`` can simulate them in parallel); the result does not depend on it."""
     include = list(range(num_points)) if include is None else include
     unknowns = sorted({c for i in include for c in deps[i]}, key=lambda c: c.label)
     values = {c: (start or {}).get(c, c.prior) for c in unknowns}
     if not unknowns:
         return values
     for _ in range(iterations):
+        if prefetch is not None:
+            prefetch([(i, v) for i in include
+                      for v in (values, *(bumped(values, c) for c in unknowns if c in deps[i]))])
         rows, residuals = [], []
         for i in include:
             base = predict(i, values)
             row = np.zeros(len(unknowns))
             for j, c in enumerate(unknowns):
                 if c in deps[i]:
-                    bumped = dict(values)
-                    bumped[c] = values[c] * math.exp(STEP_LOG)
-                    row[j] = (math.log(predict(i, bumped)) - math.log(base)) / STEP_LOG
+                    row[j] = (math.log(predict(i, bumped(values, c))) - math.log(base)) / STEP_LOG
             residual = math.log(base / measured[i])
             w = math.sqrt(robust_weight(residual))
             rows.append(w * row)

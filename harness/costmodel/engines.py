@@ -5,8 +5,10 @@ model: the op times of :class:`~harness.costmodel.CostModel` (our kernels, a CUD
 steps) as the engines of :class:`~harness.core.engines.Engines` (the facts, harness/core/engines.py)
 run them:
 
-- a prefill or decode step (:func:`generation_step_s`): ``max(GPU time x gpu_time_scale, eager host
-  time x host_time_scale, ZeRO-3 gather)`` plus, per host-device sync, one launch of host time; the
+- a prefill or decode step (:func:`generation_step_s`): on a CUDA-graph engine ``max(GPU time x
+  gpu_time_scale + host_s_per_step, ZeRO-3 gather)``, the host's per-step work (scheduler, sampled
+  tokens back, next inputs) serial with the GPU's; on an eager engine ``max(GPU time x gpu_time_scale,
+  eager host time x host_time_scale, ZeRO-3 gather)`` plus, per host-device sync, one launch of host time; the
   eager host time is ``layers x launches_per_layer`` launches of the compute model's
   ``host_s_per_launch`` (gpt-fast's measured eager loop when calibrated; the roofline has no host
   model); the gather only when the engine generates from ZeRO-3 shards in place; a decode step's GPU
@@ -41,7 +43,7 @@ def generation_step_s(graph_s: Any, extra_gpu_s: Any, num_layers: int, engine: G
     the per-step ZeRO-3 gather. Elementwise over the steps of a span with ``maximum=np.maximum``."""
     gpu_s = (maximum(0.0, graph_s - graph_overhead_s) + extra_gpu_s) * engine.gpu_time_scale
     if engine.kernels == "graph":
-        return maximum(gpu_s + graph_overhead_s, gather_s)
+        return maximum(gpu_s + graph_overhead_s + engine.host_s_per_step, gather_s)
     host_s_per_launch = host_s_per_launch * engine.host_time_scale
     host_s = num_layers * engine.launches_per_layer * host_s_per_launch
     sync_s = num_layers * engine.host_syncs_per_layer * host_s_per_launch

@@ -240,6 +240,10 @@ def test_dschat_default_is_its_hybrid_engine(dschat_by_engine):
     assert dschat_by_engine["default"] == dschat_by_engine["ds_hybrid"]
 
 
+# With the fitted constants only: at the priors an eager engine's host time is its kernel launches
+# alone, while a CUDA-graph engine's prior is vLLM's measured host seconds per step, so the priors do
+# not order the two.
+@pytest.mark.parametrize("dschat_by_engine", [True], ids=["fitted"], indirect=True)
 def test_vllm_generates_faster_than_the_hybrid_engine(dschat_by_engine):
     assert dschat_by_engine["vllm"]["timing_s/gen"] < dschat_by_engine["default"]["timing_s/gen"]
 
@@ -357,8 +361,9 @@ def ctx():
 
 
 def _engines(gen: dict, train: dict) -> Engines:
-    """Resolved engines (every fitted constant set: the priors unless given)."""
-    return Engines(GenerationEngine(name="g", **{"gpu_time_scale": 1.0, "host_time_scale": 1.0, **gen}),
+    """Resolved engines (every fitted constant set: factors 1 and no host seconds unless given)."""
+    return Engines(GenerationEngine(name="g", **{"gpu_time_scale": 1.0, "host_time_scale": 1.0,
+                                                 "host_s_per_step": 0.0, **gen}),
                    TrainingEngine(name="t", **{"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0, **train}))
 
 
@@ -376,6 +381,26 @@ def test_gpu_time_scale_multiplies_graph_steps(ctx, batch, context, tp, pp):
     assert ec.decode_step_s(model, 0, 0.0, tp, pp) == 0.0 and ec.prefill_s(model, 0, tp, pp) == 0.0
     unit = cm.with_engines(_engines({"gpu_time_scale": 1.0}, {}))  # the prior: the cost model as is
     assert unit.decode_step_s(model, batch, context, tp, pp) == cm.decode_step_s(model, batch, context, tp, pp)
+
+
+@pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)
+def test_host_seconds_per_step_add_to_every_graph_step_on_every_gpu(batch, context, tp, pp):
+    """A CUDA-graph engine's host time per step is seconds, not a factor: the same seconds on the
+    A100's and on the H100's calibrated cost model, added to the scaled GPU time of each decode and
+    prefill step; an eager engine's host time is its launches, which host_s_per_step leaves alone."""
+    host = 0.0037
+    for cluster in ("a100_8x", "h100_8x"):
+        cm = build_context(OmegaConf.to_object(compose([*DSCHAT, *PRIORS, f"cluster={cluster}"]))).cost_model
+        model = build_context(OmegaConf.to_object(compose([*DSCHAT, *PRIORS]))).models.actor
+        ec = cm.with_engines(_engines({"gpu_time_scale": 1.5, "host_s_per_step": host}, {}))
+        assert ec.decode_step_s(model, batch, context, tp, pp) == pytest.approx(
+            1.5 * cm.decode_step_s(model, batch, context, tp, pp) + host, rel=1e-12)
+        assert ec.prefill_s(model, context, tp, pp, context / batch) == pytest.approx(
+            1.5 * cm.prefill_s(model, context, tp, pp, context / batch) + host, rel=1e-12)
+        eager = {"kernels": "eager", "launches_per_layer": 6, "batching": "static"}
+        assert cm.with_engines(_engines({**eager, "host_s_per_step": host}, {})).decode_step_s(
+            model, batch, context, tp, pp) == cm.with_engines(_engines(eager, {})).decode_step_s(
+            model, batch, context, tp, pp)
 
 
 @pytest.mark.parametrize("batch,context,tp,pp", DECODE_CASES)

@@ -208,3 +208,29 @@ def test_robust_fit_is_not_set_by_one_point_far_off():
     fitted = ef.fit(5, deps, measured, predict, iterations=8)[c]
     assert 2.0 < fitted < 2.0 * 10 ** (1 / 5) * 0.9  # pulled less than 0.9 x the least-squares answer
     assert ef.robust_weight(0.0) == 1.0 and ef.robust_weight(math.log(20)) < 0.25
+
+
+def test_the_fit_uses_calibrated_points_only_and_its_constants_do_not_depend_on_jobs(tmp_path):
+    """Only points on the calibrated cost model inform the fit (the constants are relative to its
+    kernel profiles): a roofline point beside one calibrated point leaves the constants as the
+    calibrated point alone gives them; its leave-one-source-out prediction is the full fit's, since it
+    never was in the fit. Two worker processes give the constants and the records of one, bit for bit."""
+    run = validate.replay(validate.read_replay(_write(tmp_path, [_point(id="C0", value=1.0)])))[0]
+    calibrated = _point(id="C1", value=run["predicted"] * 1.5, source="calibrated source")
+    roofline = _point(id="R1", value=run["predicted"] * 3.0, source="roofline source",
+                      overrides=TINY + ["cluster.cost_model=roofline"])
+    both = validate.read_replay(_write(tmp_path, [calibrated, roofline]))
+    alone = [p for p in both if p.id == "C1"]
+    assert [validate.fitted_on(validate._composed(p)) for p in both] == [True, False]
+    values, cv = validate.fit_and_cross_validate(both, True, iterations=1, jobs=1)
+    assert values and values == validate.fit_and_cross_validate(alone, False, iterations=1)[0]
+    assert (values, cv) == validate.fit_and_cross_validate(both, True, iterations=1, jobs=2)
+    from dataclasses import replace
+
+    from harness.costmodel.engine_fit import constants_override
+
+    r1 = next(p for p in both if p.id == "R1")
+    under_fit = validate.replay([replace(r1, overrides=r1.overrides + (constants_override(values),))])[0]
+    assert [r["id"] for r in cv] == ["C1", "R1"] and cv[1]["predicted"] == under_fit["predicted"]
+    with pytest.raises(SystemExit):
+        validate.main([str(tmp_path / "replay.jsonl"), "--fit", "--jobs", "0"])
