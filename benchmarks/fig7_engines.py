@@ -5,8 +5,10 @@ and under the execution-engine defaults, side by side.
     python benchmarks/fig7_engines.py --pairs 13b_33b 33b_13b 33b_65b 65b_33b --max-gen-len 512 1024 2048
 
 "before": the calibrated cost model without execution engines: every fitted engine constant at its
-prior (``engine.fitted=false``) and DeepSpeed-Chat on its earlier generation policy
-(``benchmarks/engines_before/ds_hybrid_unpadded_prompts.yaml``: prompts not padded to the maximum). "engines":
+prior (``engine.fitted=false``), no host seconds per CUDA-graph generation step (their prior is vLLM's
+measured per-step host time, which the calibrated model alone did not have) and DeepSpeed-Chat on its
+earlier generation policy (``benchmarks/engines_before/ds_hybrid_unpadded_prompts.yaml``: prompts not
+padded to the maximum). "engines":
 the defaults (each system's engines with the constants of ``data/engines/fitted.json``). Each system
 plans under each model (its searches score plans with the simulator), on the RLHFuse testbed model
 (32 x 8 H100-class GPUs, default workload). Searches use step budgets (deterministic): ReaLHF 50
@@ -21,12 +23,14 @@ from pathlib import Path
 from cost_models import BUDGETS, SYSTEMS, side_by_side, stage_times  # the sibling benchmark (same directory)
 
 HERE = Path(__file__).resolve().parent
-BEFORE = {"*": ["engine.fitted=false"],
-          "deepspeed_chat": [f"engine.generation={HERE / 'engines_before' / 'ds_hybrid_unpadded_prompts.yaml'}"]}
+# every system but DeepSpeed-Chat defaults to the cuda_graph generation engine
+BEFORE = {"*": ["engine.fitted=false", "engine.generation=cuda_graph", "engine.generation.host_s_per_step=0.0"],
+          "deepspeed_chat": ["engine.fitted=false",
+                             f"engine.generation={HERE / 'engines_before' / 'ds_hybrid_unpadded_prompts.yaml'}"]}
 
 
 def run(system: str, pair: str, max_gen_len: int, before: bool) -> dict[str, float]:
-    extra = (BEFORE["*"] + BEFORE.get(system, [])) if before else []
+    extra = BEFORE.get(system, BEFORE["*"]) if before else []
     return stage_times([f"+system={system}", f"model={pair}", f"workload.max_gen_len={max_gen_len}",
                         *BUDGETS.get(system, []), *extra])
 

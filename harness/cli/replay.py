@@ -26,12 +26,15 @@ median and 90th percentile of predicted/measured as times (``time x``: a through
 measured/predicted, so > 1 always means the simulator is slower than the real run), and the worst
 points (furthest from 1 on a log scale). Deterministic: the same file gives the same numbers.
 
-    python -m harness.replay data/published/replay.jsonl --gpu-class A100-class --fit --cv --write  # fit
+    python -m harness.replay data/published/replay.jsonl --fit --cv --write --jobs 2  # fit
 
 By default it measures with the engines' constants as ``data/engines/fitted.json`` has them
 (``--prior``: every fitted constant at its prior). ``--fit`` fits the shared per-engine constants on
-the file's points (:mod:`harness.costmodel.engine_fit`), prints them and the replay under them; ``--cv`` adds
-leave-one-source-out cross-validation; ``--write`` stores the constants. What the replay file says
+the file's points that run the calibrated cost model (:func:`fitted_on`; a point on a GPU without
+kernel profiles is replayed on the roofline and reported, not fitted) with
+:mod:`harness.costmodel.engine_fit`, prints them and the replay under them; ``--cv`` adds
+leave-one-source-out cross-validation; ``--write`` stores the constants; ``--jobs N`` simulates each
+fitting iteration's points on N processes (the constants do not depend on N). What the replay file says
 about each point (and which points it leaves out, and why) is data, documented in docs/VALIDATION.md.
 """
 from __future__ import annotations
