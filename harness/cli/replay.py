@@ -177,12 +177,14 @@ def record(point: ReplayPoint, predicted: float, cfg=None) -> dict[str, Any]:
     return out
 
 
-def replay(points: list[ReplayPoint]) -> list[dict[str, Any]]:
+def replay(points: list[ReplayPoint], composed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One record per point: id, source, metric, predicted, measured, ratio (predicted/measured as times:
     :func:`time_ratio`); each point planned and simulated as ``python -m harness`` would
     (:func:`harness.run.pipeline.simulate_summary`), without writing any results; points with the
-    same overrides (a point and its stage lines) once."""
-    configs = [(p, _composed(p)) for p in points]  # every config composes before any work
+    same overrides (a point and its stage lines) once. ``composed``: configs already composed from
+    these points' overrides, by point id (composed again otherwise)."""
+    composed = composed or {}
+    configs = [(p, composed.get(p.id) or _composed(p)) for p in points]  # every config composes before any work
     records = []
     summaries: dict[tuple[str, ...], dict] = {}  # a point's stage lines run its setup: simulated once
     for point, cfg in configs:
@@ -215,18 +217,19 @@ def fitted_on(cfg) -> bool:
 
 
 def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iterations: int = 4,
-                           jobs: int = 1):
+                           jobs: int = 1, composed: dict[str, Any] | None = None):
     """Fitted constants on the points :func:`fitted_on` admits and, when ``cross_validate``,
     leave-one-source-out records of every point (each source's points predicted with constants fitted
     without them; a source none of whose points is fitted is predicted with the full fit's); see
     :mod:`harness.costmodel.engine_fit`. ``jobs`` processes simulate the points of each fitting
     iteration side by side; the constants do not depend on how many. A point's stage lines (same
-    overrides) share its simulations."""
+    overrides) share its simulations. ``composed`` as for :func:`replay`."""
     import multiprocessing
 
     from harness.costmodel import engine_fit as ef
 
-    cfgs = [_composed(p) for p in points]
+    composed = composed or {}
+    cfgs = [composed.get(p.id) or _composed(p) for p in points]
     deps = [ef.point_constants(c) for c in cfgs]
     measured = [p.value for p in points]
     fitted = [i for i, c in enumerate(cfgs) if fitted_on(c)]
@@ -337,17 +340,20 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 raise ConfigError(f"--ids: no point(s) {unknown} in {args.file}")
             points = [pt for pt in points if pt.id in set(args.ids)]
+        composed: dict[str, Any] = {}  # configs composed to filter, reused by what runs them
         if args.gpu_class:
-            points = [pt for pt in points if gpu_class(_composed(pt)) == args.gpu_class]
+            composed = {pt.id: _composed(pt) for pt in points}
+            points = [pt for pt in points if gpu_class(composed[pt.id]) == args.gpu_class]
             if not points:
                 raise ConfigError(f"--gpu-class {args.gpu_class}: no point of {args.file} runs on it")
         if args.prior:
             points = [replace(pt, overrides=pt.overrides + ("engine.fitted=false",)) for pt in points]
+            composed = {}  # other overrides now
         cv_records: list[dict[str, Any]] = []
         if args.fit:
             from harness.costmodel import engine_fit as ef
 
-            values, cv_records = fit_and_cross_validate(points, args.cv, jobs=args.jobs)
+            values, cv_records = fit_and_cross_validate(points, args.cv, jobs=args.jobs, composed=composed)
             print("fitted constants (prior -> fitted):")
             for c, v in sorted(values.items(), key=lambda kv: kv[0].label):
                 print(f"  {c.label:<48}{c.prior:>10.4g} -> {v:.4g}")
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             records = replay([replace(pt, overrides=pt.overrides + (ef.constants_override(values),))
                               for pt in points])
         else:
-            records = replay(points)
+            records = replay(points, composed)
     except HarnessError as e:  # bad input, or a point whose plan is impossible
         print(f"error: {e}", file=sys.stderr)
         return 2
