@@ -250,17 +250,19 @@ def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iter
     _FIT_CONFIGS[:] = cfgs
     pool = multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else None
 
-    def prefetch(wanted: list[tuple[int, dict]]) -> None:
+    def simulate_in_pool(wanted: list[tuple[int, dict]]) -> None:
         todo: dict[tuple, tuple[int, dict]] = {}
         for i, values in wanted:
             key = key_of(i, values)
             if key not in cache:
                 todo.setdefault(key, (i, values))
-        if pool is not None and todo:
+        if todo:
             for key, value in zip(todo, pool.map(_simulate_point, list(todo.values()), chunksize=1)):
                 cache[key] = value
 
     try:
+        # one process: nothing to simulate ahead, predict simulates each point as it is asked for
+        prefetch = simulate_in_pool if pool is not None else None
         values = ef.fit(len(points), deps, measured, predict, include=fitted, iterations=iterations,
                         prefetch=prefetch)
         cv_records = []

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness.cli import replay as validate
+from harness.costmodel.engine_fit import constants_override
 from harness.errors import ConfigError
 
 REPLAY = Path(__file__).resolve().parents[2] / "data" / "published" / "replay.jsonl"
@@ -225,10 +227,6 @@ def test_the_fit_uses_calibrated_points_only_and_its_constants_do_not_depend_on_
     values, cv = validate.fit_and_cross_validate(both, True, iterations=1, jobs=1)
     assert values and values == validate.fit_and_cross_validate(alone, False, iterations=1)[0]
     assert (values, cv) == validate.fit_and_cross_validate(both, True, iterations=1, jobs=2)
-    from dataclasses import replace
-
-    from harness.costmodel.engine_fit import constants_override
-
     r1 = next(p for p in both if p.id == "R1")
     under_fit = validate.replay([replace(r1, overrides=r1.overrides + (constants_override(values),))])[0]
     assert [r["id"] for r in cv] == ["C1", "R1"] and cv[1]["predicted"] == under_fit["predicted"]
