@@ -44,14 +44,20 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
 What is not modelled: the seconds of waking and sleeping vLLM around generation (reallocating the
 KV cache, reloading weights), which the frameworks' published step times include
 (../shared/published/README.md: verl's "gen" covers waking vLLM and loading weights); sequence
-packing and dynamic batch sizes (training micro-batches are ``workload.micro_batch_size``); the
-asynchronous and off-policy modes (a later step of this harness).
+packing and dynamic batch sizes (training micro-batches are ``workload.micro_batch_size``).
+
+Off-policy: with generation GPUs of their own and ``max_staleness`` set, the plan is off-policy
+(``Plan.off_policy``): each iteration's generation runs on weights up to that many versions old,
+beside the training of the iterations before it, and the weights are broadcast to the engines
+once they have finished generating (verl's ``one_step_off_policy`` recipe, NeMo-RL's asynchronous
+GRPO; :mod:`harness.planning.iterations`). Fully asynchronous rollout, with generation interrupted
+by new weights, is not this plan.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from harness.core.plan import Allocation, GenerationPolicy, MovementKind, ParallelStrategy, Plan
+from harness.core.plan import Allocation, GenerationPolicy, MovementKind, OffPolicyPolicy, ParallelStrategy, Plan
 from harness.errors import ConfigError, PlanError
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import simulated_makespan_s
@@ -66,23 +72,38 @@ TRAINING_LAYOUT_TASKS = ("ref", "reward", "values", "update_actor", "update_crit
 
 def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: int,
                train_layout: Optional[str], zero_stage: int, generation_nodes: int = 0,
+               generation_gpus: int = 0, max_staleness: Optional[int] = None,
                offload_for_generation: bool = False, keys: dict[str, str]) -> Plan:
     """The plan of the module docstring for ``system``. ``generation_nodes`` > 0 gives generation
     that many nodes of its own (the last ones) and the training engine the rest, the new weights
     then broadcast to the generation engines each iteration (``param_sync``) instead of refit on
     the same GPUs. With ``offload_for_generation`` (colocated only) the policy's training states and
     the reference model's weights wait in host memory while vLLM generates (``Plan.offloaded``).
-    ``keys`` names the system's option of each knob (``rollout_tp``, ``train_layout``,
-    ``generation_nodes``) for errors and hints."""
+    ``generation_gpus`` > 0 does the same with that many GPUs (the last ones; verl's one-step-off
+    recipe gives 4 of 16 GPUs to rollout). ``max_staleness`` (not None) makes the plan off-policy
+    (``Plan.off_policy``): each iteration's generation may run on weights up to that many versions
+    old, overlapping training (:mod:`harness.planning.iterations`); it needs generation GPUs of its
+    own when above 0. ``keys`` names the system's option of each knob (``rollout_tp``,
+    ``train_layout``, ``generation_nodes`` or ``generation_gpus``, ``max_staleness``) for errors and hints."""
     n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
     parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
     micro_batch_size = ctx.workload.micro_batch_size
+    if generation_nodes and generation_gpus:
+        raise ConfigError(f"{keys['generation_nodes']}={generation_nodes} and {keys['generation_gpus']}="
+                          f"{generation_gpus} both size the generation pool; set one")
     if not 0 <= generation_nodes < ctx.cluster.num_nodes:
         raise ConfigError(f"{keys['generation_nodes']}={generation_nodes}: generation needs 0 (colocated) up "
                           f"to {ctx.cluster.num_nodes - 1} of the {ctx.cluster.num_nodes} nodes, training the rest")
-    split = n - generation_nodes * per_node
+    if not 0 <= generation_gpus < n:
+        raise ConfigError(f"{keys['generation_gpus']}={generation_gpus}: generation needs 0 (colocated) up "
+                          f"to {n - 1} of the {n} GPUs, training the rest")
+    num_gen_gpus = generation_gpus or generation_nodes * per_node
+    if max_staleness is not None and max_staleness > 0 and not num_gen_gpus:
+        raise ConfigError(f"{keys['max_staleness']}={max_staleness}: generation runs ahead of training only on GPUs "
+                          f"of its own; set {keys['generation_gpus']} (or {keys['generation_nodes']})")
+    split = n - num_gen_gpus
     train_mesh = tuple(range(split))
-    gen_mesh = tuple(range(split, n)) if generation_nodes else train_mesh
+    gen_mesh = tuple(range(split, n)) if num_gen_gpus else train_mesh
     actor = ctx.model("actor")
     num_layers = min(ctx.model(role).num_layers for role in ctx.roles)
 
@@ -130,8 +151,9 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         tp for tp in (per_node * 2 ** k for k in range(1, len(gen_mesh).bit_length()))
         if tp <= len(gen_mesh) and len(gen_mesh) % tp == 0 and tp_splits_heads(tp, [actor])]
     policy = GenerationPolicy("continuous", max_num_seqs)
-    sync = MovementKind.PARAM_SYNC if generation_nodes else MovementKind.REALLOC
-    offloaded = tuple(m for m in ("actor", "ref") if m in ctx.roles) if offload_for_generation and not generation_nodes else ()
+    sync = MovementKind.PARAM_SYNC if num_gen_gpus else MovementKind.REALLOC
+    offloaded = tuple(m for m in ("actor", "ref") if m in ctx.roles) if offload_for_generation and not num_gen_gpus else ()
+    off_policy = None if max_staleness is None else OffPolicyPolicy(max_staleness)
     plans: dict[tuple[ParallelStrategy, int], Plan] = {}
 
     def assemble(train: ParallelStrategy, tp: int) -> Plan:
@@ -139,10 +161,12 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
             train_alloc = Allocation(train_mesh, train)
             allocs = {task: train_alloc for task in TRAINING_LAYOUT_TASKS}
             allocs["gen"] = Allocation(gen_mesh, ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1))
-            plans[(train, tp)] = assemble_ppo_plan(
+            plan = assemble_ppo_plan(
                 ctx, system, allocs, policy, actor_sync=sync, recompute_logprobs=True,
                 micro_batch_size=micro_batch_size, offloaded=offloaded,
                 layout_keys={"gen": keys["rollout_tp"], **{t: keys["train_layout"] for t in TRAINING_LAYOUT_TASKS}})
+            plan.off_policy = off_policy
+            plans[(train, tp)] = plan
         return plans[(train, tp)]
 
     # Two searches, not one over every pair: the training layout with the widest feasible vLLM
@@ -167,7 +191,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         "train_layout": f"{train.strategy}" + (f" ({train.num_candidates} candidates)" if len(train_candidates) > 1
                                                else ""),
         "rollout_tp": gen_tp.strategy.tp,
-        "refit": ("param_sync: broadcast to the generation nodes" if generation_nodes
+        "refit": ("param_sync: broadcast to the generation GPUs" if num_gen_gpus
                   else "realloc_actor_gen: training layout -> vLLM layout on the same GPUs, every iteration"
                   if plan.weight_movements else "none: the vLLM layout holds the training layout's full weights"),
         "logprobs": "recomputed by the training engine after generation",
@@ -186,10 +210,16 @@ class RefitSystem(System):
     KNOBS: dict[str, str] = {}
 
     def plan(self, ctx: PlanContext) -> Plan:
-        knob = {name: getattr(self.cfg, field) for name, field in self.KNOBS.items()}
+        return self.refit(ctx)
+
+    def refit(self, ctx: PlanContext, **knobs) -> Plan:
+        """:func:`refit_plan` with the config's knobs, those in ``knobs`` replaced."""
+        knob = {name: getattr(self.cfg, field) for name, field in self.KNOBS.items()} | knobs
         keys = {name: f"system.{field}" for name, field in self.KNOBS.items()}
-        keys.setdefault("generation_nodes", "system.generation_nodes")  # named only when set
+        for name in ("generation_nodes", "generation_gpus", "max_staleness"):  # named only when set
+            keys.setdefault(name, f"system.{name}")
         return refit_plan(ctx, self.cfg.name, rollout_tp=knob["rollout_tp"], max_num_seqs=knob["max_num_seqs"],
                           train_layout=knob["train_layout"], zero_stage=knob["zero_stage"],
                           generation_nodes=knob.get("generation_nodes", 0),
+                          generation_gpus=knob.get("generation_gpus", 0), max_staleness=knob.get("max_staleness"),
                           offload_for_generation=bool(knob.get("offload_for_generation", False)), keys=keys)

@@ -82,6 +82,8 @@ SPECS: dict[str, Spec] = {
         tiny(f"{SIM_SHORT} system.intra_stage=false",
              ('"system.migration_frac=0,0.1,0.2,0.3,0.4"', '"system.migration_frac=0,0.2"')),
     "python -m harness +system=rlhfuse_base model=13b workload=jsonl": tiny(SIM_SHORT),
+    "python -m harness -m +system=verl,one_step_off model=qwen2_5_7b algo=grpo workload=long_reasoning cluster=h100_8x "
+    "cluster.num_nodes=2": tiny(SIM_SHORT),
     "python -m systems.rlhfuse.fuse --stages 16 8 --microbatches 16 32 --fwd 1 1 --mem 1 1 --json":
         tiny("--max-steps 2000"),
     # comparing runs (they read the sweep "demo" above), figures

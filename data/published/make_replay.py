@@ -1,7 +1,7 @@
 """Write data/published/replay.jsonl: every calibration point graded A or B in
-../shared/published/measurements.jsonl (A100/A800, DeepSpeed-era PPO), and every on-policy point
-graded A or B in ../shared/published/hopper.jsonl (H100 and GB200, critic-free GRPO on NeMo-RL),
-expressed as harness overrides.
+../shared/published/measurements.jsonl (A100/A800, DeepSpeed-era PPO), and every point graded A or
+B in ../shared/published/hopper.jsonl (H100 and GB200, critic-free GRPO on NeMo-RL, on-policy and
+asynchronous), expressed as harness overrides.
 
     python data/published/make_replay.py [--measurements PATH] [--hopper PATH]
 
@@ -347,10 +347,14 @@ def first_int(text: Any) -> int:
 
 
 def nemo_rl_row(m: dict) -> list[dict]:
-    """A NeMo-RL on-policy GRPO row (performance tables v0.4-v0.6 and the v0.3 release's table):
-    ``+system=nemo_rl`` with the recipe's model, GPUs, batch, lengths, parallelism and engines; the
-    v0.3 rows' published stages as lines of their own."""
+    """A NeMo-RL GRPO row (performance tables v0.4-v0.6 and the v0.3 release's table):
+    ``+system=nemo_rl`` with the recipe's model, GPUs, batch, lengths, parallelism and engines; its
+    asynchronous rows with the recipe's generation and training pools and trajectory age (an
+    off-policy plan, two iterations of which the first fills the pipeline); the v0.3 rows' published
+    stages as lines of their own."""
     p, o = m["parallelism"], m["other_settings"]
+    if "fp8" in str(m.get("precision", "")).lower():
+        raise NoFit("FP8 training and generation are not modelled (the cost model runs bf16)")
     n, group = int(m["num_gpus"]), int(m["responses_per_prompt"])
     prompts, per_step = int(m["prompts_per_iter"]), first_int(m["train_global_batch"])
     cluster, cluster_note = hopper_cluster(m["gpu"], n)
@@ -393,7 +397,21 @@ def nemo_rl_row(m: dict) -> list[dict]:
                        f"from dp here; Megatron folds its {ep} over tp x cp x dp), neither of which the harness models")
     else:
         ov.append(f"system.train_layout=dp{dp}tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else ""))
-    ov += FAST
+    off_policy = not m["policy_mode"].startswith("on-policy")
+    pools_note = ""
+    if off_policy:  # asynchronous GRPO: generation on GPUs of its own, up to `age` steps ahead of training
+        age = first_int(m["policy_mode"])  # "1-step off-policy", "8-step off-policy"
+        gen_gpus, train_gpus = int(p["gen_gpus"]), int(p["train_gpus"])
+        if gen_gpus + train_gpus != n:
+            raise NoFit(f"pools of {gen_gpus} + {train_gpus} GPUs are not the row's {n}")
+        ov += [f"system.generation_gpus={gen_gpus}", f"system.max_trajectory_age_steps={age}"]
+        # the first window fills the pipeline; steady state from the second (harness/planning/iterations.py)
+        ov += ["backend.num_iterations=2", "backend.num_warmup_iterations=1"]
+        pools_note = (f"; asynchronous GRPO, max_trajectory_age_steps {age}: generation on {gen_gpus} GPUs of its "
+                      f"own, training on {train_gpus}, modelled as the one-step-off pipeline (step = the interval "
+                      f"between training steps in steady state; the replay buffer is not modelled)")
+    else:
+        ov += FAST
     assume = (f"{prompt_note}; responses lognormal (sigma {HOPPER_OUTPUT_SIGMA:g}, an assumption: no source publishes "
               f"the shape) with median {median:.0f}, clipped at {max_gen} (the {total_cap}-token sequence cap less the "
               f"prompt), so that their mean is the published {mean_out:g}; {prompts} prompts x {group} responses, "
@@ -402,7 +420,7 @@ def nemo_rl_row(m: dict) -> list[dict]:
               f"{' (on in the recipe)' if o.get('sequence_packing') else ''} and vLLM's gpu_memory_utilization "
               f"{o.get('vllm_gpu_memory_utilization', 0.6)} not modelled; training "
               f"{'FSDP2 (engine.training=fsdp)' if fsdp else 'Megatron-core'}, generation vLLM tp {p['gen_TP']}"
-              f"{layout_note}{cluster_note}")
+              f"{layout_note}{pools_note}{cluster_note}")
     out = [{"metric": "step_s", "value": float(m["value"]), "overrides": ov, "assumptions": assume}]
     stages = m.get("stage_times") or {}
     for key, metric in (("generation", "gen_s"), ("policy_training", "train_s")):
@@ -413,15 +431,13 @@ def nemo_rl_row(m: dict) -> list[dict]:
 
 
 def build_hopper(path: Path) -> list[dict]:
-    """Every on-policy point of ``hopper.jsonl`` graded A or B, as harness overrides; the
-    off-policy and asynchronous rows are not yet expressible (one-step-off and asynchronous systems)."""
+    """Every point of ``hopper.jsonl`` graded A or B, as harness overrides: NeMo-RL's on-policy
+    rows and its asynchronous GRPO rows (``max_trajectory_age_steps``: +system=nemo_rl with
+    generation on GPUs of its own, off-policy)."""
     lines = []
     for raw in path.read_text().splitlines():
         m = json.loads(raw)
         if not hopper_grade(m).startswith(("A", "B")):
-            continue
-        if not m["policy_mode"].startswith("on-policy"):
-            print(m["id"], "not yet expressible:", m["policy_mode"], flush=True)
             continue
         if not m["system"].startswith("NeMo-RL"):
             raise SystemExit(f"{m['id']} is graded A/B but has no expression here")

@@ -51,6 +51,7 @@ import numpy as np
 
 from harness.checks.consistency import check_output_file
 from harness.errors import ConfigError, HarnessError, interrupt_is_one_line
+from harness.core import metrics as mk
 from harness.core.files import file_kind
 from harness.run.pipeline import compose, simulate_summary
 from harness.system import discover_systems
@@ -167,14 +168,24 @@ def is_moe(cfg) -> bool:
     return int(cfg.model.actor.get("num_experts", 0) or 0) > 0
 
 
-def record(point: ReplayPoint, predicted: float, cfg=None) -> dict[str, Any]:
-    """A replayed point; with its composed config, the GPU generation and whether the actor is a
-    mixture of experts (what the report groups by besides the source)."""
+def record(point: ReplayPoint, predicted: float, cfg=None, off_policy: bool = False) -> dict[str, Any]:
+    """A replayed point; with its composed config, the GPU generation, whether the actor is a
+    mixture of experts, whether the run was off-policy (its trained samples stale) and the key of
+    its twins (:func:`twin_key`): what the report groups by besides the source."""
     out = {"id": point.id, "source": point.source, "metric": point.metric, "predicted": predicted,
            "measured": point.value, "ratio": time_ratio(point.metric, predicted, point.value)}
     if cfg is not None:
-        out.update({"gpu_class": gpu_class(cfg), "moe": is_moe(cfg)})
+        out.update({"gpu_class": gpu_class(cfg), "moe": is_moe(cfg), "off_policy": off_policy,
+                    "twin": twin_key(point, cfg)})
     return out
+
+
+def twin_key(point: ReplayPoint, cfg) -> str:
+    """What a point shares with its on-policy or off-policy twin: the source (one table of one
+    release), the actor, the number of GPUs, the algorithm, the batch and the metric."""
+    num_gpus = int(cfg.cluster.num_nodes) * int(cfg.cluster.gpus_per_node)
+    return (f"{point.source} | {cfg.model.actor.name} | {num_gpus} GPUs | {cfg.algo.name} | "
+            f"{cfg.workload.global_batch_size}x{cfg.algo.group_size} | {point.metric}")
 
 
 def replay(points: list[ReplayPoint], composed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -190,8 +201,9 @@ def replay(points: list[ReplayPoint], composed: dict[str, Any] | None = None) ->
     for point, cfg in configs:
         if point.overrides not in summaries:
             summaries[point.overrides] = simulate_summary(cfg)
-        predicted = summaries[point.overrides][METRICS[point.metric]]
-        records.append(record(point, predicted, cfg))
+        summary = summaries[point.overrides]
+        records.append(record(point, summary[METRICS[point.metric]], cfg,
+                              off_policy=summary.get(mk.STALENESS_MAX, 0.0) > 0))
     return records
 
 
@@ -206,7 +218,7 @@ def _simulate_point(job: tuple[int, dict]) -> dict[str, float]:
 
     i, values = job
     summary = simulate_summary(ef.with_constants(_FIT_CONFIGS[i], values))
-    return {key: summary[key] for key in METRICS.values() if key in summary}
+    return {key: summary[key] for key in (*METRICS.values(), mk.STALENESS_MAX) if key in summary}
 
 
 def fitted_on(cfg) -> bool:
@@ -275,7 +287,9 @@ def fit_and_cross_validate(points: list[ReplayPoint], cross_validate: bool, iter
                     len(points), deps, measured, predict, include=train, iterations=iterations, prefetch=prefetch)
                 for i, p in enumerate(points):
                     if p.source == source:
-                        cv_records.append(record(p, predict(i, fold), cfgs[i]))
+                        predicted = predict(i, fold)
+                        cv_records.append(record(p, predicted, cfgs[i],
+                                                 off_policy=cache[key_of(i, fold)].get(mk.STALENESS_MAX, 0.0) > 0))
     finally:
         if pool is not None:
             pool.terminate()
@@ -300,6 +314,9 @@ def report(records: list[dict[str, Any]]) -> str:
     for r in records:
         if "gpu_class" in r:
             by_class.setdefault(f"{r['gpu_class']}, {'MoE' if r['moe'] else 'dense'}", []).append(r["ratio"])
+            if r["off_policy"]:
+                by_class.setdefault(f"{r['gpu_class']}, {'MoE' if r['moe'] else 'dense'}, off-policy",
+                                    []).append(r["ratio"])
     for group, ratios in sorted(by_class.items()):
         s = _stats(ratios)
         lines.append(f"{group:<62}{s['n']:>4}{s['median']:>9.3f}{s['p90']:>9.3f}{s['within_0.5_2x_frac']:>11.0%}")
@@ -307,7 +324,26 @@ def report(records: list[dict[str, Any]]) -> str:
     lines.append(f"{'overall':<62}{s['n']:>4}{s['median']:>9.3f}{s['p90']:>9.3f}{s['within_0.5_2x_frac']:>11.0%}")
     worst = sorted(records, key=lambda r: -abs(math.log(r["ratio"])))[:WORST_SHOWN]
     lines.append("worst: " + ", ".join(f"{r['id']} {r['ratio']:.2f}x" for r in worst))
+    pairs = twins(records)
+    if pairs:
+        lines.append("")
+        lines.append("off-policy / on-policy twins (same source, actor, GPUs, algorithm, batch): step-time ratio")
+        lines.append(f"{'off':<8}{'on':<8}{'published':>10}{'predicted':>11}{'pred/pub':>10}  twin")
+        for off, on in pairs:
+            published, predicted = off["measured"] / on["measured"], off["predicted"] / on["predicted"]
+            lines.append(f"{off['id']:<8}{on['id']:<8}{published:>10.3f}{predicted:>11.3f}{predicted / published:>10.3f}"
+                         f"  {off['twin'].split(' | ', 1)[1][:60]}")
     return "\n".join(lines)
+
+
+def twins(records: list[dict[str, Any]]) -> list[tuple[dict, dict]]:
+    """(off-policy record, on-policy record) pairs with the same :func:`twin_key`, each off-policy
+    record with every on-policy twin it has."""
+    on: dict[str, list[dict]] = {}
+    for r in records:
+        if "twin" in r and not r["off_policy"]:
+            on.setdefault(r["twin"], []).append(r)
+    return [(r, twin) for r in records if r.get("off_policy") for twin in on.get(r["twin"], [])]
 
 
 @interrupt_is_one_line

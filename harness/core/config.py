@@ -217,6 +217,9 @@ class LengthDistConfig:
     sigma: float = 1.0  # lognormal shape; P99.9/median = exp(3.09*sigma)
     min: int = 1
     max: int = MISSING
+    # lengths that drift over training: iteration k draws with median x (1 + growth_per_iteration)^k
+    # (the cap max_gen_len stays); 0 = the same distribution every iteration
+    growth_per_iteration: float = 0.0
 
 
 @dataclass

@@ -87,6 +87,7 @@ class Feature(_ValueEnum):
     FUSED_TRAINING = "fused training stages (RLHFuse intra-stage fusion)"
     OFFLOAD = "offloading model weights to host memory"
     PER_REPLICA_MOVEMENT = "weight movements performed by the consuming task's replicas"
+    OFF_POLICY = "generation running ahead of training on older weights (off-policy pipelining)"
 
 
 MODEL_ROLES = tuple(r.value for r in ModelRole)
@@ -277,6 +278,24 @@ class GenerationPolicy:
 
 
 @dataclass(frozen=True)
+class OffPolicyPolicy:
+    """Generation running ahead of training (one-step off-policy: verl's ``one_step_off_policy``
+    recipe, NeMo-RL's asynchronous GRPO with ``max_trajectory_age_steps``): iteration ``k``'s
+    generation may start as soon as the weights of version ``k - max_staleness`` have reached the
+    generation engines, instead of waiting for version ``k``, so it overlaps the training of the
+    iterations before it on devices of its own. Version ``v`` is the policy after ``v`` updates;
+    iteration ``k`` trains version ``k`` into ``k + 1``, so a sample generated under version ``g``
+    and trained in iteration ``k`` is ``k - g`` versions stale (0 <= ``k - g`` <= ``max_staleness``;
+    0 is on-policy). Executed across iterations by :mod:`harness.planning.iterations`."""
+
+    max_staleness: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise PlanError(f"off-policy max_staleness must be an integer >= 0, got {self.max_staleness!r}")
+
+
+@dataclass(frozen=True)
 class ResidentState:
     """The state of ``model`` laid out as in task ``task`` stays in device memory all iteration.
     ``what`` is ``train`` (weights, grads, optimizer states) or ``weights`` (bf16 weights only)."""
@@ -308,6 +327,9 @@ class Plan:
     # the plan has follows from it
     algorithm: str = "ppo"
     notes: dict[str, Any] = field(default_factory=dict)  # system-specific facts shown in plan.json
+    # generation ahead of training by up to so many weight versions (None: on-policy, each iteration
+    # generating with the weights the previous one trained); shown in plan.json only when set
+    off_policy: Optional[OffPolicyPolicy] = None
     # task -> the command-line key that pins its layout in the system that made the plan (e.g.
     # ``system.layouts.gen``, ``system.layout``), for hints in refusals; not what runs, so neither
     # written to plan.json nor compared
@@ -368,6 +390,8 @@ class Plan:
             out.append(Feature.OFFLOAD)
         if any(m.kind == MovementKind.PER_REPLICA for m in self.weight_movements):
             out.append(Feature.PER_REPLICA_MOVEMENT)
+        if self.off_policy is not None:
+            out.append(Feature.OFF_POLICY)
         return out
 
     def devices(self) -> list[int]:
@@ -418,6 +442,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = _plain(asdict(self))
         d.pop("layout_keys")
+        if self.off_policy is None:  # on-policy plans' plan.json as before the field existed
+            d.pop("off_policy")
         for task, t in zip(self.tasks, d["tasks"]):  # strategies without ep when it is 1
             t["allocation"]["strategy"] = task.allocation.strategy.to_dict()
         for move, m in zip(self.weight_movements, d["weight_movements"]):
@@ -481,6 +507,7 @@ class Plan:
             mini_batch_size=d["mini_batch_size"],
             algorithm=d.get("algorithm", "ppo"),  # plan.json written before algorithms were configurable: PPO
             notes=d.get("notes", {}),
+            off_policy=OffPolicyPolicy(**d["off_policy"]) if d.get("off_policy") else None,
         )
 
     @staticmethod

@@ -6,7 +6,8 @@ Both backends emit the same structure, so every metric means the same thing simu
   doing the same work at the same time): which task, what kind of work, start/end in seconds from
   the start of the iteration, and FLOPs/bytes per device where known. Grouping keeps traces of
   256-GPU clusters small; every metric is still computed per device;
-- :class:`SampleRecord` per generated sample: prompt and response length, when it finished;
+- :class:`SampleRecord` per generated sample: prompt and response length, when it finished, and the
+  weights versions that generated it (staleness: ``harness.core.metrics``);
 - :class:`PipelineRun` per executed training pipeline (one per mini-batch and training stage):
   its makespan, ranks and compute time, from which the bubble fraction is computed;
 - ``counters``: named scalars a backend measured (e.g. migrated samples), keyed by metric name;
@@ -55,6 +56,12 @@ class SampleRecord:
     prompt_len: int
     response_len: int
     finish_s: float  # when its last token was produced, from iteration start
+    # the weights version (number of policy updates before it) that produced the sample's first and
+    # last token; None: the version the iteration trains (an on-policy sample, staleness 0).
+    # Off-policy execution sets them (harness.planning.iterations); they differ where generation
+    # was interrupted and continued under newer weights
+    first_version: int | None = None
+    last_version: int | None = None
 
 
 @dataclass(slots=True)

@@ -57,14 +57,25 @@ class Batch:
         return int(self.prompt_lens.sum() + self.output_lens.sum())
 
 
-def sample_lengths(dist: LengthDistConfig, num: int, rng: np.random.Generator, cap: int | None = None) -> np.ndarray:
+def median_at(dist: LengthDistConfig, iteration: int) -> float:
+    """The distribution's median in iteration ``iteration``: ``median x (1 + growth_per_iteration)^iteration``
+    (lengths drifting over training, as reasoning RL's responses grow; before the clip to [min, max])."""
+    return dist.median * (1.0 + dist.growth_per_iteration) ** iteration
+
+
+def sample_lengths(dist: LengthDistConfig, num: int, rng: np.random.Generator, cap: int | None = None,
+                   iteration: int = 0) -> np.ndarray:
+    """``num`` lengths of ``dist`` in iteration ``iteration`` (its median drifted: :func:`median_at`;
+    a uniform distribution shifts by the median's change), rounded and clipped to [min, max], and to
+    ``cap``."""
     upper = dist.max if cap is None else min(dist.max, cap)
+    median = median_at(dist, iteration)
     if dist.kind == "constant":
-        values = np.full(num, dist.median, dtype=float)
+        values = np.full(num, median, dtype=float)
     elif dist.kind == "lognormal":
-        values = rng.lognormal(mean=np.log(dist.median), sigma=dist.sigma, size=num)
+        values = rng.lognormal(mean=np.log(median), sigma=dist.sigma, size=num)
     elif dist.kind == "uniform":  # integers in [min, max], each equally likely
-        values = rng.integers(dist.min, dist.max, size=num, endpoint=True).astype(float)
+        values = rng.integers(dist.min, dist.max, size=num, endpoint=True).astype(float) + (median - dist.median)
     else:
         raise ConfigError(f"unknown length distribution kind {dist.kind!r} "
                           f"(expected one of {', '.join(LENGTH_KINDS)})")
@@ -83,6 +94,9 @@ def validate_length_dist(key: str, dist: LengthDistConfig) -> None:
         raise ConfigError(f"workload.{key}: min={dist.min} and max={dist.max} must satisfy 1 <= min <= max")
     if not (math.isfinite(dist.median) and dist.median > 0):
         raise ConfigError(f"workload.{key}.median={dist.median}: must be a finite positive number of tokens")
+    if not (math.isfinite(dist.growth_per_iteration) and dist.growth_per_iteration > -1):
+        raise ConfigError(f"workload.{key}.growth_per_iteration={dist.growth_per_iteration}: the median's change per "
+                          f"iteration as a fraction, a finite number > -1")
     if dist.kind == "lognormal" and not (math.isfinite(dist.sigma) and dist.sigma >= 0):
         raise ConfigError(f"workload.{key}.sigma={dist.sigma}: a lognormal's shape must be a finite number >= 0")
     if dist.kind == "uniform" and abs(dist.median - (dist.min + dist.max) / 2) > 0.5:
@@ -138,8 +152,8 @@ def make_batch(w: WorkloadConfig, seed: int, iteration: int, group_size: int = 1
     if rest:
         raise ConfigError(f"{w.global_batch_size} samples are not whole groups of {group_size}")
     rng = np.random.default_rng([seed, iteration])
-    prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng), group_size)
-    outputs = sample_lengths(w.output_len, w.global_batch_size, rng, cap=w.max_gen_len)
+    prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng, iteration=iteration), group_size)
+    outputs = sample_lengths(w.output_len, w.global_batch_size, rng, cap=w.max_gen_len, iteration=iteration)
     return Batch(iteration, prompts, outputs)
 
 
@@ -166,8 +180,8 @@ def draw_round(w: WorkloadConfig, seed: int, iteration: int, round_index: int, n
     rate from ``w.pass_rate`` and its group's number of passing responses (``group_num_correct``).
     ``backend=ray`` generates the same rounds and judges them by its verifier instead."""
     rng = np.random.default_rng([seed, iteration, 1 + round_index])  # make_batch draws from [seed, iteration]
-    prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng), group_size)
-    outputs = sample_lengths(w.output_len, num_prompts * group_size, rng, cap=w.max_gen_len)
+    prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng, iteration=iteration), group_size)
+    outputs = sample_lengths(w.output_len, num_prompts * group_size, rng, cap=w.max_gen_len, iteration=iteration)
     num_correct = rng.binomial(group_size, rng.beta(w.pass_rate.alpha, w.pass_rate.beta, size=num_prompts))
     return Batch(iteration, prompts, outputs, group_num_correct=num_correct)
 

@@ -164,11 +164,13 @@ def updated_params_per_device(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
 
 
 def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: float,
-                               tp: int = 1, recompute: str = "selective") -> float:
+                               tp: int = 1, recompute: str = "selective", fused_attention: bool = False) -> float:
     """Korthikanti et al. 2022 (Table 2) activation bytes of one layer, one micro-batch:
 
     * ``none`` (tensor parallel, no sequence parallel):
-      ``s b h (10 + 24/t + 5 a s / (h t))``
+      ``s b h (10 + 24/t + 5 a s / (h t))``; with ``fused_attention`` (FlashAttention-style
+      kernels, which never write the ``a s^2`` score and softmax matrices to memory; Dao et al.
+      2022) the last term is dropped: ``s b h (10 + 24/t)``
     * ``selective`` (attention core recomputed, with sequence parallelism):
       ``34 s b h / t``
     * ``full`` (only each layer's input is kept): ``2 s b h``. With sequence
@@ -186,7 +188,8 @@ def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: flo
         ffn_ratio = d.ffn_hidden_size / d.hidden_size
         sharded, selective = 8 + 4 * ffn_ratio, 18 + 4 * ffn_ratio
     if recompute == "none":
-        return sbh * (10 + sharded / tp + 5 * d.num_heads * seq_len / (d.hidden_size * tp))
+        scores = 0.0 if fused_attention else 5 * d.num_heads * seq_len / (d.hidden_size * tp)
+        return sbh * (10 + sharded / tp + scores)
     if recompute == "selective":
         return sbh * selective / tp
     if recompute == "full":
@@ -202,13 +205,15 @@ def activation_gb(
     num_layers: Optional[float] = None,
     recompute: str = "selective",
     include_logits: bool = False,
+    fused_attention: bool = False,
 ) -> float:
     """Activations one micro-batch keeps for its backward pass on one device, over
     ``num_layers`` layers (all when ``None``). ``include_logits`` adds the last stage's
-    fp32 logits (``4 s b v / t`` bytes; ``4 s b`` for a scalar value head)."""
+    fp32 logits (``4 s b v / t`` bytes; ``4 s b`` for a scalar value head); ``fused_attention``:
+    :func:`activation_bytes_per_layer`."""
     d = ModelDims.of(model)
     layers = d.num_layers if num_layers is None else num_layers
-    total = layers * activation_bytes_per_layer(d, micro_batch_size, seq_len, tp, recompute)
+    total = layers * activation_bytes_per_layer(d, micro_batch_size, seq_len, tp, recompute, fused_attention)
     if include_logits:
         width = 1 if d.value_head else d.vocab_size / tp
         total += LOGIT_BYTES * seq_len * micro_batch_size * width

@@ -491,10 +491,10 @@ class CostModel:
 
     def activation_gb(self, model: Any, micro_batch_size: float, seq_len: float, tp: int = 1,
                       num_layers: Optional[float] = None, recompute: Optional[str] = None,
-                      include_logits: bool = False) -> float:
+                      include_logits: bool = False, fused_attention: bool = False) -> float:
         """Activations of one micro-batch (workload's recomputation unless ``recompute``)."""
         return memory.activation_gb(ModelDims.of(model), micro_batch_size, seq_len, tp,
-                                    num_layers, recompute or self.recompute, include_logits)
+                                    num_layers, recompute or self.recompute, include_logits, fused_attention)
 
     def kv_cache_gb(self, model: Any, num_tokens: float, tp: int = 1, pp: int = 1) -> float:
         return memory.kv_cache_gb(ModelDims.of(model), num_tokens, tp, pp)

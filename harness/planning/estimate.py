@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.core.plan import GenerationPolicy, Plan, Task, TrainingStage
+from harness.planning.iterations import steady_step_s
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import PlanSimulator, simulate_iteration
 from harness.planning.taskmodels.generation import (StepSchedule, kv_capacity_tokens, simulate_generation, step_schedule,
@@ -170,8 +171,12 @@ def streaming_inference_end_s(ctx: PlanContext, gen_result, inference: list[Task
 def simulated_makespan_s(ctx: PlanContext, plan: Plan, batch: Batch | None = None) -> float:
     """The iteration time of :func:`simulate_plan` without building its trace: every task's end,
     as the full simulator predicts it (the trace's makespan is the last span's end, which can differ
-    from it in the last bit). Checks memory first. Planners score whole plans with it."""
+    from it in the last bit); for an off-policy plan, the steady-state interval between training
+    steps (:func:`harness.planning.iterations.steady_step_s`). Checks memory first. Planners score
+    whole plans with it."""
     memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    if plan.off_policy is not None:  # the interval between training steps in steady state
+        return steady_step_s(ctx, plan, memory, batch if batch is not None else representative_batch(ctx))
     simulator = PlanSimulator(ctx, plan, memory, 0, batch if batch is not None else representative_batch(ctx),
                               record_spans=False)
     simulator.run()

@@ -54,7 +54,8 @@ from harness.errors import PlanError
 from harness.core.plan import Allocation, GenerationPolicy, ParallelStrategy, Plan, Task, TrainingStage
 from harness.planning.estimate import generation_s, inference_s, representative_batch, training_bound_s, training_s
 from harness.planning.memory import (MemoryLedger, MemoryNeed, MemoryShortfall, NoLayoutFits, check_plan_memory,
-                                     inference_activation_gb, kv_one_sample_gb, one_f_one_b_activation_gb)
+                                     fused_attention, inference_activation_gb, kv_one_sample_gb,
+                                     one_f_one_b_activation_gb)
 from harness.planning.strategies import (SearchResult, candidate_strategies, parse_layout, search,
                                          smallest_requirement)
 from harness.planning.workflow import PPO_TASKS, check_layout_fits, full_mesh, single_pipe_stage
@@ -142,7 +143,7 @@ class LayoutSearch:
         role = PPO_TASKS[task][1]
         model = self.ctx.model(role)
         weights = self.cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
-        act = inference_activation_gb(self.cm, model, s, self.w)
+        act = inference_activation_gb(self.cm, model, s, self.w, fused_attention(self.ctx.engines))
         if role in ("ref", "reward") and not offload:
             return MemoryNeed({role: weights}, {task: act})
         return MemoryNeed({}, {task: weights + act})

@@ -6,7 +6,8 @@ iteration (``Plan.resident``) + the task's working set:
 - generate: the generation copy of the weights (unless resident; on ZeRO-3 shards in place, two gathered
   layers) + the KV cache of at least one
   maximum-length sample (prompt cap + ``max_gen_len``); the rest of memory is KV capacity;
-- inference: weights (unless resident) + one layer's forward activations for a micro-batch;
+- inference: weights (unless resident) + one layer's forward activations for a micro-batch (without
+  the attention scores where the training engine's attention is fused: :func:`fused_attention`);
 - train: weights, gradients and optimizer states (unless resident) + the schedule's peak in-flight
   activations (Korthikanti et al. 2022): the running sum over each rank's list of the plan's pipeline
   schedule (``list_order_peak_memory``, the peak ``simulate`` reports, without timing).
@@ -67,9 +68,18 @@ def max_seq_len(ctx_workload) -> int:
     return int(ctx_workload.prompt_len.max + ctx_workload.max_gen_len)
 
 
-def inference_activation_gb(cm: CostModel, model, s, workload) -> float:
-    """Forward activations an inference task holds: one layer of one micro-batch at the longest sequence."""
-    return cm.activation_gb(model, workload.micro_batch_size, max_seq_len(workload), s.tp, 1, "none")
+def fused_attention(engines) -> bool:
+    """Whether the training engine's attention is fused (FlashAttention-style: its score matrices
+    never reach memory; ``attention_score_bytes_forward`` 0): what the forward passes on its
+    layouts hold. False without engines (the cost model's ops as they are: eager attention)."""
+    return engines is not None and engines.training.attention_score_bytes_forward == 0
+
+
+def inference_activation_gb(cm: CostModel, model, s, workload, fused: bool = False) -> float:
+    """Forward activations an inference task holds: one layer of one micro-batch at the longest
+    sequence (its attention scores too unless the attention is ``fused``)."""
+    return cm.activation_gb(model, workload.micro_batch_size, max_seq_len(workload), s.tp, 1, "none",
+                            fused_attention=fused)
 
 
 def kv_one_sample_gb(cm: CostModel, model, s, workload) -> float:
@@ -104,7 +114,8 @@ def training_activation_gb(plan: Plan, cm: CostModel, models, workload) -> dict[
 
 
 def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: bool,
-                    train_act_gb: dict[str, float], optimizer_offload: bool = False) -> dict[str, float]:
+                    train_act_gb: dict[str, float], optimizer_offload: bool = False,
+                    fused: bool = False) -> dict[str, float]:
     model = getattr(models, task.model)
     s = task.allocation.strategy
     terms: dict[str, float] = {}
@@ -119,7 +130,7 @@ def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: 
     elif task.kind == "inference":
         if not resident_here:
             terms[f"{task.model} weights ({layout_label(s)})"] = _state_gb(cm, model, task.allocation, "weights")
-        terms["forward activations (1 layer)"] = inference_activation_gb(cm, model, s, workload)
+        terms["forward activations (1 layer)"] = inference_activation_gb(cm, model, s, workload, fused)
     elif task.kind == "train":
         if not resident_here:
             terms[f"{task.model} train states ({s})"] = _state_gb(cm, model, task.allocation, "train",
@@ -161,7 +172,8 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
         resident_here = (task.model, task.name) in resident_keys or any(  # e.g. generate() in place on
             r.model == task.model and plan.task(r.task).allocation == task.allocation  # the training module
             for r in plan.resident)
-        working = _working_set_gb(task, cm, models, workload, resident_here, train_act, offload)
+        working = _working_set_gb(task, cm, models, workload, resident_here, train_act, offload,
+                                  fused_attention(plan.engines))
         working_gb = sum(working.values())
         mesh = _device_index(task.allocation.mesh)
         totals = resident_arr[mesh] + working_gb

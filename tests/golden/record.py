@@ -55,9 +55,13 @@ AFTER_RECORDING = {"realhf": ["system.num_refine_rounds=0"]}
 # migration), instead of the layout behind the probe and then R_t for it: the shared ref/reward/values
 # layout dp8tp4pp8 -> dp32tp4pp2, still without migration; samples/s 45.018 -> 45.314, the fused stage
 # and every other layout unchanged. 13b chose the same plan as before.
+# disaggregated-65b_33b.json's note on an infeasible split (training pool of 8 devices) was edited
+# from 211.8 to 211.7 GB when the forward passes of a training engine with fused attention stopped
+# counting the attention scores (harness.planning.memory.fused_attention); its plan and metrics are unchanged.
 # Metrics added after most files were recorded: compared only where a file has them (which stages ran
-# at the same time, overlap_s/<task>/<other>; the overlapped stages' timing_s are unchanged).
-ADDED_METRIC_PREFIXES = ("overlap_s/",)
+# at the same time, overlap_s/<task>/<other>; the overlapped stages' timing_s are unchanged; how
+# stale the trained samples were, staleness/*, 0 for every synchronous system here).
+ADDED_METRIC_PREFIXES = ("overlap_s/", "staleness/")
 # Wall-clock measurements: recorded for information, never compared.
 WALL_CLOCK_KEYS = ("timing_s/plan", "fused/search_s")
 

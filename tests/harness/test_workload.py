@@ -44,3 +44,20 @@ def test_bad_distributions_are_refused_naming_the_key(dist, message):
     with pytest.raises(ConfigError, match="workload.output_len") as err:
         validate_length_dist("output_len", dist)
     assert message in str(err.value)
+
+
+def test_growth_drifts_the_median_and_keeps_the_cap():
+    dist = LengthDistConfig(kind="lognormal", median=100, sigma=0.5, max=100_000, growth_per_iteration=0.01)
+    rng = lambda: np.random.default_rng(0)  # noqa: E731 - the same draws, only the median drifts
+    first, later = (sample_lengths(dist, 50_000, rng(), iteration=k) for k in (0, 100))
+    assert np.median(first) == pytest.approx(100, rel=0.02)
+    assert np.median(later) == pytest.approx(100 * 1.01 ** 100, rel=0.02)
+    capped = sample_lengths(dist, 1000, rng(), cap=150, iteration=100)
+    assert capped.max() == 150
+    still = LengthDistConfig(kind="lognormal", median=100, sigma=0.5, max=1000)
+    assert (sample_lengths(still, 100, rng(), iteration=7) == sample_lengths(still, 100, rng())).all()
+
+
+def test_a_shrinking_median_beyond_zero_is_refused():
+    with pytest.raises(ConfigError, match="growth_per_iteration=-1"):
+        validate_length_dist("output_len", LengthDistConfig(median=10, max=20, growth_per_iteration=-1.0))

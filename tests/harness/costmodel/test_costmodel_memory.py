@@ -73,6 +73,11 @@ def test_activations_13b_korthikanti():
     none = s * h * (10 + 24 / 8 + 5 * 40 * s / (h * 8))
     assert activation_gb(m, 1, s, tp=8, recompute="none") == pytest.approx(
         40 * none / 1e9, rel=REL)
+    # a fused (FlashAttention-style) attention never holds the a s^2 scores (Dao et al. 2022)
+    assert activation_gb(m, 1, s, tp=8, recompute="none", fused_attention=True) == pytest.approx(
+        40 * s * h * (10 + 24 / 8) / 1e9, rel=REL)
+    assert activation_gb(m, 1, s, tp=8, recompute="selective", fused_attention=True) == \
+        activation_gb(m, 1, s, tp=8, recompute="selective")
     assert activation_gb(m, 2, s, tp=8, num_layers=10, recompute="full") == pytest.approx(
         10 * 2 * s * 2 * h / 1e9, rel=REL)
     with_logits = activation_gb(m, 1, s, tp=8, num_layers=0, include_logits=True)

@@ -45,7 +45,8 @@ def _per_device_oracle(plan, cm, models, workload):
         here = any((r.model == task.model and r.task == task.name)
                    or (r.model == task.model and plan.task(r.task).allocation == task.allocation)
                    for r in plan.resident)
-        working = m._working_set_gb(task, cm, models, workload, here, train_act, offload)
+        working = m._working_set_gb(task, cm, models, workload, here, train_act, offload,
+                                    m.fused_attention(plan.engines))
         totals = {d: sum(held.get(d, [])) + sum(working.values()) for d in task.allocation.mesh}
         if max(totals.values()) > cm.hbm_capacity_gb:
             return "does not fit", next(d for d, t in totals.items() if t > cm.hbm_capacity_gb)
