@@ -17,11 +17,16 @@ searched layout; ``engine.training=fsdp`` for the DTensor backend), vLLM engines
 default, 256), and ``system.generation_nodes`` nodes of their own for generation when not 0 (the
 non-colocated mode, a ``param_sync`` broadcast per step instead of the refit), and with
 ``system.max_trajectory_age_steps`` set its asynchronous GRPO (``grpo.async_grpo.enabled`` with
-``max_trajectory_age_steps``: the published "1-step off" rows): generation of the next batches on
-the generation nodes beside training, on weights at most that many steps old. Modelled as the
-one-step-off pipeline of :mod:`harness.planning.iterations` (generation of batch ``k`` starts once
-version ``k - age`` has been broadcast); NeMo-RL's replay buffer and trajectory collector, which
-may also drop trajectories older than the bound, are not modelled (none is dropped here).
+``max_trajectory_age_steps``: the published "1-step off" rows): generation on the generation
+GPUs beside training, on weights at most that many steps old. Its ``AsyncTrajectoryCollector``
+launches each prompt group as a request of its own, up to prompts-per-step x age groups in flight,
+each for a target training step no more than ``age`` steps beyond the weights it starts with, and
+the replay buffer hands step ``k`` exactly the groups targeted at it: continuous rollout with
+``batch_order="iteration"`` (:mod:`harness.planning.rollout`). At a refit the collector stops
+launching and, with ``system.in_flight_weight_updates`` (``grpo.async_grpo.in_flight_weight_updates``,
+which the asynchronous performance recipes set), loads the weights between decode steps while
+running requests continue with their KV cache, or without it waits for every launched group to
+finish first (``drain``).
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ from typing import Optional
 
 from baselines.refit import RefitSystem
 from harness.core.config import SystemConfig
-from harness.system import register_system_config
+from harness.core.plan import OffPolicyPolicy
+from harness.system import PlanContext, register_system_config
 
 
 @dataclass
@@ -47,6 +53,8 @@ class NemoRLConfig(SystemConfig):
     # grpo.async_grpo: None = synchronous (async_grpo.enabled false); k = asynchronous GRPO with
     # max_trajectory_age_steps k (needs generation_nodes or generation_gpus)
     max_trajectory_age_steps: Optional[int] = None
+    # grpo.async_grpo.in_flight_weight_updates (NeMo-RL's default: false): new weights loaded while requests run
+    in_flight_weight_updates: bool = False
     generation_engine: str = "vllm"
     training_engine: str = "megatron"
     # colocated: the policy's training states and the reference weights in host memory while vLLM generates
@@ -55,6 +63,16 @@ class NemoRLConfig(SystemConfig):
 
 class NemoRL(RefitSystem):
     cfg: NemoRLConfig
+
+    def off_policy(self, ctx: PlanContext, max_staleness: Optional[int]) -> Optional[OffPolicyPolicy]:
+        """Asynchronous GRPO: continuous rollout, each step trained on the groups targeted at it, at
+        most prompts-per-step x age groups in flight (module docstring)."""
+        if max_staleness is None:
+            return None
+        prompts = ctx.workload.global_batch_size // ctx.algorithm.group_size
+        return OffPolicyPolicy(max_staleness, rollout="continuous",
+                               weight_update="inflight" if self.cfg.in_flight_weight_updates else "drain",
+                               batch_order="iteration", max_groups_in_flight=prompts * max(1, max_staleness))
     KNOBS = {"rollout_tp": "gen_tp", "max_num_seqs": "max_num_seqs", "train_layout": "train_layout",
              "zero_stage": "zero_stage", "generation_nodes": "generation_nodes", "generation_gpus": "generation_gpus",
              "offload_for_generation": "offload_for_generation", "max_staleness": "max_trajectory_age_steps"}

@@ -26,12 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import RefitSystem
+from baselines.refit import RefitSystem, fastest_split
 from harness.core.config import SystemConfig
-from harness.errors import ConfigError, PlanError
-from harness.planning.estimate import simulated_makespan_s
-from harness.system import PlanContext, register_system_config
 from harness.core.plan import Plan
+from harness.errors import ConfigError
+from harness.system import PlanContext, register_system_config
 
 
 @dataclass
@@ -56,25 +55,7 @@ class OneStepOff(RefitSystem):
     def plan(self, ctx: PlanContext) -> Plan:
         if self.cfg.max_staleness < 0:
             raise ConfigError(f"system.max_staleness={self.cfg.max_staleness}: weight versions, >= 0")
-        if self.cfg.rollout_gpus:
-            return self.refit(ctx)
-        n = ctx.num_devices
-        splits = sorted({n * q // 4 for q in (1, 2, 3)} - {0})
-        best, failures = None, []
-        for gpus in splits:
-            try:
-                plan = self.refit(ctx, generation_gpus=gpus)
-            except (ConfigError, PlanError) as e:
-                failures.append(f"{gpus} GPUs: {e}")
-                continue
-            step = simulated_makespan_s(ctx, plan)
-            if best is None or step < best[0]:
-                best = (step, plan)
-        if best is None:
-            raise PlanError(f"one_step_off: no split of the {n} GPUs between rollout and training fits: "
-                            + "; ".join(failures))
-        best[1].notes["rollout_gpus"] = f"{len(best[1].task('gen').allocation.mesh)} (searched among {splits})"
-        return best[1]
+        return self.refit(ctx) if self.cfg.rollout_gpus else fastest_split(self, ctx)
 
 
 register_system_config("one_step_off", OneStepOffConfig)

@@ -57,7 +57,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from harness.core.plan import Allocation, GenerationPolicy, MovementKind, OffPolicyPolicy, ParallelStrategy, Plan
+from harness.core.plan import (Allocation, GenerationPolicy, MovementKind, OffPolicyPolicy, ParallelStrategy, Plan,
+                               TaskKind)
 from harness.errors import ConfigError, PlanError
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import simulated_makespan_s
@@ -72,7 +73,7 @@ TRAINING_LAYOUT_TASKS = ("ref", "reward", "values", "update_actor", "update_crit
 
 def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: int,
                train_layout: Optional[str], zero_stage: int, generation_nodes: int = 0,
-               generation_gpus: int = 0, max_staleness: Optional[int] = None,
+               generation_gpus: int = 0, off_policy: Optional[OffPolicyPolicy] = None,
                offload_for_generation: bool = False, keys: dict[str, str]) -> Plan:
     """The plan of the module docstring for ``system``. ``generation_nodes`` > 0 gives generation
     that many nodes of its own (the last ones) and the training engine the rest, the new weights
@@ -80,10 +81,10 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     the same GPUs. With ``offload_for_generation`` (colocated only) the policy's training states and
     the reference model's weights wait in host memory while vLLM generates (``Plan.offloaded``).
     ``generation_gpus`` > 0 does the same with that many GPUs (the last ones; verl's one-step-off
-    recipe gives 4 of 16 GPUs to rollout). ``max_staleness`` (not None) makes the plan off-policy
-    (``Plan.off_policy``): each iteration's generation may run on weights up to that many versions
-    old, overlapping training (:mod:`harness.planning.iterations`); it needs generation GPUs of its
-    own when above 0. ``keys`` names the system's option of each knob (``rollout_tp``,
+    recipe gives 4 of 16 GPUs to rollout). ``off_policy`` (not None) makes the plan off-policy
+    (``Plan.off_policy``): each iteration's generation may run on weights up to ``max_staleness``
+    versions old, overlapping training (:mod:`harness.planning.iterations`,
+    :mod:`harness.planning.rollout`); it needs generation GPUs of its own when above 0. ``keys`` names the system's option of each knob (``rollout_tp``,
     ``train_layout``, ``generation_nodes`` or ``generation_gpus``, ``max_staleness``) for errors and hints."""
     n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
     parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
@@ -98,9 +99,9 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         raise ConfigError(f"{keys['generation_gpus']}={generation_gpus}: generation needs 0 (colocated) up "
                           f"to {n - 1} of the {n} GPUs, training the rest")
     num_gen_gpus = generation_gpus or generation_nodes * per_node
-    if max_staleness is not None and max_staleness > 0 and not num_gen_gpus:
-        raise ConfigError(f"{keys['max_staleness']}={max_staleness}: generation runs ahead of training only on GPUs "
-                          f"of its own; set {keys['generation_gpus']} (or {keys['generation_nodes']})")
+    if off_policy is not None and off_policy.max_staleness > 0 and not num_gen_gpus:
+        raise ConfigError(f"{keys['max_staleness']}={off_policy.max_staleness}: generation runs ahead of training only "
+                          f"on GPUs of its own; set {keys['generation_gpus']} (or {keys['generation_nodes']})")
     split = n - num_gen_gpus
     train_mesh = tuple(range(split))
     gen_mesh = tuple(range(split, n)) if num_gen_gpus else train_mesh
@@ -153,7 +154,6 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     policy = GenerationPolicy("continuous", max_num_seqs)
     sync = MovementKind.PARAM_SYNC if num_gen_gpus else MovementKind.REALLOC
     offloaded = tuple(m for m in ("actor", "ref") if m in ctx.roles) if offload_for_generation and not num_gen_gpus else ()
-    off_policy = None if max_staleness is None else OffPolicyPolicy(max_staleness)
     plans: dict[tuple[ParallelStrategy, int], Plan] = {}
 
     def assemble(train: ParallelStrategy, tp: int) -> Plan:
@@ -212,6 +212,11 @@ class RefitSystem(System):
     def plan(self, ctx: PlanContext) -> Plan:
         return self.refit(ctx)
 
+    def off_policy(self, ctx: PlanContext, max_staleness: Optional[int]) -> Optional[OffPolicyPolicy]:
+        """How the system's generation runs ahead, given its staleness knob (None: on-policy):
+        batched rollout by default (each batch generated to its end before the next)."""
+        return None if max_staleness is None else OffPolicyPolicy(max_staleness)
+
     def refit(self, ctx: PlanContext, **knobs) -> Plan:
         """:func:`refit_plan` with the config's knobs, those in ``knobs`` replaced."""
         knob = {name: getattr(self.cfg, field) for name, field in self.KNOBS.items()} | knobs
@@ -221,5 +226,29 @@ class RefitSystem(System):
         return refit_plan(ctx, self.cfg.name, rollout_tp=knob["rollout_tp"], max_num_seqs=knob["max_num_seqs"],
                           train_layout=knob["train_layout"], zero_stage=knob["zero_stage"],
                           generation_nodes=knob.get("generation_nodes", 0),
-                          generation_gpus=knob.get("generation_gpus", 0), max_staleness=knob.get("max_staleness"),
+                          generation_gpus=knob.get("generation_gpus", 0),
+                          off_policy=self.off_policy(ctx, knob.get("max_staleness")),
                           offload_for_generation=bool(knob.get("offload_for_generation", False)), keys=keys)
+
+
+def fastest_split(system: RefitSystem, ctx: PlanContext) -> Plan:
+    """``system``'s refit plan with generation on a quarter, half or three quarters of the GPUs (its
+    own, the last ones), whichever gives the shortest step as planners score it (the steady-state
+    step of an off-policy plan); the note ``rollout_gpus`` names the choice."""
+    n = ctx.num_devices
+    splits = sorted({n * q // 4 for q in (1, 2, 3)} - {0})
+    best, failures = None, []
+    for gpus in splits:
+        try:
+            plan = system.refit(ctx, generation_gpus=gpus)
+        except (ConfigError, PlanError) as e:
+            failures.append(f"{gpus} GPUs: {e}")
+            continue
+        step = simulated_makespan_s(ctx, plan)
+        if best is None or step < best[0]:
+            best = (step, plan)
+    if best is None:
+        raise PlanError(f"{system.cfg.name}: no split of the {n} GPUs between generation and training fits: "
+                        + "; ".join(failures))
+    best[1].notes["rollout_gpus"] = f"{len(best[1].tasks_of(TaskKind.GENERATE)[0].allocation.mesh)} (searched among {splits})"
+    return best[1]

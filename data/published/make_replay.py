@@ -404,12 +404,15 @@ def nemo_rl_row(m: dict) -> list[dict]:
         gen_gpus, train_gpus = int(p["gen_gpus"]), int(p["train_gpus"])
         if gen_gpus + train_gpus != n:
             raise NoFit(f"pools of {gen_gpus} + {train_gpus} GPUs are not the row's {n}")
-        ov += [f"system.generation_gpus={gen_gpus}", f"system.max_trajectory_age_steps={age}"]
+        ov += [f"system.generation_gpus={gen_gpus}", f"system.max_trajectory_age_steps={age}",
+               "system.in_flight_weight_updates=true"]
         # the first window fills the pipeline; steady state from the second (harness/planning/iterations.py)
         ov += ["backend.num_iterations=2", "backend.num_warmup_iterations=1"]
         pools_note = (f"; asynchronous GRPO, max_trajectory_age_steps {age}: generation on {gen_gpus} GPUs of its "
-                      f"own, training on {train_gpus}, modelled as the one-step-off pipeline (step = the interval "
-                      f"between training steps in steady state; the replay buffer is not modelled)")
+                      f"own, training on {train_gpus}, continuous rollout with {prompts} x {age} prompt groups in "
+                      f"flight; in_flight_weight_updates true (assumed from the asynchronous performance recipes "
+                      f"of later tags, e.g. grpo-qwen3-30ba3b-4n8g-async-1off.yaml; the row's recipe is not "
+                      f"recorded with it); step = the interval between training steps in steady state")
     else:
         ov += FAST
     assume = (f"{prompt_note}; responses lognormal (sigma {HOPPER_OUTPUT_SIGMA:g}, an assumption: no source publishes "

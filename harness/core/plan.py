@@ -277,6 +277,11 @@ class GenerationPolicy:
             raise PlanError("generation synced_instances / pad_to_longest need static batching (rounds)")
 
 
+ROLLOUTS = ("batched", "continuous")
+WEIGHT_UPDATES = ("drain", "inflight", "interrupt")
+BATCH_ORDERS = ("iteration", "finish")
+
+
 @dataclass(frozen=True)
 class OffPolicyPolicy:
     """Generation running ahead of training (one-step off-policy: verl's ``one_step_off_policy``
@@ -286,13 +291,44 @@ class OffPolicyPolicy:
     iterations before it on devices of its own. Version ``v`` is the policy after ``v`` updates;
     iteration ``k`` trains version ``k`` into ``k + 1``, so a sample generated under version ``g``
     and trained in iteration ``k`` is ``k - g`` versions stale (0 <= ``k - g`` <= ``max_staleness``;
-    0 is on-policy). Executed across iterations by :mod:`harness.planning.iterations`."""
+    0 is on-policy). Executed across iterations by :mod:`harness.planning.iterations`.
+
+    How generation runs ahead (:mod:`harness.planning.rollout` for ``continuous``):
+
+    - ``rollout``: ``batched`` (each iteration's batch is generated to its last sample, then the
+      engines take new weights, then the next batch: verl's one-step-off recipe) or ``continuous``
+      (the engines take the next prompts while a batch's last responses finish; prompt groups are
+      launched whenever the bound allows: NeMo-RL's asynchronous trajectory collector, AReaL's
+      rollout workers);
+    - ``weight_update`` (continuous): how new weights reach engines that are generating: ``drain``
+      (stop launching, let every launched group finish, then load: NeMo-RL without in-flight
+      updates), ``inflight`` (load between two decode steps; running samples keep their KV cache and
+      continue under the new weights: NeMo-RL's ``in_flight_weight_updates``) or ``interrupt``
+      (abort running samples, load, re-prefill each one's prompt and tokens so far under the new
+      weights: AReaL's interruptible rollout);
+    - ``batch_order`` (continuous): ``iteration`` (iteration ``k`` trains the groups drawn for it,
+      waiting for the last: NeMo-RL's replay buffer by target step) or ``finish`` (iteration ``k``
+      trains the first groups to finish that are within the bound; staler ones are dropped: AReaL);
+    - ``max_groups_in_flight`` (continuous): launched groups not yet finished, at most (0: no
+      limit; NeMo-RL: prompts per step x ``max_trajectory_age_steps``)."""
 
     max_staleness: int = 1
+    rollout: str = "batched"
+    weight_update: str = "drain"
+    batch_order: str = "iteration"
+    max_groups_in_flight: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise PlanError(f"off-policy max_staleness must be an integer >= 0, got {self.max_staleness!r}")
+        for key, allowed in (("rollout", ROLLOUTS), ("weight_update", WEIGHT_UPDATES), ("batch_order", BATCH_ORDERS)):
+            if getattr(self, key) not in allowed:
+                raise PlanError(f"off-policy {key}={getattr(self, key)!r}; expected one of {', '.join(allowed)}")
+        if self.rollout == "batched" and (self.weight_update, self.batch_order) != ("drain", "iteration"):
+            raise PlanError("off-policy weight_update and batch_order apply to continuous rollout; batched "
+                            "rollout generates each batch to its end and trains batches in order")
+        if self.max_groups_in_flight < 0:
+            raise PlanError(f"off-policy max_groups_in_flight={self.max_groups_in_flight}: 0 (no limit) or more")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from harness.core.plan import GenerationPolicy, Plan, Task, TrainingStage
-from harness.planning.iterations import steady_step_s
 from harness.planning.memory import check_plan_memory
+from harness.planning.offpolicy import steady_step_s
 from harness.planning.simulate import PlanSimulator, simulate_iteration
 from harness.planning.taskmodels.generation import (StepSchedule, kv_capacity_tokens, simulate_generation, step_schedule,
                                                      timed_end_s)

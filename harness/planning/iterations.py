@@ -221,14 +221,13 @@ def _clip(span: Span, start_s: float, end_s: float) -> Span | None:
     return Span(span.devices, span.task, span.kind, lo - start_s, hi - start_s, span.flops * kept, span.bytes * kept)
 
 
-def iteration_windows(run: OffPolicyRun, memory: MemoryReport, num_windows: int) -> list[StepTrace]:
+def iteration_windows(run: OffPolicyRun, memory: MemoryReport, num_windows: int, lookahead: int) -> list[StepTrace]:
     """StepTraces of iterations ``0 .. num_windows - 1`` of ``run`` (module docstring: iteration
-    windows). ``num_windows`` must leave the ``max_staleness`` iterations after the last one in
-    ``run`` (their generation runs inside its window)."""
+    windows). ``num_windows`` must leave the ``lookahead`` iterations after the last one in ``run``
+    whose generation runs inside its window (``max_staleness`` of them for batched rollout)."""
     sims, ends = run.sims, run.train_end_s
-    s = sims[0].plan.off_policy.max_staleness
-    if num_windows + s > len(sims):
-        raise ValueError(f"{num_windows} windows need {num_windows + s} simulated iterations, not {len(sims)}")
+    if num_windows + lookahead > len(sims):
+        raise ValueError(f"{num_windows} windows need {num_windows + lookahead} simulated iterations, not {len(sims)}")
     spans = [span for sim in sims for span in sim.trace.spans]
     started = run.timeline.record.get("started", [])
     traces = []
@@ -237,8 +236,10 @@ def iteration_windows(run: OffPolicyRun, memory: MemoryReport, num_windows: int)
         own = sims[k].trace
         trace = StepTrace(iteration=k, num_devices=own.num_devices)
         trace.spans = [c for c in (_clip(span, lo, hi) for span in spans) if c is not None]
-        version = run.gen_version[k]
-        trace.samples = [SampleRecord(r.sample_id, r.prompt_len, r.response_len, r.finish_s - lo, version, version)
+        version = run.gen_version[k]  # the batch's, where its samples carry none of their own
+        trace.samples = [SampleRecord(r.sample_id, r.prompt_len, r.response_len, r.finish_s - lo,
+                                      version if r.first_version is None else r.first_version,
+                                      version if r.last_version is None else r.last_version)
                          for r in own.samples]
         trace.pipelines = [dataclasses.replace(p, start_s=p.start_s - lo) for p in own.pipelines]
         trace.counters = dict(own.counters)
@@ -249,33 +250,3 @@ def iteration_windows(run: OffPolicyRun, memory: MemoryReport, num_windows: int)
                                              if p[0] in window_labels or p[1] in window_labels]}
         traces.append(trace)
     return traces
-
-
-class OffPolicyTimeline:
-    """The iteration windows of an off-policy plan, simulated once to a horizon and extended (from
-    scratch, to at least twice the horizon) when an iteration past it is asked for; earlier windows
-    do not change (module docstring)."""
-
-    def __init__(self, ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Callable[[int], Batch],
-                 min_iterations: int = 1):
-        self.ctx, self.plan, self.memory, self.batch_of = ctx, plan, memory, batch_of
-        self.min_iterations = max(1, min_iterations)
-        self.windows: list[StepTrace] = []
-
-    def window(self, iteration: int) -> StepTrace:
-        if iteration >= len(self.windows):
-            count = max(iteration + 1, self.min_iterations, 2 * len(self.windows))
-            s = self.plan.off_policy.max_staleness
-            run = run_off_policy(self.ctx, self.plan, self.memory, self.batch_of, count + s)
-            self.windows = iteration_windows(run, self.memory, count)
-        return self.windows[iteration]
-
-
-def steady_step_s(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch: Batch) -> float:
-    """The interval between training steps of off-policy ``plan`` in steady state, every iteration
-    on ``batch``: the last of ``2 s + 2`` windows (``s`` = ``max_staleness``), when the pipeline
-    has long been full. What planners score an off-policy plan by."""
-    s = plan.off_policy.max_staleness
-    count = 2 * s + 2
-    run = run_off_policy(ctx, plan, memory, lambda k: batch, count + s, record_spans=False)
-    return run.train_end_s[count - 1] - run.train_end_s[count - 2]

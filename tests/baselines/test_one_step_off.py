@@ -61,7 +61,12 @@ def test_staleness_and_overlap_in_the_run():
 def test_nemo_rl_async_grpo_is_off_policy_on_its_own_pool():
     plan, _, _ = plan_for(["+system=nemo_rl", "system.generation_gpus=8", "system.max_trajectory_age_steps=2",
                            *SMALL, "system.train_layout=dp8tp1pp1"])
-    assert plan.off_policy == OffPolicyPolicy(2)
+    # the collector: continuous, each step its own groups, prompts per step x age groups in flight
+    assert plan.off_policy == OffPolicyPolicy(2, rollout="continuous", weight_update="drain",
+                                              batch_order="iteration", max_groups_in_flight=16 * 2)
+    inflight, _, _ = plan_for(["+system=nemo_rl", "system.generation_gpus=8", "system.max_trajectory_age_steps=2",
+                               "system.in_flight_weight_updates=true", *SMALL, "system.train_layout=dp8tp1pp1"])
+    assert inflight.off_policy.weight_update == "inflight"
     assert set(plan.task("gen").allocation.mesh) == set(range(8, 16))
     sync, _, _ = plan_for(["+system=nemo_rl", "system.generation_gpus=8", *SMALL, "system.train_layout=dp8tp1pp1"])
     assert sync.off_policy is None and dataclasses.replace(plan, off_policy=None) == sync

@@ -76,7 +76,7 @@ UNKNOWN = {  # id: (command line, the message starts with)
     "option_system": (["+system=rlhfuse_bse"], "unknown option +system=rlhfuse_bse (did you mean +system=rlhfuse_base"),
     "option_role": (["+system=rlhfuse_base", "llama@model.critic=33bb"],
                     "unknown option llama@model.critic=33bb (did you mean llama@model.critic=33b"),
-    "option_no_match": (["+system=nope"], "unknown option +system=nope (options of system: colocated, deepspeed_chat"),
+    "option_no_match": (["+system=nope"], "unknown option +system=nope (options of system: areal, colocated, deepspeed_chat"),
     "wrong_type": (["+system=rlhfuse", "system.migration_frac=abc"], "system.migration_frac=abc: Value 'abc'"),
     "sweep_later_value": (["-m", "+system=rlhfuse_base", "model=13b,13bb"],
                           "unknown option model=13bb (did you mean model=13b"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from harness.backends.base import Backend
 from harness.core.plan import Plan
-from harness.planning.iterations import OffPolicyTimeline
+from harness.planning.offpolicy import OffPolicyTimeline
 from harness.planning.memory import MemoryReport, check_plan_memory
 from harness.planning.simulate import simulate_iteration
 from harness.core.trace import StepTrace

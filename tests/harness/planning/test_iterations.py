@@ -14,7 +14,8 @@ from harness.core import metrics as mk
 from harness.core.plan import OffPolicyPolicy
 from harness.errors import PlanError
 from harness.planning.estimate import representative_batch
-from harness.planning.iterations import OffPolicyTimeline, run_off_policy, steady_step_s
+from harness.planning.iterations import run_off_policy
+from harness.planning.offpolicy import OffPolicyTimeline, steady_step_s
 from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import PlanSimulator
 from harness.testing import plan_for, simulate_plan_metrics

@@ -1,0 +1,55 @@
+"""Off-policy plans in the simulator, whichever way their generation runs ahead: the windows the
+sim backend reports (:class:`OffPolicyTimeline`) and the steady-state step planners score
+(:func:`steady_step_s`), over a batched rollout (:mod:`harness.planning.iterations`) or a continuous
+one (:mod:`harness.planning.rollout`)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from harness.core.plan import Plan
+from harness.core.trace import StepTrace
+from harness.core.workload import Batch
+from harness.planning.iterations import OffPolicyRun, iteration_windows, run_off_policy
+from harness.planning.memory import MemoryReport
+from harness.planning.rollout import run_continuous
+from harness.system import PlanContext
+
+
+class OffPolicyTimeline:
+    """The iteration windows of an off-policy plan, simulated once to a horizon and extended (from
+    scratch, to at least twice the horizon) when an iteration past it is asked for; earlier windows
+    do not change (module docstring)."""
+
+    def __init__(self, ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Callable[[int], Batch],
+                 min_iterations: int = 1):
+        self.ctx, self.plan, self.memory, self.batch_of = ctx, plan, memory, batch_of
+        self.min_iterations = max(1, min_iterations)
+        self.windows: list[StepTrace] = []
+
+    def window(self, iteration: int) -> StepTrace:
+        if iteration >= len(self.windows):
+            count = max(iteration + 1, self.min_iterations, 2 * len(self.windows))
+            run, lookahead = simulate_off_policy(self.ctx, self.plan, self.memory, self.batch_of, count)
+            self.windows = iteration_windows(run, self.memory, count, lookahead)
+        return self.windows[iteration]
+
+
+def simulate_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Callable[[int], Batch],
+                        num_windows: int, record_spans: bool = True) -> tuple[OffPolicyRun, int]:
+    """An off-policy run long enough for ``num_windows`` windows, by the plan's rollout (batched:
+    :func:`run_off_policy`, ``max_staleness`` iterations beyond them; continuous:
+    :func:`harness.planning.rollout.run_continuous`), and the iterations it holds beyond them."""
+    if plan.off_policy.rollout == "continuous":
+        return run_continuous(ctx, plan, memory, batch_of, num_windows, record_spans), 0
+    s = plan.off_policy.max_staleness
+    return run_off_policy(ctx, plan, memory, batch_of, num_windows + s, record_spans), s
+
+
+def steady_step_s(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch: Batch) -> float:
+    """The interval between training steps of off-policy ``plan`` in steady state, every iteration
+    on ``batch``: the last of ``2 s + 2`` windows (``s`` = ``max_staleness``), when the pipeline
+    has long been full. What planners score an off-policy plan by."""
+    s = plan.off_policy.max_staleness
+    count = 2 * s + 2
+    run, _ = simulate_off_policy(ctx, plan, memory, lambda k: batch, count, record_spans=False)
+    return run.train_end_s[count - 1] - run.train_end_s[count - 2]
