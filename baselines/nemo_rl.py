@@ -33,9 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import RefitSystem
+from baselines.refit import RefitSystem, fastest_split
 from harness.core.config import SystemConfig
-from harness.core.plan import OffPolicyPolicy
+from harness.core.plan import OffPolicyPolicy, Plan
 from harness.system import PlanContext, register_system_config
 
 
@@ -51,7 +51,8 @@ class NemoRLConfig(SystemConfig):
     # the same in GPUs (generation.colocated.resources: gpus_per_node x num_nodes), for pools of part of a node
     generation_gpus: int = 0
     # grpo.async_grpo: None = synchronous (async_grpo.enabled false); k = asynchronous GRPO with
-    # max_trajectory_age_steps k (needs generation_nodes or generation_gpus)
+    # max_trajectory_age_steps k, on generation_nodes or generation_gpus of its own (both 0: the
+    # fastest of a quarter, half and three quarters of the GPUs)
     max_trajectory_age_steps: Optional[int] = None
     # grpo.async_grpo.in_flight_weight_updates (NeMo-RL's default: false): new weights loaded while requests run
     in_flight_weight_updates: bool = False
@@ -63,6 +64,12 @@ class NemoRLConfig(SystemConfig):
 
 class NemoRL(RefitSystem):
     cfg: NemoRLConfig
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        asynchronous = self.cfg.max_trajectory_age_steps is not None
+        if asynchronous and not (self.cfg.generation_nodes or self.cfg.generation_gpus):
+            return fastest_split(self, ctx)  # asynchronous GRPO needs pools of its own: the fastest split
+        return self.refit(ctx)
 
     def off_policy(self, ctx: PlanContext, max_staleness: Optional[int]) -> Optional[OffPolicyPolicy]:
         """Asynchronous GRPO: continuous rollout, each step trained on the groups targeted at it, at

@@ -84,7 +84,8 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     recipe gives 4 of 16 GPUs to rollout). ``off_policy`` (not None) makes the plan off-policy
     (``Plan.off_policy``): each iteration's generation may run on weights up to ``max_staleness``
     versions old, overlapping training (:mod:`harness.planning.iterations`,
-    :mod:`harness.planning.rollout`); it needs generation GPUs of its own when above 0. ``keys`` names the system's option of each knob (``rollout_tp``,
+    :mod:`harness.planning.rollout`); it needs generation GPUs of its own when above 0, except for
+    partial rollout, whose iterations do not overlap (:mod:`harness.planning.partial`). ``keys`` names the system's option of each knob (``rollout_tp``,
     ``train_layout``, ``generation_nodes`` or ``generation_gpus``, ``max_staleness``) for errors and hints."""
     n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
     parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
@@ -99,7 +100,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
         raise ConfigError(f"{keys['generation_gpus']}={generation_gpus}: generation needs 0 (colocated) up "
                           f"to {n - 1} of the {n} GPUs, training the rest")
     num_gen_gpus = generation_gpus or generation_nodes * per_node
-    if off_policy is not None and off_policy.max_staleness > 0 and not num_gen_gpus:
+    if off_policy is not None and off_policy.rollout != "partial" and off_policy.max_staleness > 0 and not num_gen_gpus:
         raise ConfigError(f"{keys['max_staleness']}={off_policy.max_staleness}: generation runs ahead of training only "
                           f"on GPUs of its own; set {keys['generation_gpus']} (or {keys['generation_nodes']})")
     split = n - num_gen_gpus

@@ -122,3 +122,30 @@ def local_ray(num_cpus: int = 8) -> Iterator[Path]:
         yield Path(context.address_info["session_dir"]) / "logs"
     finally:
         ray.shutdown()
+
+
+def window_metrics(plan, ctx, trace) -> dict[str, float]:
+    """The per-iteration metrics of an off-policy window ``trace`` of ``plan``, as the run pipeline
+    computes them (the iteration's batch from the workload, as the pipeline draws it)."""
+    from harness.core import metrics as mk
+    from harness.core.workload import draw_batch
+
+    batch = draw_batch(ctx.workload, ctx.seed, trace.iteration, ctx.algorithm)
+    return mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
+                                ctx.cluster.gpu.peak_bf16_tflops * 1e12)
+
+
+def off_policy_setup(overrides, policy=None):
+    """(plan, ctx, memory report, batch_of) of the run ``overrides`` plan, its off-policy policy
+    replaced by ``policy`` when given."""
+    import dataclasses
+
+    from harness.core.workload import draw_batch
+    from harness.planning.memory import check_plan_memory
+    from harness.testing import plan_for
+
+    plan, ctx, _ = plan_for(list(overrides))
+    if policy is not None:
+        plan = dataclasses.replace(plan, off_policy=policy)
+    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
+    return plan, ctx, memory, (lambda k: draw_batch(ctx.workload, ctx.seed, k, ctx.algorithm))

@@ -96,6 +96,12 @@ SPECS: dict[str, Spec] = {
         Spec(skip="16.5 min at paper scale; the tiny form below is this command with -o overrides and runs here"),
     "python -m harness.figures fig7_throughput": Spec(skip=TINY_FIGURE_RUNS),
     "python -m harness.figures fig8_breakdown --run": Spec(skip=TINY_FIGURE_RUNS),
+    "python -m harness.figures async_tradeoff --run":
+        Spec(skip="every system once on the long workload (40 s); tests/harness/figures/test_figures_e2e.py runs it "
+                  "with a smaller batch (-o overrides) and checks both async figures drawn"),
+    "python -m harness.figures async_utilisation":
+        Spec(skip="draws from async_tradeoff's runs; tests/harness/figures/test_figures_e2e.py draws it from its small "
+                  "sweep"),
     "python -m harness.figures learning_curves --run":
         Spec(skip="real PPO on Ray for 3 systems x 3 seeds x 30 iterations (minutes); "
                   "tests/harness/backends/ray/test_ray_learning.py runs it with -o overrides (1 seed, 2 systems, "

@@ -37,6 +37,7 @@ before execution.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -277,7 +278,7 @@ class GenerationPolicy:
             raise PlanError("generation synced_instances / pad_to_longest need static batching (rounds)")
 
 
-ROLLOUTS = ("batched", "continuous")
+ROLLOUTS = ("batched", "continuous", "partial")
 WEIGHT_UPDATES = ("drain", "inflight", "interrupt")
 BATCH_ORDERS = ("iteration", "finish")
 
@@ -310,13 +311,18 @@ class OffPolicyPolicy:
       waiting for the last: NeMo-RL's replay buffer by target step) or ``finish`` (iteration ``k``
       trains the first groups to finish that are within the bound; staler ones are dropped: AReaL);
     - ``max_groups_in_flight`` (continuous): launched groups not yet finished, at most (0: no
-      limit; NeMo-RL: prompts per step x ``max_trajectory_age_steps``)."""
+      limit; NeMo-RL: prompts per step x ``max_trajectory_age_steps``);
+    - ``partial`` rollout (:mod:`harness.planning.partial`): synchronous iterations that launch
+      ``oversample_factor`` times the groups they train, stop once enough have finished and carry the
+      unfinished responses into the next iteration (APRIL); ``max_staleness`` then bounds how old a
+      carried response's first token may be before it starts again."""
 
     max_staleness: int = 1
     rollout: str = "batched"
     weight_update: str = "drain"
     batch_order: str = "iteration"
     max_groups_in_flight: int = 0
+    oversample_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
@@ -324,9 +330,13 @@ class OffPolicyPolicy:
         for key, allowed in (("rollout", ROLLOUTS), ("weight_update", WEIGHT_UPDATES), ("batch_order", BATCH_ORDERS)):
             if getattr(self, key) not in allowed:
                 raise PlanError(f"off-policy {key}={getattr(self, key)!r}; expected one of {', '.join(allowed)}")
-        if self.rollout == "batched" and (self.weight_update, self.batch_order) != ("drain", "iteration"):
-            raise PlanError("off-policy weight_update and batch_order apply to continuous rollout; batched "
-                            "rollout generates each batch to its end and trains batches in order")
+        if self.rollout != "continuous" and (self.weight_update, self.batch_order) != ("drain", "iteration"):
+            raise PlanError(f"off-policy weight_update and batch_order apply to continuous rollout, not to "
+                            f"{self.rollout} rollout")
+        if not (math.isfinite(self.oversample_factor) and self.oversample_factor >= 1):
+            raise PlanError(f"off-policy oversample_factor={self.oversample_factor}: launch at least the groups trained (>= 1)")
+        if self.rollout != "partial" and self.oversample_factor != 1.0:
+            raise PlanError(f"off-policy oversample_factor applies to partial rollout, not to {self.rollout} rollout")
         if self.max_groups_in_flight < 0:
             raise PlanError(f"off-policy max_groups_in_flight={self.max_groups_in_flight}: 0 (no limit) or more")
 

@@ -13,5 +13,6 @@ draws (and with ``--run`` first runs the experiments, with the ``-o`` Hydra over
 FIGURES = ("fig2_lengths", "fig7_throughput", "fig8_breakdown", "fig9_migration", "table3_schedules",
            "fig10_schedule")
 # Figures of the harness itself, not of the paper (not part of ``all``): real PPO learning curves
-# (docs/LEARNING.md; needs Ray).
-EXTRA_FIGURES = ("learning_curves",)
+# (docs/LEARNING.md; needs Ray); throughput against staleness and GPU utilisation through a step on the
+# long reasoning workload (docs/ASYNC.md; one experiment makes both).
+EXTRA_FIGURES = ("learning_curves", "async_tradeoff", "async_utilisation")

@@ -1,7 +1,7 @@
 """Off-policy plans in the simulator, whichever way their generation runs ahead: the windows the
 sim backend reports (:class:`OffPolicyTimeline`) and the steady-state step planners score
-(:func:`steady_step_s`), over a batched rollout (:mod:`harness.planning.iterations`) or a continuous
-one (:mod:`harness.planning.rollout`)."""
+(:func:`steady_step_s`), over a batched rollout (:mod:`harness.planning.iterations`), a continuous
+one (:mod:`harness.planning.rollout`) or a partial one (:mod:`harness.planning.partial`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -11,6 +11,7 @@ from harness.core.trace import StepTrace
 from harness.core.workload import Batch
 from harness.planning.iterations import OffPolicyRun, iteration_windows, run_off_policy
 from harness.planning.memory import MemoryReport
+from harness.planning.partial import run_partial
 from harness.planning.rollout import run_continuous
 from harness.system import PlanContext
 
@@ -41,6 +42,8 @@ def simulate_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batc
     :func:`harness.planning.rollout.run_continuous`), and the iterations it holds beyond them."""
     if plan.off_policy.rollout == "continuous":
         return run_continuous(ctx, plan, memory, batch_of, num_windows, record_spans), 0
+    if plan.off_policy.rollout == "partial":
+        return run_partial(ctx, plan, memory, batch_of, num_windows, record_spans), 0
     s = plan.off_policy.max_staleness
     return run_off_policy(ctx, plan, memory, batch_of, num_windows + s, record_spans), s
 
@@ -48,8 +51,10 @@ def simulate_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batc
 def steady_step_s(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch: Batch) -> float:
     """The interval between training steps of off-policy ``plan`` in steady state, every iteration
     on ``batch``: the last of ``2 s + 2`` windows (``s`` = ``max_staleness``), when the pipeline
-    has long been full. What planners score an off-policy plan by."""
+    has long been full (of 4 under partial rollout, whose carried pool settles within a few
+    iterations). What planners score an off-policy plan by."""
     s = plan.off_policy.max_staleness
-    count = 2 * s + 2
+    # partial rollout's carried pool settles within a few iterations whatever its bound
+    count = 4 if plan.off_policy.rollout == "partial" else 2 * s + 2
     run, _ = simulate_off_policy(ctx, plan, memory, lambda k: batch, count, record_spans=False)
     return run.train_end_s[count - 1] - run.train_end_s[count - 2]

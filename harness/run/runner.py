@@ -83,9 +83,12 @@ def write_iteration_files(folder: results.RunFolder, rows: list[dict[str, float]
     with open(folder.path(results.UNITS_FILE), "w") as f:
         for it, trace in enumerate(traces):
             f.write(json.dumps({"iteration": it, **trace.extra.get(UNITS, {})}) + "\n")
+    last = traces[-1]
     results.write_table(folder.path(results.SAMPLES_FILE), [
         {"sample_id": r.sample_id, "prompt_len": r.prompt_len, "response_len": r.response_len,
-         "finish_s": r.finish_s} for r in traces[-1].samples])
+         "finish_s": r.finish_s,  # generation's weights versions of its first and last token: staleness
+         "first_version": last.iteration if r.first_version is None else r.first_version,
+         "last_version": last.iteration if r.last_version is None else r.last_version} for r in last.samples])
     write_chrome_trace(traces[-1:], str(folder.path(results.TRACE_FILE)), devices)
 
 

@@ -90,6 +90,51 @@ def test_figure_command_runs_and_draws_a_tiny_sweep(tmp_path, monkeypatch, capfd
 
 
 
+# The long-workload sweep of every system, smaller: a batch of 8 prompts, responses up to 512 tokens
+ASYNC_TINY = ["logger=none", "workload.global_batch_size=8", "workload.mini_batch_size=4", "workload.max_gen_len=512",
+              "backend.num_iterations=3", "backend.num_warmup_iterations=1"]
+
+
+def test_async_figures_run_a_small_sweep_and_draw_both(tmp_path, monkeypatch, capfd):
+    """``async_tradeoff --run`` runs every system of the experiment once; ``async_utilisation``
+    draws from the same runs without running anything."""
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "results"
+    code = main(["async_tradeoff", "--run", "--results", str(root), *[f"--override={o}" for o in ASYNC_TINY]])
+    out, err = capfd.readouterr()
+    assert code == 0, out[-2000:] + err[-4000:]
+    df = results.load_results(root, "async_tradeoff")
+    assert set(df["system"]) == {"verl", "nemo_rl", "rlhfuse_base", "rlhfuse", "one_step_off", "nemo_rl_async",
+                                 "areal", "partial_rollout"}
+    stale = df.set_index("system")["staleness/max"]
+    assert (stale[["verl", "nemo_rl", "rlhfuse_base", "rlhfuse"]] == 0).all()
+    assert (stale[["one_step_off", "nemo_rl_async", "areal"]] >= 1).all()
+    code = main(["async_utilisation", "--results", str(root)])
+    out, err = capfd.readouterr()
+    assert code == 0 and "+experiment=" not in out, out[-2000:] + err[-4000:]
+    for name in ("async_tradeoff", "async_utilisation"):
+        for suffix in (".png", ".pdf"):
+            path = root / "figures" / f"{name}{suffix}"
+            assert path.is_file() and path.stat().st_size > 1000, path
+
+
+def test_utilisation_counts_each_device_once_per_bin(tmp_path):
+    """Oracle for the utilisation curve: two devices, one busy the whole time, one half of it."""
+    import json
+
+    from harness.figures.async_utilisation import utilisation
+
+    events = [{"ph": "X", "cat": "decode", "pid": 0, "ts": 0.0, "dur": 4e6},
+              {"ph": "X", "cat": "forward", "pid": 1, "ts": 0.0, "dur": 2e6},
+              {"ph": "X", "cat": "forward", "pid": 1, "ts": 0.5e6, "dur": 1e6},  # overlapping: counted once
+              {"ph": "X", "cat": "p2p", "pid": 1, "ts": 2e6, "dur": 2e6}]  # not compute
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    t, frac = utilisation(path, num_devices=2, num_bins=4)
+    assert list(t) == [0.5, 1.5, 2.5, 3.5]
+    assert list(frac) == [1.0, 1.0, 0.5, 0.5]
+
+
 @pytest.mark.parametrize("name", FIGURES + EXTRA_FIGURES)
 def test_missing_results_end_with_one_error_line_and_exit_2(tmp_path, capfd, name):
     code = main([name, "--results", str(tmp_path)])

@@ -20,6 +20,7 @@ from harness.planning.memory import check_plan_memory
 from harness.planning.simulate import PlanSimulator
 from harness.testing import plan_for, simulate_plan_metrics
 from harness.core.workload import draw_batch
+from helpers import window_metrics
 
 SMALL = ["model=7b", "cluster.num_nodes=2", "algo=grpo", "workload.global_batch_size=16",
          "workload.mini_batch_size=8", "+system=one_step_off", "system.rollout_gpus=8"]
@@ -34,10 +35,6 @@ def batches(ctx):
     return lambda k: draw_batch(ctx.workload, ctx.seed, k, ctx.algorithm)
 
 
-def metrics_of(plan, ctx, trace):
-    batch = draw_batch(ctx.workload, ctx.seed, trace.iteration, ctx.algorithm)
-    return mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
-                                ctx.cluster.gpu.peak_bf16_tflops * 1e12)
 
 
 def test_bound_zero_equals_the_synchronous_iterations():
@@ -46,7 +43,7 @@ def test_bound_zero_equals_the_synchronous_iterations():
     sync = dataclasses.replace(plan, off_policy=None)
     windows = OffPolicyTimeline(ctx, plan, memory, batches(ctx), 4)
     for k in range(1, 4):  # window 0 has no weight broadcast before its generation: the warm-up
-        off = metrics_of(plan, ctx, windows.window(k))
+        off = window_metrics(plan, ctx, windows.window(k))
         _, on = simulate_plan_metrics(sync, ctx, iteration=k)
         assert off.keys() == on.keys()
         for key in on:
@@ -60,7 +57,7 @@ def test_the_bound_holds_and_is_reached_after_the_fill(bound):
     windows = OffPolicyTimeline(ctx, plan, memory, batches(ctx), 6)
     for k in range(6):
         trace = windows.window(k)
-        m = metrics_of(plan, ctx, trace)
+        m = window_metrics(plan, ctx, trace)
         assert 0 <= m[mk.STALENESS_MAX] <= bound
         assert {r.first_version for r in trace.samples} == {max(0, k - bound)}
         assert m[mk.STALENESS_MEAN] == min(k, bound)
@@ -89,9 +86,9 @@ def test_windows_do_not_depend_on_the_horizon():
     first = [short.window(k) for k in range(2)]
     long = OffPolicyTimeline(ctx, plan, memory, batches(ctx), 7)
     for k in range(2):
-        assert metrics_of(plan, ctx, first[k]) == metrics_of(plan, ctx, long.window(k))
+        assert window_metrics(plan, ctx, first[k]) == window_metrics(plan, ctx, long.window(k))
     later = short.window(5)  # extends the horizon
-    assert metrics_of(plan, ctx, later) == metrics_of(plan, ctx, long.window(5))
+    assert window_metrics(plan, ctx, later) == window_metrics(plan, ctx, long.window(5))
 
 
 def test_running_ahead_on_shared_devices_is_refused():

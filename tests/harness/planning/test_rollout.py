@@ -14,26 +14,21 @@ from harness.core import metrics as mk
 from harness.core.plan import OffPolicyPolicy
 from harness.core.workload import draw_batch
 from harness.errors import PlanError
-from harness.planning.memory import check_plan_memory
 from harness.planning.offpolicy import OffPolicyTimeline
 from harness.planning.rollout import run_continuous
-from harness.testing import plan_for, simulate_plan_metrics
+from harness.testing import simulate_plan_metrics
+from helpers import off_policy_setup, window_metrics
 
 SMALL = ["model=7b", "cluster.num_nodes=2", "algo=grpo", "workload.global_batch_size=16", "workload.mini_batch_size=8",
          "+system=one_step_off", "system.rollout_gpus=8", "workload.output_len.sigma=1.0"]
 
 
 def setup(policy: OffPolicyPolicy, extra=()):
-    plan, ctx, _ = plan_for([*SMALL, *extra])
-    plan = dataclasses.replace(plan, off_policy=policy)
-    memory = check_plan_memory(plan, ctx.cost_model, ctx.models, ctx.workload)
-    return plan, ctx, memory, (lambda k: draw_batch(ctx.workload, ctx.seed, k, ctx.algorithm))
+    return off_policy_setup([*SMALL, *extra], policy)
 
 
-def metrics_of(plan, ctx, trace):
-    batch = draw_batch(ctx.workload, ctx.seed, trace.iteration, ctx.algorithm)
-    return mk.iteration_metrics(trace, batch.total_num_tokens, {t.name: t.model for t in plan.tasks},
-                                ctx.cluster.gpu.peak_bf16_tflops * 1e12)
+
+
 
 
 def test_bound_zero_draining_is_the_synchronous_run():
@@ -42,7 +37,7 @@ def test_bound_zero_draining_is_the_synchronous_run():
     windows = OffPolicyTimeline(ctx, plan, memory, batch_of, 4)
     sync = dataclasses.replace(plan, off_policy=None)
     for k in range(1, 4):
-        off = metrics_of(plan, ctx, windows.window(k))
+        off = window_metrics(plan, ctx, windows.window(k))
         _, on = simulate_plan_metrics(sync, ctx, iteration=k)
         for key in (mk.STEP_TIME, mk.SAMPLES_PER_S, mk.TRAIN_TIME, mk.timing_key("gen"), mk.BUSY_MEAN):
             assert off[key] == pytest.approx(on[key], rel=1e-9), key
