@@ -220,6 +220,10 @@ class LengthDistConfig:
     # lengths that drift over training: iteration k draws with median x (1 + growth_per_iteration)^k
     # (the cap max_gen_len stays); 0 = the same distribution every iteration
     growth_per_iteration: float = 0.0
+    # lognormal only: the part of sigma that is the prompt's (responses to one prompt share a factor
+    # exp(N(0, prompt_sigma)), each its own exp(N(0, sqrt(sigma^2 - prompt_sigma^2))); the marginal
+    # is the same lognormal). 0 = every response's length independent of its prompt
+    prompt_sigma: float = 0.0
 
 
 @dataclass

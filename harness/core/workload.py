@@ -64,16 +64,25 @@ def median_at(dist: LengthDistConfig, iteration: int) -> float:
 
 
 def sample_lengths(dist: LengthDistConfig, num: int, rng: np.random.Generator, cap: int | None = None,
-                   iteration: int = 0) -> np.ndarray:
+                   iteration: int = 0, group_size: int = 1) -> np.ndarray:
     """``num`` lengths of ``dist`` in iteration ``iteration`` (its median drifted: :func:`median_at`;
     a uniform distribution shifts by the median's change), rounded and clipped to [min, max], and to
-    ``cap``."""
+    ``cap``. With ``dist.prompt_sigma`` the ``num / group_size`` groups of ``group_size``
+    consecutive lengths (the responses to one prompt) share a factor ``exp(N(0, prompt_sigma))``,
+    each length its own ``exp(N(0, sqrt(sigma^2 - prompt_sigma^2)))``: the same marginal lognormal,
+    with lengths correlated within a prompt (hard prompts draw long responses); the factors are drawn
+    after the lengths, so without them the draws are as they were."""
     upper = dist.max if cap is None else min(dist.max, cap)
     median = median_at(dist, iteration)
     if dist.kind == "constant":
         values = np.full(num, median, dtype=float)
     elif dist.kind == "lognormal":
-        values = rng.lognormal(mean=np.log(median), sigma=dist.sigma, size=num)
+        within = math.sqrt(dist.sigma ** 2 - dist.prompt_sigma ** 2) if dist.prompt_sigma else dist.sigma
+        values = rng.lognormal(mean=np.log(median), sigma=within, size=num)
+        if dist.prompt_sigma:
+            if num % group_size:
+                raise ConfigError(f"{num} lengths are not whole groups of {group_size}")
+            values *= np.repeat(np.exp(rng.normal(0.0, dist.prompt_sigma, size=num // group_size)), group_size)
     elif dist.kind == "uniform":  # integers in [min, max], each equally likely
         values = rng.integers(dist.min, dist.max, size=num, endpoint=True).astype(float) + (median - dist.median)
     else:
@@ -97,6 +106,13 @@ def validate_length_dist(key: str, dist: LengthDistConfig) -> None:
     if not (math.isfinite(dist.growth_per_iteration) and dist.growth_per_iteration > -1):
         raise ConfigError(f"workload.{key}.growth_per_iteration={dist.growth_per_iteration}: the median's change per "
                           f"iteration as a fraction, a finite number > -1")
+    if not (math.isfinite(dist.prompt_sigma) and dist.prompt_sigma >= 0):
+        raise ConfigError(f"workload.{key}.prompt_sigma={dist.prompt_sigma}: a finite number >= 0")
+    if dist.prompt_sigma and dist.kind != "lognormal":
+        raise ConfigError(f"workload.{key}.prompt_sigma={dist.prompt_sigma} splits a lognormal's sigma; "
+                          f"workload.{key}.kind={dist.kind}")
+    if dist.prompt_sigma > dist.sigma:
+        raise ConfigError(f"workload.{key}.prompt_sigma={dist.prompt_sigma} is part of sigma={dist.sigma}: at most it")
     if dist.kind == "lognormal" and not (math.isfinite(dist.sigma) and dist.sigma >= 0):
         raise ConfigError(f"workload.{key}.sigma={dist.sigma}: a lognormal's shape must be a finite number >= 0")
     if dist.kind == "uniform" and abs(dist.median - (dist.min + dist.max) / 2) > 0.5:
@@ -153,7 +169,8 @@ def make_batch(w: WorkloadConfig, seed: int, iteration: int, group_size: int = 1
         raise ConfigError(f"{w.global_batch_size} samples are not whole groups of {group_size}")
     rng = np.random.default_rng([seed, iteration])
     prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng, iteration=iteration), group_size)
-    outputs = sample_lengths(w.output_len, w.global_batch_size, rng, cap=w.max_gen_len, iteration=iteration)
+    outputs = sample_lengths(w.output_len, w.global_batch_size, rng, cap=w.max_gen_len, iteration=iteration,
+                             group_size=group_size)
     return Batch(iteration, prompts, outputs)
 
 
@@ -181,7 +198,8 @@ def draw_round(w: WorkloadConfig, seed: int, iteration: int, round_index: int, n
     ``backend=ray`` generates the same rounds and judges them by its verifier instead."""
     rng = np.random.default_rng([seed, iteration, 1 + round_index])  # make_batch draws from [seed, iteration]
     prompts = np.repeat(sample_lengths(w.prompt_len, num_prompts, rng, iteration=iteration), group_size)
-    outputs = sample_lengths(w.output_len, num_prompts * group_size, rng, cap=w.max_gen_len, iteration=iteration)
+    outputs = sample_lengths(w.output_len, num_prompts * group_size, rng, cap=w.max_gen_len, iteration=iteration,
+                             group_size=group_size)
     num_correct = rng.binomial(group_size, rng.beta(w.pass_rate.alpha, w.pass_rate.beta, size=num_prompts))
     return Batch(iteration, prompts, outputs, group_num_correct=num_correct)
 

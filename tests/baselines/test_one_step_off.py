@@ -86,3 +86,17 @@ def test_nemo_rl_async_grpo_is_off_policy_on_its_own_pool():
 def test_bad_knobs_are_refused(overrides, message):
     with pytest.raises(HarnessError, match=message):
         plan_for([*overrides, *SMALL])
+
+
+def test_backend_ray_refuses_off_policy_plans_before_any_work(tmp_path):
+    """Generation running ahead is simulated, not yet executed on Ray: refused after planning, before
+    Ray starts or anything is written."""
+    from harness.errors import PlanError
+    from harness.run.pipeline import compose, execute
+
+    cfg = compose(["+system=one_step_off", "backend=ray", "backend.options.reward.kind=token_range", "model=tiny",
+                   "workload=tiny", "algo=grpo", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4",
+                   "system.rollout_gpus=2", "logger=none", f"results_dir={tmp_path}"])
+    with pytest.raises(PlanError, match="generation running ahead of training on older weights"):
+        execute(cfg, [])
+    assert not any(tmp_path.iterdir())

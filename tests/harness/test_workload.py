@@ -61,3 +61,26 @@ def test_growth_drifts_the_median_and_keeps_the_cap():
 def test_a_shrinking_median_beyond_zero_is_refused():
     with pytest.raises(ConfigError, match="growth_per_iteration=-1"):
         validate_length_dist("output_len", LengthDistConfig(median=10, max=20, growth_per_iteration=-1.0))
+
+
+def test_a_prompt_factor_correlates_a_groups_lengths_and_keeps_the_marginal():
+    """sigma = 1 split into 0.8 per prompt and 0.6 per response: log lengths vary by 0.6 within a
+    group of 16 and their group means by sqrt(0.8^2 + 0.6^2 / 16) across groups; the median and the
+    spread of all lengths stay the lognormal's."""
+    dist = LengthDistConfig(kind="lognormal", median=100, sigma=1.0, max=10**9, prompt_sigma=0.8)
+    logs = np.log(sample_lengths(dist, 16 * 4000, np.random.default_rng(0), group_size=16)).reshape(-1, 16)
+    assert logs.std(axis=1, ddof=1).mean() == pytest.approx(0.6, rel=0.03)
+    assert logs.mean(axis=1).std() == pytest.approx(np.sqrt(0.8 ** 2 + 0.6 ** 2 / 16), rel=0.05)
+    assert np.exp(np.median(logs)) == pytest.approx(100, rel=0.03) and logs.std() == pytest.approx(1.0, rel=0.03)
+    independent = LengthDistConfig(kind="lognormal", median=100, sigma=1.0, max=10**9)
+    assert (sample_lengths(independent, 64, np.random.default_rng(0), group_size=16)
+            == sample_lengths(independent, 64, np.random.default_rng(0))).all()  # without it, the draws as before
+
+
+@pytest.mark.parametrize("dist,message", [
+    (LengthDistConfig(median=10, max=20, sigma=0.5, prompt_sigma=0.6), "prompt_sigma=0.6 is part of sigma=0.5"),
+    (LengthDistConfig(kind="constant", median=10, max=20, prompt_sigma=0.1), "splits a lognormal's sigma"),
+])
+def test_a_prompt_factor_that_cannot_be_drawn_is_refused(dist, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_length_dist("output_len", dist)
