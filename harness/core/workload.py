@@ -111,10 +111,10 @@ def validate_length_dist(key: str, dist: LengthDistConfig) -> None:
     if dist.prompt_sigma and dist.kind != "lognormal":
         raise ConfigError(f"workload.{key}.prompt_sigma={dist.prompt_sigma} splits a lognormal's sigma; "
                           f"workload.{key}.kind={dist.kind}")
-    if dist.prompt_sigma > dist.sigma:
-        raise ConfigError(f"workload.{key}.prompt_sigma={dist.prompt_sigma} is part of sigma={dist.sigma}: at most it")
     if dist.kind == "lognormal" and not (math.isfinite(dist.sigma) and dist.sigma >= 0):
         raise ConfigError(f"workload.{key}.sigma={dist.sigma}: a lognormal's shape must be a finite number >= 0")
+    if dist.prompt_sigma > dist.sigma:
+        raise ConfigError(f"workload.{key}.prompt_sigma={dist.prompt_sigma} is part of sigma={dist.sigma}: at most it")
     if dist.kind == "uniform" and abs(dist.median - (dist.min + dist.max) / 2) > 0.5:
         raise ConfigError(f"workload.{key}.kind=uniform draws from [min, max] = [{dist.min}, {dist.max}]: set "
                           f"workload.{key}.median={(dist.min + dist.max) / 2:g} (their midpoint), not {dist.median:g}")
