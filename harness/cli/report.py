@@ -292,7 +292,8 @@ def common_variant(df) -> str:
 
 def build_compact_table(df, baseline: str, extra: list[str] | None = None) -> tuple[list[str], list[list[Any]]]:
     """The default table: system, model, readable variant (the parts that differ between the runs),
-    samples/s, speedup, step time, bubble (and any ``--metrics``). The experiment and seed columns
+    samples/s, speedup, step time, bubble, the staleness of the trained samples (mean and largest)
+    where any run trained stale samples, and any ``--metrics``. The experiment and seed columns
     appear only where the runs differ in them."""
     df = sort_runs(df)
     shared = set(common_variant(df).split(results.VARIANT_SEPARATOR)) if not df.empty else set()
@@ -302,6 +303,9 @@ def build_compact_table(df, baseline: str, extra: list[str] | None = None) -> tu
     bubbles = sorted(c for c in df.columns if str(c).startswith(BUBBLE_PREFIX))
     standard = set(metric_columns(df))
     extra_cols = [c for c in metric_columns(df, extra) if c not in standard] if extra else []
+    if mk.STALENESS_MAX in df.columns and (df[mk.STALENESS_MAX].fillna(0) > 0).any():  # off-policy runs: the price
+        price = [mk.STALENESS_MEAN, mk.STALENESS_MAX]
+        extra_cols = price + [c for c in extra_cols if c not in price]
     keys = ids + [mk.SAMPLES_PER_S, f"speedup_vs_{baseline}", mk.STEP_TIME, BUBBLE_COLUMN] + extra_cols
     rows = []
     for i, (_, row) in enumerate(df.iterrows()):

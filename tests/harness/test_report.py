@@ -203,3 +203,24 @@ def test_speedup_rule_on_a_sweep():
         ("13b_33b", "workload.max_gen_len=1024", "deepspeed_chat"),  # 512 before 1024: numbers sort as numbers
         ("13b_33b", "workload.max_gen_len=1024", "rlhfuse"),
     ]
+
+
+def test_compact_table_shows_staleness_where_a_run_trained_stale_samples():
+    """The price of asynchrony beside its speed: staleness mean and largest, once, in that order,
+    when any run trained stale samples; not for on-policy runs only."""
+    import pandas as pd
+
+    from harness.core import metrics as mk
+
+    def runs(stale_max):
+        return pd.DataFrame([{"experiment": "e", "system": s, "variant": "", "model": "m", "seed": 0,
+                              mk.SAMPLES_PER_S: sps, mk.STEP_TIME: 1.0, mk.STALENESS_MEAN: mean,
+                              mk.STALENESS_MAX: top}
+                             for s, sps, mean, top in (("verl", 1.0, 0.0, 0.0), ("areal", 2.0, 0.5 * stale_max,
+                                                                                  stale_max))])
+
+    keys, rows = report.build_compact_table(runs(4.0), "verl", [mk.STALENESS_MAX])
+    assert keys[-2:] == [mk.STALENESS_MEAN, mk.STALENESS_MAX] and keys.count(mk.STALENESS_MAX) == 1
+    assert {row[0]: row[-2:] for row in rows} == {"verl": [0.0, 0.0], "areal": [2.0, 4.0]}
+    keys, _ = report.build_compact_table(runs(0.0), "verl")
+    assert mk.STALENESS_MEAN not in keys
