@@ -97,7 +97,7 @@ SPECS: dict[str, Spec] = {
     "python -m harness.figures fig7_throughput": Spec(skip=TINY_FIGURE_RUNS),
     "python -m harness.figures fig8_breakdown --run": Spec(skip=TINY_FIGURE_RUNS),
     "python -m harness.figures async_tradeoff --run":
-        Spec(skip="every system once on the long workload (33 s); tests/harness/figures/test_figures_e2e.py runs it "
+        Spec(skip="every system once on the long workload (27 s); tests/harness/figures/test_figures_e2e.py runs it "
                   "with a smaller batch (-o overrides) and checks both async figures drawn"),
     "python -m harness.figures async_utilisation":
         Spec(skip="draws from async_tradeoff's runs; tests/harness/figures/test_figures_e2e.py draws it from its small "

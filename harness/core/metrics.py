@@ -29,7 +29,9 @@ Per iteration (``iteration_metrics``):
   (:mod:`harness.planning.rollout`), samples aborted by a weight update and re-prefilled, and
   finished samples never trained because they were staler than the bound, since the previous
   training step began (counters). ``gen/carried_samples``: under partial rollout
-  (:mod:`harness.planning.partial`), responses aborted unfinished and carried into the next iteration. ``gen/verify_tail_s``: with a rule-based reward (``algo.reward=rule``), time from the end of
+  (:mod:`harness.planning.partial`), responses aborted unfinished and carried into the next iteration.
+  ``gen/long_round`` (1 or 0), ``gen/queued_prompts``: under tail batching, whether the iteration
+  was a long round, and the prompts waiting for one after it. ``gen/verify_tail_s``: with a rule-based reward (``algo.reward=rule``), time from the end of
   generation to the last response scored by the verifier on the driver's CPUs (a counter).
 - ``pipeline/bubble_frac/<task>`` = 1 - (sum of forward/backward time over the pipeline's ranks)
   / (ranks x makespan), over all of the task's pipeline runs in the iteration (RLHFuse section 7's
@@ -78,6 +80,8 @@ MIGRATED_SAMPLES = "gen/migrated_samples"
 INTERRUPTED_SAMPLES = "gen/interrupted_samples"
 DROPPED_SAMPLES = "gen/dropped_samples"
 CARRIED_SAMPLES = "gen/carried_samples"
+LONG_ROUND = "gen/long_round"
+QUEUED_PROMPTS = "gen/queued_prompts"
 VERIFY_TAIL = "gen/verify_tail_s"
 GEN_ROUNDS = "gen/rounds"  # dynamic sampling: generation rounds this iteration
 GENERATED_SAMPLES = "gen/generated_samples"  # dynamic sampling: samples generated (trained: fewer)

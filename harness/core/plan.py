@@ -278,7 +278,7 @@ class GenerationPolicy:
             raise PlanError("generation synced_instances / pad_to_longest need static batching (rounds)")
 
 
-ROLLOUTS = ("batched", "continuous", "partial")
+ROLLOUTS = ("batched", "continuous", "partial", "tail_batching")
 WEIGHT_UPDATES = ("drain", "inflight", "interrupt")
 BATCH_ORDERS = ("iteration", "finish")
 
@@ -315,7 +315,11 @@ class OffPolicyPolicy:
     - ``partial`` rollout (:mod:`harness.planning.partial`): synchronous iterations that launch
       ``oversample_factor`` times the groups they train, stop once enough have finished and carry the
       unfinished responses into the next iteration (APRIL); ``max_staleness`` then bounds how old a
-      carried response's first token may be before it starts again."""
+      carried response's first token may be before it starts again;
+    - ``tail_batching`` (:mod:`harness.planning.partial`, RollPacker): short rounds launch
+      ``oversample_factor`` times the groups they train and stop once enough have finished, the
+      other prompts queued; once a batch of prompts is queued, a long round generates them again to
+      their full lengths. Nothing is carried: every trained sample is on-policy."""
 
     max_staleness: int = 1
     rollout: str = "batched"
@@ -335,8 +339,9 @@ class OffPolicyPolicy:
                             f"{self.rollout} rollout")
         if not (math.isfinite(self.oversample_factor) and self.oversample_factor >= 1):
             raise PlanError(f"off-policy oversample_factor={self.oversample_factor}: launch at least the groups trained (>= 1)")
-        if self.rollout != "partial" and self.oversample_factor != 1.0:
-            raise PlanError(f"off-policy oversample_factor applies to partial rollout, not to {self.rollout} rollout")
+        if self.rollout not in ("partial", "tail_batching") and self.oversample_factor != 1.0:
+            raise PlanError(f"off-policy oversample_factor applies to partial rollout and tail batching, not to "
+                            f"{self.rollout} rollout")
         if self.max_groups_in_flight < 0:
             raise PlanError(f"off-policy max_groups_in_flight={self.max_groups_in_flight}: 0 (no limit) or more")
 

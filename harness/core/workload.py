@@ -94,6 +94,34 @@ def sample_lengths(dist: LengthDistConfig, num: int, rng: np.random.Generator, c
 LENGTH_KINDS = ("lognormal", "constant", "uniform")
 
 
+def prompt_log_factors(w: WorkloadConfig, seed: int, iteration: int, group_size: int) -> np.ndarray:
+    """Per prompt of :func:`make_batch` ``(w, seed, iteration, group_size)``, the log length factor
+    its responses share (zeros without ``output_len.prompt_sigma``): make_batch's draws replayed
+    (a lognormal consumes the same random stream whatever its parameters)."""
+    num_prompts = w.global_batch_size // group_size
+    if w.path is not None or not w.output_len.prompt_sigma:
+        return np.zeros(num_prompts)
+    rng = np.random.default_rng([seed, iteration])
+    sample_lengths(w.prompt_len, num_prompts, rng, iteration=iteration)
+    rng.lognormal(0.0, 1.0, size=w.global_batch_size)
+    return rng.normal(0.0, w.output_len.prompt_sigma, size=num_prompts)
+
+
+def regenerated_lengths(w: WorkloadConfig, seed: int, iteration: int, prompt: tuple[int, int], attempt: int,
+                        log_factor: float, group_size: int) -> np.ndarray:
+    """``group_size`` new response lengths for a prompt drawn before (``prompt``: the iteration it
+    was drawn in and its index there) and generated again, attempt ``attempt``, in iteration
+    ``iteration``: its own length factor (``log_factor``, :func:`prompt_log_factors`), fresh draws
+    within it, the median of ``iteration``, the cap ``max_gen_len`` (a stream of their own)."""
+    dist = w.output_len
+    rng = np.random.default_rng([seed, prompt[0], prompt[1], attempt, 7919])
+    if dist.kind != "lognormal":
+        return sample_lengths(dist, group_size, rng, cap=w.max_gen_len, iteration=iteration)
+    within = math.sqrt(dist.sigma ** 2 - dist.prompt_sigma ** 2)
+    values = math.exp(log_factor) * rng.lognormal(np.log(median_at(dist, iteration)), within, size=group_size)
+    return np.clip(np.rint(values), dist.min, min(dist.max, w.max_gen_len)).astype(np.int64)
+
+
 def validate_length_dist(key: str, dist: LengthDistConfig) -> None:
     """Refuse a length distribution that cannot be drawn from, naming the key. ``uniform`` draws from
     [min, max], so its median must be their midpoint (systems read the median as the typical length)."""

@@ -44,7 +44,7 @@ def simulate_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batc
     :func:`harness.planning.rollout.run_continuous`), and the iterations it holds beyond them."""
     if plan.off_policy.rollout == "continuous":
         return run_continuous(ctx, plan, memory, batch_of, num_windows, record_spans), 0
-    if plan.off_policy.rollout == "partial":
+    if plan.off_policy.rollout in ("partial", "tail_batching"):
         return run_partial(ctx, plan, memory, batch_of, num_windows, record_spans), 0
     s = plan.off_policy.max_staleness
     return run_off_policy(ctx, plan, memory, batch_of, num_windows + s, record_spans), s
@@ -64,7 +64,7 @@ def steady_step_s(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch: Bat
     simulator.run()
     end = simulator.timeline.end_s
     makespan = simulator.timeline.makespan_s
-    if plan.off_policy.max_staleness == 0 or plan.off_policy.rollout == "partial":
+    if plan.off_policy.max_staleness == 0 or plan.off_policy.rollout in ("partial", "tail_batching"):
         return makespan
     (gen,) = plan.tasks_of(TaskKind.GENERATE)
     moved = max((end[f] for f in weights_feeders(plan, gen)), default=0.0)
@@ -77,6 +77,6 @@ def simulated_steady_step_s(ctx: PlanContext, plan: Plan, memory: MemoryReport, 
     pipeline has long been full (of 4 under partial rollout, whose carried pool settles within a
     few iterations)."""
     s = plan.off_policy.max_staleness
-    count = 4 if plan.off_policy.rollout == "partial" else 2 * s + 2
+    count = 4 if plan.off_policy.rollout in ("partial", "tail_batching") else 2 * s + 2
     run, _ = simulate_off_policy(ctx, plan, memory, lambda k: batch, count, record_spans=False)
     return run.train_end_s[count - 1] - run.train_end_s[count - 2]

@@ -84,3 +84,19 @@ def test_a_prompt_factor_correlates_a_groups_lengths_and_keeps_the_marginal():
 def test_a_prompt_factor_that_cannot_be_drawn_is_refused(dist, message):
     with pytest.raises(ConfigError, match=message):
         validate_length_dist("output_len", dist)
+
+
+def test_prompt_factors_replay_the_batch_and_regenerate_around_them():
+    """All of sigma the prompt's: a group's lengths are its median x exp(factor), which the replayed
+    factors give exactly; regenerated responses keep the factor and nothing else (no spread left)."""
+    from harness.core.workload import make_batch, prompt_log_factors, regenerated_lengths
+    from harness.testing import run_config
+
+    w = run_config(["+system=verl", "workload=long_reasoning", "workload.output_len.prompt_sigma=1.0",
+                    "workload.max_gen_len=20480"]).workload
+    w = type(w)(**{**w.__dict__, "global_batch_size": 64})
+    batch, factors = make_batch(w, 3, 5, 8), prompt_log_factors(w, 3, 5, 8)
+    expected = np.clip(np.rint(w.output_len.median * 1.001 ** 5 * np.exp(factors)), w.output_len.min, 20480)
+    assert (batch.output_lens.reshape(8, 8) == expected[:, None]).all()
+    again = regenerated_lengths(w, 3, 9, (5, 2), 1, float(factors[2]), 8)
+    assert (again == np.clip(np.rint(w.output_len.median * 1.001 ** 9 * np.exp(factors[2])), 16, 20480)).all()

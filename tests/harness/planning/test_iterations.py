@@ -35,8 +35,6 @@ def batches(ctx):
     return lambda k: draw_batch(ctx.workload, ctx.seed, k, ctx.algorithm)
 
 
-
-
 def test_bound_zero_equals_the_synchronous_iterations():
     plan, ctx, memory = plan_and_memory(["system.max_staleness=0"])
     assert plan.off_policy == OffPolicyPolicy(0)

@@ -25,17 +25,18 @@ def setup(policy: OffPolicyPolicy):
     return off_policy_setup(SMALL, policy)
 
 
-
-
+def windows_beside_synchronous(policy: OffPolicyPolicy, count: int):
+    """(window metrics, synchronous iteration metrics) of iterations 1 .. count - 1 of ``policy``
+    on the small run, the synchronous run being the same plan without it."""
+    plan, ctx, memory, batch_of = setup(policy)
+    windows = OffPolicyTimeline(ctx, plan, memory, batch_of, count)
+    sync = dataclasses.replace(plan, off_policy=None)
+    return [(window_metrics(plan, ctx, windows.window(k)), simulate_plan_metrics(sync, ctx, iteration=k)[1])
+            for k in range(1, count)]
 
 
 def test_without_over_provisioning_it_is_the_synchronous_run():
-    plan, ctx, memory, batch_of = setup(OffPolicyPolicy(4, rollout="partial", oversample_factor=1.0))
-    windows = OffPolicyTimeline(ctx, plan, memory, batch_of, 4)
-    sync = dataclasses.replace(plan, off_policy=None)
-    for k in range(1, 4):
-        off = window_metrics(plan, ctx, windows.window(k))
-        _, on = simulate_plan_metrics(sync, ctx, iteration=k)
+    for off, on in windows_beside_synchronous(OffPolicyPolicy(4, rollout="partial", oversample_factor=1.0), 4):
         for key in (mk.STEP_TIME, mk.SAMPLES_PER_S, mk.TRAIN_TIME, mk.timing_key("gen"), mk.GEN_TAIL_S):
             assert off[key] == pytest.approx(on[key], rel=1e-9), key
         assert off[mk.STALENESS_MAX] == 0 and off[mk.CARRIED_SAMPLES] == 0
@@ -59,10 +60,29 @@ def test_batches_are_whole_groups_within_the_bound(bound):
 
 
 def test_over_provisioning_ends_generation_sooner():
-    plan, ctx, memory, batch_of = setup(OffPolicyPolicy(16, rollout="partial", oversample_factor=2.0))
-    windows = OffPolicyTimeline(ctx, plan, memory, batch_of, 3)
-    sync = dataclasses.replace(plan, off_policy=None)
-    for k in range(1, 3):
-        partial = window_metrics(plan, ctx, windows.window(k))
-        _, on = simulate_plan_metrics(sync, ctx, iteration=k)
+    for partial, on in windows_beside_synchronous(OffPolicyPolicy(16, rollout="partial", oversample_factor=2.0), 3):
         assert partial[mk.timing_key("gen")] < on[mk.timing_key("gen")]
+
+
+def test_tail_batching_without_speculation_is_the_synchronous_run():
+    for off, on in windows_beside_synchronous(OffPolicyPolicy(0, rollout="tail_batching", oversample_factor=1.0), 3):
+        assert off[mk.STEP_TIME] == pytest.approx(on[mk.STEP_TIME], rel=1e-9)
+        assert off[mk.LONG_ROUND] == 0 and off[mk.QUEUED_PROMPTS] == 0
+
+
+@pytest.mark.parametrize("prompt_sigma", [0.0, 0.9])
+def test_tail_batching_queues_the_aborted_prompts_for_long_rounds(prompt_sigma):
+    """Short rounds of 1.5 x 2 groups train 2 and queue 1; a long round follows two of them, trains
+    the queued prompts, on-policy; where prompts set lengths, long rounds are longer."""
+    plan, ctx, memory, batch_of = off_policy_setup(
+        [*SMALL, "workload.global_batch_size=2", "workload.mini_batch_size=2",
+         f"workload.output_len.prompt_sigma={prompt_sigma}"],
+        OffPolicyPolicy(0, rollout="tail_batching", oversample_factor=1.5))
+    run = run_partial(ctx, plan, memory, batch_of, 9)
+    rounds = [sim.trace.counters[mk.LONG_ROUND] for sim in run.sims]
+    queued = [sim.trace.counters[mk.QUEUED_PROMPTS] for sim in run.sims]
+    assert rounds == [0, 0, 1] * 3 and queued == [1, 2, 0] * 3
+    assert all(r.first_version == r.last_version == k for k, sim in enumerate(run.sims) for r in sim.trace.samples)
+    mean = [np.mean([r.response_len for r in sim.trace.samples]) for sim in run.sims]
+    if prompt_sigma:
+        assert np.mean(mean[2::3]) > np.mean(mean[0::3] + mean[1::3])

@@ -27,10 +27,6 @@ def setup(policy: OffPolicyPolicy, extra=()):
     return off_policy_setup([*SMALL, *extra], policy)
 
 
-
-
-
-
 def test_bound_zero_draining_is_the_synchronous_run():
     policy = OffPolicyPolicy(0, rollout="continuous", weight_update="drain")
     plan, ctx, memory, batch_of = setup(policy, ["algo.rule_reward_s_per_sample=0"])
