@@ -406,12 +406,27 @@ def _unknown_key(full_key: str, hydra: Any, overrides: list[str], run_mode: Any,
                      run_mode, object_type)
     matches = close_matches(bad, valid)
     if matches:
-        suggestions = [".".join([*parent, m, *rest[len(parts):]]) for m in matches]
+        others = [o for o in overrides if line is None or o != line.input_line]
+        tail = rest[len(parts):]
+        # a match that holds a value, not keys, cannot take the rest of the path (results.root -> results_dir)
+        suggestions = [".".join([*parent, m] if tail and _is_value(hydra, ".".join([*parent, m]), others, run_mode)
+                                else [*parent, m, *tail]) for m in matches]
         return f"unknown key {shown} (did you mean {_alternatives(suggestions)}?)"
     where = ".".join(parent) or "the top level"
     if valid:
         return f"unknown key {shown} (keys of {where}: {', '.join(valid)})"
     return f"unknown key {shown}"
+
+
+def _is_value(hydra: Any, path: str, overrides: list[str], run_mode: Any) -> bool:
+    """Whether ``path`` of the config composed with ``overrides`` holds a value rather than keys
+    (False when that cannot be told)."""
+    try:
+        cfg = hydra.compose_config(config_name=CONFIG_NAME, overrides=list(overrides), run_mode=run_mode)
+        node = OmegaConf.select(cfg, path)
+    except Exception:  # noqa: BLE001 - another bad override: keep the suggestion as it is
+        return False
+    return node is not None and not isinstance(node, DictConfig)
 
 
 def _keys_at(hydra: Any, path: str, overrides: list[str], run_mode: Any, object_type: Any) -> list[str]:

@@ -70,6 +70,8 @@ UNKNOWN = {  # id: (command line, the message starts with)
     "logger": (["+system=rlhfuse_base", "logger.progess_bar=false"],
                "unknown key logger.progess_bar (did you mean logger.progress_bar"),
     "top_level": (["+system=rlhfuse_base", "seeed=1"], "unknown key seeed (did you mean seed"),
+    # results_dir holds a path, not keys: the rest of the path is not carried into the suggestion
+    "below_a_value": (["+system=rlhfuse_base", "results.root=/x"], "unknown key results.root (did you mean results_dir?)"),
     "top_level_group": (["+sytem=rlhfuse_base"], "unknown key sytem (did you mean system"),
     "option_cluster": (["+system=rlhfuse_base", "cluster=h100"],
                        "unknown option cluster=h100 (did you mean cluster=h100_8x"),
