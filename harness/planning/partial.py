@@ -100,6 +100,8 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
     output_len: list[int] = []
     group_samples: list[list[int]] = []
     group_prompt: list[tuple[int, int]] = []  # per group: the iteration its prompt was drawn in, its index there
+    drawn_groups: list[int] = []  # the groups of drawn prompts, in order (regenerated ones are not new prompts)
+    drawn_prompt_len: dict[tuple[int, int], int] = {}
     drawn = 0
     tail = policy.rollout == "tail_batching"
     long_queue: list[tuple[int, int]] = []  # tail batching: prompts aborted in short rounds, in order
@@ -113,18 +115,17 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         attempts[key] = attempts.get(key, 0) + 1
         lengths = regenerated_lengths(ctx.workload, ctx.seed, k, key, attempts[key], float(factors[key[0]][key[1]]),
                                       group_size)
-        first_sample = group_samples[next(g for g, p in enumerate(group_prompt) if p == key)][0]
         ids = list(range(len(prompt_len), len(prompt_len) + group_size))
-        prompt_len.extend([prompt_len[first_sample]] * group_size)
+        prompt_len.extend([drawn_prompt_len[key]] * group_size)
         output_len.extend(int(x) for x in lengths)
         group_samples.append(ids)
         group_prompt.append(key)
         return len(group_samples) - 1
 
-    def draw_groups(upto: int) -> None:
-        """Groups ``0 .. upto`` drawn: the workload's iterations' prompts, in order."""
+    def drawn_group(n: int) -> int:
+        """The group of the ``n``-th prompt drawn (from 0): the workload's iterations' prompts, in order."""
         nonlocal drawn
-        while upto >= len(group_samples):
+        while n >= len(drawn_groups):
             batch = first if drawn == 0 else batch_of(drawn)
             prompts = base._generated_prompt_lens(batch.prompt_lens)
             for g in range(per_batch):
@@ -132,11 +133,14 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
                 for i in range(g * group_size, (g + 1) * group_size):
                     prompt_len.append(int(prompts[i]))
                     output_len.append(int(batch.output_lens[i]))
+                drawn_groups.append(len(group_samples))
+                drawn_prompt_len[(drawn, g)] = int(prompts[g * group_size])
                 group_samples.append(ids)
                 group_prompt.append((drawn, g))
             drawn += 1
+        return drawn_groups[n]
 
-    next_group = 0
+    next_group = 0  # prompts drawn so far
     carried: list[_Carried] = []
     sims: list[PlanSimulator] = []
     train_end: list[float] = []
@@ -162,9 +166,9 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
                 pool += [_Carried(g, i, 0, None) for i in group_samples[g]]
             del long_queue[:per_batch]
         while not long_round and len(groups) < launched_per_iteration:
-            draw_groups(next_group)
-            groups.append(next_group)
-            pool += [_Carried(next_group, i, 0, None) for i in group_samples[next_group]]
+            g = drawn_group(next_group)
+            groups.append(g)
+            pool += [_Carried(g, i, 0, None) for i in group_samples[g]]
             next_group += 1
         by_sample = {c.sample_id: c for c in pool}
         waiting_done = [c for c in pool if c.generated >= output_len[c.sample_id]]  # finished, group not yet

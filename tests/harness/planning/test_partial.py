@@ -83,6 +83,11 @@ def test_tail_batching_queues_the_aborted_prompts_for_long_rounds(prompt_sigma):
     queued = [sim.trace.counters[mk.QUEUED_PROMPTS] for sim in run.sims]
     assert rounds == [0, 0, 1] * 3 and queued == [1, 2, 0] * 3
     assert all(r.first_version == r.last_version == k for k, sim in enumerate(run.sims) for r in sim.trace.samples)
+    # every prompt trained once: a long round's regenerated groups are not taken again as new prompts
+    group = ctx.algorithm.group_size
+    trained = [tuple(r.response_len for r in sim.trace.samples[i:i + group])
+               for sim in run.sims for i in range(0, len(sim.trace.samples), group)]
+    assert len(set(trained)) == len(trained)
     mean = [np.mean([r.response_len for r in sim.trace.samples]) for sim in run.sims]
     if prompt_sigma:
         assert np.mean(mean[2::3]) > np.mean(mean[0::3] + mean[1::3])
