@@ -12,7 +12,8 @@ hold tokens of several versions). Staleness is bounded by ``eta`` (``max_head_of
 with ``B`` trajectories a batch and policy version ``i``, a new request is submitted only while
 ``(N_r - 1) // B <= i + eta`` (``N_r`` the requests submitted so far, itself included), and the
 trainer takes the earliest finished trajectories. A decoupled PPO objective corrects for the
-staleness (the losses: ``backend=ray`` does not run this system).
+staleness; on ``backend=ray`` the losses are the algorithm's, with log-probs recomputed by the
+training engine (AReaL's proximal policy) and without the behaviour-policy importance weight.
 
 What we reproduce is :mod:`baselines.refit`'s plan with generation on ``system.rollout_gpus`` of
 its own (0 = the fastest of a quarter, half and three quarters of the GPUs) and continuous rollout
@@ -24,6 +25,7 @@ weights move by the plan's ``param_sync`` broadcast, during which the engines pa
 in FSDP (``engine.training=megatron`` for Megatron), generation in the ``vllm`` engine (AReaL
 generates with SGLang: its constants are vLLM's here, as for every CUDA-graph engine that has no
 measurements of its own). What :mod:`baselines.refit` does not model applies here too.
+``backend=ray`` executes these decisions for real (docs/ASYNC.md, "On Ray").
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ Per iteration (``iteration_metrics``):
   ``gen/migrated_samples``, ``gen/tail_instances``, ``gen/migration_threshold_frac`` (R_t as a
   fraction of the batch): reported by backends that execute a migration policy (counters).
   ``gen/interrupted_samples``, ``gen/dropped_samples``: under continuous rollout
-  (:mod:`harness.planning.rollout`), samples aborted by a weight update and re-prefilled, and
+  (:mod:`harness.planning.rollout`), samples aborted mid-response (a token or more generated) by a
+  weight update and re-prefilled, and
   finished samples never trained because they were staler than the bound, since the previous
   training step began (counters). ``gen/carried_samples``: under partial rollout
   (:mod:`harness.planning.partial`), responses aborted unfinished and carried into the next iteration.

@@ -143,28 +143,23 @@ def _tag_unit(unit: Unit, k: int) -> Unit:
 
 
 @dataclasses.dataclass
-class OffPolicyRun:
-    """A simulated off-policy timeline: the scheduler's timeline (task names tagged ``name@k``),
-    each iteration's simulator (its trace holds the iteration's spans in timeline time), and per
-    iteration the end of its training (``train_end_s``) and the weights version it generated with."""
+class UnrolledUnits:
+    """A batched off-policy plan's units repeated for iterations ``0 .. num_iterations - 1``
+    (module docstring): ``order``, the tagged units in the order the scheduler lists them;
+    ``original``, a tagged unit's label -> (its iteration, the plan's own unit); ``plan``, what the
+    scheduler reads of the unrolled plan. The simulator and ``backend=ray`` run the same list."""
 
-    timeline: Timeline
-    sims: list[PlanSimulator]
-    train_end_s: list[float]
-    gen_version: list[int]
+    order: list[Unit]
+    original: dict[str, tuple[int, Unit]]
+    plan: _UnrolledPlan
 
 
-def run_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Callable[[int], Batch],
-                   num_iterations: int, record_spans: bool = True) -> OffPolicyRun:
-    """Iterations ``0 .. num_iterations - 1`` of off-policy ``plan`` on one timeline (module docstring),
-    iteration ``k`` on ``batch_of(k)``."""
+def unrolled_units(plan: Plan, num_iterations: int) -> UnrolledUnits:
+    """The units of iterations ``0 .. num_iterations - 1`` of batched off-policy ``plan``, ordered
+    (module docstring: order on shared devices)."""
     check_off_policy_plan(plan)
     s = plan.off_policy.max_staleness
     units = execution_units(plan)
-    consumers = {u.stream_from: u for u in units if u.stream_from is not None}
-    sims = [PlanSimulator(ctx, plan, memory, k, batch_of(k), record_spans=record_spans)
-            for k in range(num_iterations)]
-    handlers = [sim.handlers() for sim in sims]
     (gen,) = plan.tasks_of(TaskKind.GENERATE)
     after_gen = downstream_of(plan, gen.name)
     ahead = {u.label for u in units if u.kind == TaskKind.GENERATE or u.stream_from is not None}
@@ -182,7 +177,37 @@ def run_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
                 key = (k - 1, 2, position)
             keyed.append((key, t))
     order = [t for _, t in sorted(keyed, key=lambda pair: pair[0])]
-    unrolled = _UnrolledPlan(plan, num_iterations)
+    return UnrolledUnits(order, original, _UnrolledPlan(plan, num_iterations))
+
+
+@dataclasses.dataclass
+class OffPolicyRun:
+    """A simulated off-policy timeline: the scheduler's timeline (task names tagged ``name@k``),
+    each iteration's simulator (its trace holds the iteration's spans in timeline time), and per
+    iteration the end of its training (``train_end_s``) and the weights version it generated with."""
+
+    timeline: Timeline
+    sims: list[PlanSimulator]
+    train_end_s: list[float]
+    gen_version: list[int]
+    # continuous rollout's decisions in the order it took them
+    # (:class:`harness.planning.rollout.RolloutEvent`; empty for other rollouts)
+    events: list = dataclasses.field(default_factory=list)
+
+
+def run_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Callable[[int], Batch],
+                   num_iterations: int, record_spans: bool = True) -> OffPolicyRun:
+    """Iterations ``0 .. num_iterations - 1`` of off-policy ``plan`` on one timeline (module docstring),
+    iteration ``k`` on ``batch_of(k)``."""
+    unrolled = unrolled_units(plan, num_iterations)
+    s = plan.off_policy.max_staleness
+    units = execution_units(plan)
+    consumers = {u.stream_from: u for u in units if u.stream_from is not None}
+    sims = [PlanSimulator(ctx, plan, memory, k, batch_of(k), record_spans=record_spans)
+            for k in range(num_iterations)]
+    handlers = [sim.handlers() for sim in sims]
+    (gen,) = plan.tasks_of(TaskKind.GENERATE)
+    original = unrolled.original
 
     def start(unit: Unit, now_s: float, queue: UnitQueue) -> Timing:
         k, own = original[unit.label]
@@ -192,7 +217,7 @@ def run_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
         timing = handlers[k][own.kind](own)
         return Timing({tagged(n, k): t for n, t in timing.end_s.items()}, timing.release_s)
 
-    timeline = run_timed(unrolled, ctx.num_devices, start, units=order)  # type: ignore[arg-type]
+    timeline = run_timed(unrolled.plan, ctx.num_devices, start, units=unrolled.order)  # type: ignore[arg-type]
     feeders, trains = weights_feeders(plan, gen), [t.name for t in plan.tasks_of(TaskKind.TRAIN)]
     train_end = [max(timeline.end_s[tagged(n, k)] for n in trains) for k in range(num_iterations)]
     versions = []
@@ -211,7 +236,7 @@ def run_off_policy(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
     return OffPolicyRun(timeline, sims, train_end, versions)
 
 
-def _clip(span: Span, start_s: float, end_s: float) -> Span | None:
+def clip_span(span: Span, start_s: float, end_s: float) -> Span | None:
     """``span`` inside [start_s, end_s), shifted to start from ``start_s``; FLOPs and bytes in
     proportion to the time kept. None when nothing of it is inside."""
     lo, hi = max(span.start_s, start_s), min(span.end_s, end_s)
@@ -219,6 +244,29 @@ def _clip(span: Span, start_s: float, end_s: float) -> Span | None:
         return None
     kept = (hi - lo) / span.duration_s if span.duration_s > 0 else 1.0
     return Span(span.devices, span.task, span.kind, lo - start_s, hi - start_s, span.flops * kept, span.bytes * kept)
+
+
+def window_trace(k: int, lo: float, hi: float, spans: list[Span], own: StepTrace, version: int,
+                 unit_start_s: dict[str, float], concurrent: list) -> StepTrace:
+    """Iteration ``k``'s window [``lo``, ``hi``) of an off-policy timeline (module docstring:
+    iteration windows): every span of the timeline clipped to it; the samples, pipelines and
+    counters of iteration ``k``'s own trace ``own``, shifted by ``lo``, its samples generated with
+    weights ``version`` where they record none of their own; the units started in it
+    (``unit_start_s``: label -> start) and their concurrent pairs. The simulator's windows and
+    ``backend=ray``'s are built by this one function."""
+    trace = StepTrace(iteration=k, num_devices=own.num_devices)
+    trace.spans = [c for c in (clip_span(span, lo, hi) for span in spans) if c is not None]
+    trace.samples = [SampleRecord(r.sample_id, r.prompt_len, r.response_len, r.finish_s - lo,
+                                  version if r.first_version is None else r.first_version,
+                                  version if r.last_version is None else r.last_version)
+                     for r in own.samples]
+    trace.pipelines = [dataclasses.replace(p, start_s=p.start_s - lo) for p in own.pipelines]
+    trace.counters = dict(own.counters)
+    trace.memory_gb = dict(own.memory_gb)
+    labels = [label for label, start in unit_start_s.items() if lo <= start < hi]
+    trace.extra[UNITS] = {"started": labels,
+                          "concurrent": [p for p in concurrent if p[0] in labels or p[1] in labels]}
+    return trace
 
 
 def iteration_windows(run: OffPolicyRun, memory: MemoryReport, num_windows: int, lookahead: int) -> list[StepTrace]:
@@ -229,24 +277,12 @@ def iteration_windows(run: OffPolicyRun, memory: MemoryReport, num_windows: int,
     if num_windows + lookahead > len(sims):
         raise ValueError(f"{num_windows} windows need {num_windows + lookahead} simulated iterations, not {len(sims)}")
     spans = [span for sim in sims for span in sim.trace.spans]
-    started = run.timeline.record.get("started", [])
+    starts = {label: run.timeline.start_s[label] for label in run.timeline.record.get("started", [])}
+    concurrent = run.timeline.record.get("concurrent", [])
     traces = []
     for k in range(num_windows):
-        lo, hi = (ends[k - 1] if k else 0.0), ends[k]
-        own = sims[k].trace
-        trace = StepTrace(iteration=k, num_devices=own.num_devices)
-        trace.spans = [c for c in (_clip(span, lo, hi) for span in spans) if c is not None]
-        version = run.gen_version[k]  # the batch's, where its samples carry none of their own
-        trace.samples = [SampleRecord(r.sample_id, r.prompt_len, r.response_len, r.finish_s - lo,
-                                      version if r.first_version is None else r.first_version,
-                                      version if r.last_version is None else r.last_version)
-                         for r in own.samples]
-        trace.pipelines = [dataclasses.replace(p, start_s=p.start_s - lo) for p in own.pipelines]
-        trace.counters = dict(own.counters)
+        trace = window_trace(k, ends[k - 1] if k else 0.0, ends[k], spans, sims[k].trace, run.gen_version[k],
+                             starts, concurrent)
         trace.memory_gb = dict(memory.peak_gb)
-        window_labels = [label for label in started if lo <= run.timeline.start_s[label] < hi]
-        trace.extra[UNITS] = {"started": window_labels,
-                              "concurrent": [p for p in run.timeline.record.get("concurrent", [])
-                                             if p[0] in window_labels or p[1] in window_labels]}
         traces.append(trace)
     return traces

@@ -37,7 +37,9 @@ an update is the end of a training step that started no earlier than the last st
 Launches and batch-readiness are checked at those steps (a launch may wait up to one of them).
 
 What :mod:`harness.planning.iterations` says about windows, warm-up and staleness holds here too;
-:func:`run_continuous` returns the same :class:`~harness.planning.iterations.OffPolicyRun`.
+:func:`run_continuous` returns the same :class:`~harness.planning.iterations.OffPolicyRun`, with its
+decisions in the order taken (:class:`RolloutEvent`, each with the engines' decode steps by then),
+which ``backend=ray`` executes for real (:mod:`harness.backends.ray.driver.continuous`).
 """
 from __future__ import annotations
 
@@ -59,6 +61,27 @@ from harness.planning.scheduler import Timeline
 from harness.planning.simulate import PlanSimulator
 from harness.planning.taskmodels.generation import ContinuousInstance, _Sample, kv_capacity_tokens
 from harness.system import PlanContext
+
+
+@dataclass(frozen=True)
+class RolloutEvent:
+    """One decision of a continuous rollout, recorded in the order they were taken (the schedule
+    ``backend=ray`` executes: :mod:`harness.backends.ray.driver.continuous`). Sample ids are global:
+    iteration ``j``'s batch of ``n`` samples holds ids ``j n .. (j + 1) n - 1``, in batch order.
+
+    - ``launch``: a group's samples submitted to the engines, under weights ``version``;
+    - ``finish``: a sample's last token generated;
+    - ``train``: iteration ``version``'s training starts on ``sample_ids`` (``dropped``: finished
+      groups staler than the bound, never trained);
+    - ``update``: weights ``version`` moved into the engines (what happens to the samples they hold
+      is the plan's ``weight_update``)."""
+
+    kind: str
+    version: int
+    sample_ids: tuple[int, ...] = ()
+    dropped: tuple[int, ...] = ()
+    engines: tuple[int, ...] = ()  # launch: the engine (dp replica of gen) each sample went to
+    engine_steps: tuple[int, ...] = ()  # each engine's decode steps so far, when the decision was taken
 
 
 @dataclass
@@ -169,6 +192,8 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
     timeline = Timeline(ctx.num_devices)
     started: list[str] = []
     interrupted = dropped = 0
+    events: list[RolloutEvent] = []
+    newly_dropped: list[int] = []  # dropped since the last training started
     counters: list[dict[str, float]] = []
 
     def launch() -> None:
@@ -183,10 +208,15 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
             if bound > version + s:
                 return
             grp.launched, grp.launch_version = True, version
+            placed = []
             for gid in grp.sample_ids:
-                target = min(engines, key=lambda e: e.num_unfinished)
+                r = min(range(len(engines)), key=lambda r: engines[r].num_unfinished)
+                target = engines[r]
                 target.now = max(target.now, now)
                 target.waiting.append(_Sample(gid, prompt_len[gid], output_len[gid]))
+                placed.append(r)
+            events.append(RolloutEvent("launch", version, tuple(grp.sample_ids), engines=tuple(placed),
+                                      engine_steps=tuple(e.steps for e in engines)))
             next_launch += 1
             in_flight += 1
 
@@ -208,7 +238,7 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
         for e in engines:
             if policy.weight_update == "interrupt":
                 held = e.take_unfinished()
-                interrupted += sum(1 for x in held if x.has_kv)
+                interrupted += sum(1 for x in held if x.generated > 0)  # aborted mid-response
                 for x in held:
                     x.has_kv = False  # re-prefilled under the new weights
                 e.waiting = held
@@ -217,19 +247,24 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
             e.now = max(e.now, end)
         version = new_version
         trainer_free = max(trainer_free, end)
+        events.append(RolloutEvent("update", new_version, engine_steps=tuple(e.steps for e in engines)))
 
     def collect() -> None:
         nonlocal in_flight
-        for r, e in enumerate(engines):
-            for rec in finishes[r][seen[r]:]:
-                grp = groups[group_of[rec.sample_id]]
-                grp.num_finished += 1
-                grp.finish_s[rec.sample_id] = rec.finish_s
-                grp.finish_versions[rec.sample_id] = version
-                if grp.num_finished == len(grp.sample_ids):
-                    grp.ready_s = max(grp.finish_s.values()) + algo.rule_reward_s_per_sample
-                    in_flight -= 1
+        new = sorted((rec for r in range(len(engines)) for rec in finishes[r][seen[r]:]),
+                     key=lambda rec: (rec.finish_s, rec.sample_id))
+        for r in range(len(engines)):
             seen[r] = len(finishes[r])
+        for rec in new:
+            events.append(RolloutEvent("finish", version, (rec.sample_id,),
+                                      engine_steps=tuple(e.steps for e in engines)))
+            grp = groups[group_of[rec.sample_id]]
+            grp.num_finished += 1
+            grp.finish_s[rec.sample_id] = rec.finish_s
+            grp.finish_versions[rec.sample_id] = version
+            if grp.num_finished == len(grp.sample_ids):
+                grp.ready_s = max(grp.finish_s.values()) + algo.rule_reward_s_per_sample
+                in_flight -= 1
 
     def start_training() -> None:
         nonlocal pending, trainer_free, steps_done, dropped
@@ -246,6 +281,7 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
             for g in stale:
                 g.trained = True  # dropped: never trained
                 dropped += len(g.sample_ids)
+                newly_dropped.extend(g.sample_ids)
             chosen = [g for g in done if g.launch_version >= k - s][:per_batch]
             if len(chosen) < per_batch:
                 return
@@ -255,6 +291,9 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
         for g in chosen:
             g.trained = True
         ids = [gid for g in chosen for gid in g.sample_ids]
+        events.append(RolloutEvent("train", k, tuple(ids), tuple(newly_dropped),
+                                  engine_steps=tuple(e.steps for e in engines)))
+        newly_dropped.clear()
         batch = Batch(k, np.array([prompt_len[i] for i in ids], dtype=np.int64),
                       np.array([output_len[i] for i in ids], dtype=np.int64))
         begin = max(trainer_free, ready)
@@ -323,4 +362,4 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
         if stale and not 0 <= max(stale) <= s:
             raise PlanError(f"{plan.system}: iteration {k} trains samples {max(stale)} versions stale; "
                             f"the plan's bound is {s}")
-    return OffPolicyRun(timeline, sims, train_end, versions)
+    return OffPolicyRun(timeline, sims, train_end, versions, events)

@@ -177,10 +177,10 @@ class TorchGenerator(EngineLoop):
             return 1
         return max(1, min(s.target_len - len(s.tokens) for s in upcoming))
 
-    def _new_generator(self, sample_id: Hashable) -> torch.Generator | None:
+    def _new_generator(self, sample_id: Hashable, seed: int | None = None) -> torch.Generator | None:
         if self.sampling.temperature <= 0:
             return None
-        return torch.Generator().manual_seed(sample_seed(self.sampling.seed, sample_id))
+        return torch.Generator().manual_seed(sample_seed(self.sampling.seed, sample_id) if seed is None else seed)
 
     def _enqueue(self, sample: _Sample) -> None:
         if sample.sample_id in self._ids:
@@ -194,11 +194,13 @@ class TorchGenerator(EngineLoop):
         self._ids.add(sample.sample_id)
         self.waiting.append(sample)
 
-    def submit(self, sample_id: Hashable, prompt_tokens: list[int], target_len: int | None = None) -> None:
-        """Queue a prompt; ``target_len`` makes it length-controlled (EOS ignored)."""
+    def submit(self, sample_id: Hashable, prompt_tokens: list[int], target_len: int | None = None,
+               generator_seed: int | None = None) -> None:
+        """Queue a prompt; ``target_len`` makes it length-controlled (EOS ignored). Its sampler is
+        seeded with ``generator_seed``, else from the engine's seed and the sample id."""
         prompt = [int(t) for t in prompt_tokens]
         max_new = min(self.sampling.max_new_tokens, self.max_seq_len - len(prompt))
-        self._enqueue(_Sample(sample_id, prompt, target_len, max_new, self._new_generator(sample_id)))
+        self._enqueue(_Sample(sample_id, prompt, target_len, max_new, self._new_generator(sample_id, generator_seed)))
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:

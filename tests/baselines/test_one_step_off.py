@@ -32,7 +32,7 @@ def test_pools_are_disjoint_and_the_plan_is_one_step_off():
     gen = set(plan.task("gen").allocation.mesh)
     train = {d for t in plan.tasks if t.kind in (TaskKind.TRAIN, TaskKind.INFERENCE) for d in t.allocation.mesh}
     assert gen == set(range(12, 16)) and train == set(range(12)) and not gen & train
-    assert plan.off_policy == OffPolicyPolicy(1) and Feature.OFF_POLICY in plan.features()  # backend=ray refuses it
+    assert plan.off_policy == OffPolicyPolicy(1) and Feature.OFF_POLICY in plan.features()
     [sync] = plan.weight_movements
     assert sync.kind == "param_sync" and sync.target == plan.task("gen").allocation
 
@@ -88,15 +88,20 @@ def test_bad_knobs_are_refused(overrides, message):
         plan_for([*overrides, *SMALL])
 
 
-def test_backend_ray_refuses_off_policy_plans_before_any_work(tmp_path):
-    """Generation running ahead is simulated, not yet executed on Ray: refused after planning, before
-    Ray starts or anything is written."""
+@pytest.mark.parametrize("system, extra, message", [
+    ("partial_rollout", ["system.generation_gpus=2"], "off_policy.rollout=partial: partial rollout is simulated only"),
+    ("one_step_off", ["algo=dapo", "system.rollout_gpus=2"], "dynamic sampling in an off-policy plan"),
+])
+def test_backend_ray_refuses_what_it_does_not_run_ahead_before_any_work(tmp_path, system, extra, message):
+    """backend=ray runs batched and continuous off-policy rollout
+    (tests/harness/backends/ray/test_ray_off_policy.py); partial rollout, and dynamic sampling's rounds
+    ahead of training, are refused after planning, before Ray starts or anything is written."""
     from harness.errors import PlanError
     from harness.run.pipeline import compose, execute
 
-    cfg = compose(["+system=one_step_off", "backend=ray", "backend.options.reward.kind=token_range", "model=tiny",
-                   "workload=tiny", "algo=grpo", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4",
-                   "system.rollout_gpus=2", "logger=none", f"results_dir={tmp_path}"])
-    with pytest.raises(PlanError, match="generation running ahead of training on older weights"):
+    cfg = compose([f"+system={system}", "backend=ray", "backend.options.reward.kind=token_range", "model=tiny",
+                   "workload=tiny", "algo=grpo", *extra, "cluster=h100_8x", "cluster.num_nodes=1",
+                   "cluster.gpus_per_node=4", "logger=none", f"results_dir={tmp_path}"])
+    with pytest.raises(PlanError, match=message):
         execute(cfg, [])
     assert not any(tmp_path.iterdir())

@@ -166,6 +166,18 @@ class OpenSession(Sampling):
 
 
 @dataclass(frozen=True)
+class Submit(Request):
+    """Add samples to this instance's open session (continuous rollout: groups launched while
+    others generate): ``prompts[j]`` generated to ``target_lens[j]`` tokens as sample
+    ``sample_ids[j]``, its sampler seeded with ``generator_seeds[j]``."""
+    sample_ids: tuple = ()
+    prompts: tuple = ()
+    target_lens: tuple = ()
+    generator_seeds: tuple = ()
+    method: ClassVar[str] = "submit"
+
+
+@dataclass(frozen=True)
 class Steps(Request):
     """Advance the session by up to ``max_steps`` engine steps."""
     max_steps: int = 1

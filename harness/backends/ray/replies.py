@@ -129,10 +129,12 @@ class Released:
 @dataclass(frozen=True)
 class SessionProgress:
     """A generation session after opening or advancing: the samples that finished, how many are
-    left, and how many engine steps until the next one finishes (1 when not known in advance)."""
+    left, how many engine steps until the next one finishes (1 when not known in advance), and the
+    engine steps run so far (steps with samples to generate)."""
     finished: list[FinishedSample]
     left: int
     next_finish: int
+    engine_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Weight movement between layouts with real collectives (plan ``WeightMovement`` tasks).
 
 - From a ZeRO-3 layout (DeepSpeed-Chat's hybrid engine, Yao et al. 2023 section 4): the source
-  mesh all-gathers the whole model, then every target device keeps its own (pp stage, tp slice).
+  mesh all-gathers the whole model, then every target device keeps its own (pp stage, tp slice);
+  a target device outside the source mesh (FSDP training beside generation engines of their own)
+  receives its slices from one source device, as from a dp-only layout's replica.
 - Otherwise (ReaLHF-style reallocation, Mei et al. 2024; RLHFuse's resharding): each target device
   receives exactly the slices :func:`harness.real.parallel.layout.transfer_plan` lists -- the piece
   model of :func:`harness.planning.realloc.reallocation_transfers`, which the simulator costs -- one flat
@@ -18,7 +20,7 @@ import torch
 
 from harness.real.parallel.comm import exchange
 from harness.real.parallel.layout import _interval, full_shapes, load_pieces, transfer_plan
-from harness.core.plan import Allocation
+from harness.core.plan import Allocation, ParallelStrategy
 
 
 def _zero3_state(replica) -> dict[str, torch.Tensor]:
@@ -41,23 +43,29 @@ def move_weights(store, role: str, source, target, source_alloc: Allocation,
     args = store.args(role)
     t0 = time.time()
     received = 0.0
+    src_tp, src_tp_rank = (source.strategy.tp, source.coord[2]) if source is not None else (1, 0)
     if source_alloc.strategy.zero_stage == 3:
-        if not set(target_alloc.mesh) <= set(source_alloc.mesh):
-            raise RuntimeError(f"moving {role} out of a ZeRO-3 layout needs the target mesh inside the source mesh")
+        state = {}
         if source is not None:
-            state = _zero3_state(source)
+            state = _zero3_state(source)  # a collective over the source mesh
             dp = source_alloc.strategy.dp
             received = sum(v.numel() * v.element_size() for v in state.values()) * (dp - 1) / dp
+        if set(target_alloc.mesh) <= set(source_alloc.mesh):
             if target is not None:
                 load_pieces(target.module, state, args, target.strategy.tp, target.coord[2])
-        return [("realloc", t0, time.time(), 0.0, received)], {"bytes": received}
+            return [("realloc", t0, time.time(), 0.0, received)], {"bytes": received}
+        # targets outside the source mesh: every source device now holds the whole model, as a
+        # replica of a dp-only layout does; each target device receives its pieces from one of them
+        source_alloc = Allocation(source_alloc.mesh, ParallelStrategy(dp=len(source_alloc.mesh)))
+        src_state, src_tp, src_tp_rank = state, 1, 0
+    else:
+        src_state = source.local_state() if source is not None else {}
     shapes = full_shapes(args)
     plan = transfer_plan(args, source_alloc, target_alloc)
-    src_state = source.local_state() if source is not None else {}
     dst_params = dict(target.module.named_parameters()) if target is not None else {}
 
     def source_slice(tr) -> torch.Tensor:
-        s0, _ = _interval(tr.name, args, shapes[tr.name], source.strategy.tp, source.coord[2])
+        s0, _ = _interval(tr.name, args, shapes[tr.name], src_tp, src_tp_rank)
         return _narrow(src_state[tr.name], tr.dim, tr.start - s0, tr.end - tr.start)
 
     def target_slice(tr) -> torch.Tensor:

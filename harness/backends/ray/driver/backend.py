@@ -3,7 +3,9 @@ sections 2, 6), through the driver's modules (:mod:`harness.backends.ray.driver`
 
 Set-up: the workers are started (:mod:`.cluster`) and given the plan and a typed
 :class:`~harness.backends.ray.settings.WorkerSetup` (process groups, each model's home layout,
-seeds, checkpoints); then each iteration is an :class:`~.iteration.Iteration`.
+seeds, checkpoints); then each iteration is an :class:`~.iteration.Iteration`, or, for an
+off-policy plan, whose iterations overlap, a window of one
+:class:`~.off_policy.OffPolicyExecution` across the run's iterations.
 
 Failure: every wait on workers is bounded. A worker whose process dies surfaces on its own call at
 once, even while its peers are blocked in a collective with it; the driver then raises
@@ -25,7 +27,9 @@ from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.driver.calls import WorkerFailedError, WorkerGroup
 from harness.backends.ray.driver.cluster import Cluster, embedded_workers_problem
 from harness.backends.ray.driver.homes import ModelHomes, home_task, plan_roles, role_seeds
+from harness.backends.ray.driver.continuous import ContinuousExecution
 from harness.backends.ray.driver.iteration import Iteration
+from harness.backends.ray.driver.off_policy import OffPolicyExecution
 from harness.backends.ray.driver.options import (engine_unsupported, option_conflicts, unsupported_features,
                                                  zero3_engine)
 from harness.backends.ray.settings import HomeSetup, OptimizerSettings, WorkerSetup
@@ -57,6 +61,7 @@ class RayBackend(Backend):
         self.homes: ModelHomes | None = None
         self.init_states: dict[str, Any] = {}
         self.zero3: dict[str, str] = {}  # role -> ZeRO-3 engine of its home layout (deepspeed | native)
+        self.off_policy: OffPolicyExecution | ContinuousExecution | None = None  # an off-policy plan's run
 
     @property
     def opts(self) -> RayOptions:
@@ -74,6 +79,8 @@ class RayBackend(Backend):
         if self.ctx.algorithm.dynamic_sampling and Feature.STREAMING in plan.features():
             out.append("dynamic sampling with streamed generation: its rounds run on backend=ray without a stream "
                        "(system.inter_stage=false), or set algo.dynamic_sampling=false")
+        if self.ctx.algorithm.dynamic_sampling and plan.off_policy is not None:
+            out.append("dynamic sampling in an off-policy plan: set algo.dynamic_sampling=false")
         return out
 
     def check_before_planning(self) -> None:
@@ -208,11 +215,19 @@ class RayBackend(Backend):
         if self.group is None:
             self.setup(plan)
         try:
+            if plan.off_policy is not None:  # the run's iterations overlap: one timeline, a window each
+                if self.off_policy is None or self.off_policy.plan is not plan:
+                    execution = ContinuousExecution if plan.off_policy.rollout == "continuous" else OffPolicyExecution
+                    self.off_policy = execution(self, plan, max(self.cfg.num_iterations, iteration + 1))
+                return self.off_policy.window(iteration)
             return Iteration(self, plan, iteration, batch).run()
         except BaseException:
             self.group.healthy = False  # workers may be busy or blocked: close() kills instead of waiting
             raise
 
     def close(self) -> None:
+        if isinstance(self.off_policy, ContinuousExecution):  # sessions still open on healthy workers
+            self.off_policy.close()
         self.cluster.close(self.group)
         self.group = None
+        self.off_policy = None

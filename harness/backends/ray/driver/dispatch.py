@@ -54,34 +54,59 @@ class _Running:
         return False
 
 
+class Dispatcher:
+    """The one loop that runs a queue's units (:func:`drive`), resumable: :meth:`run` may stop
+    between completions (``until``) with units still running on the workers, and a later
+    :meth:`run` carries on with them. ``on_finish(names)`` hears each unit that has finished
+    (its tasks, its stream consumer's), before any further unit starts; ``when_idle`` runs
+    whenever no unit is running (the driver frees copies of weights whose phase has ended: a call
+    on their devices)."""
+
+    def __init__(self, group: WorkerGroup, queue: UnitQueue, start: Callable[[Unit], UnitRun],
+                 when_idle: Callable[[], None] = lambda: None,
+                 on_finish: Callable[[tuple[str, ...]], None] = lambda names: None):
+        self.group, self.queue, self.start = group, queue, start
+        self.when_idle, self.on_finish = when_idle, on_finish
+        self.running: list[_Running] = []  # in start order
+
+    def _finished(self, entry: _Running) -> None:
+        self.running.remove(entry)
+        self.queue.finish(entry.names, entry.devices)
+        self.on_finish(entry.names)
+        if not self.running:
+            self.when_idle()
+
+    def run(self, until: Callable[[], bool] = lambda: False) -> None:
+        """Start and drive units until ``until()`` holds (checked after every completion, before
+        any further unit starts) or every unit has finished."""
+        queue, running = self.queue, self.running
+        while queue.waiting or running:
+            if until():
+                return
+            unit = queue.next_startable()
+            while unit is not None:
+                devices = queue.start(unit)
+                entry = _Running(queue.names_of(unit), devices, self.start(unit))
+                running.append(entry)
+                if entry.resume(None):
+                    self._finished(entry)
+                    if until():
+                        return
+                unit = queue.next_startable()
+            if not running:
+                if queue.waiting:
+                    raise queue.stuck()
+                break
+            done = self.group.collect([c for entry in running for c in entry.waiting])
+            entry = next(e for e in running if any(c is done for c in e.waiting))
+            if entry.resume(done):
+                self._finished(entry)
+
+
 def drive(group: WorkerGroup, queue: UnitQueue, start: Callable[[Unit], UnitRun],
           when_idle: Callable[[], None] = lambda: None) -> None:
     """Run every unit of ``queue``: start each as soon as the readiness rule allows (``start(unit)``
     gives its handler), resume the handler whose call finished, and tell the queue when a unit has
     finished (its tasks ended, its devices free). ``when_idle`` runs whenever no unit is running
     (the driver frees copies of weights whose phase has ended: a call on their devices)."""
-    running: list[_Running] = []  # in start order
-
-    def finished(entry: _Running) -> None:
-        running.remove(entry)
-        queue.finish(entry.names, entry.devices)
-        if not running:
-            when_idle()
-
-    while queue.waiting or running:
-        unit = queue.next_startable()
-        while unit is not None:
-            devices = queue.start(unit)
-            entry = _Running(queue.names_of(unit), devices, start(unit))
-            running.append(entry)
-            if entry.resume(None):
-                finished(entry)
-            unit = queue.next_startable()
-        if not running:
-            if queue.waiting:
-                raise queue.stuck()
-            break
-        done = group.collect([c for entry in running for c in entry.waiting])
-        entry = next(e for e in running if any(c is done for c in e.waiting))
-        if entry.resume(done):
-            finished(entry)
+    Dispatcher(group, queue, start, when_idle).run()

@@ -67,6 +67,10 @@ class ModelHomes:
         """Whether ``role``'s weights in ``alloc`` are the latest."""
         return self.is_home(role, alloc) or self._copies.get((role, layout_key(alloc))) == self.version[role]
 
+    def held(self, role: str, alloc: Allocation) -> int | None:
+        """The version of ``role``'s weights in ``alloc`` (None: no copy there)."""
+        return self.version[role] if self.is_home(role, alloc) else self._copies.get((role, layout_key(alloc)))
+
     def refreshed(self, role: str, alloc: Allocation) -> None:
         """A weight movement filled the copy in ``alloc`` with the current weights."""
         self._copies[(role, layout_key(alloc))] = self.version[role]

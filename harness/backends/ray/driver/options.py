@@ -11,12 +11,13 @@ from harness.backends.ray.driver.homes import stale_movement_sources
 from harness.real.parallel.layout import check_tp
 from harness.errors import ConfigError, PlanError
 from harness.core.plan import Feature, ModelRole, Plan, TaskKind
+from harness.planning.iterations import check_off_policy_plan
 from harness.real.model import ModelArgs
 
 
 # Plan features the Ray driver executes so far; the others are refused before any worker starts.
 SUPPORTED_FEATURES: frozenset[Feature] = frozenset({Feature.FUSED_TRAINING, Feature.STREAMING, Feature.MIGRATION,
-                                                  Feature.PER_REPLICA_MOVEMENT, Feature.OFFLOAD})
+                                                  Feature.PER_REPLICA_MOVEMENT, Feature.OFFLOAD, Feature.OFF_POLICY})
 
 
 def pin_hint(plan: Plan, task: str, layout: str, more: str = "") -> str:
@@ -33,6 +34,17 @@ def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[s
     hints = {Feature.STREAMING: " (system.inter_stage=false runs RLHFuse's intra-stage fusion alone)"}
     out = [f"{feature.value}: not executed yet{hints.get(feature, '')}" for feature in plan.features()
            if feature not in SUPPORTED_FEATURES]
+    policy = plan.off_policy
+    if policy is not None:  # driver/off_policy.py runs batched rollout, driver/continuous.py continuous rollout
+        if policy.rollout not in ("batched", "continuous"):
+            out.append(f"off_policy.rollout={policy.rollout}: {policy.rollout} rollout is simulated only; batched "
+                       f"(+system=one_step_off) and continuous rollout (+system=areal) run for real")
+        if Feature.STREAMING in plan.features():
+            out.append("an off-policy plan with streamed generation")
+        try:
+            check_off_policy_plan(plan)
+        except PlanError as e:
+            out.append(str(e))
     for t in plan.tasks:
         s = t.allocation.strategy
         if t.kind == TaskKind.GENERATE and s.pp > 1:

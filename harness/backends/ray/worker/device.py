@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from harness.backends.ray.protocol import (CloseSession, Export, Generate, Infer, Migrate, Move, OpenSession,
-                                           Release, Request, State, Steps, Train)
+                                           Release, Request, State, Steps, Submit, Train)
 from harness.backends.ray.replies import (Exported, Generated, Inferred, MemoryPeaks, Moved, Released, Result,
                                           SessionProgress, StatePiece, Trained)
 from harness.backends.ray.settings import HomeSetup, WorkerOptions, WorkerSetup
@@ -206,6 +206,10 @@ class DeviceWorker:
         session = streaming.GenerationSession(self.store.get(req.role, req.allocation), req)
         self.sessions[req.task] = session
         return self._result([], session.progress([]))
+
+    def submit(self, req: Submit) -> Result[SessionProgress]:
+        self._enter(req)
+        return self._result([], self.sessions[req.task].submit(req))
 
     def steps(self, req: Steps) -> Result[SessionProgress]:
         self._enter(req)

@@ -6,6 +6,7 @@ A :class:`GenerationSession` lives on every device of one generation instance (t
 lockstep; tp rank 0 reports) between the ``OpenSession`` and ``CloseSession`` requests
 (:mod:`harness.backends.ray.protocol`):
 
+- :meth:`submit`: adds samples to the open session (continuous rollout's launches);
 - :meth:`steps`: up to ``max_steps`` engine steps (continuous batching); returns the samples that
   finished, each with the wall-clock time it finished, how many are left, and how many steps
   until the next one finishes (exact for length-controlled samples: the driver's round length);
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from harness.backends.ray.protocol import ExportedSample, Migrate, OpenSession
+from harness.backends.ray.protocol import ExportedSample, Migrate, OpenSession, Submit
 from harness.backends.ray.replies import Exported, FinishedSample, SessionProgress, SpanT
 from harness.backends.ray.worker.passes import make_engine
 from harness.real.engine import MigratedSample, SamplingParams
@@ -44,6 +45,11 @@ class GenerationSession:
             self.engine.submit(i, p.prompts[i], target_len=int(p.target_lens[i]))
         self.exported: list[MigratedSample] = []
 
+    def submit(self, p: Submit) -> SessionProgress:
+        for i, prompt, target, seed in zip(p.sample_ids, p.prompts, p.target_lens, p.generator_seeds):
+            self.engine.submit(int(i), prompt, target_len=int(target), generator_seed=int(seed))
+        return self.progress([])
+
     def steps(self, max_steps: int) -> tuple[list[SpanT], SessionProgress]:
         finished = []
         t0 = time.time()
@@ -60,7 +66,7 @@ class GenerationSession:
     def progress(self, finished: list[FinishedSample]) -> SessionProgress:
         """The session now, with the samples that just finished (reported by tp rank 0 only)."""
         return SessionProgress(finished if self.reports else [], self.engine.num_running + self.engine.num_waiting,
-                               self.engine.steps_to_next_finish())
+                               self.engine.steps_to_next_finish(), self.engine.num_steps)
 
     def export(self, with_kv: bool) -> Exported:
         self.exported = self.engine.export_unfinished(with_kv=with_kv)
