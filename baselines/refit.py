@@ -57,8 +57,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from harness.core.plan import (Allocation, GenerationPolicy, MovementKind, OffPolicyPolicy, ParallelStrategy, Plan,
-                               TaskKind)
+from harness.core.plan import (Allocation, GenerationPolicy, LengthDispatch, MovementKind, OffPolicyPolicy,
+                               ParallelStrategy, Plan, TaskKind)
 from harness.errors import ConfigError, PlanError
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.estimate import simulated_makespan_s
@@ -74,7 +74,8 @@ TRAINING_LAYOUT_TASKS = ("ref", "reward", "values", "update_actor", "update_crit
 def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: int,
                train_layout: Optional[str], zero_stage: int, generation_nodes: int = 0,
                generation_gpus: int = 0, off_policy: Optional[OffPolicyPolicy] = None,
-               offload_for_generation: bool = False, keys: dict[str, str]) -> Plan:
+               offload_for_generation: bool = False, stream_inference: bool = False,
+               dispatch: Optional[LengthDispatch] = None, keys: dict[str, str]) -> Plan:
     """The plan of the module docstring for ``system``. ``generation_nodes`` > 0 gives generation
     that many nodes of its own (the last ones) and the training engine the rest, the new weights
     then broadcast to the generation engines each iteration (``param_sync``) instead of refit on
@@ -85,7 +86,10 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     (``Plan.off_policy``): each iteration's generation may run on weights up to ``max_staleness``
     versions old, overlapping training (:mod:`harness.planning.iterations`,
     :mod:`harness.planning.rollout`); it needs generation GPUs of its own when above 0, except for
-    partial rollout, whose iterations do not overlap (:mod:`harness.planning.partial`). ``keys`` names the system's option of each knob (``rollout_tp``,
+    partial rollout, whose iterations do not overlap (:mod:`harness.planning.partial`).
+    ``stream_inference``: finished samples stream into the inference tasks that read them
+    (:func:`~harness.planning.assembler.assemble_ppo_plan`); ``dispatch``: the vLLM engines take
+    samples by predicted length (``GenerationPolicy.dispatch``). ``keys`` names the system's option of each knob (``rollout_tp``,
     ``train_layout``, ``generation_nodes`` or ``generation_gpus``, ``max_staleness``) for errors and hints."""
     n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
     parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
@@ -152,7 +156,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     multi_node_tps = [] if rollout_tp else [
         tp for tp in (per_node * 2 ** k for k in range(1, len(gen_mesh).bit_length()))
         if tp <= len(gen_mesh) and len(gen_mesh) % tp == 0 and tp_splits_heads(tp, [actor])]
-    policy = GenerationPolicy("continuous", max_num_seqs)
+    policy = GenerationPolicy("continuous", max_num_seqs, dispatch=dispatch)
     sync = MovementKind.PARAM_SYNC if num_gen_gpus else MovementKind.REALLOC
     offloaded = tuple(m for m in ("actor", "ref") if m in ctx.roles) if offload_for_generation and not num_gen_gpus else ()
     plans: dict[tuple[ParallelStrategy, int], Plan] = {}
@@ -163,7 +167,7 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
             allocs = {task: train_alloc for task in TRAINING_LAYOUT_TASKS}
             allocs["gen"] = Allocation(gen_mesh, ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1))
             plan = assemble_ppo_plan(
-                ctx, system, allocs, policy, actor_sync=sync, recompute_logprobs=True,
+                ctx, system, allocs, policy, actor_sync=sync, recompute_logprobs=True, stream_inference=stream_inference,
                 micro_batch_size=micro_batch_size, offloaded=offloaded,
                 layout_keys={"gen": keys["rollout_tp"], **{t: keys["train_layout"] for t in TRAINING_LAYOUT_TASKS}})
             plan.off_policy = off_policy
@@ -229,19 +233,22 @@ class RefitSystem(System):
                           generation_nodes=knob.get("generation_nodes", 0),
                           generation_gpus=knob.get("generation_gpus", 0),
                           off_policy=self.off_policy(ctx, knob.get("max_staleness")),
-                          offload_for_generation=bool(knob.get("offload_for_generation", False)), keys=keys)
+                          offload_for_generation=bool(knob.get("offload_for_generation", False)),
+                          stream_inference=bool(knob.get("stream_inference", False)), dispatch=knob.get("dispatch"),
+                          keys=keys)
 
 
-def fastest_split(system: RefitSystem, ctx: PlanContext) -> Plan:
+def fastest_split(system: RefitSystem, ctx: PlanContext, parts: int = 4, **knobs) -> Plan:
     """``system``'s refit plan with generation on a quarter, half or three quarters of the GPUs (its
-    own, the last ones), whichever gives the shortest step as planners score it (the steady-state
-    step of an off-policy plan); the note ``rollout_gpus`` names the choice."""
+    own, the last ones; ``parts``: on every ``1 / parts`` of them), whichever gives the shortest step
+    as planners score it (the steady-state step of an off-policy plan); the note ``rollout_gpus``
+    names the choice. ``knobs`` go to :meth:`RefitSystem.refit`."""
     n = ctx.num_devices
-    splits = sorted({n * q // 4 for q in (1, 2, 3)} - {0})
+    splits = sorted({n * q // parts for q in range(1, parts)} - {0})
     best, failures = None, []
     for gpus in splits:
         try:
-            plan = system.refit(ctx, generation_gpus=gpus)
+            plan = system.refit(ctx, generation_gpus=gpus, **knobs)
         except (ConfigError, PlanError) as e:
             failures.append(f"{gpus} GPUs: {e}")
             continue

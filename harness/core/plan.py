@@ -89,6 +89,7 @@ class Feature(_ValueEnum):
     OFFLOAD = "offloading model weights to host memory"
     PER_REPLICA_MOVEMENT = "weight movements performed by the consuming task's replicas"
     OFF_POLICY = "generation running ahead of training on older weights (off-policy pipelining)"
+    LENGTH_DISPATCH = "samples dispatched to generation instances by predicted length (StreamRL)"
 
 
 MODEL_ROLES = tuple(r.value for r in ModelRole)
@@ -238,6 +239,27 @@ class TrainingStage:
 
 
 @dataclass(frozen=True)
+class LengthDispatch:
+    """Skewness-aware dispatch (StreamRL, Zhong et al., arXiv 2504.15930): an output-length ranker
+    flags the ``long_frac`` of each batch it predicts longest, catching ``ranker_recall`` of the
+    truly longest ``long_frac`` (its misses are samples of the rest); the flagged samples go to the
+    first ``num_long_instances`` generation instances, which run them at a smaller batch, and the
+    others to the remaining instances (:func:`harness.planning.taskmodels.generation.dispatch_samples`)."""
+
+    num_long_instances: int
+    long_frac: float = 0.2
+    ranker_recall: float = 0.87
+
+    def __post_init__(self) -> None:
+        if not 0 < self.long_frac < 1:
+            raise PlanError(f"length dispatch: long_frac={self.long_frac} must lie strictly between 0 and 1")
+        if not 0 <= self.ranker_recall <= 1:
+            raise PlanError(f"length dispatch: ranker_recall={self.ranker_recall} must lie in [0, 1]")
+        if self.num_long_instances < 1:
+            raise PlanError(f"length dispatch: num_long_instances={self.num_long_instances} must be at least 1")
+
+
+@dataclass(frozen=True)
 class MigrationPolicy:
     """RLHFuse section 4: when fewer than ``threshold_frac`` of the batch is unfinished, migrate
     the remaining samples to ``num_tail_instances`` instances, moving KV cache or tokens."""
@@ -270,10 +292,13 @@ class GenerationPolicy:
     migration: Optional[MigrationPolicy] = None
     synced_instances: bool = False
     pad_to_longest: bool = False
+    dispatch: Optional[LengthDispatch] = None  # None: samples dealt to instances round-robin
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
             raise PlanError(f"generation batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.dispatch is not None and (self.batching != "continuous" or self.migration is not None):
+            raise PlanError("length dispatch needs continuous batching without migration")
         if (self.synced_instances or self.pad_to_longest) and self.batching != "static":
             raise PlanError("generation synced_instances / pad_to_longest need static batching (rounds)")
 
@@ -443,6 +468,8 @@ class Plan:
             out.append(Feature.PER_REPLICA_MOVEMENT)
         if self.off_policy is not None:
             out.append(Feature.OFF_POLICY)
+        if self.generation.dispatch is not None:
+            out.append(Feature.LENGTH_DISPATCH)
         return out
 
     def devices(self) -> list[int]:
@@ -459,6 +486,11 @@ class Plan:
                 raise PlanError(
                     f"task {t.name} uses devices {bad[:4]} but the cluster has {num_devices} devices (0..{num_devices - 1})"
                 )
+        dispatch = self.generation.dispatch
+        for t in self.tasks_of(TaskKind.GENERATE) if dispatch is not None else ():
+            if dispatch.num_long_instances >= t.allocation.strategy.dp:
+                raise PlanError(f"task {t.name}: length dispatch gives {dispatch.num_long_instances} of its "
+                                f"{t.allocation.strategy.dp} instances to the long samples; the others need at least one")
         self.topological_order()
         for stage in self.training:
             for name in stage.tasks:
@@ -495,6 +527,8 @@ class Plan:
         d.pop("layout_keys")
         if self.off_policy is None:  # on-policy plans' plan.json as before the field existed
             d.pop("off_policy")
+        if self.generation.dispatch is None:  # likewise plans that deal samples round-robin
+            d["generation"].pop("dispatch")
         for task, t in zip(self.tasks, d["tasks"]):  # strategies without ep when it is 1
             t["allocation"]["strategy"] = task.allocation.strategy.to_dict()
         for move, m in zip(self.weight_movements, d["weight_movements"]):
@@ -524,6 +558,10 @@ class Plan:
             gen.pop(shown, None)
         if gen.get("migration"):
             gen["migration"] = MigrationPolicy(**gen["migration"])
+        if gen.get("dispatch"):
+            gen["dispatch"] = LengthDispatch(**gen["dispatch"])
+        else:
+            gen.pop("dispatch", None)
         # plan.json written before the explicit IR: streaming was a generation flag, movements
         # had no kind (param_sync by name; attached to a non-movement task = per replica)
         legacy_streaming = gen.pop("stream_to_inference", False)

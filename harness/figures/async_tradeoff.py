@@ -10,7 +10,7 @@ EXPERIMENT = "async_tradeoff"
 # the systems in the order they are drawn and listed, with their labels
 ASYNC_SYSTEMS = {"verl": "verl", "nemo_rl": "NeMo-RL", "rlhfuse_base": "RLHFuse-Base", "rlhfuse": "RLHFuse",
                  "one_step_off": "one-step-off", "nemo_rl_async": "NeMo-RL async", "areal": "AReaL",
-                 "partial_rollout": "partial rollout (APRIL)", "rollpacker": "RollPacker"}
+                 "partial_rollout": "partial rollout (APRIL)", "rollpacker": "RollPacker", "streamrl": "StreamRL"}
 METRICS = ("perf/samples_per_s", "staleness/mean", "staleness/max", "timing_s/step")
 
 

@@ -91,6 +91,9 @@ def weights_feeders(plan: Plan, gen: Task) -> list[str]:
 def check_off_policy_plan(plan: Plan) -> None:
     """Refuse an off-policy plan that cannot run ahead: one generate task, and with a staleness bound
     above 0 its devices its own (no training task on them: generation overlaps training)."""
+    if plan.generation.dispatch is not None and plan.off_policy.rollout != "batched":
+        raise PlanError(f"{plan.system}: length dispatch deals each batch to the engines; {plan.off_policy.rollout} "
+                        f"rollout launches groups across batches, and the two are not modelled together")
     gens = plan.tasks_of(TaskKind.GENERATE)
     if len(gens) != 1:
         raise PlanError(f"{plan.system}: an off-policy plan has one generate task, not {len(gens)}")

@@ -86,6 +86,9 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
     if any(u.stream_from is not None for u in units):
         raise PlanError(f"{plan.system}: partial rollout trains whole batches; the plan's inference streams from "
                         f"generation")
+    if plan.generation.dispatch is not None:
+        raise PlanError(f"{plan.system}: length dispatch deals each batch to the engines; {policy.rollout} rollout "
+                        f"launches groups across batches, and the two are not modelled together")
     algo, group_size, s = ctx.algorithm, ctx.algorithm.group_size, policy.max_staleness
     first = batch_of(0)
     if first.rounds is not None:

@@ -72,9 +72,9 @@ def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None =
               recompute_logprobs: bool = False) -> list[Task]:
     """The tasks of ``algorithm``'s iteration (:func:`workflow_tasks`; PPO's six by default) on the
     given allocations. ``moved`` maps a task to the weight-movement task that prepares its weights;
-    the task then reads the moved key. With ``stream_from`` the inference tasks consume that
-    generate task's samples as they finish (not ``logprobs``, which needs the whole batch's
-    rollout on the training layout)."""
+    the task then reads the moved key. With ``stream_from`` the inference tasks (``logprobs`` among
+    them: a forward pass per sample like the others) consume that generate task's samples as they
+    finish."""
     moved = moved or {}
     tasks = []
     for name in workflow_tasks(algorithm, recompute_logprobs):
@@ -89,7 +89,7 @@ def ppo_tasks(allocations: dict[str, Allocation], moved: dict[str, str] | None =
             reads = tuple(f"{model}_weights@{name}" if r == f"{model}_weights" else r for r in reads)
             if f"{model}_weights@{name}" not in reads:
                 reads = reads + (f"{model}_weights@{name}",)
-        stream = stream_from if kind == "inference" and name not in RECOMPUTE_LOGPROBS else None
+        stream = stream_from if kind == "inference" else None
         tasks.append(Task(name, kind, model, allocations[name], reads, writes, stream))
     return tasks
 

@@ -1,7 +1,9 @@
 """Simulated actor generation, token step by token step (docs/DESIGN.md section 4; RLHFuse section 4).
 
 Each data-parallel replica of the ``gen`` task's allocation is one generation instance (tp x pp
-devices). Samples are dealt to instances round-robin. Batching policies, from ``Plan.generation``:
+devices). Samples are dealt to instances round-robin, or by predicted length
+(``GenerationPolicy.dispatch``: StreamRL's skewness-aware dispatch, :func:`dispatch_samples`).
+Batching policies, from ``Plan.generation``:
 
 - ``continuous`` (Orca / vLLM): an instance admits waiting samples whenever a slot and KV memory
   are free, runs one prefill for the newly admitted prompts, then decode steps over all running
@@ -50,6 +52,7 @@ import heapq
 import itertools
 import math
 import operator
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -60,6 +63,7 @@ from harness.core.plan import GenerationPolicy, Task
 from harness.planning.taskmodels.migration import destination, due, tail_instances, threshold
 from harness.schedule.simulate import compiled_kernels_warm
 from harness.core.trace import SampleRecord, Span
+from harness.errors import PlanError
 
 
 @dataclass
@@ -321,6 +325,36 @@ _SCHEDULES: dict[tuple, tuple[np.ndarray, np.ndarray, StepSchedule]] = {}
 SCHEDULES_MAX_ENTRIES = 1024
 
 
+def dispatch_samples(policy: GenerationPolicy, dp: int, output_lens: np.ndarray) -> list[np.ndarray]:
+    """The sample ids each of ``dp`` instances generates, in the order it admits them: round-robin,
+    or under ``policy.dispatch`` (:class:`~harness.core.plan.LengthDispatch`; StreamRL, Zhong et al.,
+    arXiv 2504.15930, skewness-aware dispatch) the ranker's flagged samples dealt round-robin to the
+    first ``num_long_instances`` instances and the others to the rest. The ranker flags
+    ``round(long_frac n)`` samples (at least 1): ``round(recall x that)`` of the truly longest that
+    many (ties by id), the rest of its flags samples outside them. Which ones it catches and which it
+    flags by mistake are drawn by a generator seeded from the batch's lengths, so a batch is always
+    dispatched the same way, whatever plan or backend asks."""
+    ids = np.arange(len(output_lens))
+    d = policy.dispatch
+    if d is None:
+        return [ids[k::dp] for k in range(dp)]
+    if not 1 <= d.num_long_instances < dp:
+        raise PlanError(f"length dispatch: {d.num_long_instances} long instances of {dp}; the others need one")
+    n = len(output_lens)
+    m = min(n, max(1, round(d.long_frac * n)))
+    order = np.lexsort((ids, -np.asarray(output_lens)))  # longest first, ties by id
+    longest, rest = order[:m], order[m:]
+    rng = np.random.default_rng(zlib.crc32(np.asarray(output_lens, dtype=np.int64).tobytes()))
+    caught = rng.choice(longest, size=round(d.ranker_recall * m), replace=False)
+    mistaken = rng.choice(rest, size=min(len(rest), m - len(caught)), replace=False)
+    flagged = np.zeros(n, dtype=bool)
+    flagged[caught] = flagged[mistaken] = True
+    long_ids, other_ids = ids[flagged], ids[~flagged]
+    num_long = d.num_long_instances
+    return ([long_ids[k::num_long] for k in range(num_long)]
+            + [other_ids[k::dp - num_long] for k in range(dp - num_long)])
+
+
 def continuous_instance_ends(cm: CostModel, task: Task, policy: GenerationPolicy, model, prompt_lens: np.ndarray,
                              output_lens: np.ndarray, start_s: float, kv_capacity_gb: float,
                              max_gen_len: int) -> GenerationResult:
@@ -335,14 +369,16 @@ def continuous_instance_ends(cm: CostModel, task: Task, policy: GenerationPolicy
     kv_tokens = kv_capacity_tokens(cm, model, s.tp, s.pp, kv_capacity_gb)
     max_batch = policy.max_batch_size or len(prompt_lens)
     instances = []
+    dealt = None if policy.dispatch is None else dispatch_samples(policy, s.dp, output_lens)
     for k in range(s.dp):
-        key = (id(prompt_lens), id(output_lens), s.dp, k, max_batch, kv_tokens, max_gen_len)
+        key = (id(prompt_lens), id(output_lens), s.dp, k, max_batch, kv_tokens, max_gen_len, policy.dispatch)
         hit = _SCHEDULES.get(key)
         if hit is None:
             if len(_SCHEDULES) >= SCHEDULES_MAX_ENTRIES:
                 _SCHEDULES.clear()
+            mine = slice(k, None, s.dp) if dealt is None else dealt[k]
             hit = _SCHEDULES[key] = (prompt_lens, output_lens, step_schedule(
-                prompt_lens[k::s.dp], output_lens[k::s.dp], max_batch, kv_tokens, max_gen_len))
+                prompt_lens[mine], output_lens[mine], max_batch, kv_tokens, max_gen_len))
         end_s = timed_end_s(hit[2], cm, model, s.tp, s.pp, s.ep, start_s)
         instances.append(InstanceResult(task.allocation.replica_devices(k), end_s))
     return GenerationResult([], instances)
@@ -429,11 +465,11 @@ def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, ou
                     max_gen_len, finishes, ep: int = 1) -> list[ContinuousInstance]:
     s = task.allocation.strategy
     instances = []
-    for k in range(s.dp):
+    for k, ids in enumerate(dispatch_samples(policy, s.dp, outputs)):
         inst = ContinuousInstance(cm, model, task.allocation.replica_devices(k), s.tp, s.pp, start_s,
                                   policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes,
                                   task.name, ep)
-        inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in range(k, len(prompts), s.dp)]
+        inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in ids]
         instances.append(inst)
     return instances
 

@@ -105,10 +105,10 @@ def test_async_figures_run_a_small_sweep_and_draw_both(tmp_path, monkeypatch, ca
     assert code == 0, out[-2000:] + err[-4000:]
     df = results.load_results(root, "async_tradeoff")
     assert set(df["system"]) == {"verl", "nemo_rl", "rlhfuse_base", "rlhfuse", "one_step_off", "nemo_rl_async",
-                                 "areal", "partial_rollout", "rollpacker"}
+                                 "areal", "partial_rollout", "rollpacker", "streamrl"}
     stale = df.set_index("system")["staleness/max"]
     assert (stale[["verl", "nemo_rl", "rlhfuse_base", "rlhfuse", "rollpacker"]] == 0).all()
-    assert (stale[["one_step_off", "nemo_rl_async", "areal"]] >= 1).all()
+    assert (stale[["one_step_off", "nemo_rl_async", "areal", "streamrl"]] >= 1).all()
     code = main(["async_utilisation", "--results", str(root)])
     out, err = capfd.readouterr()
     assert code == 0 and "+experiment=" not in out, out[-2000:] + err[-4000:]

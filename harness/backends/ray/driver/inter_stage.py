@@ -16,7 +16,8 @@ with whichever finishes first:
    (docs/SIM_VS_REAL.md measures it); each finished sample is queued for inference the round it
    finishes, with its real finish time;
 2. an instance whose samples are all finished releases its devices; an inference replica (a dp
-   replica of the shared inference allocation) whose devices are all released takes up to
+   replica of the shared inference allocation) whose devices are all released (or never held by
+   generation: disaggregated inference takes samples from the start) takes up to
    ``micro_batch_size`` queued samples and runs ref, reward and critic forward passes on them
    (in that order, on its own devices) while generation goes on elsewhere; which replica takes
    which samples is the simulator's rule (:class:`harness.planning.scheduler.StreamFeed`: the
@@ -71,7 +72,8 @@ class StreamedGeneration:
         self.ids = {k: list(range(k, n, s.dp)) for k in range(s.dp)}
         self.left = {k: len(v) for k, v in self.ids.items()}
         self.responses: dict[int, tuple[list[int], list[float]]] = {}
-        self.released: set[int] = set()
+        # devices generation does not use are free from the start (a replica there takes samples at once)
+        self.released: set[int] = set(range(it.ctx.num_devices)) - set(self.alloc.mesh)
         self.replicas = [set(self.inf_alloc.replica_devices(j)) for j in range(self.inf_alloc.strategy.dp)]
         # which replica takes which finished samples: the simulator's rule (planning.scheduler.StreamFeed)
         self.feed = StreamFeed(len(self.replicas), it.ctx.workload.micro_batch_size)
@@ -111,6 +113,9 @@ class StreamedGeneration:
         migration = policy.migration
         threshold = mg.threshold(migration.threshold_frac, it.batch.num_samples) if migration else None
         active = [k for k in range(len(self.instances)) if self.left[k] > 0]
+        for j, devices in enumerate(self.replicas):  # replicas beside generation, not on its devices
+            if devices <= self.released:
+                self.feed.available(j)
         for k in range(len(self.instances)):
             if self.left[k] == 0:
                 self._release(k)

@@ -22,6 +22,8 @@ generation on device 1), GRPO, 2 prompts x 4 responses. Oracles:
   weights leave FSDP's ZeRO-3 layout for another device) ends with verl's weights on one device,
   colocated (relative L2 distance below 1e-6, the tolerance of test_ray_critic_free.py's
   same-weights runs);
+- StreamRL-Sync's samples, streamed into the log-prob and reference passes on the training device
+  as they finish, train the weights of the same synchronous plan without a stream (within 1e-6);
 - NeMo-RL's asynchronous GRPO (``+system=nemo_rl_async``: continuous rollout, weights loaded in
   flight) measures the simulator's staleness too, and re-prefills nothing;
 - **generation overlaps training**: iteration ``k + 1``'s generation started while iteration
@@ -63,6 +65,10 @@ RUNS.update({f"{system}_bound0": [f"+system={system}", *TWO, f"{knob}=0", "backe
                                   *BOOKKEEPING] for system, knob in BOUND.items()})
 # NeMo-RL's asynchronous GRPO: continuous rollout, weights loaded in flight (no interruption)
 RUNS["nemo_rl_async"] = ["+system=nemo_rl_async", *TWO, "backend.num_iterations=4", "backend=ray", *BOOKKEEPING]
+# StreamRL-Sync: synchronous, finished samples streamed into log-prob and reference passes on the
+# training device while generation runs on its own (one engine: no length dispatch to refuse)
+RUNS["streamrl_sync"] = ["+system=streamrl", "system.asynchronous=false", "engine.training=fsdp", *TWO,
+                         "backend.num_iterations=3", "backend=ray", *BOOKKEEPING]
 RUNS["verl_colocated"] = ["+system=verl", "cluster.gpus_per_node=1", *COMMON, "backend.num_iterations=3",
                           "backend=ray", *BOOKKEEPING]
 LEARN_ITERATIONS = 20
@@ -172,6 +178,16 @@ def test_weights_pushed_to_generation_devices_are_the_trainers(runs):
     stale = flat_weights(runs["one_step_off_bound1_weights"] / "actor.pt")
     assert float(torch.linalg.norm(ahead - colocated) / torch.linalg.norm(colocated)) < 1e-6
     assert float(torch.linalg.norm(stale - colocated) / torch.linalg.norm(colocated)) > 1e-5
+
+
+def test_inference_streamed_beside_generation_gives_the_synchronous_weights(runs):
+    """Streamed into inference on devices generation does not use, the samples train the weights
+    the same plan without a stream trains (one_step_off with bound 0), to the same-weights tolerance."""
+    streamed = flat_weights(runs["streamrl_sync_weights"] / "actor.pt")
+    batched = flat_weights(runs["one_step_off_bound0_weights"] / "actor.pt")
+    assert float(torch.linalg.norm(streamed - batched) / torch.linalg.norm(batched)) < 1e-6
+    plan = json.loads((runs["streamrl_sync"] / "plan.json").read_text())
+    assert {t["name"] for t in plan["tasks"] if t.get("stream_from") == "gen"} == {"logprobs", "ref"}
 
 
 def test_generation_of_the_next_batch_overlaps_this_batchs_inference(runs):
