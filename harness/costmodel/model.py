@@ -19,10 +19,13 @@ NVLink when they fit on one node, else over the NICs.
 
 Expert parallelism (mixture-of-experts models, :mod:`.llama`): the op and memory methods take
 ``ep``, the expert-parallel degree of the layout (default 1: none). Its ep ranks are carved from
-the data-parallel group (Megatron-core's convention): consecutive dp replicas, so the group spans
+the data-parallel group (as in Megatron-core): consecutive dp replicas, which in the plans' device
+order (:meth:`harness.core.plan.Allocation.device`: a replica's stages on consecutive devices) span
 ``ep * tp * pp`` consecutive devices, and its all-to-alls run over NVLink when those fit on one
 node, else over the NICs (alpha-beta, :func:`harness.costmodel.comm.alltoall_s`; no all-to-all
-was measured), timed as the tp all-reduces are and added where they are. ``ep > 1`` on a dense
+was measured), timed as the tp all-reduces are and added where they are. Megatron-core's default
+rank order, ``tp-cp-ep-dp-pp``, puts the pipeline outermost and keeps an ep group within
+``ep * tp`` devices; the plans do not take that order (docs/ASYNC.md). ``ep > 1`` on a dense
 model, or an ``ep`` that does not divide its experts, raises PlanError.
 
 Speed: the generation simulator calls :meth:`CostModel.decode_step_s` ~1e5 times per
