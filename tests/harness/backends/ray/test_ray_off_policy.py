@@ -24,6 +24,7 @@ generation on device 1), GRPO, 2 prompts x 4 responses. Oracles:
   same-weights runs);
 - StreamRL-Sync's samples, streamed into the log-prob and reference passes on the training device
   as they finish, train the weights of the same synchronous plan without a stream (within 1e-6);
+- AReaL with two generation engines (3 devices) measures the simulator's numbers too;
 - NeMo-RL's asynchronous GRPO (``+system=nemo_rl_async``: continuous rollout, weights loaded in
   flight) measures the simulator's staleness too, and re-prefills nothing;
 - **generation overlaps training**: iteration ``k + 1``'s generation started while iteration
@@ -63,6 +64,11 @@ RUNS = {f"{system}_bound{s}": [f"+system={system}", *TWO, f"{knob}={s}", f"backe
         for system, knob in BOUND.items() for s, n in ITERATIONS.items()}
 RUNS.update({f"{system}_bound0": [f"+system={system}", *TWO, f"{knob}=0", "backend.num_iterations=3", "backend=ray",
                                   *BOOKKEEPING] for system, knob in BOUND.items()})
+# AReaL with two generation engines (one device each, a third for training): groups launched to the
+# engine the simulator chose, every engine stepped as the simulator's was
+THREE = ["cluster.gpus_per_node=3", *COMMON]
+RUNS["areal_two_engines"] = ["+system=areal", *THREE, "system.eta=1", "system.rollout_gpus=2", "system.rollout_tp=1",
+                             "backend.num_iterations=4", "backend=ray", *BOOKKEEPING]
 # NeMo-RL's asynchronous GRPO: continuous rollout, weights loaded in flight (no interruption)
 RUNS["nemo_rl_async"] = ["+system=nemo_rl_async", *TWO, "backend.num_iterations=4", "backend=ray", *BOOKKEEPING]
 # StreamRL-Sync: synchronous, finished samples streamed into log-prob and reference passes on the
@@ -148,6 +154,20 @@ def test_measured_staleness_is_the_simulators_and_keeps_the_bound(runs, system, 
     else:  # interrupted and re-prefilled: samples finished under newer weights than they started with
         assert sum(m["gen/interrupted_samples"] for m in real) > 0
         assert any(0 < m["staleness/off_policy_token_frac"] < 1 for m in real)
+
+
+def test_two_generation_engines_measure_the_simulators_staleness(runs):
+    from harness.testing import simulate_iterations
+
+    real = _metrics(runs["areal_two_engines"])
+    sim_args = [a for a in THREE if not a.startswith("backend.options")]
+    _, simulated = simulate_iterations(["+system=areal", *sim_args, "system.eta=1", "system.rollout_gpus=2",
+                                        "system.rollout_tp=1", "backend=sim"], 4)
+    for key in COMPARED:
+        assert [m.get(key, 0.0) for m in real] == [m.get(key, 0.0) for _, m in simulated], key
+    plan = json.loads((runs["areal_two_engines"] / "plan.json").read_text())
+    gen = next(t for t in plan["tasks"] if t["name"] == "gen")
+    assert gen["allocation"]["strategy"]["dp"] == 2 and sum(m["gen/interrupted_samples"] for m in real) > 0
 
 
 def test_nemo_rl_in_flight_updates_measure_the_simulators_staleness(runs):
