@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import RefitSystem, fastest_split
+from baselines.refit import RefitSystem
 from harness.core.config import SystemConfig
 from harness.core.plan import OffPolicyPolicy, Plan
 from harness.errors import ConfigError
@@ -64,7 +64,7 @@ class Areal(RefitSystem):
     def plan(self, ctx: PlanContext) -> Plan:
         if self.cfg.eta < 0:
             raise ConfigError(f"system.eta={self.cfg.eta}: weight versions, >= 0")
-        return self.refit(ctx) if self.cfg.rollout_gpus else fastest_split(self, ctx)
+        return self.pooled(ctx)
 
 
 register_system_config("areal", ArealConfig)

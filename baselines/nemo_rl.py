@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import RefitSystem, fastest_split
+from baselines.refit import RefitSystem
 from harness.core.config import SystemConfig
 from harness.core.plan import OffPolicyPolicy, Plan
 from harness.system import PlanContext, register_system_config
@@ -66,9 +66,8 @@ class NemoRL(RefitSystem):
     cfg: NemoRLConfig
 
     def plan(self, ctx: PlanContext) -> Plan:
-        asynchronous = self.cfg.max_trajectory_age_steps is not None
-        if asynchronous and not (self.cfg.generation_nodes or self.cfg.generation_gpus):
-            return fastest_split(self, ctx)  # asynchronous GRPO needs pools of its own: the fastest split
+        if self.cfg.max_trajectory_age_steps is not None:  # asynchronous GRPO needs pools of its own
+            return self.pooled(ctx)
         return self.refit(ctx)
 
     def off_policy(self, ctx: PlanContext, max_staleness: Optional[int]) -> Optional[OffPolicyPolicy]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import RefitSystem, fastest_split
+from baselines.refit import RefitSystem
 from harness.core.config import SystemConfig
 from harness.core.plan import Plan
 from harness.errors import ConfigError
@@ -55,7 +55,7 @@ class OneStepOff(RefitSystem):
     def plan(self, ctx: PlanContext) -> Plan:
         if self.cfg.max_staleness < 0:
             raise ConfigError(f"system.max_staleness={self.cfg.max_staleness}: weight versions, >= 0")
-        return self.refit(ctx) if self.cfg.rollout_gpus else fastest_split(self, ctx)
+        return self.pooled(ctx)
 
 
 register_system_config("one_step_off", OneStepOffConfig)

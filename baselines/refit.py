@@ -222,6 +222,13 @@ class RefitSystem(System):
         batched rollout by default (each batch generated to its end before the next)."""
         return None if max_staleness is None else OffPolicyPolicy(max_staleness)
 
+    def pooled(self, ctx: PlanContext) -> Plan:
+        """The refit plan on the generation pool the config sizes (its ``generation_gpus`` or
+        ``generation_nodes`` knob), or, when it sizes none, on the fastest split
+        (:func:`fastest_split`): systems whose generation runs on GPUs of its own."""
+        sized = any(getattr(self.cfg, self.KNOBS[k]) for k in ("generation_gpus", "generation_nodes") if k in self.KNOBS)
+        return self.refit(ctx) if sized else fastest_split(self, ctx)
+
     def refit(self, ctx: PlanContext, **knobs) -> Plan:
         """:func:`refit_plan` with the config's knobs, those in ``knobs`` replaced."""
         knob = {name: getattr(self.cfg, field) for name, field in self.KNOBS.items()} | knobs
@@ -238,17 +245,16 @@ class RefitSystem(System):
                           keys=keys)
 
 
-def fastest_split(system: RefitSystem, ctx: PlanContext, parts: int = 4, **knobs) -> Plan:
+def fastest_split(system: RefitSystem, ctx: PlanContext) -> Plan:
     """``system``'s refit plan with generation on a quarter, half or three quarters of the GPUs (its
-    own, the last ones; ``parts``: on every ``1 / parts`` of them), whichever gives the shortest step
-    as planners score it (the steady-state step of an off-policy plan); the note ``rollout_gpus``
-    names the choice. ``knobs`` go to :meth:`RefitSystem.refit`."""
+    own, the last ones), whichever gives the shortest step as planners score it (the steady-state
+    step of an off-policy plan); the note ``rollout_gpus`` names the choice."""
     n = ctx.num_devices
-    splits = sorted({n * q // parts for q in range(1, parts)} - {0})
+    splits = sorted({n * q // 4 for q in (1, 2, 3)} - {0})
     best, failures = None, []
     for gpus in splits:
         try:
-            plan = system.refit(ctx, generation_gpus=gpus, **knobs)
+            plan = system.refit(ctx, generation_gpus=gpus)
         except (ConfigError, PlanError) as e:
             failures.append(f"{gpus} GPUs: {e}")
             continue

@@ -56,7 +56,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.refit import RefitSystem, fastest_split
+from baselines.refit import RefitSystem
 from harness.core.config import SystemConfig
 from harness.core.plan import LengthDispatch, Plan, TaskKind
 from harness.errors import ConfigError, PlanError
@@ -101,7 +101,7 @@ class StreamRL(RefitSystem):
             raise ConfigError(f"streamrl (system.long_frac, system.ranker_recall): {e}") from None
         if c.long_instances < 0:
             raise ConfigError(f"system.long_instances={c.long_instances}: instances, >= 0 (0 = enumerated)")
-        base = self.refit(ctx) if c.generation_gpus else fastest_split(self, ctx)
+        base = self.pooled(ctx)
         dp = base.tasks_of(TaskKind.GENERATE)[0].allocation.strategy.dp
         if c.long_instances:
             if c.long_instances >= dp:

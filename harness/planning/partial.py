@@ -60,6 +60,7 @@ from harness.core.workload import Batch, prompt_log_factors, regenerated_lengths
 from harness.errors import PlanError
 from harness.planning.iterations import OffPolicyRun, tagged
 from harness.planning.memory import MemoryReport
+from harness.planning.rollout import batch_groups
 from harness.planning.scheduler import Timeline
 from harness.planning.simulate import PlanSimulator, verified_times
 from harness.planning.taskmodels.generation import ContinuousInstance, _Sample, kv_capacity_tokens
@@ -130,14 +131,12 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         nonlocal drawn
         while n >= len(drawn_groups):
             batch = first if drawn == 0 else batch_of(drawn)
-            prompts = base._generated_prompt_lens(batch.prompt_lens)
-            for g in range(per_batch):
+            for g, (prompts, outputs) in enumerate(batch_groups(base, batch, group_size)):
                 ids = list(range(len(prompt_len), len(prompt_len) + group_size))
-                for i in range(g * group_size, (g + 1) * group_size):
-                    prompt_len.append(int(prompts[i]))
-                    output_len.append(int(batch.output_lens[i]))
+                prompt_len.extend(prompts)
+                output_len.extend(outputs)
                 drawn_groups.append(len(group_samples))
-                drawn_prompt_len[(drawn, g)] = int(prompts[g * group_size])
+                drawn_prompt_len[(drawn, g)] = prompts[0]
                 group_samples.append(ids)
                 group_prompt.append((drawn, g))
             drawn += 1
@@ -216,15 +215,15 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
                 done_at[g] = t
         if len(done_at) < per_batch:
             raise PlanError(f"{plan.system}: iteration {k} finished {len(done_at)} groups of the {per_batch} it trains")
-        batch_groups = sorted(done_at, key=lambda g: (done_at[g], g))[:per_batch]
-        stop_s = done_at[batch_groups[-1]]
+        trained = sorted(done_at, key=lambda g: (done_at[g], g))[:per_batch]
+        stop_s = done_at[trained[-1]]
         engines, finishes = instances()  # replayed up to the stop: the instances are independent
         for e in engines:
             e.run(until_s=stop_s)
         finished = {c.sample_id: now for c in waiting_done}
         finished.update({r.sample_id: r.finish_s for r in finishes if r.finish_s <= stop_s})
         carried = []
-        chosen = set(batch_groups)
+        chosen = set(trained)
         for e in engines:
             for x in e.take_unfinished():
                 c = by_sample[x.sample_id]
@@ -239,7 +238,7 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         if tail:  # nothing carried: the prompts not trained wait for a long round, their responses discarded
             long_queue += [group_prompt[g] for g in sorted({c.group for c in carried})]
             carried = []
-        ids = [i for g in batch_groups for i in group_samples[g]]
+        ids = [i for g in trained for i in group_samples[g]]
         batch = Batch(k, np.array([prompt_len[i] for i in ids], dtype=np.int64),
                       np.array([output_len[i] for i in ids], dtype=np.int64))
         sim = PlanSimulator(ctx, plan, memory, k, batch, record_spans=record_spans)

@@ -97,6 +97,14 @@ class _Group:
     trained: bool = False
 
 
+def batch_groups(base: PlanSimulator, batch: Batch, group_size: int) -> list[tuple[list[int], list[int]]]:
+    """An iteration's batch as its prompt groups, in batch order: each group's prompt lengths (as
+    generation sees them, :meth:`PlanSimulator._generated_prompt_lens`) and target output lengths."""
+    prompts = base._generated_prompt_lens(batch.prompt_lens)
+    return [([int(x) for x in prompts[g:g + group_size]], [int(x) for x in batch.output_lens[g:g + group_size]])
+            for g in range(0, batch.num_samples, group_size)]
+
+
 def _trainer_units(plan: Plan, gen_name: str, feeders: list[str]) -> tuple[list[Unit], list[Unit]]:
     """The plan's units the trainer runs (neither generation nor the moves into it), and those moves."""
     units = execution_units(plan)
@@ -148,15 +156,13 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
     def draw_next() -> None:
         nonlocal drawn
         batch = first if drawn == 0 else batch_of(drawn)
-        prompts = base._generated_prompt_lens(batch.prompt_lens)
         if batch.num_samples != per_batch * group_size:
             raise PlanError(f"iteration {drawn} draws {batch.num_samples} samples, not {per_batch * group_size}")
-        for g in range(per_batch):
+        for prompts, outputs in batch_groups(base, batch, group_size):
             ids = list(range(len(prompt_len), len(prompt_len) + group_size))
-            for i in range(g * group_size, (g + 1) * group_size):
-                prompt_len.append(int(prompts[i]))
-                output_len.append(int(batch.output_lens[i]))
-                group_of.append(len(groups))
+            prompt_len.extend(prompts)
+            output_len.extend(outputs)
+            group_of.extend([len(groups)] * group_size)
             groups.append(_Group(drawn, ids))
         drawn += 1
 

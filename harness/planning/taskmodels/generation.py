@@ -369,16 +369,16 @@ def continuous_instance_ends(cm: CostModel, task: Task, policy: GenerationPolicy
     kv_tokens = kv_capacity_tokens(cm, model, s.tp, s.pp, kv_capacity_gb)
     max_batch = policy.max_batch_size or len(prompt_lens)
     instances = []
-    dealt = None if policy.dispatch is None else dispatch_samples(policy, s.dp, output_lens)
+    dealt = None  # each instance's samples, dealt when a schedule is not kept yet
     for k in range(s.dp):
         key = (id(prompt_lens), id(output_lens), s.dp, k, max_batch, kv_tokens, max_gen_len, policy.dispatch)
         hit = _SCHEDULES.get(key)
         if hit is None:
             if len(_SCHEDULES) >= SCHEDULES_MAX_ENTRIES:
                 _SCHEDULES.clear()
-            mine = slice(k, None, s.dp) if dealt is None else dealt[k]
+            dealt = dealt or dispatch_samples(policy, s.dp, output_lens)
             hit = _SCHEDULES[key] = (prompt_lens, output_lens, step_schedule(
-                prompt_lens[mine], output_lens[mine], max_batch, kv_tokens, max_gen_len))
+                prompt_lens[dealt[k]], output_lens[dealt[k]], max_batch, kv_tokens, max_gen_len))
         end_s = timed_end_s(hit[2], cm, model, s.tp, s.pp, s.ep, start_s)
         instances.append(InstanceResult(task.allocation.replica_devices(k), end_s))
     return GenerationResult([], instances)

@@ -226,7 +226,7 @@ class RayBackend(Backend):
             raise
 
     def close(self) -> None:
-        if isinstance(self.off_policy, ContinuousExecution):  # sessions still open on healthy workers
+        if self.off_policy is not None:  # what it holds open on the workers (a continuous rollout's sessions)
             self.off_policy.close()
         self.cluster.close(self.group)
         self.group = None

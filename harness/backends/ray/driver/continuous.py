@@ -46,8 +46,9 @@ import numpy as np
 
 from harness.backends.ray.driver import experience as ex
 from harness.backends.ray.driver.calls import Call
-from harness.backends.ray.driver.dispatch import UnitRun, outputs
+from harness.backends.ray.driver.dispatch import RunningUnit, UnitRun
 from harness.backends.ray.driver.iteration import Iteration
+from harness.backends.ray.driver.off_policy import recorded_window
 from harness.backends.ray.protocol import CloseSession, Export, KvMove, Migrate, OpenSession, Steps, Submit
 from harness.backends.ray.replies import Result, SessionProgress
 from harness.core import metrics as mk
@@ -55,7 +56,7 @@ from harness.core.plan import Plan, TaskKind
 from harness.core.trace import SampleRecord, StepTrace
 from harness.core.units import execution_units
 from harness.core.workload import Batch, draw_batch
-from harness.planning.iterations import tagged, weights_feeders, window_trace
+from harness.planning.iterations import tagged, weights_feeders
 from harness.planning.memory import check_plan_memory
 from harness.planning.rollout import RolloutEvent, run_continuous
 from harness.real.engine import sample_seed
@@ -100,7 +101,7 @@ class ContinuousExecution:
         self.iterations: dict[int, Iteration] = {}
         self.train_end: dict[int, float] = {}
         self.unit_start_s: dict[str, float] = {}
-        self.trainer: tuple[int, UnitRun, list[Call]] | None = None  # (iteration, handler, its calls)
+        self.trainer: tuple[int, RunningUnit] | None = None  # the iteration training, and its run
         self.interrupted = self.dropped = 0
         self.position = 0  # next event
         self.opened = False
@@ -122,7 +123,7 @@ class ContinuousExecution:
         """Until every one of ``calls`` has finished, driving the running trainer meanwhile."""
         pending = list(calls)
         while pending:
-            trainer_calls = self.trainer[2] if self.trainer is not None else []
+            trainer_calls = self.trainer[1].waiting if self.trainer is not None else []
             done = self.group.collect(pending + trainer_calls)
             if any(done is c for c in pending):
                 pending = [c for c in pending if c is not done]
@@ -140,21 +141,17 @@ class ContinuousExecution:
             yield from table[unit.kind](unit)
 
     def _resume_trainer(self, done: Call | None) -> None:
-        k, run, _ = self.trainer
-        try:
-            waiting = run.send(done) if done is not None else next(run)
-        except StopIteration:
+        k, running = self.trainer
+        if running.resume(done):
             self.trainer = None
             it = self.iterations[k]
             self.train_end[k] = max(sp.end_s for sp in it.trace.spans if sp.task in self.trains)
             if self.opts.digest:  # the weights this step made, before they move anywhere
                 it.digest()
-            return
-        self.trainer = (k, run, waiting)
 
     def _finish_trainer(self) -> None:
         while self.trainer is not None:
-            self._resume_trainer(self.group.collect(self.trainer[2]))
+            self._resume_trainer(self.group.collect(self.trainer[1].waiting))
 
     # ---- events ---------------------------------------------------------------------------
     def _open(self) -> None:
@@ -172,12 +169,10 @@ class ContinuousExecution:
 
     def _run_alone(self, run: UnitRun) -> None:
         """A handler with no generation call in flight (a weight movement), the trainer idle."""
-        try:
-            waiting = next(run)
-            while True:
-                waiting = run.send(self.group.collect(waiting))
-        except StopIteration:
-            pass
+        running = RunningUnit(tuple(u.label for u in self.moves), set(), run)
+        finished = running.resume(None)
+        while not finished:
+            finished = running.resume(self.group.collect(running.waiting))
 
     def _launch(self, event: RolloutEvent) -> None:
         held = self.backend.homes.held("actor", self.alloc)
@@ -257,7 +252,8 @@ class ContinuousExecution:
         it.trace.counters[mk.DROPPED_SAMPLES] = float(self.dropped)
         self.interrupted = self.dropped = 0
         self.iterations[k] = it
-        self.trainer = (k, self._trainer_run(it), [])
+        names = tuple(n for u in self.trainer_units for n in u.names)
+        self.trainer = (k, RunningUnit(names, set(), self._trainer_run(it)))
         self._resume_trainer(None)
 
     def _update(self, event: RolloutEvent) -> None:
@@ -310,15 +306,9 @@ class ContinuousExecution:
                 break
             self._step()
         lo, hi = (self.train_end[k - 1] if k else 0.0), self.train_end[k]
-        spans = self.recorder.trace.spans + [sp for it in self.iterations.values() for sp in it.trace.spans]
-        own = self.iterations[k].trace
-        trace = window_trace(k, lo, hi, spans, own, k, self.unit_start_s, [])
-        for it in [self.recorder, *self.iterations.values()]:
-            for rank, gb in it.trace.memory_gb.items():
-                trace.memory_gb[rank] = max(trace.memory_gb.get(rank, 0.0), gb)
-        trace.counters[mk.DRIVER_CALLS] = float(self.group.num_calls - calls_before)
-        trace.extra.update({key: value for key, value in own.extra.items() if key not in trace.extra})
-        return trace
+        recordings = [self.recorder.trace, *(it.trace for it in self.iterations.values())]
+        return recorded_window(k, lo, hi, recordings, self.iterations[k].trace, k, self.unit_start_s, [],
+                               self.group.num_calls - calls_before)
 
     def close(self) -> None:
         """Close the engines' sessions (a run that ends with generation still ahead of training)."""

@@ -34,7 +34,7 @@ def outputs(results: list[Result]) -> list:
 
 
 @dataclass
-class _Running:
+class RunningUnit:
     """A started unit: its tasks (and its stream consumer's), the devices it holds, its handler and
     the calls the handler waits on."""
     names: tuple[str, ...]
@@ -67,9 +67,9 @@ class Dispatcher:
                  on_finish: Callable[[tuple[str, ...]], None] = lambda names: None):
         self.group, self.queue, self.start = group, queue, start
         self.when_idle, self.on_finish = when_idle, on_finish
-        self.running: list[_Running] = []  # in start order
+        self.running: list[RunningUnit] = []  # in start order
 
-    def _finished(self, entry: _Running) -> None:
+    def _finished(self, entry: RunningUnit) -> None:
         self.running.remove(entry)
         self.queue.finish(entry.names, entry.devices)
         self.on_finish(entry.names)
@@ -86,7 +86,7 @@ class Dispatcher:
             unit = queue.next_startable()
             while unit is not None:
                 devices = queue.start(unit)
-                entry = _Running(queue.names_of(unit), devices, self.start(unit))
+                entry = RunningUnit(queue.names_of(unit), devices, self.start(unit))
                 running.append(entry)
                 if entry.resume(None):
                     self._finished(entry)

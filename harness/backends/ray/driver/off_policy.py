@@ -108,13 +108,26 @@ class OffPolicyExecution:
         self.dispatcher.run(until=done)
         self.next_window += 1
         lo, hi = (self.train_end_s(k - 1) if k else 0.0), self.train_end_s(k)
-        spans = [span for it in self.iterations.values() for span in it.trace.spans]
-        own = self.iterations[k].trace
-        trace = window_trace(k, lo, hi, spans, own, self.iterations[k].gen_version, self.unit_start_s,
-                             sorted(self.queue.concurrent))
-        for it in self.iterations.values():  # memory peaks so far, of whichever iteration's tasks
-            for rank, gb in it.trace.memory_gb.items():
-                trace.memory_gb[rank] = max(trace.memory_gb.get(rank, 0.0), gb)
-        trace.counters[mk.DRIVER_CALLS] = float(self.backend.group.num_calls - calls_before)
-        trace.extra.update({key: value for key, value in own.extra.items() if key not in trace.extra})
-        return trace
+        return recorded_window(k, lo, hi, [it.trace for it in self.iterations.values()], self.iterations[k].trace,
+                               self.iterations[k].gen_version, self.unit_start_s, sorted(self.queue.concurrent),
+                               self.backend.group.num_calls - calls_before)
+
+
+    def close(self) -> None:
+        """Nothing of the run stays open on the workers between its units."""
+
+
+def recorded_window(k: int, lo: float, hi: float, recordings: list[StepTrace], own: StepTrace, version: int | None,
+                    unit_start_s: dict[str, float], concurrent: list, driver_calls: int) -> StepTrace:
+    """Iteration ``k``'s window [``lo``, ``hi``) of a real off-policy run: the simulator's
+    :func:`~harness.planning.iterations.window_trace` over every span the workers reported
+    (``recordings``: every trace recorded so far), with their memory peaks so far (whichever
+    iteration's tasks they were), the driver's calls in the window, and iteration ``k``'s own extras."""
+    spans = [span for recorded in recordings for span in recorded.spans]
+    trace = window_trace(k, lo, hi, spans, own, version, unit_start_s, concurrent)
+    for recorded in recordings:
+        for rank, gb in recorded.memory_gb.items():
+            trace.memory_gb[rank] = max(trace.memory_gb.get(rank, 0.0), gb)
+    trace.counters[mk.DRIVER_CALLS] = float(driver_calls)
+    trace.extra.update({key: value for key, value in own.extra.items() if key not in trace.extra})
+    return trace
