@@ -12,8 +12,11 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
   actor strategy, NeMo-RL's DTensor policy) parameters, gradients and optimizer states are sharded
   over all N GPUs (dp = N, ZeRO-3), each GPU training its share of a mini-batch in micro-batches
   of at most ``workload.micro_batch_size`` (the largest that divides the share); with
-  Megatron-core, a (dp, tp, pp) layout pinned by ``system.train_layout`` or searched. The reference model, the reward model and the critic (PPO)
-  use the same layout.
+  Megatron-core, a (dp, tp, pp) layout pinned by ``system.train_layout`` or searched, its ranks in
+  Megatron-core's order (tensor-parallel fastest, the pipeline outermost:
+  :meth:`~harness.core.plan.Allocation.pipeline_outermost`), so a stage's replicas, their
+  gradient all-reduce and a MoE model's expert-parallel groups sit side by side. The reference
+  model, the reward model and the critic (PPO) use the same layout.
 - **Generation in vLLM's own layout**: ``N / tp`` engines of ``system.rollout_tp`` GPUs each
   (searched when 0: the fastest whole iteration among the tensor-parallel degrees that fit a node
   and shard the actor's heads; when no engine of at most a node fits, among engines over 2, 4, ...
@@ -163,7 +166,9 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
 
     def assemble(train: ParallelStrategy, tp: int) -> Plan:
         if (train, tp) not in plans:
-            train_alloc = Allocation(train_mesh, train)
+            # Megatron-core lays its ranks out pipeline outermost (its default order); FSDP is dp only
+            train_alloc = (Allocation.pipeline_outermost(train_mesh, train) if parallelism == "megatron"
+                           else Allocation(train_mesh, train))
             allocs = {task: train_alloc for task in TRAINING_LAYOUT_TASKS}
             allocs["gen"] = Allocation(gen_mesh, ParallelStrategy(dp=len(gen_mesh) // tp, tp=tp, pp=1))
             plan = assemble_ppo_plan(

@@ -26,6 +26,9 @@ offloading); a backend refuses the features it cannot execute before any work st
 
 Device order inside a mesh is tp fastest, then pp, then dp: mesh index
 ``(dp_rank * pp + pp_rank) * tp + tp_rank``. Tensor-parallel groups therefore stay inside a node.
+The mesh lists the devices in that order, so any rank order is a permutation of the mesh: a
+system whose training engine is Megatron-core lays its devices out in Megatron-core's order, the
+pipeline outermost (:meth:`Allocation.pipeline_outermost`).
 Expert parallelism (``ParallelStrategy.ep``) is carved from data parallelism, as in Megatron-core:
 dp replicas ``k * ep .. k * ep + ep - 1`` form one expert-parallel group (each holding ``1 / ep``
 of the routed experts), so ``ep`` must divide ``dp``; a strategy with ``ep = 1`` prints and
@@ -39,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from enum import Enum
 from typing import Any, Optional
 
@@ -157,9 +161,38 @@ class Allocation:
                 f"but its mesh has {len(self.mesh)}"
             )
 
+    @classmethod
+    def pipeline_outermost(cls, devices: tuple[int, ...], strategy: ParallelStrategy) -> "Allocation":
+        """``strategy`` on ``devices`` in Megatron-core's rank order: tensor-parallel ranks fastest,
+        then data-parallel ranks (whose consecutive runs of ``ep`` are the expert-parallel groups),
+        the pipeline outermost (``initialize_model_parallel``'s default order ``tp-cp-ep-dp-pp``,
+        the first dimension varying fastest). Stage ``p`` of replica ``k`` then takes
+        ``devices[(p * dp + k) * tp:][:tp]``, so one stage's replicas sit side by side: their
+        gradient all-reduce and an ep group's all-to-alls stay within ``dp * tp`` and ``ep * tp``
+        devices, and the pipeline's hops cross them. With ``pp = 1`` it is the plain order."""
+        s, devices = strategy, tuple(devices)
+        if len(devices) != s.size:
+            raise PlanError(f"parallel strategy {s} needs dp*tp*pp = {s.size} devices but {len(devices)} were given")
+        mesh = [devices[(p * s.dp + k) * s.tp + t] for k in range(s.dp) for p in range(s.pp) for t in range(s.tp)]
+        return cls(tuple(mesh), s)
+
     def device(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         s = self.strategy
         return self.mesh[(dp_rank * s.pp + pp_rank) * s.tp + tp_rank]
+
+    @cached_property
+    def ep_span(self) -> int:
+        """The devices an expert-parallel group lies among, from its first member to its last (its
+        replicas' tp ranks of one pipeline stage, where one MoE layer's all-to-alls run), the widest
+        over groups and stages; ``tp`` without expert parallelism. The cost model takes the link of
+        the all-to-alls from it (NVLink when it fits a node)."""
+        s = self.strategy
+        widest = s.tp
+        for first in range(0, s.dp, s.ep) if s.ep > 1 else ():
+            for p in range(s.pp):
+                members = [self.device(k, p, t) for k in range(first, first + s.ep) for t in range(s.tp)]
+                widest = max(widest, max(members) - min(members) + 1)
+        return widest
 
     def stage_devices(self, dp_rank: int, pp_rank: int) -> tuple[int, ...]:
         """The tp devices of one stage of one replica (a slice of the mesh: ``device`` for every tp rank)."""

@@ -73,7 +73,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from harness.costmodel.compute import ADAM_BYTES_PER_PARAM, AllToAllFn, _no_alltoall, _no_comm, moe_alltoalls_s
+from harness.costmodel.compute import (ADAM_BYTES_PER_PARAM, AllToAllFn, _no_alltoall, _no_comm, ep_group_span,
+                                       moe_alltoalls_s)
 from harness.costmodel.llama import BF16_BYTES, ModelDims, local_experts_streamed
 from harness.costmodel.measured import LAYER_OPS, OP_CLASS, Law
 from harness.core.files import file_kind
@@ -419,7 +420,7 @@ class CalibratedCompute:
     # -- training ops ---------------------------------------------------------------------
 
     def _forward_parts(self, model: Any, num_tokens: float, context_len: float, tp: int,
-                       num_layers: Optional[float], include_head: Optional[bool], ep: int = 1, pp: int = 1):
+                       num_layers: Optional[float], include_head: Optional[bool], ep: int = 1, ep_span: Optional[int] = None):
         d = ModelDims.of(model)
         layers = d.num_layers if num_layers is None else num_layers
         if include_head is None:
@@ -429,29 +430,29 @@ class CalibratedCompute:
         head = self.head_s(d, tp, num_tokens) if include_head else 0.0
         comm = self._allreduces_s(layers, num_tokens, d, tp)
         if ep > 1:
-            comm += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep * tp * pp)
+            comm += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep_group_span(ep, tp, ep_span))
         return linear + head, attention, comm
 
     def forward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                  ep: int = 1, pp: int = 1) -> float:
-        """``ep``: expert parallelism (a MoE model's local experts and all-to-alls); ``pp``: the
-        layout's pipeline degree (with ``ep`` and ``tp``, the devices the ep group spans)."""
+                  ep: int = 1, ep_span: Optional[int] = None) -> float:
+        """``ep``: expert parallelism (a MoE model's local experts and all-to-alls); ``ep_span``:
+        the devices the ep group lies among (:func:`~harness.costmodel.compute.ep_group_span`)."""
         if num_tokens <= 0:
             return 0.0
         linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
-                                                      num_layers, include_head, ep, pp)
+                                                      num_layers, include_head, ep, ep_span)
         return linear + attention + comm
 
     def backward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: str = "none", ep: int = 1, pp: int = 1) -> float:
+                   recompute: str = "none", ep: int = 1, ep_span: Optional[int] = None) -> float:
         """2x the linear ops, 2.5x the attention core, the forward's all-reduces (and all-to-alls);
         ``full`` recomputation adds a forward, ``selective`` the attention core's forward."""
         if num_tokens <= 0:
             return 0.0
         linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
-                                                      num_layers, include_head, ep, pp)
+                                                      num_layers, include_head, ep, ep_span)
         time_s = 2.0 * linear + 2.5 * attention + comm
         if recompute == "full":
             time_s += linear + attention + comm

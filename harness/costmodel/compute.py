@@ -43,7 +43,8 @@ device holds ``1 / ep`` of the routed experts, and every MoE layer's forward run
 over the ep group (dispatch and combine, :func:`~harness.costmodel.llama.moe_dispatch_bytes` per
 device), the backward two more; they sit on the critical path like the tp all-reduces.
 ``alltoall_s(bytes, ep, span)`` times one (the caller picks the tier from ``span``, the devices the
-ep group spans: its members are dp replicas ``tp * pp`` devices apart).
+ep group lies among: a training layout's from its device order, :func:`ep_group_span`; a generation
+instance's ``ep`` instances of ``tp * pp`` devices side by side).
 """
 from __future__ import annotations
 
@@ -82,6 +83,13 @@ def _no_comm(num_bytes: float, group_size: int) -> float:
 
 def _no_alltoall(num_bytes: float, ep: int, span: int) -> float:
     return 0.0
+
+
+def ep_group_span(ep: int, tp: int, ep_span: Optional[int]) -> int:
+    """The devices a training pass's ep group lies among, first member to last: ``ep_span``
+    where the caller has the layout (:attr:`harness.core.plan.Allocation.ep_span`), else
+    ``ep * tp`` (its members' tp groups side by side)."""
+    return ep * tp if ep_span is None else ep_span
 
 
 def moe_alltoalls_s(alltoall_s: AllToAllFn, d: ModelDims, num_layers: float, num_tokens: float, ep: int,
@@ -164,13 +172,13 @@ class Roofline:
         num_layers: Optional[float] = None,
         include_head: Optional[bool] = None,
         ep: int = 1,
-        pp: int = 1,
+        ep_span: Optional[int] = None,
     ) -> OpCost:
         """A forward pass of ``num_tokens`` through ``num_layers`` layers on one of ``tp``
         ranks. ``include_head`` defaults to whether the pass covers the whole model. ``ep``: the
-        expert-parallel degree (a MoE model's all-to-alls and its share of the experts); ``pp``:
-        the layout's pipeline degree, which with ``ep`` and ``tp`` sets the devices the ep group
-        spans (module docstring)."""
+        expert-parallel degree (a MoE model's all-to-alls and its share of the experts);
+        ``ep_span``: the devices the ep group lies among (:func:`ep_group_span`), which set the
+        link its all-to-alls take."""
         d = ModelDims.of(model)
         layers = d.num_layers if num_layers is None else num_layers
         if include_head is None:
@@ -185,14 +193,14 @@ class Roofline:
         num_bytes = (weights + activations) * BF16_BYTES / tp
         comm_s = 2 * layers * self._allreduce_s(num_tokens * d.hidden_size * BF16_BYTES, tp)
         if ep > 1:
-            comm_s += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep * tp * pp)
+            comm_s += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep_group_span(ep, tp, ep_span))
         return OpCost(flops, num_bytes, comm_s)
 
     def forward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                   num_layers: Optional[float] = None,
-                  include_head: Optional[bool] = None, ep: int = 1, pp: int = 1) -> float:
+                  include_head: Optional[bool] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
         return self.seconds(
-            self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, pp)
+            self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, ep_span)
         )
 
     def backward_s(
@@ -205,7 +213,7 @@ class Roofline:
         include_head: Optional[bool] = None,
         recompute: str = "none",
         ep: int = 1,
-        pp: int = 1,
+        ep_span: Optional[int] = None,
     ) -> float:
         """Backward pass: twice the forward's compute (input and weight gradients), the
         forward's two all-reduces per layer (and, with expert parallelism, its two all-to-alls per
@@ -216,7 +224,7 @@ class Roofline:
           charged as its forward FLOPs ``4 h context`` per token per layer;
         * ``full``: a whole extra forward pass, communication included.
         """
-        fwd = self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, pp)
+        fwd = self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, ep_span)
         time_s = 2.0 * (self.seconds(fwd) - fwd.comm_s) + fwd.comm_s
         if recompute == "full":
             time_s += self.seconds(fwd)

@@ -173,18 +173,18 @@ class EngineCosts:
 
     def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                  ep: int = 1, pp: int = 1) -> float:
+                  ep: int = 1, ep_span: Optional[int] = None) -> float:
         t = self.engines.training
-        time_s = self.base.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, pp)
+        time_s = self.base.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span)
         time_s += self._score_traffic_s(t.attention_score_bytes_forward, model, num_tokens, seq_len, tp,
                                         num_layers)
         return time_s * t.compute_time_scale
 
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: Optional[str] = None, ep: int = 1, pp: int = 1) -> float:
+                   recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
         t = self.engines.training
-        time_s = self.base.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, pp)
+        time_s = self.base.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, ep_span)
         score_bytes = t.attention_score_bytes_backward
         if (recompute or self.base.recompute) in ("full", "selective"):  # both recompute the attention
             score_bytes += t.attention_score_bytes_forward

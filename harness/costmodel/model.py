@@ -19,14 +19,16 @@ NVLink when they fit on one node, else over the NICs.
 
 Expert parallelism (mixture-of-experts models, :mod:`.llama`): the op and memory methods take
 ``ep``, the expert-parallel degree of the layout (default 1: none). Its ep ranks are carved from
-the data-parallel group (as in Megatron-core): consecutive dp replicas, which in the plans' device
-order (:meth:`harness.core.plan.Allocation.device`: a replica's stages on consecutive devices) span
-``ep * tp * pp`` consecutive devices, and its all-to-alls run over NVLink when those fit on one
-node, else over the NICs (alpha-beta, :func:`harness.costmodel.comm.alltoall_s`; no all-to-all
-was measured), timed as the tp all-reduces are and added where they are. Megatron-core's default
-rank order, ``tp-cp-ep-dp-pp``, puts the pipeline outermost and keeps an ep group within
-``ep * tp`` devices; the plans do not take that order (docs/ASYNC.md). ``ep > 1`` on a dense
-model, or an ``ep`` that does not divide its experts, raises PlanError.
+the data-parallel group (as in Megatron-core): consecutive dp replicas. A training pass's
+all-to-alls run over NVLink when the group's members lie within a node's worth of consecutive
+devices, else over the NICs (alpha-beta, :func:`harness.costmodel.comm.alltoall_s`; no all-to-all
+was measured), timed as the tp all-reduces are and added where they are. The span comes from the
+layout's device order (:attr:`harness.core.plan.Allocation.ep_span`): ``ep * tp`` in
+Megatron-core's order, pipeline outermost, which the plans of verl and NeMo-RL on Megatron-core
+take (:meth:`~harness.core.plan.Allocation.pipeline_outermost`, ``baselines/refit.py``); across
+the pipeline's stages too where a replica's stages sit side by side (the plain order the other
+plans keep). A generation instance's group is ``ep`` instances of ``tp * pp`` devices side by
+side. ``ep > 1`` on a dense model, or an ``ep`` that does not divide its experts, raises PlanError.
 
 Speed: the generation simulator calls :meth:`CostModel.decode_step_s` ~1e5 times per
 simulated iteration. Configs are read once in the constructor into plain dataclasses; models
@@ -279,55 +281,56 @@ class CostModel:
 
     def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                   num_layers: Optional[float] = None,
-                  include_head: Optional[bool] = None, ep: int = 1, pp: int = 1) -> float:
+                  include_head: Optional[bool] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
         """Forward of ``num_tokens`` tokens in causal sequences of ``seq_len`` through
         ``num_layers`` layers (a pipeline stage; all when ``None``). A profiled whole-model
         time is scaled by ``num_layers / model.num_layers``. ``ep``: the layout's expert
-        parallelism, ``pp``: its pipeline degree (with ``ep``, where the all-to-alls run)."""
+        parallelism, ``ep_span``: the devices its ep group lies among, which set the link of the
+        all-to-alls (:attr:`harness.core.plan.Allocation.ep_span`; None: ``ep * tp``)."""
         if self.engine_costs is not None:
-            return self.engine_costs.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, pp)
+            return self.engine_costs.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span)
         if ep != 1:
             self.check_expert_parallel(model, ep)
-            return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, pp)
+            return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span)
         return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
 
     @_memoised
     def _forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   ep: int = 1, pp: int = 1) -> float:
+                   ep: int = 1, ep_span: Optional[int] = None) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("forward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
         if ep != 1:
-            return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head, ep, pp)
+            return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head, ep, ep_span)
         return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                       include_head)
 
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: Optional[str] = None, ep: int = 1, pp: int = 1) -> float:
+                   recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
         """Backward (with the workload's activation recomputation unless ``recompute``); ``ep``,
-        ``pp`` as in :meth:`forward_s`."""
+        ``ep_span`` as in :meth:`forward_s`."""
         if self.engine_costs is not None:
             return self.engine_costs.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute,
-                                                ep, pp)
+                                                ep, ep_span)
         if ep != 1:
             self.check_expert_parallel(model, ep)
-            return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, pp)
+            return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, ep_span)
         return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
 
     @_memoised
     def _backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                     num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                    recompute: Optional[str] = None, ep: int = 1, pp: int = 1) -> float:
+                    recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("backward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
         if ep != 1:
             return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head,
-                                           recompute or self.recompute, ep, pp)
+                                           recompute or self.recompute, ep, ep_span)
         return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                        include_head, recompute or self.recompute)
 

@@ -344,6 +344,9 @@ class RLHFuse(System):
                     m_a = w.mini_batch_size // (dp_a * w.micro_batch_size)
                     m_c = w.mini_batch_size // (dp_c * w.micro_batch_size)
                     pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
+                    # the meshes the plan gives them (the critic's reversed), for the ep groups' reach
+                    ep_spans = {"actor": Allocation(full_mesh(n), sa).ep_span,
+                                "critic": Allocation(self._reversed_mesh(n, tp, num_ranks, pp_c), sc).ep_span}
                     costs = {}
                     for name, pipe in pipes.items():
                         model = actor if pipe.model == "actor" else critic
@@ -351,7 +354,8 @@ class RLHFuse(System):
                         # activation memory at the longest sequence, as the memory check counts it
                         costs[name] = training_pipe_costs(cm, model, pipe.num_stages, tp, w.micro_batch_size, seq,
                                                           layouts.seq_max, w.activation_recompute, p2p,
-                                                          (sa if pipe.model == "actor" else sc).ep)
+                                                          (sa if pipe.model == "actor" else sc).ep,
+                                                          ep_spans[pipe.model])
                     cand = FusedCandidate(sa, sc, pipes, costs, math.inf)
                     act_need = max(c.activation[0] for c in costs.values())
                     if self._mem_cap(ctx, layouts, cand) < 2 * act_need:

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import numpy as np
 
@@ -82,7 +83,7 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
         tokens_per_mb = float(mine.sum()) / num_mbs
         seq = float(mine.mean())
         compute = [cm.forward_s(model, tokens_per_mb, seq, s.tp, layers, include_head=p == s.pp - 1, ep=s.ep,
-                                pp=s.pp) for p in range(s.pp)]
+                                ep_span=task.allocation.ep_span) for p in range(s.pp)]
         stage_s = [max(c, gather) for c in compute]
         first = start_s
         for p in range(s.pp if record_spans else 0):
@@ -98,20 +99,22 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
 
 
 def training_pipe_costs(cm: CostModel, model, num_stages: int, tp: int, micro_batch_size: int, seq: float,
-                        activation_seq: float, recompute: str, p2p_s: float = 0.0, ep: int = 1) -> PipeCosts:
+                        activation_seq: float, recompute: str, p2p_s: float = 0.0, ep: int = 1,
+                        ep_span: Optional[int] = None) -> PipeCosts:
     """The one builder of a training pipe's :class:`PipeCosts` from the cost model (the plan's
     stages here, RLHFuse's fused-layout candidates and its experiments): per stage of
     ``model.num_layers / num_stages`` layers, forward and backward seconds of one micro-batch of
     ``micro_batch_size`` sequences of ``seq`` tokens (the LM or value head on the last stage; a MoE
-    model's experts split over ``ep`` ranks, with their all-to-alls), activation GB per in-flight
+    model's experts split over ``ep`` ranks, with their all-to-alls over ``ep_span`` devices:
+    :attr:`~harness.core.plan.Allocation.ep_span`), activation GB per in-flight
     micro-batch at ``activation_seq`` tokens a sequence, and ``p2p_s`` per pipeline hop. No ZeRO-3
     gathers (:func:`_pipe_costs` adds them)."""
     tokens = micro_batch_size * seq
     layers = model.num_layers / num_stages
     last = num_stages - 1
-    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, pp=num_stages)
+    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, ep_span=ep_span)
                 for st in range(num_stages))
-    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, pp=num_stages)
+    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, ep_span=ep_span)
                 for st in range(num_stages))
     act = cm.activation_gb(model, micro_batch_size, activation_seq, tp, layers, recompute)
     return PipeCosts(fwd, bwd, (act,) * num_stages, p2p_s)
@@ -132,7 +135,7 @@ def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: fl
             a, b = task.allocation.device(0, 0, 0), task.allocation.device(0, 1, 0)
             p2p = cm.p2p_s(tokens * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
         pure = training_pipe_costs(cm, model, pipe.num_stages, s.tp, stage.micro_batch_size, seq, seq, recompute, p2p,
-                                   s.ep)
+                                   s.ep, task.allocation.ep_span)
         layers = model.num_layers / pipe.num_stages
         gather = _zero3_gather_s(cm, model, task, layers)
         if gather:

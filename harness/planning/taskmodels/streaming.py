@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -52,16 +53,16 @@ def _load_times(cm: CostModel, move: WeightMovement | None, model) -> dict[int, 
 
 
 def _stage_times(cm: CostModel, tasks: list[Task], models: dict, tokens: float, seq: float, tp: int,
-                 pp: int, ep: int = 1) -> dict[str, list[float]]:
+                 pp: int, ep: int = 1, ep_span: Optional[int] = None) -> dict[str, list[float]]:
     """Forward time of each pipeline stage for each task (stages are equal but for the head on the last;
     a MoE model's at the layout's expert parallelism, its ep replicas taken to pass together)."""
     out = {}
     for t in tasks:
         model = models[t.model]
         layers = model.num_layers / pp
-        body = cm.forward_s(model, tokens, seq, tp, layers, include_head=False, ep=ep, pp=pp) if pp > 1 else 0.0
+        body = cm.forward_s(model, tokens, seq, tp, layers, include_head=False, ep=ep, ep_span=ep_span) if pp > 1 else 0.0
         out[t.name] = [body] * (pp - 1) + [cm.forward_s(model, tokens, seq, tp, layers, include_head=True,
-                                                        ep=ep, pp=pp)]
+                                                        ep=ep, ep_span=ep_span)]
     return out
 
 
@@ -123,7 +124,8 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
                 tokens = float(shape[0])
                 # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
                 # stage time is the sum over the three models
-                per_task = _stage_times(cm, tasks, models, tokens, tokens / shape[1], s.tp, s.pp, s.ep)
+                per_task = _stage_times(cm, tasks, models, tokens, tokens / shape[1], s.tp, s.pp, s.ep,
+                                         alloc.ep_span)
                 # the stages are equal but the last (the head): two sums, not one per stage
                 body = sum(per_task[t.name][0] for t in tasks) if s.pp > 1 else 0.0
                 shapes[shape] = per_task, [body] * (s.pp - 1) + [sum(per_task[t.name][-1] for t in tasks)]

@@ -120,8 +120,8 @@ def test_a_dense_model_is_unchanged_through_every_function(name):
             assert memory.updated_params_per_device(d, 8, 2, pp, zero) == \
                 memory.max_stage_params(d, pp) / 2 / (8 if zero else 1)
     for cm in (roofline_cm(), calibrated_cm()):
-        assert cm.forward_s(d, 2048, 1024, 2, 10, ep=1, pp=4) == cm.forward_s(d, 2048, 1024, 2, 10)
-        assert cm.backward_s(d, 2048, 1024, 2, 10, ep=1, pp=4) == cm.backward_s(d, 2048, 1024, 2, 10)
+        assert cm.forward_s(d, 2048, 1024, 2, 10, ep=1, ep_span=16) == cm.forward_s(d, 2048, 1024, 2, 10)
+        assert cm.backward_s(d, 2048, 1024, 2, 10, ep=1, ep_span=16) == cm.backward_s(d, 2048, 1024, 2, 10)
         assert cm.decode_step_s(d, 16, 16 * 300, 2, 1, 1) == cm.decode_step_s(d, 16, 16 * 300, 2, 1)
         assert cm.decode_span_s(d, 16, 4800, 20, 2, 1, 1) == cm.decode_span_s(d, 16, 4800, 20, 2, 1)
         assert cm.prefill_s(d, 4096, 2, 2, 512, ep=1) == cm.prefill_s(d, 4096, 2, 2, 512)
@@ -245,15 +245,17 @@ def test_alltoall_is_zero_at_ep1_and_counted_in_forward_backward_prefill_decode(
     gpu = load_cluster("rlhfuse_testbed").gpu
     roof = Roofline(gpu, alltoall_s=a2a)
     assert roof.forward_cost(d, 4096, 512, tp=2, num_layers=12).comm_s == 0.0 and not calls
-    fwd = roof.forward_cost(d, 4096, 512, tp=2, num_layers=12, ep=4, pp=4)
+    fwd = roof.forward_cost(d, 4096, 512, tp=2, num_layers=12, ep=4)
     assert fwd.comm_s == pytest.approx(2 * 12 * 1e-3)  # dispatch and combine per MoE layer
-    assert calls[-1] == (4096 * 8 * 2048 * 2, 4, 4 * 2 * 4)  # the ep group spans ep x tp x pp devices
-    bwd = roof.backward_s(d, 4096, 512, tp=2, num_layers=12, ep=4, pp=4)
+    assert calls[-1] == (4096 * 8 * 2048 * 2, 4, 4 * 2)  # without a layout: the ep group's tp groups side by side
+    fwd = roof.forward_cost(d, 4096, 512, tp=2, num_layers=12, ep=4, ep_span=26)
+    assert calls[-1][2] == 26  # the span the layout gives (Allocation.ep_span)
+    bwd = roof.backward_s(d, 4096, 512, tp=2, num_layers=12, ep=4, ep_span=26)
     assert bwd == pytest.approx(2.0 * (roof.seconds(fwd) - fwd.comm_s) + fwd.comm_s)  # two more
     assert roof.decode_step_cost(d, 8, 800, tp=2, ep=4).comm_s == pytest.approx(2 * 48 * 1e-3)
     assert roof.prefill_cost(d, 2048, tp=2, ep=4).comm_s == pytest.approx(2 * 48 * 1e-3)
     cc = CalibratedCompute(Calibration.load("h100"), 989.0, alltoall_s=a2a)
-    with_ep, without = cc.forward_s(d, 4096, 512, 2, 12, ep=4, pp=1), cc.forward_s(d, 4096, 512, 2, 12)
+    with_ep, without = cc.forward_s(d, 4096, 512, 2, 12, ep=4), cc.forward_s(d, 4096, 512, 2, 12)
     assert with_ep - without == pytest.approx(2 * 12 * 1e-3 + 12 * (cc.linear_layer_s(d, 2, 4096.0, 4)
                                                                    - cc.linear_layer_s(d, 2, 4096.0)))
     decode_ep, decode = cc.decode_step_gpu_s(d, 8, 800, 2, 1, 4), cc.decode_step_gpu_s(d, 8, 800, 2, 1, 1)

@@ -105,3 +105,53 @@ def test_a_pinned_ep_on_a_moe_model_plans_and_writes_ep():
     assert plan.task("gen").allocation.strategy.ep == 2
     strategies = [t["allocation"]["strategy"] for t in json.loads(plan.to_json())["tasks"]]
     assert {"dp": 64, "tp": 4, "pp": 1, "zero_stage": 1, "ep": 8} in strategies
+
+
+@pytest.mark.parametrize("dp,tp,pp,ep", [(8, 1, 2, 8), (4, 2, 2, 2), (2, 4, 3, 2), (6, 1, 1, 3)])
+def test_pipeline_outermost_is_megatron_cores_rank_order(dp, tp, pp, ep):
+    """Megatron-core's default order tp-cp-ep-dp-pp, tp varying fastest: global rank
+    ``t + tp * (k + dp * p)`` for tp rank t, dp rank k, pipeline rank p; the allocation lays those
+    ranks on a mesh of devices in that order, and its ep groups lie among ``ep * tp`` devices."""
+    devices = tuple(100 + 3 * i for i in range(dp * tp * pp))  # any device ids, in rank order
+    alloc = Allocation.pipeline_outermost(devices, ParallelStrategy(dp, tp, pp, ep=ep))
+    assert sorted(alloc.mesh) == sorted(devices)
+    for k in range(dp):
+        for p in range(pp):
+            for t in range(tp):
+                assert alloc.device(k, p, t) == devices[t + tp * (k + dp * p)]
+            assert alloc.stage_devices(k, p) == tuple(alloc.device(k, p, t) for t in range(tp))
+    packed = Allocation.pipeline_outermost(tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp, ep=ep))
+    assert packed.ep_span == ep * tp
+    # the plain order puts a replica's stages side by side, so its ep groups reach across the pipeline
+    plain = Allocation(tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp, ep=ep))
+    assert plain.ep_span == (ep - 1) * pp * tp + tp
+    if pp == 1:
+        assert packed.mesh == plain.mesh
+
+
+def test_pipeline_outermost_refuses_a_wrong_device_count():
+    with pytest.raises(PlanError, match="needs dp\\*tp\\*pp = 16 devices but 8"):
+        Allocation.pipeline_outermost(tuple(range(8)), ParallelStrategy(8, 1, 2, ep=8))
+
+
+def test_ep_span_is_tp_without_expert_parallelism():
+    assert Allocation(tuple(range(16)), ParallelStrategy(4, 2, 2)).ep_span == 2
+
+
+def test_a_megatron_layout_keeps_its_ep_groups_within_a_node_and_times_them_there():
+    """dp8pp2ep8 on two nodes: in Megatron-core's order every ep group is one node's 8 GPUs, so
+    the MoE all-to-alls take NVLink, and the plan's passes are faster than the same layout in the
+    plain order, whose ep groups span both nodes."""
+    overrides = ["+system=nemo_rl", "algo=grpo", "model=qwen3_30b_a3b", "cluster=h100_8x", "cluster.num_nodes=2",
+                 "workload.global_batch_size=64", "workload.mini_batch_size=64", "workload.micro_batch_size=1",
+                 "system.train_layout=dp8tp1pp2ep8"]
+    plan, ctx, _ = plan_for(overrides)
+    train = plan.task("update_actor").allocation
+    assert train.strategy == ParallelStrategy(8, 1, 2, 1, ep=8) and train.ep_span == 8
+    nodes = {tuple(sorted({train.device(k, p, 0) // 8 for k in range(8)})) for p in range(2)}
+    assert nodes == {(0,), (1,)}  # stage p of every replica on node p
+    cm, model = ctx.cost_model, ctx.model("actor")
+    args = (model, 4096.0, 4096.0, 1, model.num_layers / 2)
+    in_node = cm.forward_s(*args, ep=8, ep_span=train.ep_span)
+    across = cm.forward_s(*args, ep=8, ep_span=Allocation(tuple(range(16)), train.strategy).ep_span)
+    assert in_node < across
