@@ -45,6 +45,9 @@ class NemoRLConfig(SystemConfig):
     impl: str = "baselines.nemo_rl.NemoRL"
     gen_tp: int = 0  # policy.generation.vllm_cfg.tensor_parallel_size; 0 = the fastest that fits
     max_num_seqs: int = 256  # sequences per vLLM engine (vLLM's default max_num_seqs)
+    # policy.generation.vllm_cfg.gpu_memory_utilization: the share of each GPU vLLM takes for its weights
+    # and KV cache (the recipes: 0.6 colocated, 0.8 asynchronous); None = what the plan leaves free
+    gpu_memory_utilization: Optional[float] = None
     train_layout: Optional[str] = None  # policy.megatron_cfg's dp/tp/pp, e.g. dp16tp4pp1; None = searched
     zero_stage: int = 1  # Megatron-core's distributed optimizer shards the optimizer states (ZeRO-1)
     generation_nodes: int = 0  # 0: colocated (refit on the same GPUs); k: generation on the last k nodes
@@ -81,7 +84,8 @@ class NemoRL(RefitSystem):
                                batch_order="iteration", max_groups_in_flight=prompts * max(1, max_staleness))
     KNOBS = {"rollout_tp": "gen_tp", "max_num_seqs": "max_num_seqs", "train_layout": "train_layout",
              "zero_stage": "zero_stage", "generation_nodes": "generation_nodes", "generation_gpus": "generation_gpus",
-             "offload_for_generation": "offload_for_generation", "max_staleness": "max_trajectory_age_steps"}
+             "offload_for_generation": "offload_for_generation", "max_staleness": "max_trajectory_age_steps",
+             "gpu_memory_utilization": "gpu_memory_utilization"}
 
 
 register_system_config("nemo_rl", NemoRLConfig)

@@ -78,7 +78,8 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
                train_layout: Optional[str], zero_stage: int, generation_nodes: int = 0,
                generation_gpus: int = 0, off_policy: Optional[OffPolicyPolicy] = None,
                offload_for_generation: bool = False, stream_inference: bool = False,
-               dispatch: Optional[LengthDispatch] = None, keys: dict[str, str]) -> Plan:
+               dispatch: Optional[LengthDispatch] = None, gpu_memory_utilization: Optional[float] = None,
+               keys: dict[str, str]) -> Plan:
     """The plan of the module docstring for ``system``. ``generation_nodes`` > 0 gives generation
     that many nodes of its own (the last ones) and the training engine the rest, the new weights
     then broadcast to the generation engines each iteration (``param_sync``) instead of refit on
@@ -92,7 +93,9 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     partial rollout, whose iterations do not overlap (:mod:`harness.planning.partial`).
     ``stream_inference``: finished samples stream into the inference tasks that read them
     (:func:`~harness.planning.assembler.assemble_ppo_plan`); ``dispatch``: the vLLM engines take
-    samples by predicted length (``GenerationPolicy.dispatch``). ``keys`` names the system's option of each knob (``rollout_tp``,
+    samples by predicted length (``GenerationPolicy.dispatch``); ``gpu_memory_utilization``: the
+    share of each GPU vLLM takes for its weights and KV cache (``GenerationPolicy.memory_frac``; None:
+    what the plan leaves free). ``keys`` names the system's option of each knob (``rollout_tp``,
     ``train_layout``, ``generation_nodes`` or ``generation_gpus``, ``max_staleness``) for errors and hints."""
     n, per_node = ctx.num_devices, ctx.cluster.gpus_per_node
     parallelism = ctx.engines.training.parallelism if ctx.engines is not None else "zero"
@@ -159,7 +162,10 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
     multi_node_tps = [] if rollout_tp else [
         tp for tp in (per_node * 2 ** k for k in range(1, len(gen_mesh).bit_length()))
         if tp <= len(gen_mesh) and len(gen_mesh) % tp == 0 and tp_splits_heads(tp, [actor])]
-    policy = GenerationPolicy("continuous", max_num_seqs, dispatch=dispatch)
+    if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"{keys['gpu_memory_utilization']}={gpu_memory_utilization}: vLLM's share of each GPU's "
+                          f"memory must lie in (0, 1]")
+    policy = GenerationPolicy("continuous", max_num_seqs, dispatch=dispatch, memory_frac=gpu_memory_utilization)
     sync = MovementKind.PARAM_SYNC if num_gen_gpus else MovementKind.REALLOC
     offloaded = tuple(m for m in ("actor", "ref") if m in ctx.roles) if offload_for_generation and not num_gen_gpus else ()
     plans: dict[tuple[ParallelStrategy, int], Plan] = {}
@@ -214,7 +220,8 @@ def refit_plan(ctx: PlanContext, system: str, *, rollout_tp: int, max_num_seqs: 
 
 class RefitSystem(System):
     """A system planned by :func:`refit_plan`. ``KNOBS`` maps each knob (``rollout_tp``,
-    ``max_num_seqs``, ``train_layout``, ``zero_stage``, ``generation_nodes``) to the field of the
+    ``max_num_seqs``, ``train_layout``, ``zero_stage``, ``generation_nodes``,
+    ``gpu_memory_utilization``, ...) to the field of the
     system's config that sets it (the framework's own name for it); a knob it does not map is off."""
 
     KNOBS: dict[str, str] = {}
@@ -247,7 +254,7 @@ class RefitSystem(System):
                           off_policy=self.off_policy(ctx, knob.get("max_staleness")),
                           offload_for_generation=bool(knob.get("offload_for_generation", False)),
                           stream_inference=bool(knob.get("stream_inference", False)), dispatch=knob.get("dispatch"),
-                          keys=keys)
+                          gpu_memory_utilization=knob.get("gpu_memory_utilization"), keys=keys)
 
 
 def fastest_split(system: RefitSystem, ctx: PlanContext) -> Plan:

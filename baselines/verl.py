@@ -36,6 +36,9 @@ class VerlConfig(SystemConfig):
     impl: str = "baselines.verl.Verl"
     rollout_tp: int = 0  # actor_rollout_ref.rollout.tensor_model_parallel_size; 0 = the fastest that fits
     max_num_seqs: int = 1024  # actor_rollout_ref.rollout.max_num_seqs: sequences per vLLM engine
+    # actor_rollout_ref.rollout.gpu_memory_utilization: the share of each GPU vLLM takes for its weights and
+    # KV cache; None = what the plan leaves free
+    gpu_memory_utilization: Optional[float] = None
     train_layout: Optional[str] = None  # Megatron backend only (engine.training=megatron): e.g. dp8tp4pp1
     zero_stage: int = 1  # Megatron backend: its distributed optimizer shards the optimizer states (ZeRO-1)
     generation_engine: str = "vllm"
@@ -45,7 +48,7 @@ class VerlConfig(SystemConfig):
 class Verl(RefitSystem):
     cfg: VerlConfig
     KNOBS = {"rollout_tp": "rollout_tp", "max_num_seqs": "max_num_seqs", "train_layout": "train_layout",
-             "zero_stage": "zero_stage"}
+             "zero_stage": "zero_stage", "gpu_memory_utilization": "gpu_memory_utilization"}
 
 
 register_system_config("verl", VerlConfig)

@@ -383,7 +383,8 @@ def nemo_rl_row(m: dict) -> list[dict]:
           "workload.output_len.kind=lognormal", f"workload.output_len.median={median:.1f}",
           f"workload.output_len.sigma={HOPPER_OUTPUT_SIGMA}", f"workload.output_len.max={max_gen}",
           f"workload.activation_recompute={'full' if o.get('activation_checkpointing') else 'selective'}",
-          f"system.gen_tp={int(p['gen_TP'])}"]
+          f"system.gen_tp={int(p['gen_TP'])}",
+          f"system.gpu_memory_utilization={o.get('vllm_gpu_memory_utilization', 0.6)}"]
     layout_note = ""
     if fsdp:  # the fsdp engine shards over every GPU (dp = N, ZeRO-3); tensor parallelism beside it is not modelled
         ov.append("engine.training=fsdp")
@@ -420,8 +421,10 @@ def nemo_rl_row(m: dict) -> list[dict]:
               f"prompt), so that their mean is the published {mean_out:g}; {prompts} prompts x {group} responses, "
               f"{per_step} responses per optimizer step; reference model evaluated (KL "
               f"{o.get('reference_policy_kl_penalty', 0.01)}); sequence packing"
-              f"{' (on in the recipe)' if o.get('sequence_packing') else ''} and vLLM's gpu_memory_utilization "
-              f"{o.get('vllm_gpu_memory_utilization', 0.6)} not modelled; training "
+              f"{' (on in the recipe)' if o.get('sequence_packing') else ''} not modelled; vLLM's "
+              f"gpu_memory_utilization {o.get('vllm_gpu_memory_utilization', 0.6)}"
+              f"{'' if 'vllm_gpu_memory_utilization' in o else ' (not recorded: NeMo-RL recipes default to 0.6)'}; "
+              f"training "
               f"{'FSDP2 (engine.training=fsdp)' if fsdp else 'Megatron-core'}, generation vLLM tp {p['gen_TP']}"
               f"{layout_note}{pools_note}{cluster_note}")
     out = [{"metric": "step_s", "value": float(m["value"]), "overrides": ov, "assumptions": assume}]

@@ -312,7 +312,10 @@ class GenerationPolicy:
     - ``synced_instances``: static rounds end together, when the longest sample of the round on
       *any* instance ends (``generate(synced_gpus=True)`` under ZeRO-3);
     - ``pad_to_longest``: later passes (inference, training) see every sample padded to the
-      longest prompt + response of its generation round (``generate`` returns one padded tensor).
+      longest prompt + response of its generation round (``generate`` returns one padded tensor);
+    - ``memory_frac``: the share of each device's memory the generation engine takes for its
+      weights and KV cache (vLLM's ``gpu_memory_utilization``), which caps the KV cache at
+      ``memory_frac`` x the device's memory less the weights; None: whatever the plan leaves free.
 
     With engines (``Plan.engines``), the plan assembler sets batching, syncing and padding by the
     generation engine's rules for the plan's layout (:func:`harness.core.engines.policy_fields`). How
@@ -326,8 +329,12 @@ class GenerationPolicy:
     synced_instances: bool = False
     pad_to_longest: bool = False
     dispatch: Optional[LengthDispatch] = None  # None: samples dealt to instances round-robin
+    memory_frac: Optional[float] = None  # None: the KV cache takes what the plan leaves free
 
     def __post_init__(self) -> None:
+        if self.memory_frac is not None and not 0.0 < self.memory_frac <= 1.0:
+            raise PlanError(f"generation memory_frac={self.memory_frac} must lie in (0, 1]: the share of a "
+                            f"device's memory the generation engine takes")
         if self.batching not in ("continuous", "static"):
             raise PlanError(f"generation batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.dispatch is not None and (self.batching != "continuous" or self.migration is not None):
@@ -560,8 +567,6 @@ class Plan:
         d.pop("layout_keys")
         if self.off_policy is None:  # on-policy plans' plan.json as before the field existed
             d.pop("off_policy")
-        if self.generation.dispatch is None:  # likewise plans that deal samples round-robin
-            d["generation"].pop("dispatch")
         for task, t in zip(self.tasks, d["tasks"]):  # strategies without ep when it is 1
             t["allocation"]["strategy"] = task.allocation.strategy.to_dict()
         for move, m in zip(self.weight_movements, d["weight_movements"]):
@@ -571,6 +576,9 @@ class Plan:
         d["generation"] = {"batching": g["batching"], "max_batch_size": g["max_batch_size"],
                            "migration": g["migration"], **self.generation_kernels(),
                            "synced_instances": g["synced_instances"], "pad_to_longest": g["pad_to_longest"]}
+        for key in ("dispatch", "memory_frac"):  # written only when set, so older plans' plan.json stays as it was
+            if g[key] is not None:
+                d["generation"][key] = g[key]
         d["engines"] = None if self.engines is None else self.engines.to_dict()
         d["training"] = [
             {**{k: v for k, v in asdict(s).items() if k != "schedule"}, "schedule": schedule_to_dict(s.schedule)}

@@ -5,7 +5,9 @@ iteration (``Plan.resident``) + the task's working set:
 
 - generate: the generation copy of the weights (unless resident; on ZeRO-3 shards in place, two gathered
   layers) + the KV cache of at least one
-  maximum-length sample (prompt cap + ``max_gen_len``); the rest of memory is KV capacity;
+  maximum-length sample (prompt cap + ``max_gen_len``); the rest of memory is KV capacity, at most
+  the engine's share of the device (``GenerationPolicy.memory_frac``, vLLM's
+  ``gpu_memory_utilization``) less its weights;
 - inference: weights (unless resident) + one layer's forward activations for a micro-batch (without
   the attention scores where the training engine's attention is fused: :func:`fused_attention`);
 - train: weights, gradients and optimizer states (unless resident) + the schedule's peak in-flight
@@ -200,9 +202,30 @@ def check_plan_memory(plan: Plan, cm: CostModel, models, workload) -> MemoryRepo
             used = float(resident_arr[mesh].max())
             weights = sum(v for k, v in working.items() if "weights" in k)
             report.kv_capacity_gb[task.name] = capacity - used - weights
+            if plan.generation.memory_frac is not None:
+                report.kv_capacity_gb[task.name] = min(report.kv_capacity_gb[task.name],
+                                                       _engine_share_kv_gb(plan, task, cm, models, workload))
     for new in first_seen:
         report.peak_gb.update(zip(new.tolist(), peak_arr[new].tolist()))
     return report
+
+
+def _engine_share_kv_gb(plan: Plan, task: Task, cm: CostModel, models, workload) -> float:
+    """The KV cache the generation engine's share of a device holds (vLLM's
+    ``gpu_memory_utilization`` x the device's memory less the engine's weights); raises
+    PlanMemoryError when it holds less than one maximum-length sample."""
+    s, model = task.allocation.strategy, getattr(models, task.model)
+    frac = plan.generation.memory_frac
+    weights_gb = cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
+    kv_gb = frac * cm.gpu.hbm_gb - weights_gb
+    one_sample_gb = kv_one_sample_gb(cm, model, s, workload)
+    if kv_gb < one_sample_gb:
+        raise PlanMemoryError(
+            f"plan of {plan.system}: task {task.name} ({s}) gives its generation engine {frac:g} of each "
+            f"device's {cm.gpu.hbm_gb:g} GB ({frac * cm.gpu.hbm_gb:.1f} GB), which holds the {task.model} weights "
+            f"({weights_gb:.1f} GB) but not the KV cache of one maximum-length sample ({one_sample_gb:.2f} GB); "
+            f"raise the generation engine's memory share (gpu_memory_utilization) or its tensor parallelism")
+    return kv_gb
 
 
 def _device_index(mesh: tuple[int, ...]):

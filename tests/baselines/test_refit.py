@@ -183,3 +183,36 @@ def test_offloading_for_generation_is_what_lets_a_recipe_layout_fit():
     cm = ctx.cost_model
     assert report.kv_capacity_gb["gen"] == pytest.approx(cm.hbm_capacity_gb - cm.weights_gb(ctx.models.actor, 1, 1),
                                                          rel=1e-12)
+
+
+@pytest.mark.parametrize("system", ["verl", "nemo_rl"])
+def test_gpu_memory_utilization_caps_the_kv_cache_at_vllms_share_less_its_weights(system):
+    """vLLM's gpu_memory_utilization: the engine's share of each GPU holds its weights and its KV
+    cache, so the KV capacity is that share less the weights (closed form), below what the plan
+    would otherwise leave free; generation with less KV is never faster."""
+    from harness.planning.memory import check_plan_memory
+
+    tp_key = {"verl": "system.rollout_tp", "nemo_rl": "system.gen_tp"}[system]
+    base = [f"+system={system}", *GRPO, "model=7b", "cluster.num_nodes=1", f"{tp_key}=1"]
+    free, ctx, _ = plan_for(base)
+    capped, _, _ = plan_for([*base, "system.gpu_memory_utilization=0.3"])
+    assert capped.generation.memory_frac == 0.3 and free.generation.memory_frac is None
+    gen = capped.task("gen")
+    s, cm = gen.allocation.strategy, ctx.cost_model
+    kv_free = check_plan_memory(free, cm, ctx.models, ctx.workload).kv_capacity_gb["gen"]
+    kv_capped = check_plan_memory(capped, cm, ctx.models, ctx.workload).kv_capacity_gb["gen"]
+    assert kv_capped == pytest.approx(0.3 * cm.gpu.hbm_gb - cm.weights_gb(ctx.model("actor"), s.tp, s.pp))
+    assert kv_capped < kv_free
+    assert simulate_plan(ctx, capped).makespan_s >= simulate_plan(ctx, free).makespan_s
+
+
+def test_a_share_too_small_for_the_weights_is_refused_before_any_work():
+    with pytest.raises(HarnessError, match="gives its generation engine 0.1 of each device"):
+        plan_for(["+system=nemo_rl", *GRPO, "model=7b", "cluster.num_nodes=1", "system.gen_tp=1",
+                  "system.gpu_memory_utilization=0.1"])
+
+
+@pytest.mark.parametrize("value", [0, 1.5])
+def test_gpu_memory_utilization_outside_zero_one_is_a_config_error(value):
+    with pytest.raises(HarnessError, match=r"system\.gpu_memory_utilization"):
+        plan_for(["+system=verl", *GRPO, "model=7b", "cluster.num_nodes=1", f"system.gpu_memory_utilization={value}"])

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from harness.errors import PlanError
-from harness.core.plan import (Allocation, Feature, GenerationPolicy, MigrationPolicy, ModelRole, MovementKind,
-                          ParallelStrategy, Plan, ResidentState, Task, TaskKind, TrainingStage, WeightMovement)
+from harness.core.plan import (Allocation, Feature, GenerationPolicy, LengthDispatch, MigrationPolicy, ModelRole,
+                               MovementKind, ParallelStrategy, Plan, ResidentState, Task, TaskKind, TrainingStage,
+                               WeightMovement)
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.workflow import PPO_TASKS
 from harness.schedule import PipeSpec, build
@@ -191,6 +192,22 @@ def test_json_round_trip(tiny_ctx, rich):
     assert [m.kind for m in again.weight_movements] == [m.kind for m in plan.weight_movements]
     assert all(isinstance(t.kind, TaskKind) and isinstance(t.model, ModelRole) for t in again.tasks)
     again.validate(4)
+
+
+def test_dispatch_and_memory_frac_round_trip_and_are_written_only_when_set(tiny_ctx):
+    policy = GenerationPolicy("continuous", 8, dispatch=LengthDispatch(1, 0.2, 0.87), memory_frac=0.6)
+    plan = ppo_plan(tiny_ctx, {"gen": OTHER}, generation=policy)
+    again = Plan.from_json(plan.to_json())
+    assert again.generation == policy
+    assert again.to_json() == plan.to_json()
+    plain = ppo_plan(tiny_ctx, {"gen": OTHER}).to_dict()["generation"]
+    assert "dispatch" not in plain and "memory_frac" not in plain
+
+
+@pytest.mark.parametrize("frac", [0.0, -0.1, 1.5])
+def test_memory_frac_is_a_share_of_the_device(frac):
+    with pytest.raises(PlanError, match="memory_frac"):
+        GenerationPolicy("continuous", 8, memory_frac=frac)
 
 
 def test_to_dict_is_plain_json(tiny_ctx):
