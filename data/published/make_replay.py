@@ -407,13 +407,17 @@ def nemo_rl_row(m: dict) -> list[dict]:
             raise NoFit(f"pools of {gen_gpus} + {train_gpus} GPUs are not the row's {n}")
         ov += [f"system.generation_gpus={gen_gpus}", f"system.max_trajectory_age_steps={age}",
                "system.in_flight_weight_updates=true"]
-        # the first window fills the pipeline; steady state from the second (harness/planning/iterations.py)
-        ov += ["backend.num_iterations=2", "backend.num_warmup_iterations=1"]
+        # The first age + 1 windows are warm-up: the collector starts with every target up to the age open, so
+        # the early windows run ahead of the steady state; then four windows (two periods of the alternation
+        # between a long and a short step the steady state can settle into), averaged as the table averages
+        # its steps (harness/planning/iterations.py, harness/planning/rollout.py)
+        ov += [f"backend.num_iterations={age + 5}", f"backend.num_warmup_iterations={age + 1}"]
         pools_note = (f"; asynchronous GRPO, max_trajectory_age_steps {age}: generation on {gen_gpus} GPUs of its "
                       f"own, training on {train_gpus}, continuous rollout with {prompts} x {age} prompt groups in "
                       f"flight; in_flight_weight_updates true (assumed from the asynchronous performance recipes "
                       f"of later tags, e.g. grpo-qwen3-30ba3b-4n8g-async-1off.yaml; the row's recipe is not "
-                      f"recorded with it); step = the interval between training steps in steady state")
+                      f"recorded with it); step = the mean interval between training steps over four windows after "
+                      f"{age + 1} of warm-up")
     else:
         ov += FAST
     assume = (f"{prompt_note}; responses lognormal (sigma {HOPPER_OUTPUT_SIGMA:g}, an assumption: no source publishes "

@@ -169,6 +169,20 @@ def test_stage_lines_are_parts_of_their_point():
         assert total <= step_s * (1 + 1e-3), (pid, total, step_s)
 
 
+def test_asynchronous_lines_measure_the_steady_state():
+    """An asynchronous row's collector opens every target up to its age at the start, so the first
+    age + 1 windows run ahead of the steady state; each such line warms up that long and then averages
+    four windows (the steady state can alternate between a long and a short step)."""
+    lines = [p for p in validate.read_replay(REPLAY)
+             if any(o.startswith("system.max_trajectory_age_steps=") for o in p.overrides)]
+    assert len(lines) == 16
+    for p in lines:
+        opt = dict(o.split("=", 1) for o in p.overrides if "=" in o)
+        age = int(opt["system.max_trajectory_age_steps"])
+        warm = int(opt["backend.num_warmup_iterations"])
+        assert warm == age + 1 and int(opt["backend.num_iterations"]) - warm == 4, p.id
+
+
 def test_a_subset_of_every_source_replays_in_ci():
     """One point per source (the CI subset): each plans, fits in memory and simulates."""
     points = validate.read_replay(REPLAY)
