@@ -344,9 +344,11 @@ class RLHFuse(System):
                     m_a = w.mini_batch_size // (dp_a * w.micro_batch_size)
                     m_c = w.mini_batch_size // (dp_c * w.micro_batch_size)
                     pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
-                    # the meshes the plan gives them (the critic's reversed), for the ep groups' reach
-                    ep_spans = {"actor": Allocation(full_mesh(n), sa).ep_span,
-                                "critic": Allocation(self._reversed_mesh(n, tp, num_ranks, pp_c), sc).ep_span}
+                    # a MoE model's ep groups' reach on the mesh the plan gives it (the critic's reversed);
+                    # a dense model has none, and its meshes are not built here
+                    ep_spans = {"actor": Allocation(full_mesh(n), sa).ep_span if sa.ep > 1 else None,
+                                "critic": Allocation(self._reversed_mesh(n, tp, num_ranks, pp_c), sc).ep_span
+                                if sc.ep > 1 else None}
                     costs = {}
                     for name, pipe in pipes.items():
                         model = actor if pipe.model == "actor" else critic
