@@ -138,7 +138,7 @@ class RealHF(System):
                 t = inference_s(ctx, task, batch)
                 if task.model in plan.offloaded:
                     s = task.allocation.strategy
-                    weights_gb = ctx.cost_model.weights_gb(ctx.model(task.model), s.tp, s.pp, ep=s.ep)
+                    weights_gb = ctx.cost_model.weights_gb(ctx.model(task.model), s.tp, s.pp, ep=s.ep, etp=s.etp)
                     t += ctx.cost_model.host_transfer_s(weights_gb * 1e9)
             elif task.kind == TaskKind.TRAIN:
                 stage = single_pipe_stage(task.name, task.model, task.allocation.strategy, w.mini_batch_size,

@@ -390,14 +390,16 @@ def nemo_rl_row(m: dict) -> list[dict]:
         ov.append("engine.training=fsdp")
         if tp > 1:
             layout_note = f"; FSDP2 over all {n} GPUs (the recipe's DTensor tp {tp} with sequence parallelism not modelled)"
-    elif cp > 1:  # context parallelism and Megatron's expert-parallel folding over tp x cp are not modelled
-        folded_ep = max(e for e in (1, 2, 4, 8, 16, 32, 64) if e <= ep and (dp * cp) % e == 0)
-        ov.append(f"system.train_layout=dp{dp * cp}tp{tp}pp{pp}" + (f"ep{folded_ep}" if folded_ep > 1 else ""))
-        layout_note = (f"; the recipe's tp{tp} cp{cp} ep{ep} pp{pp} dp{dp} as dp{dp * cp}tp{tp}pp{pp}ep{folded_ep}: "
-                       f"context parallelism counted as data parallelism, and expert parallelism {folded_ep} (carved "
-                       f"from dp here; Megatron folds its {ep} over tp x cp x dp), neither of which the harness models")
-    else:
-        ov.append(f"system.train_layout=dp{dp}tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else ""))
+    else:  # Megatron-core: expert parallelism folded with expert tensor parallelism over tp x cp x dp
+        etp = int(p.get("train_ETP") or tp)  # expert_tensor_parallel_size; Megatron-core's default is tp
+        if ep > 1 and (dp * cp * tp) % (ep * etp):
+            raise NoFit(f"expert parallelism {ep} x expert tensor parallelism {etp} does not divide the "
+                        f"{dp * cp * tp} ranks of a pipeline stage")
+        ov.append(f"system.train_layout=dp{dp * cp}tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
+                  + (f"etp{etp}" if ep > 1 and etp != tp else ""))
+        if cp > 1:  # context parallelism is not modelled
+            layout_note = (f"; the recipe's tp{tp} cp{cp} pp{pp} dp{dp} as dp{dp * cp}tp{tp}pp{pp}: context "
+                           f"parallelism counted as data parallelism, which the harness models in its place")
     off_policy = not m["policy_mode"].startswith("on-policy")
     pools_note = ""
     if off_policy:  # asynchronous GRPO: generation on GPUs of its own, up to `age` steps ahead of training

@@ -32,7 +32,12 @@ pipeline outermost (:meth:`Allocation.pipeline_outermost`).
 Expert parallelism (``ParallelStrategy.ep``) is carved from data parallelism, as in Megatron-core:
 dp replicas ``k * ep .. k * ep + ep - 1`` form one expert-parallel group (each holding ``1 / ep``
 of the routed experts), so ``ep`` must divide ``dp``; a strategy with ``ep = 1`` prints and
-serialises exactly as one without it.
+serialises exactly as one without it. Each expert is split over the ``tp`` ranks of its replica
+unless the strategy sets expert tensor parallelism ``etp`` (Megatron-core's
+``expert_tensor_parallel_size``): then the MoE layers fold ``ep * etp`` over the ``dp * tp``
+ranks of a stage, which must divide it: each run of ``ep * etp`` consecutive ranks of a stage (tp
+fastest) is one expert-parallel domain, every expert split over ``etp`` of them, so ``ep`` need
+not divide ``dp``. A strategy whose ``etp`` equals its ``tp`` is the plain one.
 
 Plans round-trip through JSON (``to_json``/``from_json``) and are written to the run folder
 before execution.
@@ -120,29 +125,57 @@ class ParallelStrategy:
     # Expert parallelism of a mixture-of-experts model: its routed experts split over ep ranks carved
     # from dp (module docstring); 1 = none (and always 1 for a dense model; Plan checks it per model).
     ep: int = 1
+    # Expert tensor parallelism (Megatron-core's expert_tensor_parallel_size): the ranks each routed
+    # expert is split over, ep * etp of them folded over a stage's dp * tp ranks (module docstring).
+    # None: every expert over its replica's tp ranks (Megatron-core's default, etp = tp).
+    etp: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
             raise PlanError(f"parallel strategy dp{self.dp}tp{self.tp}pp{self.pp}: ep={self.ep!r} must be an "
                             f"integer >= 1")
-        if self.dp % self.ep:
+        if self.etp is not None:
+            if not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1:
+                raise PlanError(f"parallel strategy dp{self.dp}tp{self.tp}pp{self.pp}ep{self.ep}: etp={self.etp!r} "
+                                f"must be an integer >= 1")
+            if self.etp == self.tp:
+                object.__setattr__(self, "etp", None)  # the default, spelled out
+        if self.etp is not None:
+            if self.ep == 1:
+                raise PlanError(f"parallel strategy dp{self.dp}tp{self.tp}pp{self.pp}etp{self.etp}: expert tensor "
+                                f"parallelism needs expert parallelism (ep > 1)")
+            if (self.dp * self.tp) % (self.ep * self.etp):
+                raise PlanError(f"parallel strategy dp{self.dp}tp{self.tp}pp{self.pp}ep{self.ep}etp{self.etp}: "
+                                f"ep*etp = {self.ep * self.etp} must divide dp*tp = {self.dp * self.tp} (the "
+                                f"expert-parallel domains are folded over each stage's data- and tensor-parallel "
+                                f"ranks)")
+        elif self.dp % self.ep:
             raise PlanError(f"parallel strategy dp{self.dp}tp{self.tp}pp{self.pp}ep{self.ep}: ep={self.ep} must "
-                            f"divide dp={self.dp} (expert-parallel ranks are carved from the data-parallel group)")
+                            f"divide dp={self.dp} (expert-parallel ranks are carved from the data-parallel group; "
+                            f"with expert tensor parallelism etp, ep*etp must divide dp*tp instead)")
 
     @property
     def size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def expert_tp(self) -> int:
+        """The ranks each routed expert is split over: ``etp`` where set, else ``tp``."""
+        return self.tp if self.etp is None else self.etp
+
     def __str__(self) -> str:
         zero = f",zero{self.zero_stage}" if self.zero_stage else ""
         ep = f"ep{self.ep}" if self.ep != 1 else ""
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}{ep}{zero}"
+        etp = f"etp{self.etp}" if self.etp is not None else ""
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}{ep}{etp}{zero}"
 
     def to_dict(self) -> dict[str, int]:
-        """The strategy as plan.json writes it: ``ep`` only when it is not 1."""
+        """The strategy as plan.json writes it: ``ep`` only when it is not 1, ``etp`` only when set."""
         d = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage}
         if self.ep != 1:
             d["ep"] = self.ep
+        if self.etp is not None:
+            d["etp"] = self.etp
         return d
 
 
@@ -182,15 +215,18 @@ class Allocation:
 
     @cached_property
     def ep_span(self) -> int:
-        """The devices an expert-parallel group lies among, from its first member to its last (its
-        replicas' tp ranks of one pipeline stage, where one MoE layer's all-to-alls run), the widest
-        over groups and stages; ``tp`` without expert parallelism. The cost model takes the link of
-        the all-to-alls from it (NVLink when it fits a node)."""
+        """The devices an expert-parallel domain lies among, from its first member to its last, the
+        widest over domains and stages; ``tp`` without expert parallelism. A domain is a run of
+        ``ep * expert_tp`` consecutive ranks of one pipeline stage's ranks taken tp fastest (its
+        ``ep`` replicas' tp ranks when ``etp`` is unset), where one MoE layer's all-to-alls run.
+        The cost model takes the link of the all-to-alls from it (NVLink when it fits a node)."""
         s = self.strategy
         widest = s.tp
-        for first in range(0, s.dp, s.ep) if s.ep > 1 else ():
-            for p in range(s.pp):
-                members = [self.device(k, p, t) for k in range(first, first + s.ep) for t in range(s.tp)]
+        size = s.ep * s.expert_tp
+        for p in range(s.pp) if s.ep > 1 else ():
+            ranks = [self.device(k, p, t) for k in range(s.dp) for t in range(s.tp)]
+            for first in range(0, len(ranks), size):
+                members = ranks[first:first + size]
                 widest = max(widest, max(members) - min(members) + 1)
         return widest
 

@@ -318,14 +318,17 @@ class CalibratedCompute:
                 terms.append((None, None, None, width, floor, law.c0, law.c_flop, law.c_byte))
         return tuple(terms)
 
-    def linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float, ep: int = 1, decode: bool = False) -> float:
+    def linear_layer_s(self, d: ModelDims, tp: int, num_tokens: float, ep: int = 1, decode: bool = False,
+                       etp: Optional[int] = None) -> float:
         """One layer's linear and elementwise ops over ``num_tokens`` tokens on one GPU of a tp
         group; a MoE model's (averaged over its layers, :mod:`.llama`) with its routed experts split
-        over ``ep`` ranks and, in a decode step (``decode``), streamed only where the tokens go."""
+        over ``ep`` ranks, each over ``etp`` (None: ``tp``), and, in a decode step (``decode``),
+        streamed only where the tokens go."""
         if num_tokens <= 0:
             return 0.0
         if d.is_moe:
-            return self._moe_linear(d, int(tp), float(num_tokens), int(ep), bool(decode))
+            expert_tp = int(tp) if etp is None else int(etp)
+            return self._moe_linear(d, int(tp), float(num_tokens), int(ep), bool(decode), expert_tp)
         return self._linear(d, int(tp), float(num_tokens))
 
     @staticmethod
@@ -340,21 +343,23 @@ class CalibratedCompute:
                 total += maximum(floor, c0 + c_flop * 0.0 + c_byte * (per_token_bytes * m))
         return total
 
-    def _moe_linear_layer_s(self, d: ModelDims, tp: int, m: float, ep: int, decode: bool) -> float:
+    def _moe_linear_layer_s(self, d: ModelDims, tp: int, m: float, ep: int, decode: bool, etp: int) -> float:
         """A MoE model's :meth:`linear_layer_s`: the attention ops of every layer, plus the MLP
         ops of a dense-MLP layer or of a MoE layer (:meth:`_moe_mlp_s`), averaged over the layers."""
         attention = self._sum_terms(self._layer_terms(d, tp, ATTENTION_OPS), m)
-        moe = self._moe_mlp_s(d, tp, m, local_experts_streamed(d, m, ep, decode))
+        moe = self._moe_mlp_s(d, tp, m, local_experts_streamed(d, m, ep, decode), etp)
         dense_layers = d.num_layers - d.num_moe_layers
         if not dense_layers:
             return attention + moe
         dense = self._sum_terms(self._layer_terms(d, tp, MLP_OPS), m)
         return attention + (dense_layers * dense + d.num_moe_layers * moe) / d.num_layers
 
-    def _moe_mlp_s(self, d: ModelDims, tp: int, m: float, local_experts: float) -> float:
+    def _moe_mlp_s(self, d: ModelDims, tp: int, m: float, local_experts: float, etp: Optional[int] = None) -> float:
         """One MoE layer's MLP over ``m`` tokens on one GPU (module docstring): the router GEMM,
         dispatch and combine copies, the shared experts' GEMMs and activation, and the routed
-        experts' grouped GEMMs over ``m k`` token copies reading ``local_experts`` experts' weights."""
+        experts' grouped GEMMs over ``m k`` token copies reading ``local_experts`` experts' weights,
+        each expert split over ``etp`` ranks (None: ``tp``): with ``etp`` below ``tp`` a GPU runs
+        ``etp / tp`` of the copies through ``1 / etp`` of each expert, the same FLOPs."""
         gemm, act, add = self.cal.law("gemm", tp), self.cal.law("act", tp), self.cal.law("add", tp)
         h, f = float(d.hidden_size), float(d.moe_ffn_hidden_size)
         up = 2.0 if d.gated_mlp else 1.0
@@ -375,9 +380,12 @@ class CalibratedCompute:
             wide = d.num_shared_experts * f / tp
             total += grouped_gemm(m, h, up * wide, 1.0) + elementwise(act, m, (up + 1.0) * wide)
             total += grouped_gemm(m, wide, h, 1.0)
-        copies = m * k
-        total += grouped_gemm(copies, h, up * f / tp, local_experts) + elementwise(act, copies, (up + 1.0) * f / tp)
-        total += grouped_gemm(copies, f / tp, h, local_experts)
+        copies, split = m * k, float(tp)
+        if etp is not None and etp != tp:
+            copies, split = m * k * etp / tp, float(etp)
+        total += (grouped_gemm(copies, h, up * f / split, local_experts)
+                  + elementwise(act, copies, (up + 1.0) * f / split))
+        total += grouped_gemm(copies, f / split, h, local_experts)
         return total
 
     def attention_s(self, d: ModelDims, tp: int, num_tokens: float, context_len: float,
@@ -420,39 +428,43 @@ class CalibratedCompute:
     # -- training ops ---------------------------------------------------------------------
 
     def _forward_parts(self, model: Any, num_tokens: float, context_len: float, tp: int,
-                       num_layers: Optional[float], include_head: Optional[bool], ep: int = 1, ep_span: Optional[int] = None):
+                       num_layers: Optional[float], include_head: Optional[bool], ep: int = 1,
+                       ep_span: Optional[int] = None, etp: Optional[int] = None):
         d = ModelDims.of(model)
         layers = d.num_layers if num_layers is None else num_layers
         if include_head is None:
             include_head = layers >= d.num_layers
-        linear = layers * self.linear_layer_s(d, tp, num_tokens, ep)
+        linear = layers * self.linear_layer_s(d, tp, num_tokens, ep, etp=etp)
         attention = layers * self.attention_s(d, tp, num_tokens, context_len, num_tokens)
         head = self.head_s(d, tp, num_tokens) if include_head else 0.0
         comm = self._allreduces_s(layers, num_tokens, d, tp)
         if ep > 1:
-            comm += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep_group_span(ep, tp, ep_span))
+            comm += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep_group_span(ep, tp, ep_span),
+                                    tp, etp)
         return linear + head, attention, comm
 
     def forward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                  ep: int = 1, ep_span: Optional[int] = None) -> float:
+                  ep: int = 1, ep_span: Optional[int] = None, etp: Optional[int] = None) -> float:
         """``ep``: expert parallelism (a MoE model's local experts and all-to-alls); ``ep_span``:
-        the devices the ep group lies among (:func:`~harness.costmodel.compute.ep_group_span`)."""
+        the devices the ep group lies among (:func:`~harness.costmodel.compute.ep_group_span`);
+        ``etp``: expert tensor parallelism (None: ``tp``)."""
         if num_tokens <= 0:
             return 0.0
         linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
-                                                      num_layers, include_head, ep, ep_span)
+                                                      num_layers, include_head, ep, ep_span, etp)
         return linear + attention + comm
 
     def backward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: str = "none", ep: int = 1, ep_span: Optional[int] = None) -> float:
+                   recompute: str = "none", ep: int = 1, ep_span: Optional[int] = None,
+                   etp: Optional[int] = None) -> float:
         """2x the linear ops, 2.5x the attention core, the forward's all-reduces (and all-to-alls);
         ``full`` recomputation adds a forward, ``selective`` the attention core's forward."""
         if num_tokens <= 0:
             return 0.0
         linear, attention, comm = self._forward_parts(model, num_tokens, context_len, tp,
-                                                      num_layers, include_head, ep, ep_span)
+                                                      num_layers, include_head, ep, ep_span, etp)
         time_s = 2.0 * linear + 2.5 * attention + comm
         if recompute == "full":
             time_s += linear + attention + comm

@@ -44,7 +44,11 @@ over the ep group (dispatch and combine, :func:`~harness.costmodel.llama.moe_dis
 device), the backward two more; they sit on the critical path like the tp all-reduces.
 ``alltoall_s(bytes, ep, span)`` times one (the caller picks the tier from ``span``, the devices the
 ep group lies among: a training layout's from its device order, :func:`ep_group_span`; a generation
-instance's ``ep`` instances of ``tp * pp`` devices side by side).
+instance's ``ep`` instances of ``tp * pp`` devices side by side). A training layout with expert
+tensor parallelism ``etp`` (Megatron-core's ``expert_tensor_parallel_size``) splits each expert
+over ``etp`` ranks instead: the device holds ``1 / (ep * etp)`` of the routed experts
+(:func:`expert_tp_weight_params`) and dispatches ``etp / tp`` of its tp group's tokens
+(:func:`moe_alltoalls_s`); its FLOPs, and the tp all-reduces charged per layer, are unchanged.
 """
 from __future__ import annotations
 
@@ -93,14 +97,28 @@ def ep_group_span(ep: int, tp: int, ep_span: Optional[int]) -> int:
 
 
 def moe_alltoalls_s(alltoall_s: AllToAllFn, d: ModelDims, num_layers: float, num_tokens: float, ep: int,
-                    span: int) -> float:
+                    span: int, tp: int = 1, etp: Optional[int] = None) -> float:
     """Seconds of the forward all-to-alls of ``num_layers`` layers (their MoE share, the layers
-    averaged as in :mod:`.llama`) over ``num_tokens`` tokens per device: two per MoE layer (dispatch
-    and combine). 0 without expert parallelism."""
+    averaged as in :mod:`.llama`) over ``num_tokens`` tokens per tp group: two per MoE layer
+    (dispatch and combine). 0 without expert parallelism. With expert tensor parallelism ``etp``
+    below ``tp`` each rank dispatches its own ``etp / tp`` of its tp group's tokens (sequence
+    parallelism splits them over the tp ranks, and an expert needs them gathered over only its
+    ``etp`` ranks); ``etp`` None or ``tp``: every rank carries the tp group's tokens."""
     if ep <= 1 or not d.is_moe:
         return 0.0
+    if etp is not None and etp != tp:
+        num_tokens = num_tokens * etp / tp
     moe_layers = num_layers * d.num_moe_layers / d.num_layers
     return 2 * moe_layers * alltoall_s(moe_dispatch_bytes(d, num_tokens), ep, span)
+
+
+def expert_tp_weight_params(d: ModelDims, num_layers: float, tp: int, ep: int, etp: Optional[int]) -> float:
+    """Parameters one device holds beyond ``layers * stored_layer_params(d, ep) / tp`` when each
+    routed expert is split over ``etp`` ranks rather than ``tp`` (0 when ``etp`` is None or ``tp``):
+    its ``1 / (ep * etp)`` of the routed experts in place of ``1 / (ep * tp)``."""
+    if etp is None or etp == tp or not d.is_moe:
+        return 0.0
+    return num_layers * routed_expert_params_per_layer(d) * (1.0 / (ep * etp) - 1.0 / (ep * tp))
 
 
 def stored_layer_params(d: ModelDims, ep: int = 1) -> float:
@@ -173,12 +191,14 @@ class Roofline:
         include_head: Optional[bool] = None,
         ep: int = 1,
         ep_span: Optional[int] = None,
+        etp: Optional[int] = None,
     ) -> OpCost:
         """A forward pass of ``num_tokens`` through ``num_layers`` layers on one of ``tp``
         ranks. ``include_head`` defaults to whether the pass covers the whole model. ``ep``: the
         expert-parallel degree (a MoE model's all-to-alls and its share of the experts);
         ``ep_span``: the devices the ep group lies among (:func:`ep_group_span`), which set the
-        link its all-to-alls take."""
+        link its all-to-alls take; ``etp``: the ranks each expert is split over (None: ``tp``; the
+        FLOPs per device are the same either way)."""
         d = ModelDims.of(model)
         layers = d.num_layers if num_layers is None else num_layers
         if include_head is None:
@@ -191,16 +211,20 @@ class Roofline:
             weights += head_params(d) + d.hidden_size  # head + final norm
         activations = activation_io_elems_per_token_layer(d) * num_tokens * layers
         num_bytes = (weights + activations) * BF16_BYTES / tp
+        if etp is not None:
+            num_bytes += expert_tp_weight_params(d, layers, tp, ep, etp) * BF16_BYTES
         comm_s = 2 * layers * self._allreduce_s(num_tokens * d.hidden_size * BF16_BYTES, tp)
         if ep > 1:
-            comm_s += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep_group_span(ep, tp, ep_span))
+            comm_s += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep_group_span(ep, tp, ep_span),
+                                      tp, etp)
         return OpCost(flops, num_bytes, comm_s)
 
     def forward_s(self, model: Any, num_tokens: float, context_len: float, tp: int = 1,
                   num_layers: Optional[float] = None,
-                  include_head: Optional[bool] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
+                  include_head: Optional[bool] = None, ep: int = 1, ep_span: Optional[int] = None,
+                  etp: Optional[int] = None) -> float:
         return self.seconds(
-            self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, ep_span)
+            self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, ep_span, etp)
         )
 
     def backward_s(
@@ -214,6 +238,7 @@ class Roofline:
         recompute: str = "none",
         ep: int = 1,
         ep_span: Optional[int] = None,
+        etp: Optional[int] = None,
     ) -> float:
         """Backward pass: twice the forward's compute (input and weight gradients), the
         forward's two all-reduces per layer (and, with expert parallelism, its two all-to-alls per
@@ -224,7 +249,7 @@ class Roofline:
           charged as its forward FLOPs ``4 h context`` per token per layer;
         * ``full``: a whole extra forward pass, communication included.
         """
-        fwd = self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, ep_span)
+        fwd = self.forward_cost(model, num_tokens, context_len, tp, num_layers, include_head, ep, ep_span, etp)
         time_s = 2.0 * (self.seconds(fwd) - fwd.comm_s) + fwd.comm_s
         if recompute == "full":
             time_s += self.seconds(fwd)

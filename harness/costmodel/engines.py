@@ -173,18 +173,20 @@ class EngineCosts:
 
     def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                   num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                  ep: int = 1, ep_span: Optional[int] = None) -> float:
+                  ep: int = 1, ep_span: Optional[int] = None, etp: Optional[int] = None) -> float:
         t = self.engines.training
-        time_s = self.base.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span)
+        time_s = self.base.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span, etp)
         time_s += self._score_traffic_s(t.attention_score_bytes_forward, model, num_tokens, seq_len, tp,
                                         num_layers)
         return time_s * t.compute_time_scale
 
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
+                   recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None,
+                   etp: Optional[int] = None) -> float:
         t = self.engines.training
-        time_s = self.base.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, ep_span)
+        time_s = self.base.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, ep_span,
+                                      etp)
         score_bytes = t.attention_score_bytes_backward
         if (recompute or self.base.recompute) in ("full", "selective"):  # both recompute the attention
             score_bytes += t.attention_score_bytes_forward
@@ -192,11 +194,11 @@ class EngineCosts:
         return time_s * t.compute_time_scale
 
     def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
-                         ep: int = 1) -> float:
+                         ep: int = 1, etp: Optional[int] = None) -> float:
         t = self.engines.training
         if not t.optimizer_offload:
-            return self.base.optimizer_step_s(model, dp, tp, pp, zero_stage, ep)
-        params = updated_params_per_device(ModelDims.of(model), dp, tp, pp, zero_stage, ep)
+            return self.base.optimizer_step_s(model, dp, tp, pp, zero_stage, ep, etp)
+        params = updated_params_per_device(ModelDims.of(model), dp, tp, pp, zero_stage, ep, etp)
         ranks_per_node = min(dp * tp * pp, self.base.gpus_per_node)  # ranks sharing one host's memory
         cpu_s = params * ranks_per_node * ADAM_BYTES_PER_PARAM / (t.cpu_adam_gbps * 1e9)
         # fp16 gradients to the host, fp16 parameters back (ZeRO-Offload, Ren et al. ATC'21, section 4)

@@ -42,8 +42,11 @@ further sharded over the ``tp`` ranks (expert tensor parallelism = tp): routed-e
 device are ``/ (ep * tp)``, the rest ``/ tp`` as for a dense model. Each expert is then replicated
 on ``dp / ep`` ranks (the expert-data-parallel group), which is what ZeRO shards the experts'
 states over (the dense parts' over ``dp``), so under ZeRO-1/2/3 the sharded states per device are
-the same as at ep = 1 and ep saves what ZeRO leaves whole. Per-layer counts are averages over the
-layers (:mod:`.llama`). The activation coefficients above are kept for MoE layers (the SwiGLU ones,
+the same as at ep = 1 and ep saves what ZeRO leaves whole. With expert tensor parallelism ``etp``
+(Megatron-core's ``expert_tensor_parallel_size``, :class:`harness.core.plan.ParallelStrategy`)
+each expert is split over ``etp`` ranks instead of ``tp``: routed-expert weights per device are
+``/ (ep * etp)`` and replicated on ``dp * tp / (ep * etp)`` ranks; ``etp=None`` is ``etp = tp``.
+Per-layer counts are averages over the layers (:mod:`.llama`). The activation coefficients above are kept for MoE layers (the SwiGLU ones,
 which do not depend on the MLP width): the k copies of a token through its experts are not counted
 separately.
 """
@@ -102,27 +105,46 @@ def stage_expert_params(model: Any, pp: int = 1) -> float:
     return d.num_layers / pp * routed_expert_params_per_layer(d)
 
 
-def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYTES, ep: int = 1) -> float:
-    """Inference weights on one device (routed experts split over ``ep`` ranks)."""
-    return max_stage_params(model, pp, ep) / tp * dtype_bytes / GB
+def expert_shards(tp: int, ep: int, etp: Optional[int] = None) -> int:
+    """The devices one MoE layer's routed experts are split over: ``ep`` ranks, each expert over
+    ``etp`` (``tp`` when None) of them."""
+    return ep * (tp if etp is None else etp)
 
 
-def expert_weights_gb(model: Any, tp: int = 1, pp: int = 1, ep: int = 1, dtype_bytes: int = BF16_BYTES) -> float:
+def expert_replicas(dp: int, tp: int, ep: int, etp: Optional[int] = None) -> int:
+    """The ranks of one stage that hold the same expert shard (the expert-data-parallel group):
+    ``dp * tp / (ep * etp)``, ``dp / ep`` when ``etp`` is unset."""
+    return dp // ep if etp is None else dp * tp // (ep * etp)
+
+
+def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYTES, ep: int = 1,
+               etp: Optional[int] = None) -> float:
+    """Inference weights on one device (routed experts split over ``ep`` ranks, each over ``etp``)."""
+    gb = max_stage_params(model, pp, ep) / tp * dtype_bytes / GB
+    if etp is None or etp == tp:
+        return gb
+    experts = stage_expert_params(model, pp)
+    return gb + experts * (1.0 / (ep * etp) - 1.0 / (ep * tp)) * dtype_bytes / GB
+
+
+def expert_weights_gb(model: Any, tp: int = 1, pp: int = 1, ep: int = 1, dtype_bytes: int = BF16_BYTES,
+                      etp: Optional[int] = None) -> float:
     """The routed-expert part of :func:`weights_gb` (0 for a dense model)."""
-    return stage_expert_params(model, pp) / (ep * tp) * dtype_bytes / GB
+    return stage_expert_params(model, pp) / expert_shards(tp, ep, etp) * dtype_bytes / GB
 
 
 def training_state_gb(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                      zero_stage: int = 0, optimizer_offload: bool = False, ep: int = 1) -> float:
+                      zero_stage: int = 0, optimizer_offload: bool = False, ep: int = 1,
+                      etp: Optional[int] = None) -> float:
     """Weights + gradients + Adam states on one device under ZeRO stage 0-3. With
     ``optimizer_offload`` (ZeRO-Offload) the Adam states live in host memory and the gradients
     follow them there, one reduce bucket at a time: the device keeps at most one bucket. With
-    expert parallelism (``ep``) the routed experts' states are ``/ (ep * tp)`` and ZeRO shards them
-    over the ``dp / ep`` ranks that hold the same experts (module docstring)."""
+    expert parallelism (``ep``) the routed experts' states are ``/ (ep * etp)`` and ZeRO shards them
+    over the ranks that hold the same experts (module docstring)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
     if ep != 1:
-        return _expert_parallel_state_gb(model, dp, tp, pp, zero_stage, optimizer_offload, ep)
+        return _expert_parallel_state_gb(model, dp, tp, pp, zero_stage, optimizer_offload, ep, etp)
     params = max_stage_params(model, pp) / tp
     weights = WEIGHT_BYTES / (dp if zero_stage >= 3 else 1)
     grads = params * GRAD_BYTES / (dp if zero_stage >= 2 else 1)
@@ -141,10 +163,11 @@ def _state_bytes(params: float, shards: int, zero_stage: int) -> tuple[float, fl
 
 
 def _expert_parallel_state_gb(model: Any, dp: int, tp: int, pp: int, zero_stage: int,
-                              optimizer_offload: bool, ep: int) -> float:
+                              optimizer_offload: bool, ep: int, etp: Optional[int] = None) -> float:
     experts = stage_expert_params(model, pp)
     dense = (max_stage_params(model, pp) - experts) / tp
-    parts = [_state_bytes(dense, dp, zero_stage), _state_bytes(experts / (ep * tp), dp // ep, zero_stage)]
+    parts = [_state_bytes(dense, dp, zero_stage),
+             _state_bytes(experts / expert_shards(tp, ep, etp), expert_replicas(dp, tp, ep, etp), zero_stage)]
     weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
     if optimizer_offload:
         return (weights + min(grads, OFFLOAD_GRAD_BUCKET_PARAMS * GRAD_BYTES)) / GB
@@ -152,15 +175,15 @@ def _expert_parallel_state_gb(model: Any, dp: int, tp: int, pp: int, zero_stage:
 
 
 def updated_params_per_device(model: Any, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
-                              ep: int = 1) -> float:
+                              ep: int = 1, etp: Optional[int] = None) -> float:
     """Parameters whose optimizer step one device runs (the most loaded stage): its stage's /
     tp, further / dp when ZeRO (any stage >= 1) shards the optimizer states; with expert
-    parallelism the routed experts' / (ep * tp), sharded over dp / ep."""
+    parallelism the routed experts' / (ep * etp), sharded over the ranks holding the same experts."""
     if ep == 1:
         return max_stage_params(model, pp) / tp / (dp if zero_stage >= 1 else 1)
     experts = stage_expert_params(model, pp)
     dense = (max_stage_params(model, pp) - experts) / tp / (dp if zero_stage >= 1 else 1)
-    return dense + experts / (ep * tp) / (dp // ep if zero_stage >= 1 else 1)
+    return dense + experts / expert_shards(tp, ep, etp) / (expert_replicas(dp, tp, ep, etp) if zero_stage >= 1 else 1)
 
 
 def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: float,

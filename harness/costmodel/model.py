@@ -281,56 +281,63 @@ class CostModel:
 
     def forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                   num_layers: Optional[float] = None,
-                  include_head: Optional[bool] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
+                  include_head: Optional[bool] = None, ep: int = 1, ep_span: Optional[int] = None,
+                  etp: Optional[int] = None) -> float:
         """Forward of ``num_tokens`` tokens in causal sequences of ``seq_len`` through
         ``num_layers`` layers (a pipeline stage; all when ``None``). A profiled whole-model
         time is scaled by ``num_layers / model.num_layers``. ``ep``: the layout's expert
         parallelism, ``ep_span``: the devices its ep group lies among, which set the link of the
-        all-to-alls (:attr:`harness.core.plan.Allocation.ep_span`; None: ``ep * tp``)."""
+        all-to-alls (:attr:`harness.core.plan.Allocation.ep_span`; None: ``ep * tp``); ``etp``: its
+        expert tensor parallelism (:attr:`harness.core.plan.ParallelStrategy.etp`; None: ``tp``)."""
         if self.engine_costs is not None:
-            return self.engine_costs.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span)
+            return self.engine_costs.forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span,
+                                               etp)
         if ep != 1:
             self.check_expert_parallel(model, ep)
-            return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span)
+            return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head, ep, ep_span, etp)
         return self._forward_s(model, num_tokens, seq_len, tp, num_layers, include_head)
 
     @_memoised
     def _forward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   ep: int = 1, ep_span: Optional[int] = None) -> float:
+                   ep: int = 1, ep_span: Optional[int] = None, etp: Optional[int] = None) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("forward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
         if ep != 1:
-            return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head, ep, ep_span)
+            return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head, ep, ep_span,
+                                          etp)
         return self.compute.forward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                       include_head)
 
     def backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                    num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                   recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
+                   recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None,
+                   etp: Optional[int] = None) -> float:
         """Backward (with the workload's activation recomputation unless ``recompute``); ``ep``,
-        ``ep_span`` as in :meth:`forward_s`."""
+        ``ep_span``, ``etp`` as in :meth:`forward_s`."""
         if self.engine_costs is not None:
             return self.engine_costs.backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute,
-                                                ep, ep_span)
+                                                ep, ep_span, etp)
         if ep != 1:
             self.check_expert_parallel(model, ep)
-            return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, ep_span)
+            return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute, ep, ep_span,
+                                    etp)
         return self._backward_s(model, num_tokens, seq_len, tp, num_layers, include_head, recompute)
 
     @_memoised
     def _backward_s(self, model: Any, num_tokens: float, seq_len: float, tp: int = 1,
                     num_layers: Optional[float] = None, include_head: Optional[bool] = None,
-                    recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None) -> float:
+                    recompute: Optional[str] = None, ep: int = 1, ep_span: Optional[int] = None,
+                    etp: Optional[int] = None) -> float:
         d = ModelDims.of(model)
         measured = self._profiled("backward", d, tp, num_tokens)
         if measured is not None:
             return measured * _layer_frac(d, num_layers)
         if ep != 1:
             return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers, include_head,
-                                           recompute or self.recompute, ep, ep_span)
+                                           recompute or self.recompute, ep, ep_span, etp)
         return self.compute.backward_s(d, num_tokens, seq_len / 2.0, tp, num_layers,
                                        include_head, recompute or self.recompute)
 
@@ -458,15 +465,16 @@ class CostModel:
         return (pp - 1) * self._packed_p2p_s(mb_tokens * d.hidden_size * 2, tp * pp)
 
     def optimizer_step_s(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                         zero_stage: int = 0, ep: int = 1) -> float:
+                         zero_stage: int = 0, ep: int = 1, etp: Optional[int] = None) -> float:
         """Adam step on the most loaded device: its stage's parameters / tp, further / dp
         when ZeRO (any stage >= 1) shards the optimizer states; a MoE model's routed experts
-        / (ep * tp), sharded over dp / ep (:func:`~harness.costmodel.memory.updated_params_per_device`)."""
+        / (ep * etp), sharded over the ranks holding the same experts
+        (:func:`~harness.costmodel.memory.updated_params_per_device`)."""
         if self.engine_costs is not None:
-            return self.engine_costs.optimizer_step_s(model, dp, tp, pp, zero_stage, ep)
+            return self.engine_costs.optimizer_step_s(model, dp, tp, pp, zero_stage, ep, etp)
         d = ModelDims.of(model)
         self.check_expert_parallel(d, ep)
-        params = updated_params_per_device(d, dp, tp, pp, zero_stage, ep)
+        params = updated_params_per_device(d, dp, tp, pp, zero_stage, ep, etp)
         measured = self._profiled("optimizer_step", d, tp, 0)
         if measured is not None:  # measured for the whole model on tp ranks: scale by params
             return measured * params * tp / max_stage_params(d, 1)
@@ -479,21 +487,25 @@ class CostModel:
         """HBM a plan may fill per device: ``hbm_gb * usable_memory_frac``."""
         return self.gpu.hbm_gb * self.gpu.usable_memory_frac
 
-    def weights_gb(self, model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = 2, ep: int = 1) -> float:
-        """Weights on one device of a tp x pp layout (a MoE model's routed experts split over ``ep``)."""
+    def weights_gb(self, model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = 2, ep: int = 1,
+                   etp: Optional[int] = None) -> float:
+        """Weights on one device of a tp x pp layout (a MoE model's routed experts split over ``ep``,
+        each over ``etp``; None: ``tp``)."""
         d = ModelDims.of(model)
         self.check_expert_parallel(d, ep)
-        return memory.weights_gb(d, tp, pp, dtype_bytes, ep)
+        return memory.weights_gb(d, tp, pp, dtype_bytes, ep, etp)
 
-    def expert_weights_gb(self, model: Any, tp: int = 1, pp: int = 1, ep: int = 1) -> float:
+    def expert_weights_gb(self, model: Any, tp: int = 1, pp: int = 1, ep: int = 1,
+                          etp: Optional[int] = None) -> float:
         """The routed-expert part of :meth:`weights_gb` (0 for a dense model)."""
-        return memory.expert_weights_gb(ModelDims.of(model), tp, pp, ep)
+        return memory.expert_weights_gb(ModelDims.of(model), tp, pp, ep, etp=etp)
 
     def training_state_gb(self, model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
-                          zero_stage: int = 0, optimizer_offload: bool = False, ep: int = 1) -> float:
+                          zero_stage: int = 0, optimizer_offload: bool = False, ep: int = 1,
+                          etp: Optional[int] = None) -> float:
         d = ModelDims.of(model)
         self.check_expert_parallel(d, ep)
-        return memory.training_state_gb(d, dp, tp, pp, zero_stage, optimizer_offload, ep)
+        return memory.training_state_gb(d, dp, tp, pp, zero_stage, optimizer_offload, ep, etp)
 
     def activation_gb(self, model: Any, micro_batch_size: float, seq_len: float, tp: int = 1,
                       num_layers: Optional[float] = None, recompute: Optional[str] = None,

@@ -134,7 +134,7 @@ class LayoutSearch:
     def training_need(self, task: str, role: str, s: ParallelStrategy, in_flight: int) -> MemoryNeed:
         """Training states, and the activations of ``in_flight`` micro-batches on the first stage."""
         model = self.ctx.model(role)
-        return MemoryNeed({role: self.cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep)},
+        return MemoryNeed({role: self.cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep, etp=s.etp)},
                           {task: one_f_one_b_activation_gb(self.cm, model, s, self.w, in_flight)})
 
     def inference_need(self, task: str, s: ParallelStrategy, offload: bool = False) -> MemoryNeed:
@@ -142,7 +142,7 @@ class LayoutSearch:
         while it runs); the critic's inference copy is held only while ``values`` runs."""
         role = PPO_TASKS[task][1]
         model = self.ctx.model(role)
-        weights = self.cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
+        weights = self.cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp)
         act = inference_activation_gb(self.cm, model, s, self.w, fused_attention(self.ctx.engines))
         if role in ("ref", "reward") and not offload:
             return MemoryNeed({role: weights}, {task: act})
@@ -157,7 +157,7 @@ class LayoutSearch:
 
     def generation_need(self, s: ParallelStrategy) -> MemoryNeed:
         actor = self.ctx.model("actor")
-        return MemoryNeed({}, {"gen": self.cm.weights_gb(actor, s.tp, s.pp, ep=s.ep) +
+        return MemoryNeed({}, {"gen": self.cm.weights_gb(actor, s.tp, s.pp, ep=s.ep, etp=s.etp) +
                                kv_one_sample_gb(self.cm, actor, s, self.w)})
 
     def options(self, step: str, offload: bool = False) -> list[MemoryNeed]:
@@ -416,7 +416,8 @@ class LayoutSearch:
                 self.ledger.require(self.inference_need(task_name, s, offload), task_name)
                 t = inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
                 if offload:  # weights copied in from host memory before the pass, as the simulator charges
-                    t += self.cm.host_transfer_s(self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp, ep=s.ep) * 1e9)
+                    weights_gb = self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp, ep=s.ep, etp=s.etp)
+                    t += self.cm.host_transfer_s(weights_gb * 1e9)
                 return t
             what = self._what(task_name) + (" (weights offloaded)" if offload else "")
             try:
@@ -435,7 +436,7 @@ class LayoutSearch:
     # ---- generation ---------------------------------------------------------------------------
     def kv_capacity_gb(self, s: ParallelStrategy) -> float:
         """Memory a generation instance in layout ``s`` may fill with KV cache beside the resident states."""
-        actor_weights = self.cm.weights_gb(self.ctx.model("actor"), s.tp, s.pp, ep=s.ep)
+        actor_weights = self.cm.weights_gb(self.ctx.model("actor"), s.tp, s.pp, ep=s.ep, etp=s.etp)
         return self.capacity - sum(self.ledger.resident.values()) - actor_weights
 
     def search_generation(self, policy: GenerationPolicy) -> None:

@@ -51,15 +51,17 @@ def state_gb(cm: CostModel, model, s, what: str, optimizer_offload: bool = False
     MoE model's routed experts split over ``s.ep``; ZeRO-3 shards the ep ranks' experts over the
     ``dp / ep`` ranks that hold the same ones, which is ``1 / dp`` of them as without ep)."""
     if what == "train":
-        return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, optimizer_offload, s.ep)
+        return cm.training_state_gb(model, s.dp, s.tp, s.pp, s.zero_stage, optimizer_offload, s.ep, s.etp)
     if s.zero_stage == 3:
         return cm.weights_gb(model, s.tp, s.pp) / s.dp
-    return cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
+    return cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp)
 
 
 def layout_label(s) -> str:
-    """``tp<T> pp<P>`` (with `` ep<E>`` under expert parallelism): the layout a weights term names."""
-    return f"tp{s.tp} pp{s.pp}" + (f" ep{s.ep}" if s.ep != 1 else "")
+    """``tp<T> pp<P>`` (with `` ep<E>`` under expert parallelism, `` etp<X>`` with expert tensor
+    parallelism): the layout a weights term names."""
+    etp = f" etp{s.etp}" if s.etp is not None else ""
+    return f"tp{s.tp} pp{s.pp}" + (f" ep{s.ep}" if s.ep != 1 else "") + etp
 
 
 def _state_gb(cm: CostModel, model, alloc: Allocation, what: str, optimizer_offload: bool = False) -> float:
@@ -125,9 +127,9 @@ def _working_set_gb(task: Task, cm: CostModel, models, workload, resident_here: 
         if s.zero_stage == 3 and resident_here:  # generate() on ZeRO-3 shards in place: the shards are the resident
             # training state; a layer is gathered at a time, the next one prefetched
             terms[f"{task.model} weights gathered (2 layers, zero3)"] = \
-                2 * cm.weights_gb(model, s.tp, s.pp, ep=s.ep) / model.num_layers
+                2 * cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp) / model.num_layers
         elif not resident_here:
-            terms[f"{task.model} weights ({layout_label(s)})"] = cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
+            terms[f"{task.model} weights ({layout_label(s)})"] = cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp)
         terms["KV cache of one max-length sample"] = kv_one_sample_gb(cm, model, s, workload)
     elif task.kind == "inference":
         if not resident_here:
@@ -216,7 +218,7 @@ def _engine_share_kv_gb(plan: Plan, task: Task, cm: CostModel, models, workload)
     PlanMemoryError when it holds less than one maximum-length sample."""
     s, model = task.allocation.strategy, getattr(models, task.model)
     frac = plan.generation.memory_frac
-    weights_gb = cm.weights_gb(model, s.tp, s.pp, ep=s.ep)
+    weights_gb = cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp)
     kv_gb = frac * cm.gpu.hbm_gb - weights_gb
     one_sample_gb = kv_one_sample_gb(cm, model, s, workload)
     if kv_gb < one_sample_gb:

@@ -249,7 +249,7 @@ def generation_gather_s(ctx: PlanContext, plan: Plan) -> float:
     s = gen.allocation.strategy
     if s.zero_stage != 3 or s.dp <= 1:
         return 0.0
-    weights_bytes = ctx.cost_model.weights_gb(ctx.model(gen.model), s.tp, s.pp, ep=s.ep) * 1e9
+    weights_bytes = ctx.cost_model.weights_gb(ctx.model(gen.model), s.tp, s.pp, ep=s.ep, etp=s.etp) * 1e9
     return ctx.cost_model.allgather_s(weights_bytes, list(gen.allocation.mesh))
 
 

@@ -29,7 +29,7 @@ from harness.errors import PlanError
 from harness.core.plan import ParallelStrategy
 from harness.planning.memory import MemoryShortfall, NoLayoutFits
 
-_LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)(?:ep(\d+))?$")
+_LAYOUT_RE = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)(?:ep(\d+)(?:etp(\d+))?)?$")
 
 
 def divisors(n: int) -> list[int]:
@@ -38,15 +38,18 @@ def divisors(n: int) -> list[int]:
 
 def parse_layout(text: str, zero_stage: int, what: str) -> ParallelStrategy:
     """A pinned layout ``dp<D>tp<T>pp<P>``, optionally followed by ``ep<E>`` (expert parallelism of a
-    mixture-of-experts model, carved from dp: E divides D), as ``str(ParallelStrategy)`` writes it."""
+    mixture-of-experts model, carved from dp: E divides D) and then ``etp<X>`` (expert tensor
+    parallelism: E*X divides D*T), as ``str(ParallelStrategy)`` writes it."""
     m = _LAYOUT_RE.match(text.strip())
     if not m:
         raise PlanError(f"system.layouts.{what}={text!r}: expected the form dp<D>tp<T>pp<P>, e.g. dp32tp8pp1, "
-                        f"optionally with ep<E> for expert parallelism, e.g. dp32tp4pp1ep8")
+                        f"optionally with ep<E> for expert parallelism, e.g. dp32tp4pp1ep8, and etp<X> after it "
+                        f"for expert tensor parallelism, e.g. dp16tp2pp1ep8etp1")
     dp, tp, pp = (int(g) for g in m.groups()[:3])
     ep = int(m.group(4)) if m.group(4) is not None else 1
+    etp = int(m.group(5)) if m.group(5) is not None else None
     try:
-        return ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, ep=ep)
+        return ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, ep=ep, etp=etp)
     except PlanError as e:
         raise PlanError(f"system.layouts.{what}={text!r}: {e}") from None
 

@@ -303,9 +303,10 @@ class RLHFuse(System):
         (the peak of the fused schedule, which both training tasks hold)."""
         cm = ctx.cost_model
         a, c = cand.actor, cand.critic
-        return MemoryNeed({"actor": cm.training_state_gb(ctx.model("actor"), a.dp, a.tp, a.pp, a.zero_stage, ep=a.ep),
+        return MemoryNeed({"actor": cm.training_state_gb(ctx.model("actor"), a.dp, a.tp, a.pp, a.zero_stage, ep=a.ep,
+                                                         etp=a.etp),
                            "critic": cm.training_state_gb(ctx.model("critic"), c.dp, c.tp, c.pp, c.zero_stage,
-                                                          ep=c.ep)},
+                                                          ep=c.ep, etp=c.etp)},
                           {"update_actor": peak_gb, "update_critic": peak_gb})
 
     def _mem_cap(self, ctx, layouts: LayoutSearch, cand: FusedCandidate) -> float:
@@ -338,9 +339,9 @@ class RLHFuse(System):
                     dp_a, dp_c = groups * num_ranks // pp_a, groups * num_ranks // pp_c
                     if w.mini_batch_size % (dp_a * w.micro_batch_size) or w.mini_batch_size % (dp_c * w.micro_batch_size):
                         continue
-                    # a MoE model keeps the base search's expert parallelism where it divides the new dp
-                    sa = ParallelStrategy(dp_a, tp, pp_a, self.cfg.zero_stage, _kept_ep(base_a.ep, dp_a))
-                    sc = ParallelStrategy(dp_c, tp, pp_c, self.cfg.zero_stage, _kept_ep(base_c.ep, dp_c))
+                    # a MoE model keeps the base layout's expert parallelism where it divides the new dp
+                    sa = ParallelStrategy(dp_a, tp, pp_a, self.cfg.zero_stage, *_kept_ep(base_a, dp_a, tp))
+                    sc = ParallelStrategy(dp_c, tp, pp_c, self.cfg.zero_stage, *_kept_ep(base_c, dp_c, tp))
                     m_a = w.mini_batch_size // (dp_a * w.micro_batch_size)
                     m_c = w.mini_batch_size // (dp_c * w.micro_batch_size)
                     pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
@@ -352,12 +353,12 @@ class RLHFuse(System):
                     costs = {}
                     for name, pipe in pipes.items():
                         model = actor if pipe.model == "actor" else critic
+                        strategy = sa if pipe.model == "actor" else sc
                         p2p = cm.p2p_s(tokens * model.hidden_size * 2 / tp, 0, tp) if pipe.num_stages > 1 else 0.0
                         # activation memory at the longest sequence, as the memory check counts it
                         costs[name] = training_pipe_costs(cm, model, pipe.num_stages, tp, w.micro_batch_size, seq,
                                                           layouts.seq_max, w.activation_recompute, p2p,
-                                                          (sa if pipe.model == "actor" else sc).ep,
-                                                          ep_spans[pipe.model])
+                                                          strategy.ep, ep_spans[pipe.model], strategy.etp)
                     cand = FusedCandidate(sa, sc, pipes, costs, math.inf)
                     act_need = max(c.activation[0] for c in costs.values())
                     if self._mem_cap(ctx, layouts, cand) < 2 * act_need:
@@ -365,9 +366,13 @@ class RLHFuse(System):
                     yield cand
 
 
-def _kept_ep(ep: int, dp: int) -> int:
-    """The expert-parallel degree ``ep`` where it divides ``dp``, else 1."""
-    return ep if dp % ep == 0 else 1
+def _kept_ep(base: ParallelStrategy, dp: int, tp: int) -> tuple[int, Optional[int]]:
+    """``(ep, etp)`` of a fused candidate with ``dp`` replicas of ``tp`` ranks: the base layout's
+    expert parallelism (with its expert tensor parallelism, where ``ep * etp`` divides ``dp * tp``)
+    where it fits, else ``ep`` alone where it divides ``dp``, else none."""
+    if base.etp is not None and base.etp != tp and (dp * tp) % (base.ep * base.etp) == 0:
+        return base.ep, base.etp
+    return (base.ep, None) if dp % base.ep == 0 else (1, None)
 
 
 register_system_config("rlhfuse", RLHFuseConfig)

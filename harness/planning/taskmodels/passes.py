@@ -50,7 +50,7 @@ def _zero3_gather_s(cm: CostModel, model, task: Task, num_layers: float) -> floa
     s = task.allocation.strategy
     if s.zero_stage != 3 or s.dp == 1:
         return 0.0
-    stage_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9 * num_layers / model.num_layers
+    stage_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp) * 1e9 * num_layers / model.num_layers
     return cm.allgather_s(stage_bytes, list(task.allocation.mesh))
 
 
@@ -70,7 +70,7 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
     gather = _zero3_gather_s(cm, model, task, layers)
     spans: list[Span] = []
     if offloaded:  # weights live in host memory between uses: copy them in over PCIe first
-        load_s = cm.host_transfer_s(cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9)
+        load_s = cm.host_transfer_s(cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp) * 1e9)
         if record_spans:
             spans.append(Span(task.allocation.mesh, task.name, "load", start_s, start_s + load_s))
         start_s += load_s
@@ -83,7 +83,7 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
         tokens_per_mb = float(mine.sum()) / num_mbs
         seq = float(mine.mean())
         compute = [cm.forward_s(model, tokens_per_mb, seq, s.tp, layers, include_head=p == s.pp - 1, ep=s.ep,
-                                ep_span=task.allocation.ep_span) for p in range(s.pp)]
+                                ep_span=task.allocation.ep_span, etp=s.etp) for p in range(s.pp)]
         stage_s = [max(c, gather) for c in compute]
         first = start_s
         for p in range(s.pp if record_spans else 0):
@@ -100,22 +100,22 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
 
 def training_pipe_costs(cm: CostModel, model, num_stages: int, tp: int, micro_batch_size: int, seq: float,
                         activation_seq: float, recompute: str, p2p_s: float = 0.0, ep: int = 1,
-                        ep_span: Optional[int] = None) -> PipeCosts:
+                        ep_span: Optional[int] = None, etp: Optional[int] = None) -> PipeCosts:
     """The one builder of a training pipe's :class:`PipeCosts` from the cost model (the plan's
     stages here, RLHFuse's fused-layout candidates and its experiments): per stage of
     ``model.num_layers / num_stages`` layers, forward and backward seconds of one micro-batch of
     ``micro_batch_size`` sequences of ``seq`` tokens (the LM or value head on the last stage; a MoE
-    model's experts split over ``ep`` ranks, with their all-to-alls over ``ep_span`` devices:
-    :attr:`~harness.core.plan.Allocation.ep_span`), activation GB per in-flight
+    model's experts split over ``ep`` ranks, each over ``etp``, with their all-to-alls over ``ep_span``
+    devices: :attr:`~harness.core.plan.Allocation.ep_span`), activation GB per in-flight
     micro-batch at ``activation_seq`` tokens a sequence, and ``p2p_s`` per pipeline hop. No ZeRO-3
     gathers (:func:`_pipe_costs` adds them)."""
     tokens = micro_batch_size * seq
     layers = model.num_layers / num_stages
     last = num_stages - 1
-    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, ep_span=ep_span)
-                for st in range(num_stages))
-    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, ep_span=ep_span)
-                for st in range(num_stages))
+    fwd = tuple(cm.forward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, ep_span=ep_span,
+                             etp=etp) for st in range(num_stages))
+    bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, ep_span=ep_span,
+                              etp=etp) for st in range(num_stages))
     act = cm.activation_gb(model, micro_batch_size, activation_seq, tp, layers, recompute)
     return PipeCosts(fwd, bwd, (act,) * num_stages, p2p_s)
 
@@ -135,11 +135,11 @@ def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: fl
             a, b = task.allocation.device(0, 0, 0), task.allocation.device(0, 1, 0)
             p2p = cm.p2p_s(tokens * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
         pure = training_pipe_costs(cm, model, pipe.num_stages, s.tp, stage.micro_batch_size, seq, seq, recompute, p2p,
-                                   s.ep, task.allocation.ep_span)
+                                   s.ep, task.allocation.ep_span, s.etp)
         layers = model.num_layers / pipe.num_stages
         gather = _zero3_gather_s(cm, model, task, layers)
         if gather:
-            stage_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9 * layers / model.num_layers
+            stage_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp) * 1e9 * layers / model.num_layers
             scatter = cm.reduce_scatter_s(stage_bytes, list(task.allocation.mesh))
             costs[pipe.name] = replace(pure, fwd=tuple(max(f, gather) for f in pure.fwd),
                                        bwd=tuple(max(b, gather + scatter) for b in pure.bwd))
@@ -181,16 +181,18 @@ def pipe_stage_devices(plan: Plan, stage: TrainingStage) -> dict[tuple[str, int]
 
 def grad_sync_s(cm: CostModel, task: Task, model) -> tuple[float, float]:
     """(communication, optimizer) seconds after each mini-batch's pipeline. Under expert parallelism
-    the routed experts' gradients are synchronised over the ``dp / ep`` replicas holding the same
-    experts (one of each ep group), after the rest's over dp."""
+    the routed experts' gradients are synchronised over the replicas holding the same experts (one
+    rank of each expert-parallel domain: ``dp / ep`` of them, ``dp * tp / (ep * etp)`` with expert
+    tensor parallelism), after the rest's over dp."""
     s = task.allocation.strategy
-    if s.ep > 1 and s.dp > 1 and s.zero_stage != 3:
-        expert_bytes = cm.expert_weights_gb(model, s.tp, s.pp, s.ep) * 1e9
-        dense_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep) * 1e9 - expert_bytes
+    if s.ep > 1 and s.zero_stage != 3:
+        expert_bytes = cm.expert_weights_gb(model, s.tp, s.pp, s.ep, etp=s.etp) * 1e9
+        dense_bytes = cm.weights_gb(model, s.tp, s.pp, ep=s.ep, etp=s.etp) * 1e9 - expert_bytes
         group = [task.allocation.device(k, 0, 0) for k in range(s.dp)]
-        expert_group = [task.allocation.device(k, 0, 0) for k in range(0, s.dp, s.ep)]
+        domain = s.ep * s.expert_tp  # ranks of one stage, tp fastest (Allocation.ep_span)
+        expert_group = [task.allocation.device(r // s.tp, 0, r % s.tp) for r in range(0, s.dp * s.tp, domain)]
         comm = _sync_s(cm, dense_bytes, group, s.zero_stage) + _sync_s(cm, expert_bytes, expert_group, s.zero_stage)
-        return comm, cm.optimizer_step_s(model, s.dp, s.tp, s.pp, s.zero_stage, s.ep)
+        return comm, cm.optimizer_step_s(model, s.dp, s.tp, s.pp, s.zero_stage, s.ep, etp=s.etp)
     stage_bytes = cm.weights_gb(model, s.tp, s.pp) * 1e9
     group = [task.allocation.device(k, 0, 0) for k in range(s.dp)]
     if s.dp == 1 or s.zero_stage == 3:  # ZeRO-3 reduce-scatters inside backward (costed there)

@@ -53,16 +53,18 @@ def _load_times(cm: CostModel, move: WeightMovement | None, model) -> dict[int, 
 
 
 def _stage_times(cm: CostModel, tasks: list[Task], models: dict, tokens: float, seq: float, tp: int,
-                 pp: int, ep: int = 1, ep_span: Optional[int] = None) -> dict[str, list[float]]:
+                 pp: int, ep: int = 1, ep_span: Optional[int] = None,
+                 etp: Optional[int] = None) -> dict[str, list[float]]:
     """Forward time of each pipeline stage for each task (stages are equal but for the head on the last;
     a MoE model's at the layout's expert parallelism, its ep replicas taken to pass together)."""
     out = {}
     for t in tasks:
         model = models[t.model]
         layers = model.num_layers / pp
-        body = cm.forward_s(model, tokens, seq, tp, layers, include_head=False, ep=ep, ep_span=ep_span) if pp > 1 else 0.0
+        body = (cm.forward_s(model, tokens, seq, tp, layers, include_head=False, ep=ep, ep_span=ep_span, etp=etp)
+                if pp > 1 else 0.0)
         out[t.name] = [body] * (pp - 1) + [cm.forward_s(model, tokens, seq, tp, layers, include_head=True,
-                                                        ep=ep, ep_span=ep_span)]
+                                                        ep=ep, ep_span=ep_span, etp=etp)]
     return out
 
 
@@ -125,7 +127,7 @@ def simulate_streaming_inference(cm: CostModel, tasks: list[Task], models: dict[
                 # stage p runs ref, reward and critic in turn on this micro-batch: one pipeline whose
                 # stage time is the sum over the three models
                 per_task = _stage_times(cm, tasks, models, tokens, tokens / shape[1], s.tp, s.pp, s.ep,
-                                         alloc.ep_span)
+                                         alloc.ep_span, s.etp)
                 # the stages are equal but the last (the head): two sums, not one per stage
                 body = sum(per_task[t.name][0] for t in tasks) if s.pp > 1 else 0.0
                 shapes[shape] = per_task, [body] * (s.pp - 1) + [sum(per_task[t.name][-1] for t in tasks)]

@@ -155,3 +155,119 @@ def test_a_megatron_layout_keeps_its_ep_groups_within_a_node_and_times_them_ther
     in_node = cm.forward_s(*args, ep=8, ep_span=train.ep_span)
     across = cm.forward_s(*args, ep=8, ep_span=Allocation(tuple(range(16)), train.strategy).ep_span)
     assert in_node < across
+
+
+# ---- expert tensor parallelism (Megatron-core's expert_tensor_parallel_size) ----------------------
+
+def test_etp_prints_serialises_and_round_trips_only_when_it_differs_from_tp():
+    plain = ParallelStrategy(16, 2, 1, ep=8)
+    assert ParallelStrategy(16, 2, 1, ep=8, etp=2) == plain and ParallelStrategy(16, 2, 1, ep=8, etp=2).etp is None
+    assert plain.expert_tp == 2 and "etp" not in plain.to_dict() and str(plain) == "dp16tp2pp1ep8"
+    folded = ParallelStrategy(16, 2, 1, 1, ep=8, etp=1)
+    assert folded != plain and folded.expert_tp == 1
+    assert str(folded) == "dp16tp2pp1ep8etp1,zero1"
+    assert folded.to_dict() == {"dp": 16, "tp": 2, "pp": 1, "zero_stage": 1, "ep": 8, "etp": 1}
+    plan = Plan("x", [Task("update_actor", "train", "actor", Allocation(tuple(range(32)), folded))])
+    assert Plan.from_json(plan.to_json()).tasks[0].allocation.strategy == folded
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+def test_etp_folds_ep_over_dp_times_tp_and_is_refused_otherwise():
+    # Qwen3-235B's asynchronous recipe: tp4 ep16 etp1 with dp4: ep does not divide dp, ep*etp divides dp*tp
+    assert ParallelStrategy(4, 4, 8, ep=16, etp=1).ep == 16
+    with pytest.raises(PlanError, match="ep=16 must divide dp=4"):
+        ParallelStrategy(4, 4, 8, ep=16)
+    with pytest.raises(PlanError, match=r"ep\*etp = 32 must divide dp\*tp = 16"):
+        ParallelStrategy(4, 4, 8, ep=16, etp=2)
+    with pytest.raises(PlanError, match="expert tensor parallelism needs expert parallelism"):
+        ParallelStrategy(4, 4, 1, etp=1)
+    with pytest.raises(PlanError, match="etp=0 must be an integer >= 1"):
+        ParallelStrategy(4, 4, 1, ep=2, etp=0)
+    assert parse_layout("dp16tp2pp1ep8etp1", 0, "update_actor") == ParallelStrategy(16, 2, 1, ep=8, etp=1)
+    assert parse_layout(str(ParallelStrategy(4, 4, 8, ep=16, etp=1)), 0, "x") == ParallelStrategy(4, 4, 8, ep=16, etp=1)
+    with pytest.raises(PlanError, match=r"system\.layouts\.x='dp4tp4pp8ep16etp2': .*must divide dp\*tp = 16"):
+        parse_layout("dp4tp4pp8ep16etp2", 0, "x")
+    with pytest.raises(PlanError, match="dp<D>tp<T>pp<P>"):
+        parse_layout("dp16tp2pp1etp1", 0, "x")  # etp only after ep
+
+
+@pytest.mark.parametrize("dp,tp,pp,ep,etp,span", [
+    (16, 2, 1, 8, 1, 8),  # Qwen3-30B-A3B's v0.4 recipe: each domain is one node's 8 GPUs
+    (16, 2, 1, 8, None, 16),  # the same ep with every expert over tp: two nodes
+    (4, 4, 8, 16, 1, 16),  # Qwen3-235B's asynchronous recipe, Megatron order: one stage's 16 GPUs
+    (8, 2, 2, 4, 1, 4),
+])
+def test_ep_span_of_an_expert_tensor_parallel_domain(dp, tp, pp, ep, etp, span):
+    """A domain is ``ep * etp`` consecutive ranks of one stage, tp fastest: in Megatron-core's
+    order that is ``ep * etp`` consecutive devices."""
+    alloc = Allocation.pipeline_outermost(tuple(range(dp * tp * pp)), ParallelStrategy(dp, tp, pp, ep=ep, etp=etp))
+    assert alloc.ep_span == span
+
+
+def test_etp_memory_is_the_closed_form():
+    """Routed experts / (ep * etp) per device, the rest / tp; ZeRO shards the experts' states over the
+    dp * tp / (ep * etp) ranks that hold the same experts."""
+    from harness.costmodel import memory
+    from harness.costmodel.llama import routed_expert_params_per_layer
+    d, tp, pp, ep, dp = MOE, 2, 1, 8, 16
+    experts = d.num_layers * routed_expert_params_per_layer(d)
+    dense = memory.max_stage_params(d, pp) - experts
+    for etp in (1, 2):
+        assert memory.weights_gb(d, tp, pp, ep=ep, etp=etp) * 1e9 == pytest.approx(
+            (dense / tp + experts / (ep * etp)) * 2, rel=1e-12)
+        assert memory.expert_weights_gb(d, tp, pp, ep, etp=etp) * 1e9 == pytest.approx(experts / (ep * etp) * 2)
+        replicas = dp * tp // (ep * etp)
+        want = (dense / tp * (2 + 2 + 12 / dp) + experts / (ep * etp) * (2 + 2 + 12 / replicas)) / 1e9
+        assert memory.training_state_gb(d, dp, tp, pp, zero_stage=1, ep=ep, etp=etp) == pytest.approx(want)
+        assert memory.updated_params_per_device(d, dp, tp, pp, 1, ep, etp) == pytest.approx(
+            dense / tp / dp + experts / (ep * etp) / replicas)
+    assert memory.weights_gb(d, tp, pp, ep=ep, etp=tp) == memory.weights_gb(d, tp, pp, ep=ep)
+
+
+def test_etp_keeps_the_flops_and_dispatches_its_share_of_the_tokens():
+    """Splitting each expert over etp < tp ranks leaves a device's FLOPs alone, reads 1/(ep*etp) of
+    the routed experts, and sends etp/tp of its tp group's tokens through each all-to-all."""
+    from harness.costmodel.compute import Roofline
+    from harness.costmodel.llama import moe_dispatch_bytes, routed_expert_params_per_layer
+    sent = []
+
+    def alltoall_s(num_bytes, ep, span):
+        sent.append((num_bytes, ep, span))
+        return 0.0
+
+    gpu = SimpleNamespace(peak_bf16_tflops=989, matmul_efficiency_frac=0.6, hbm_bandwidth_gbps=3350,
+                          memory_efficiency_frac=0.8)
+    roof = Roofline(gpu, alltoall_s=alltoall_s)
+    tokens, tp, ep = 4096.0, 2, 8
+    plain = roof.forward_cost(MOE, tokens, 2048.0, tp, ep=ep, ep_span=16)
+    folded = roof.forward_cost(MOE, tokens, 2048.0, tp, ep=ep, ep_span=8, etp=1)
+    assert folded.flops == plain.flops
+    extra = MOE.num_layers * routed_expert_params_per_layer(MOE) * (1 / (ep * 1) - 1 / (ep * tp)) * 2
+    assert folded.num_bytes - plain.num_bytes == pytest.approx(extra)
+    assert sent[0] == (moe_dispatch_bytes(MOE, tokens), ep, 16)
+    assert sent[-1] == (moe_dispatch_bytes(MOE, tokens / tp), ep, 8)
+
+
+def test_a_pinned_etp_layout_plans_writes_etp_and_keeps_its_all_to_alls_in_a_node():
+    """NeMo-RL's Qwen3-30B-A3B recipe (tp2 ep8 etp1 on 32 GPUs): each expert-parallel domain is one
+    node, so training is faster than the same ep with experts split over tp (domains of two nodes);
+    the layout reaches plan.json."""
+    base = ["+system=nemo_rl", "algo=grpo", "model=qwen3_30b_a3b", "cluster=h100_8x", "cluster.num_nodes=4",
+            "workload.global_batch_size=64", "workload.mini_batch_size=64", "workload.micro_batch_size=1"]
+    folded_plan, ctx, _ = plan_for([*base, "system.train_layout=dp16tp2pp1ep8etp1"])
+    plain_plan, _, _ = plan_for([*base, "system.train_layout=dp16tp2pp1ep8"])
+    folded, plain = (p.task("update_actor").allocation for p in (folded_plan, plain_plan))
+    assert folded.strategy.etp == 1 and folded.ep_span == 8 and plain.ep_span == 16
+    strategies = [t["allocation"]["strategy"] for t in json.loads(folded_plan.to_json())["tasks"]]
+    assert any(s.get("etp") == 1 for s in strategies)
+    cm, model = ctx.cost_model, ctx.model("actor")
+    args = (model, 4096.0, 4096.0, 2)
+    assert (cm.backward_s(*args, ep=8, ep_span=folded.ep_span, etp=1)
+            < cm.backward_s(*args, ep=8, ep_span=plain.ep_span))
+
+
+def test_rlhfuse_keeps_a_pinned_etp_in_its_fused_stage():
+    plan, _, _ = plan_for(["+system=rlhfuse", "model=qwen3_30b_a3b", "cluster.num_nodes=8",
+                           "system.fused_search.max_steps=50", "system.layouts.update_actor=dp32tp2pp1ep8etp1"])
+    actor = plan.task("update_actor").allocation
+    assert actor.strategy.ep == 8 and actor.strategy.etp == 1 and actor.ep_span == 8

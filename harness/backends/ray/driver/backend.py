@@ -25,7 +25,7 @@ from typing import Any
 from harness.backends.base import Backend
 from harness.backends.ray.config import RayOptions, check_address
 from harness.backends.ray.driver.calls import WorkerFailedError, WorkerGroup
-from harness.backends.ray.driver.cluster import Cluster, embedded_workers_problem
+from harness.backends.ray.driver.cluster import Cluster, embedded_workers_problem, vllm_memory_share
 from harness.backends.ray.driver.homes import ModelHomes, home_task, plan_roles, role_seeds
 from harness.backends.ray.driver.continuous import ContinuousExecution
 from harness.backends.ray.driver.iteration import Iteration
@@ -159,6 +159,7 @@ class RayBackend(Backend):
         self.opts.device = device
         self.opts.dtype = self.opts.resolved_dtype(device)
         self.opts.multi_node = self.opts.multi_node or self.address is not None
+        self.opts.vllm = vllm_memory_share(self.opts.vllm, plan.generation.memory_frac, device)
         self.group = self.cluster.spawn(n, device)
         self.homes = ModelHomes(plan)
         setup = self._setup_info(plan)

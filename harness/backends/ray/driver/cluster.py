@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness.backends.ray.config import RayOptions
+from harness.backends.ray.config import RayOptions, VllmOptions
 from harness.backends.ray.driver.calls import WorkerFailedError, WorkerGroup
 from harness.backends.ray.settings import EngineOptions, Fault, WorkerOptions
 from harness.backends.ray.worker.device import DeviceWorker
@@ -55,6 +55,17 @@ def embedded_workers_problem(num_workers: int) -> str | None:
             f"{cap} ({EMBEDDED_WORKERS_PER_CPU} per CPU core, {usable_cpus()} cores); use fewer devices, or a Ray "
             f"cluster with {num_workers} CPUs (`ray start --head --num-cpus=...` on its nodes) and "
             f"backend.address=auto (or <host>:<port>)")
+
+
+def vllm_memory_share(vllm: VllmOptions, memory_frac: float | None, device: str | None) -> VllmOptions:
+    """The vLLM options the workers start with: on CUDA a plan's generation memory share
+    (``GenerationPolicy.memory_frac``, a system's ``gpu_memory_utilization``, with which the
+    simulator sized the KV cache) replaces ``backend.options.vllm.gpu_memory_utilization``, so both
+    backends run the plan's share; on CPU vLLM's share is of host memory, not the GPU's, so the
+    option stays."""
+    if memory_frac is None or device != "cuda":
+        return vllm
+    return dataclasses.replace(vllm, gpu_memory_utilization=float(memory_frac))
 
 
 def worker_options(opts: RayOptions) -> WorkerOptions:

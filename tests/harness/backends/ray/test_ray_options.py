@@ -182,3 +182,22 @@ def test_stream_rounds_is_checked_when_the_options_are_built():
     assert RayOptions(stream_rounds="one_step").stream_rounds == "one_step"
     with pytest.raises(ConfigError, match="stream_rounds='every_token'.*to_next_finish, one_step"):
         RayOptions(stream_rounds="every_token")
+
+
+def test_vllm_takes_the_plans_memory_share_on_cuda_only():
+    """A system's generation memory share (NeMo-RL's gpu_memory_utilization, plan data the simulator
+    sizes the KV cache with) is vLLM's on CUDA; on CPU vLLM's share is of host memory, so the
+    backend option stays, as it does for a plan without a share."""
+    from harness.backends.ray.config import VllmOptions
+    from harness.backends.ray.driver.cluster import vllm_memory_share
+    from harness.testing import plan_for
+
+    plan, _, _ = plan_for(["+system=nemo_rl", "algo=grpo", "model=tiny", "workload=tiny", "cluster=h100_8x",
+                           "cluster.num_nodes=1", "system.gpu_memory_utilization=0.8"])
+    share = plan.generation.memory_frac
+    assert share == 0.8
+    option = VllmOptions(gpu_memory_utilization=0.3)
+    assert vllm_memory_share(option, share, "cuda").gpu_memory_utilization == 0.8
+    assert vllm_memory_share(option, share, "cuda").enforce_eager == option.enforce_eager
+    assert vllm_memory_share(option, share, "cpu") == option
+    assert vllm_memory_share(option, None, "cuda") == option
