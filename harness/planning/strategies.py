@@ -90,12 +90,31 @@ def ep_options(dp: int, gpus_per_node: int, models: Sequence[Any] = ()) -> list[
     return out
 
 
+def expert_tp_options(dp: int, tp: int, gpus_per_node: int, models: Sequence[Any] = ()) -> list[int]:
+    """Expert-parallel degrees a search tries at expert tensor parallelism 1 beside ``tp > 1`` (Megatron-
+    core's ``expert_tensor_parallel_size=1``: ep folded over dp x tp): the powers of two from 2 up to a
+    node's GPUs that divide ``dp * tp`` and every model's routed experts, so that a domain of ``ep``
+    consecutive ranks stays in a node, as :func:`ep_options` keeps its groups. None at tp = 1 (there
+    etp = 1 is the plain layout) or for dense models."""
+    dims = [ModelDims.of(m) for m in models]
+    if tp == 1 or not dims or not all(d.is_moe for d in dims):
+        return []
+    out, ep = [], 2
+    while ep <= gpus_per_node:
+        if (dp * tp) % ep == 0 and all(d.num_experts % ep == 0 for d in dims):
+            out.append(ep)
+        ep *= 2
+    return out
+
+
 def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, zero_stage: int = 0,
                          max_pp: int = 32, models: Sequence[Any] = (),
                          expert_parallel: bool = True) -> Iterable[ParallelStrategy]:
     """Layouts of ``num_devices``; with ``models``, only tensor-parallel degrees that shard their heads,
     and, when they are mixtures of experts (and ``expert_parallel``), each (dp, tp, pp) with every
-    expert-parallel degree of :func:`ep_options` (ep = 1 first). Dense models: the (dp, tp, pp) alone."""
+    expert-parallel degree of :func:`ep_options` (ep = 1 first), then, where tp > 1, with every degree of
+    :func:`expert_tp_options` at expert tensor parallelism 1 (each expert whole on one rank, as
+    NeMo-RL's MoE recipes set it). Dense models: the (dp, tp, pp) alone."""
     moe = expert_parallel and bool(models) and all(ModelDims.of(m).is_moe for m in models)
     for tp in divisors(gpus_per_node):
         if num_devices % tp or not tp_splits_heads(tp, models):
@@ -108,6 +127,8 @@ def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, 
             if moe:
                 for ep in ep_options(dp, gpus_per_node, models)[1:]:
                     yield ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, ep=ep)
+                for ep in expert_tp_options(dp, tp, gpus_per_node, models):
+                    yield ParallelStrategy(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, ep=ep, etp=1)
 
 
 class MeshOptions(abc.Sequence):

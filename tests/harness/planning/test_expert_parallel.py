@@ -12,7 +12,7 @@ from harness.core.plan import Allocation, GenerationPolicy, MigrationPolicy, Par
 from harness.costmodel.llama import ModelDims
 from harness.errors import PlanError
 from harness.planning.strategies import (candidate_strategies, check_expert_parallel, divisors, ep_options,
-                                         parse_layout)
+                                         expert_tp_options, parse_layout)
 from harness.real.model import load_llama_config
 from harness.testing import plan_for
 
@@ -74,8 +74,14 @@ def test_moe_candidates_add_power_of_two_ep_up_to_a_node():
     got = list(candidate_strategies(64, 8, MOE.num_layers, models=[MOE]))
     base = _old_candidates(64, 8, MOE.num_layers)
     assert [s for s in got if s.ep == 1] == base
-    assert {(s.dp, s.tp, s.pp, s.ep) for s in got} == {(s.dp, s.tp, s.pp, ep) for s in base
-                                                       for ep in (1, 2, 4, 8) if s.dp % ep == 0}
+    assert {(s.dp, s.tp, s.pp, s.ep) for s in got if s.etp is None} == {(s.dp, s.tp, s.pp, ep) for s in base
+                                                                        for ep in (1, 2, 4, 8) if s.dp % ep == 0}
+    # and, beside tp > 1, ep at expert tensor parallelism 1: ep divides dp * tp, a domain within a node
+    assert {(s.dp, s.tp, s.pp, s.ep) for s in got if s.etp is not None} == {
+        (s.dp, s.tp, s.pp, ep) for s in base if s.tp > 1 for ep in (2, 4, 8) if (s.dp * s.tp) % ep == 0}
+    assert all(s.etp == 1 for s in got if s.etp is not None) and len(set(got)) == len(got)
+    assert expert_tp_options(1, 8, 8, [MOE]) == [2, 4, 8] and expert_tp_options(4, 1, 8, [MOE]) == []
+    assert expert_tp_options(4, 2, 8, [MOE, DENSE]) == [] and expert_tp_options(1, 2, 4, [odd]) == [2]
     assert list(candidate_strategies(64, 8, MOE.num_layers, models=[MOE], expert_parallel=False)) == base
 
 
