@@ -50,7 +50,7 @@ def draw(root) -> list:
     sns.barplot(table, y="System", x="perf/samples_per_s", hue="System", palette=colors, ax=ax2, legend=False)
     for i, row in table.iterrows():
         ax2.text(row["perf/samples_per_s"], i, f"  {row['timing_s/step']:.0f} s/step", va="center", fontsize=7)
-    ax2.set(xlabel="throughput (samples/s)", ylabel="", title="throughput (after the warm-up iteration)")
+    ax2.set(xlabel="throughput (samples/s)", ylabel="", title="throughput (after the warm-up iterations)")
     ax2.set_xlim(right=1.3 * table["perf/samples_per_s"].max())
     fig.tight_layout()
     return style.save(fig, root, EXPERIMENT)
