@@ -47,7 +47,7 @@ ep group lies among: a training layout's from its device order, :func:`ep_group_
 instance's ``ep`` instances of ``tp * pp`` devices side by side). A training layout with expert
 tensor parallelism ``etp`` (Megatron-core's ``expert_tensor_parallel_size``) splits each expert
 over ``etp`` ranks instead: the device holds ``1 / (ep * etp)`` of the routed experts
-(:func:`expert_tp_weight_params`) and dispatches ``etp / tp`` of its tp group's tokens
+(:func:`~harness.costmodel.memory.expert_tp_extra_params`) and dispatches ``etp / tp`` of its tp group's tokens
 (:func:`moe_alltoalls_s`); its FLOPs, and the tp all-reduces charged per layer, are unchanged.
 """
 from __future__ import annotations
@@ -68,6 +68,7 @@ from harness.costmodel.llama import (
     routed_expert_params_per_layer,
     streamed_matmul_params_per_layer,
 )
+from harness.costmodel.memory import expert_tp_extra_params
 
 # Mixed-precision Adam touches per parameter: read + write fp32 master weight, m and v
 # (3 x 4 x 2 = 24 bytes), read the bf16 gradient (2) and write the bf16 weight copy (2).
@@ -110,15 +111,6 @@ def moe_alltoalls_s(alltoall_s: AllToAllFn, d: ModelDims, num_layers: float, num
         num_tokens = num_tokens * etp / tp
     moe_layers = num_layers * d.num_moe_layers / d.num_layers
     return 2 * moe_layers * alltoall_s(moe_dispatch_bytes(d, num_tokens), ep, span)
-
-
-def expert_tp_weight_params(d: ModelDims, num_layers: float, tp: int, ep: int, etp: Optional[int]) -> float:
-    """Parameters one device holds beyond ``layers * stored_layer_params(d, ep) / tp`` when each
-    routed expert is split over ``etp`` ranks rather than ``tp`` (0 when ``etp`` is None or ``tp``):
-    its ``1 / (ep * etp)`` of the routed experts in place of ``1 / (ep * tp)``."""
-    if etp is None or etp == tp or not d.is_moe:
-        return 0.0
-    return num_layers * routed_expert_params_per_layer(d) * (1.0 / (ep * etp) - 1.0 / (ep * tp))
 
 
 def stored_layer_params(d: ModelDims, ep: int = 1) -> float:
@@ -212,7 +204,8 @@ class Roofline:
         activations = activation_io_elems_per_token_layer(d) * num_tokens * layers
         num_bytes = (weights + activations) * BF16_BYTES / tp
         if etp is not None:
-            num_bytes += expert_tp_weight_params(d, layers, tp, ep, etp) * BF16_BYTES
+            experts = layers * routed_expert_params_per_layer(d)
+            num_bytes += expert_tp_extra_params(experts, tp, ep, etp) * BF16_BYTES
         comm_s = 2 * layers * self._allreduce_s(num_tokens * d.hidden_size * BF16_BYTES, tp)
         if ep > 1:
             comm_s += moe_alltoalls_s(self._alltoall_s, d, layers, num_tokens, ep, ep_group_span(ep, tp, ep_span),

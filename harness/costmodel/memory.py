@@ -46,9 +46,9 @@ the same as at ep = 1 and ep saves what ZeRO leaves whole. With expert tensor pa
 (Megatron-core's ``expert_tensor_parallel_size``, :class:`harness.core.plan.ParallelStrategy`)
 each expert is split over ``etp`` ranks instead of ``tp``: routed-expert weights per device are
 ``/ (ep * etp)`` and replicated on ``dp * tp / (ep * etp)`` ranks; ``etp=None`` is ``etp = tp``.
-Per-layer counts are averages over the layers (:mod:`.llama`). The activation coefficients above are kept for MoE layers (the SwiGLU ones,
-which do not depend on the MLP width): the k copies of a token through its experts are not counted
-separately.
+Per-layer counts are averages over the layers (:mod:`.llama`). The activation coefficients above
+are kept for MoE layers (the SwiGLU ones, which do not depend on the MLP width): the k copies of a
+token through its experts are not counted separately.
 """
 from __future__ import annotations
 
@@ -114,7 +114,16 @@ def expert_shards(tp: int, ep: int, etp: Optional[int] = None) -> int:
 def expert_replicas(dp: int, tp: int, ep: int, etp: Optional[int] = None) -> int:
     """The ranks of one stage that hold the same expert shard (the expert-data-parallel group):
     ``dp * tp / (ep * etp)``, ``dp / ep`` when ``etp`` is unset."""
-    return dp // ep if etp is None else dp * tp // (ep * etp)
+    return dp * tp // expert_shards(tp, ep, etp)
+
+
+def expert_tp_extra_params(expert_params: float, tp: int, ep: int, etp: Optional[int] = None) -> float:
+    """Of ``expert_params`` routed-expert parameters, what one device holds beyond its
+    ``1 / (ep * tp)`` when each expert is split over ``etp`` ranks rather than ``tp`` (0 when
+    ``etp`` is None or ``tp``): its ``1 / (ep * etp)`` in place of ``1 / (ep * tp)``."""
+    if etp is None or etp == tp:
+        return 0.0
+    return expert_params * (1.0 / (ep * etp) - 1.0 / (ep * tp))
 
 
 def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYTES, ep: int = 1,
@@ -123,8 +132,7 @@ def weights_gb(model: Any, tp: int = 1, pp: int = 1, dtype_bytes: int = BF16_BYT
     gb = max_stage_params(model, pp, ep) / tp * dtype_bytes / GB
     if etp is None or etp == tp:
         return gb
-    experts = stage_expert_params(model, pp)
-    return gb + experts * (1.0 / (ep * etp) - 1.0 / (ep * tp)) * dtype_bytes / GB
+    return gb + expert_tp_extra_params(stage_expert_params(model, pp), tp, ep, etp) * dtype_bytes / GB
 
 
 def expert_weights_gb(model: Any, tp: int = 1, pp: int = 1, ep: int = 1, dtype_bytes: int = BF16_BYTES,
@@ -183,7 +191,8 @@ def updated_params_per_device(model: Any, dp: int = 1, tp: int = 1, pp: int = 1,
         return max_stage_params(model, pp) / tp / (dp if zero_stage >= 1 else 1)
     experts = stage_expert_params(model, pp)
     dense = (max_stage_params(model, pp) - experts) / tp / (dp if zero_stage >= 1 else 1)
-    return dense + experts / expert_shards(tp, ep, etp) / (expert_replicas(dp, tp, ep, etp) if zero_stage >= 1 else 1)
+    replicas = expert_replicas(dp, tp, ep, etp) if zero_stage >= 1 else 1
+    return dense + experts / expert_shards(tp, ep, etp) / replicas
 
 
 def activation_bytes_per_layer(model: Any, micro_batch_size: float, seq_len: float,

@@ -79,12 +79,18 @@ def ep_options(dp: int, gpus_per_node: int, models: Sequence[Any] = ()) -> list[
     beyond a node's GPUs the group's all-to-alls leave NVLink for the NICs on every MoE layer, while
     the memory it saves (the routed experts / ep) is already most of what it can save at 8 (7/8 of
     the experts). Powers of two: the experts counts of released MoE models (64, 128, 256) are."""
+    return [1, *_moe_ep_degrees(dp, gpus_per_node, models)]
+
+
+def _moe_ep_degrees(ranks: int, gpus_per_node: int, models: Sequence[Any]) -> list[int]:
+    """The powers of two from 2 up to a node's GPUs that divide ``ranks`` and every model's routed
+    experts; none unless the models are all mixtures of experts."""
     dims = [ModelDims.of(m) for m in models]
     if not dims or not all(d.is_moe for d in dims):
-        return [1]
-    out, ep = [1], 2
+        return []
+    out, ep = [], 2
     while ep <= gpus_per_node:
-        if dp % ep == 0 and all(d.num_experts % ep == 0 for d in dims):
+        if ranks % ep == 0 and all(d.num_experts % ep == 0 for d in dims):
             out.append(ep)
         ep *= 2
     return out
@@ -96,15 +102,7 @@ def expert_tp_options(dp: int, tp: int, gpus_per_node: int, models: Sequence[Any
     node's GPUs that divide ``dp * tp`` and every model's routed experts, so that a domain of ``ep``
     consecutive ranks stays in a node, as :func:`ep_options` keeps its groups. None at tp = 1 (there
     etp = 1 is the plain layout) or for dense models."""
-    dims = [ModelDims.of(m) for m in models]
-    if tp == 1 or not dims or not all(d.is_moe for d in dims):
-        return []
-    out, ep = [], 2
-    while ep <= gpus_per_node:
-        if (dp * tp) % ep == 0 and all(d.num_experts % ep == 0 for d in dims):
-            out.append(ep)
-        ep *= 2
-    return out
+    return _moe_ep_degrees(dp * tp, gpus_per_node, models) if tp > 1 else []
 
 
 def candidate_strategies(num_devices: int, gpus_per_node: int, num_layers: int, zero_stage: int = 0,
