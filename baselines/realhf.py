@@ -57,7 +57,7 @@ from harness.planning.memory import check_plan_memory
 from harness.planning.scheduler import schedule_durations
 from harness.planning.strategies import divisors, largest_tp, mesh_options, strategy_options
 from harness.planning.taskmodels.passes import weight_movement_s
-from harness.planning.workflow import PPO_TASKS, single_pipe_stage, workflow_tasks
+from harness.planning.workflow import PPO_TASKS, packed_stage_args, single_pipe_stage, workflow_tasks
 from harness.system import PlanContext, System, register_system_config
 
 # Options of the search: set with system.search=false they are refused (harness/core/option_effects.py).
@@ -142,7 +142,7 @@ class RealHF(System):
                     t += ctx.cost_model.host_transfer_s(weights_gb * 1e9)
             elif task.kind == TaskKind.TRAIN:
                 stage = single_pipe_stage(task.name, task.model, task.allocation.strategy, w.mini_batch_size,
-                                          w.micro_batch_size, w.global_batch_size)
+                                          w.micro_batch_size, w.global_batch_size, **packed_stage_args(ctx))
                 t = training_s(ctx, task, stage, w.mini_batch_size, batch)
             else:
                 move = plan.movement_of(task.name)

@@ -46,8 +46,9 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
 
 What is not modelled: the seconds of waking and sleeping vLLM around generation (reallocating the
 KV cache, reloading weights), which the frameworks' published step times include
-(../shared/published/README.md: verl's "gen" covers waking vLLM and loading weights); sequence
-packing and dynamic batch sizes (training micro-batches are ``workload.micro_batch_size``).
+(../shared/published/README.md: verl's "gen" covers waking vLLM and loading weights). Sequence
+packing (NeMo-RL's default) is the workload's ``workload.micro_batch_tokens``
+(:mod:`harness.planning.packing`); unset, micro-batches are ``workload.micro_batch_size`` samples.
 
 Off-policy: with generation GPUs of their own and ``max_staleness`` set, the plan is off-policy
 (``Plan.off_policy``): each iteration's generation runs on weights up to that many versions old,

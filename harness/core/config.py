@@ -251,6 +251,10 @@ class WorkloadConfig:
     global_batch_size: int = 512  # prompts per iteration
     mini_batch_size: int = 64  # prompts per gradient step (one step per mini-batch)
     micro_batch_size: int = 1  # samples per pipeline micro-batch
+    # Sequence packing (NeMo-RL's sequence_packing.train_mb_tokens, verl's dynamic batch size): each
+    # micro-batch a bin of whole samples of at most this many tokens (harness/planning/packing.py), for
+    # training and forward-only passes; null: micro_batch_size samples a micro-batch
+    micro_batch_tokens: Optional[int] = None
     max_gen_len: int = 1024  # cap on output tokens
     # Synthetic lengths: with a file (path set) the file's lengths replace both (set on the command
     # line with workload=jsonl they are refused: no effect).

@@ -99,6 +99,7 @@ class Feature(_ValueEnum):
     PER_REPLICA_MOVEMENT = "weight movements performed by the consuming task's replicas"
     OFF_POLICY = "generation running ahead of training on older weights (off-policy pipelining)"
     LENGTH_DISPATCH = "samples dispatched to generation instances by predicted length (StreamRL)"
+    SEQUENCE_PACKING = "micro-batches packed to a token budget (sequence packing)"
 
 
 MODEL_ROLES = tuple(r.value for r in ModelRole)
@@ -300,6 +301,10 @@ class TrainingStage:
     schedule: Schedule
     num_minibatches: int
     micro_batch_size: int
+    # sequence packing (harness/planning/packing.py): each micro-batch a bin of whole samples of at
+    # most this many tokens, the schedule's micro-batch count planned on the planning batch; None:
+    # ``micro_batch_size`` samples a micro-batch
+    micro_batch_tokens: Optional[int] = None
 
     @property
     def fused(self) -> bool:
@@ -546,6 +551,8 @@ class Plan:
             out.append(Feature.OFF_POLICY)
         if self.generation.dispatch is not None:
             out.append(Feature.LENGTH_DISPATCH)
+        if any(st.micro_batch_tokens is not None for st in self.training):
+            out.append(Feature.SEQUENCE_PACKING)
         return out
 
     def devices(self) -> list[int]:
@@ -617,7 +624,9 @@ class Plan:
                 d["generation"][key] = g[key]
         d["engines"] = None if self.engines is None else self.engines.to_dict()
         d["training"] = [
-            {**{k: v for k, v in asdict(s).items() if k != "schedule"}, "schedule": schedule_to_dict(s.schedule)}
+            {**{k: v for k, v in asdict(s).items()
+                if k != "schedule" and not (k == "micro_batch_tokens" and v is None)},  # only when set
+             "schedule": schedule_to_dict(s.schedule)}
             for s in self.training
         ]
         return d
@@ -662,7 +671,8 @@ class Plan:
             tasks=[Task(t["name"], t["kind"], t["model"], alloc(t["allocation"]),
                         tuple(t["reads"]), tuple(t["writes"]), stream_from(t)) for t in d["tasks"]],
             training=[TrainingStage(tuple(s["tasks"]), schedule_from_dict(s["schedule"]),
-                                    s["num_minibatches"], s["micro_batch_size"]) for s in d["training"]],
+                                    s["num_minibatches"], s["micro_batch_size"], s.get("micro_batch_tokens"))
+                      for s in d["training"]],
             generation=GenerationPolicy(**gen),
             weight_movements=[WeightMovement(w["task"], w["model"], alloc(w["source"]), alloc(w["target"]),
                                              movement_kind(w)) for w in d["weight_movements"]],

@@ -175,6 +175,12 @@ def validate_workload(w: WorkloadConfig, group_size: int = 1) -> None:
     if (w.mini_batch_size * group_size) % w.micro_batch_size:
         raise ConfigError(f"{mini[0].upper() + mini[1:] if group_size > 1 else mini} is not a multiple of "
                           f"workload.micro_batch_size={w.micro_batch_size}")
+    if w.micro_batch_tokens is not None:
+        longest = w.prompt_len.max + w.max_gen_len
+        if w.micro_batch_tokens < longest:
+            raise ConfigError(f"workload.micro_batch_tokens={w.micro_batch_tokens} is below the longest sample "
+                              f"(prompt_len.max + max_gen_len = {longest:g} tokens), which would fit no packed "
+                              f"micro-batch")
     if w.activation_recompute not in ("none", "selective", "full"):
         raise ConfigError(f"workload.activation_recompute={w.activation_recompute!r}; use none, selective or full")
     a, b = w.pass_rate.alpha, w.pass_rate.beta

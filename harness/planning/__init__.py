@@ -12,6 +12,7 @@ backends use it, it never imports a backend (a test enforces that).
 | :mod:`.strategies` | (dp, tp, pp) enumeration, ReaLHF's mesh options, pinned layouts, best-of search |
 | :mod:`.layout_search` | RLHFuse-Base's per-task brute-force search (all devices or a pool) |
 | :mod:`.memory` | per-task, per-device memory feasibility of a plan |
+| :mod:`.packing` | sequence packing: micro-batches as first-fit-decreasing bins of samples up to a token budget |
 | :mod:`.realloc` | bytes each device receives when weights change layout (also used by the real backend) |
 | :mod:`.taskmodels` | per-task cost models: generation (with migration), streaming inference, inference, training, weight movement |
 | :mod:`.scheduler` | the one scheduler: readiness, device claims and releases, streams riding with their generator; driven by predicted times here, by completions on backend=ray |

@@ -35,7 +35,8 @@ from harness.core.engines import check_compatible, policy_fields
 from harness.errors import PlanError
 from harness.core.plan import (Allocation, GenerationPolicy, MovementKind, Plan, ResidentState, TrainingStage,
                           WeightMovement)
-from harness.planning.workflow import ppo_tasks, single_pipe_stage, weight_movement, workflow_tasks
+from harness.planning.workflow import (packed_stage_args, ppo_tasks, single_pipe_stage, weight_movement,
+                                       workflow_tasks)
 from harness.system import PlanContext
 
 # (model, consumer task, source task): where each moved model's weights come from and go to
@@ -57,7 +58,8 @@ def single_pipe_stages(ctx: PlanContext, allocations: dict[str, Allocation], min
     workload's)."""
     w = ctx.workload
     micro = w.micro_batch_size if micro_batch_size is None else micro_batch_size
-    return [single_pipe_stage(t, m, allocations[t].strategy, mini_batch_size, micro, w.global_batch_size)
+    packed = packed_stage_args(ctx, mini_batch_size)
+    return [single_pipe_stage(t, m, allocations[t].strategy, mini_batch_size, micro, w.global_batch_size, **packed)
             for t, m in TRAINING_TASKS if m in ctx.roles]
 
 

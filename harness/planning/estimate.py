@@ -136,7 +136,8 @@ def generation_s(ctx: PlanContext, task: Task, policy: GenerationPolicy, batch: 
 def inference_s(ctx: PlanContext, task: Task, batch: Batch) -> float:
     seq = batch.prompt_lens + batch.output_lens
     return simulate_inference(ctx.cost_model, task, ctx.model(task.model), seq,
-                              ctx.workload.micro_batch_size, 0.0, record_spans=False).end_s
+                              ctx.workload.micro_batch_size, 0.0, record_spans=False,
+                              micro_batch_tokens=ctx.workload.micro_batch_tokens).end_s
 
 
 def _one_task_plan(task: Task, stage: TrainingStage, mini_batch_size: int, batch: Batch) -> Plan:

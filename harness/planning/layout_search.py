@@ -58,7 +58,7 @@ from harness.planning.memory import (MemoryLedger, MemoryNeed, MemoryShortfall, 
                                      one_f_one_b_activation_gb)
 from harness.planning.strategies import (SearchResult, candidate_strategies, parse_layout, search,
                                          smallest_requirement)
-from harness.planning.workflow import PPO_TASKS, check_layout_fits, full_mesh, single_pipe_stage
+from harness.planning.workflow import PPO_TASKS, check_layout_fits, full_mesh, packed_stage_args, single_pipe_stage
 from harness.schedule import Action, PipeSpec, Schedule
 from harness.system import PlanContext
 
@@ -207,12 +207,12 @@ class LayoutSearch:
                        ) -> TrainingStage:
         """The task's own 1F1B stage (raises PlanError when the mini-batch does not split over dp)."""
         w = self.w
-        stage = single_pipe_stage(task, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size)
+        stage = single_pipe_stage(task, role, s, w.mini_batch_size, w.micro_batch_size, w.global_batch_size,
+                                  **packed_stage_args(self.ctx))
         if in_flight is None:
             return stage
         pipe = next(iter(stage.schedule.pipes.values()))
-        return TrainingStage(stage.tasks, one_f_one_b_limited(pipe, in_flight), stage.num_minibatches,
-                             stage.micro_batch_size)
+        return replace(stage, schedule=one_f_one_b_limited(pipe, in_flight))
 
     def search_training(self) -> None:
         """The fastest actor and critic layouts (sum of estimated times) that fit together, beside

@@ -35,6 +35,7 @@ from harness.costmodel import CostModel
 from harness.errors import PlanError, PlanMemoryError
 from harness.core.plan import Allocation, Plan, Task
 from harness.schedule import PipeCosts, list_order_peak_memory
+from harness.planning.packing import samples_at_longest
 
 
 @dataclass
@@ -82,8 +83,14 @@ def fused_attention(engines) -> bool:
 def inference_activation_gb(cm: CostModel, model, s, workload, fused: bool = False) -> float:
     """Forward activations an inference task holds: one layer of one micro-batch at the longest
     sequence (its attention scores too unless the attention is ``fused``)."""
-    return cm.activation_gb(model, workload.micro_batch_size, max_seq_len(workload), s.tp, 1, "none",
+    return cm.activation_gb(model, microbatch_samples(workload), max_seq_len(workload), s.tp, 1, "none",
                             fused_attention=fused)
+
+
+def microbatch_samples(workload) -> float:
+    """Samples of the longest length one of the workload's micro-batches holds (a packed one: its
+    token budget's worth, :func:`harness.planning.packing.samples_at_longest`)."""
+    return samples_at_longest(workload.micro_batch_size, workload.micro_batch_tokens, max_seq_len(workload))
 
 
 def kv_one_sample_gb(cm: CostModel, model, s, workload) -> float:
@@ -94,7 +101,7 @@ def kv_one_sample_gb(cm: CostModel, model, s, workload) -> float:
 def one_f_one_b_activation_gb(cm: CostModel, model, s, workload, num_mbs: int) -> float:
     """Peak in-flight activations of a single-pipe 1F1B stage: its first stage holds min(pp, M)
     micro-batches of ``layers / pp`` layers (what :func:`training_activation_gb` counts)."""
-    return min(s.pp, num_mbs) * cm.activation_gb(model, workload.micro_batch_size, max_seq_len(workload), s.tp,
+    return min(s.pp, num_mbs) * cm.activation_gb(model, microbatch_samples(workload), max_seq_len(workload), s.tp,
                                                  model.num_layers / s.pp, workload.activation_recompute)
 
 
@@ -108,7 +115,8 @@ def training_activation_gb(plan: Plan, cm: CostModel, models, workload) -> dict[
             task = plan.task(next(t for t in stage.tasks if plan.task(t).model == pipe.model))
             s = task.allocation.strategy
             layers = getattr(models, pipe.model).num_layers / pipe.num_stages
-            act = cm.activation_gb(getattr(models, pipe.model), stage.micro_batch_size, seq, s.tp,
+            act = cm.activation_gb(getattr(models, pipe.model),
+                                   samples_at_longest(stage.micro_batch_size, stage.micro_batch_tokens, seq), seq, s.tp,
                                    layers, workload.activation_recompute)
             costs[pipe.name] = PipeCosts.uniform(pipe.num_stages, 1.0, 2.0, act)
         peak = max(list_order_peak_memory(stage.schedule, costs).values())

@@ -198,7 +198,8 @@ class PlanSimulator:
         (task,) = unit.tasks
         result = simulate_inference(self.cm, task, self.ctx.model(task.model), self.seq_lens,
                                     self.ctx.workload.micro_batch_size, self.now_s,
-                                    offloaded=task.model in self.plan.offloaded, record_spans=self.record_spans)
+                                    offloaded=task.model in self.plan.offloaded, record_spans=self.record_spans,
+                                    micro_batch_tokens=self.ctx.workload.micro_batch_tokens)
         return self._record(unit, result)
 
     def train(self, unit: Unit) -> Timing:

@@ -32,11 +32,13 @@ pass of the actor in its training layout that writes ``old_logprobs``, which ``g
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from harness.core.algorithm import PPO, AlgorithmConfig
 from harness.costmodel.llama import expert_parallel_problem
 from harness.errors import PlanError
+from harness.core.workload import draw_batch
+from harness.planning import packing
 from harness.core.plan import Allocation, MovementKind, ParallelStrategy, Task, TrainingStage, WeightMovement
 from harness.planning.dataflow import training_reads
 from harness.schedule import PipeSpec, build
@@ -115,15 +117,49 @@ def microbatches_per_replica(mini_batch_size: int, dp: int, micro_batch_size: in
 
 @lru_cache(maxsize=4096)
 def single_pipe_stage(task: str, model: str, strategy: ParallelStrategy, mini_batch_size: int,
-                      micro_batch_size: int, global_batch_size: int, schedule: str = "1f1b") -> TrainingStage:
-    """One training task as its own stage: a ``pp``-stage pipeline per dp replica, 1F1B by default.
+                      micro_batch_size: int, global_batch_size: int, schedule: str = "1f1b",
+                      micro_batch_tokens: Optional[int] = None, packed_bins: Optional[int] = None) -> TrainingStage:
+    """One training task as its own stage: a ``pp``-stage pipeline per dp replica, 1F1B by default,
+    in micro-batches of ``micro_batch_size`` samples, or, with ``micro_batch_tokens`` (sequence
+    packing), in ``packed_bins`` bins of at most that many tokens per mini-batch dealt over dp
+    (:mod:`harness.planning.packing`; :func:`packed_stage_args` gives both from the context).
     Memoised: the same arguments give the same (immutable) stage object, so a layout search's
     candidates share the stages they have in common, and checks memoised on a schedule's identity
     (:func:`harness.planning.memory.training_activation_gb`) answer them once."""
-    num_mbs = microbatches_per_replica(mini_batch_size, strategy.dp, micro_batch_size, task)
+    if micro_batch_tokens is None:
+        num_mbs = microbatches_per_replica(mini_batch_size, strategy.dp, micro_batch_size, task)
+    else:
+        if packed_bins is None:
+            raise PlanError(f"{task}: a packed stage (micro_batch_tokens={micro_batch_tokens}) needs its planned bins")
+        num_mbs = packing.microbatches_per_replica(packed_bins, mini_batch_size, strategy.dp, task)
     pipe = PipeSpec(name=model[0].upper(), num_stages=strategy.pp, num_mbs=num_mbs,
                     stage_to_rank=tuple(range(strategy.pp)), model=model)
-    return TrainingStage((task,), build(schedule, [pipe]), global_batch_size // mini_batch_size, micro_batch_size)
+    return TrainingStage((task,), build(schedule, [pipe]), global_batch_size // mini_batch_size, micro_batch_size,
+                         micro_batch_tokens)
+
+
+def packed_stage_args(ctx, mini_batch_size: Optional[int] = None) -> dict[str, Optional[int]]:
+    """``micro_batch_tokens`` and ``packed_bins`` of :func:`single_pipe_stage` for ``ctx``'s workload
+    in mini-batches of ``mini_batch_size`` samples (None: the workload's): both None without sequence
+    packing, else the budget and the bins the planning batch's fullest mini-batch needs
+    (:func:`harness.planning.packing.planned_bins`)."""
+    w = ctx.workload
+    if w.micro_batch_tokens is None:
+        return {"micro_batch_tokens": None, "packed_bins": None}
+    mini = w.mini_batch_size if mini_batch_size is None else mini_batch_size
+    key = (id(ctx), mini)
+    cached = _PACKED_BINS.get(key)
+    if cached is None or cached[0] is not ctx:
+        batch = draw_batch(w, ctx.seed, 0, ctx.algorithm)  # the planning batch (harness.planning.estimate)
+        bins = packing.planned_bins(batch.prompt_lens + batch.output_lens, mini, w.micro_batch_tokens)
+        if len(_PACKED_BINS) >= 16:
+            _PACKED_BINS.pop(next(iter(_PACKED_BINS)))
+        cached = _PACKED_BINS[key] = (ctx, bins)
+    return {"micro_batch_tokens": w.micro_batch_tokens, "packed_bins": cached[1]}
+
+
+# (id(context), mini-batch samples) -> (context, planned bins): a layout search asks for every candidate
+_PACKED_BINS: dict[tuple[int, int], tuple[Any, int]] = {}
 
 
 def full_mesh(num_devices: int) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ from harness.costmodel.profile import load_profile_table
 from harness.errors import ConfigError
 from harness.planning.collector import full_collections_deferred
 from harness.planning.memory import MemoryReport, check_plan_memory
+from harness.planning.packing import check_plan_packing
 from harness.planning.strategies import check_expert_parallel, check_tensor_parallel
 from harness.run import provenance, results, runner
 from harness.run.loggers import WandbLogger, resolve_mode
@@ -137,6 +138,7 @@ def make_plan(system: System, ctx: PlanContext) -> tuple[Plan, float, MemoryRepo
     new_plan.validate(ctx.num_devices)
     check_tensor_parallel(new_plan, ctx.models)
     check_expert_parallel(new_plan, ctx.models)
+    check_plan_packing(new_plan, ctx.workload.micro_batch_tokens)
     return new_plan, plan_s, check_plan_memory(new_plan, ctx.cost_model, ctx.models, ctx.workload)
 
 

@@ -106,6 +106,11 @@ class RLHFuse(System):
 
     def plan(self, ctx: PlanContext) -> Plan:
         self.check_config()
+        if ctx.workload.micro_batch_tokens is not None and self.cfg.intra_stage and ctx.algorithm.has_critic:
+            raise ConfigError(f"rlhfuse: the fused actor-critic schedule is searched over micro-batches of "
+                              f"workload.micro_batch_size samples; sequence packing (workload.micro_batch_tokens="
+                              f"{ctx.workload.micro_batch_tokens}) needs system.intra_stage=false or a critic-free "
+                              f"algorithm")
         try:
             return checked(self._plan(ctx, self.cfg.inter_stage), ctx)
         except NoLayoutFits as e:

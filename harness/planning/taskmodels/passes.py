@@ -30,6 +30,7 @@ from harness.costmodel import CostModel
 from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
 from harness.core.plan import Plan, Task, TrainingStage, WeightMovement
+from harness.planning import packing
 from harness.planning.memory import state_gb
 from harness.planning.realloc import DeviceTransfer, transfer_arrays
 from harness.schedule import PipeCosts, simulate_each, simulate_makespans
@@ -61,9 +62,13 @@ def _stage_flops(model, num_tokens: float, context_len: float, pp: int, stage: i
 
 
 def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, micro_batch_size: int,
-                       start_s: float, offloaded: bool = False, record_spans: bool = True) -> PassResult:
+                       start_s: float, offloaded: bool = False, record_spans: bool = True,
+                       micro_batch_tokens: Optional[int] = None) -> PassResult:
     """Forward passes pipelined over pp stages: stage p of micro-batch m starts once stage p-1
     finished it and stage p finished micro-batch m-1, so the pass takes sum(stage) + (M-1) max(stage).
+    Micro-batches of ``micro_batch_size`` samples, or with ``micro_batch_tokens`` the pass's samples
+    packed into bins of at most that many tokens, dealt over dp
+    (:func:`harness.planning.packing.pass_microbatches_per_replica`).
     ``record_spans=False`` (planners' estimates) gives the same end time without the spans."""
     s = task.allocation.strategy
     layers = model.num_layers / s.pp
@@ -75,11 +80,14 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
             spans.append(Span(task.allocation.mesh, task.name, "load", start_s, start_s + load_s))
         start_s += load_s
     end = start_s
+    packed_mbs = (None if micro_batch_tokens is None
+                  else packing.pass_microbatches_per_replica(seq_lens, micro_batch_tokens, s.dp))
     for k in range(s.dp):
         mine = seq_lens[k::s.dp]
         if len(mine) == 0:
             continue
-        num_mbs = max(1, int(np.ceil(len(mine) / micro_batch_size)))
+        num_mbs = (max(1, int(np.ceil(len(mine) / micro_batch_size))) if packed_mbs is None
+                   else min(packed_mbs, len(mine)))
         tokens_per_mb = float(mine.sum()) / num_mbs
         seq = float(mine.mean())
         compute = [cm.forward_s(model, tokens_per_mb, seq, s.tp, layers, include_head=p == s.pp - 1, ep=s.ep,
@@ -125,16 +133,16 @@ def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: fl
     """Per-pipe PipeCosts for the schedule (ZeRO-3 gathers overlapped: max(compute, comm)) and the
     pure compute seconds of forward and backward, which the spans report as busy time."""
     costs, compute_only = {}, {}
-    tokens = stage.micro_batch_size * seq
     for pipe in stage.schedule.pipes.values():
         task = _task_of_pipe(plan, stage, pipe.model)
         s = task.allocation.strategy
         model = getattr(models, pipe.model)
+        samples = samples_per_microbatch(plan, stage, pipe.num_mbs, s.dp)
         p2p = 0.0
         if pipe.num_stages > 1:
             a, b = task.allocation.device(0, 0, 0), task.allocation.device(0, 1, 0)
-            p2p = cm.p2p_s(tokens * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
-        pure = training_pipe_costs(cm, model, pipe.num_stages, s.tp, stage.micro_batch_size, seq, seq, recompute, p2p,
+            p2p = cm.p2p_s(samples * seq * model.hidden_size * BYTES_PER_PARAM / s.tp, a, b)
+        pure = training_pipe_costs(cm, model, pipe.num_stages, s.tp, samples, seq, seq, recompute, p2p,
                                    s.ep, task.allocation.ep_span, s.etp)
         layers = model.num_layers / pipe.num_stages
         gather = _zero3_gather_s(cm, model, task, layers)
@@ -147,6 +155,16 @@ def _pipe_costs(cm: CostModel, plan: Plan, stage: TrainingStage, models, seq: fl
             costs[pipe.name] = pure
         compute_only[pipe.name] = (pure.fwd, pure.bwd)
     return costs, compute_only
+
+
+def samples_per_microbatch(plan: Plan, stage: TrainingStage, num_mbs: int, dp: int) -> float:
+    """Samples in one micro-batch of a pipe of ``num_mbs`` micro-batches per replica over ``dp``
+    replicas: the stage's ``micro_batch_size``, or under sequence packing the replica's share of the
+    mini-batch over its micro-batches (:func:`harness.planning.packing.samples_per_microbatch`; the
+    mean sequence length times it is the micro-batch's tokens)."""
+    if stage.micro_batch_tokens is None:
+        return stage.micro_batch_size
+    return packing.samples_per_microbatch(plan.mini_batch_size, dp, num_mbs)
 
 
 def _task_of_pipe(plan: Plan, stage: TrainingStage, model_role: str) -> Task:
@@ -253,7 +271,8 @@ def simulate_training(cm: CostModel, plan: Plan, stage: TrainingStage, models, s
             task = _task_of_pipe(plan, stage, pipe.model)
             model = getattr(models, pipe.model)
             tp = task.allocation.strategy.tp
-            fwd_flops = [_stage_flops(model, stage.micro_batch_size * seq, seq / 2, pipe.num_stages, st) / tp
+            samples = samples_per_microbatch(plan, stage, pipe.num_mbs, task.allocation.strategy.dp)
+            fwd_flops = [_stage_flops(model, samples * seq, seq / 2, pipe.num_stages, st) / tp
                          for st in range(pipe.num_stages)]
             per_pipe[name] = (task.name, fwd_flops, compute_only[name])
         for action, a_start in result.start.items():

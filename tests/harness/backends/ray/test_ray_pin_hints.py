@@ -53,3 +53,10 @@ def test_colocated_refusal_on_the_command_line(run_harness, tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "(pin a layout it executes: system.layout=dp2tp2pp1)" in proc.stderr
     assert "system.layouts" not in proc.stderr
+
+
+def test_a_packed_plan_is_refused_naming_sequence_packing():
+    plan, ctx, _ = plan_for(["+system=nemo_rl", "algo=grpo", "model=tiny", "cluster.num_nodes=1",
+                             "cluster.gpus_per_node=2", "workload=tiny", "workload.micro_batch_tokens=4096"])
+    assert any(p.startswith("micro-batches packed to a token budget (sequence packing): not executed")
+               for p in unsupported_features(plan, model_args(ctx.models)))

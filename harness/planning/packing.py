@@ -1,0 +1,128 @@
+"""Sequence packing: micro-batches as bins of whole samples up to a token budget.
+
+NeMo-RL packs by default (``policy.sequence_packing``, on in every recipe of its performance tables,
+with ``train_mb_tokens = max_total_sequence_length x train_micro_batch_size``):
+``BatchedDataDict.shard_by_batch_size`` (``nemo_rl/distributed/batched_data_dict.py``, v0.5.0) rounds
+each sequence of a mini-batch up to a multiple of 64 tokens (``sequence_length_round``), packs them
+into bins of at most the budget with a first-fit-decreasing packer (``nemo_rl/data/packing/``), raises
+the bin count to a multiple of the data-parallel size (``bin_count_multiple = shards``) and deals the
+bins out to the replicas, so every replica runs the same number of micro-batches. verl's dynamic batch
+size (``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``) bins per rank the same way. Attention runs
+within each sample (variable-length kernels), so a packed micro-batch costs its tokens at its
+samples' own lengths, with no padding between them.
+
+This module owns the rule; ``workload.micro_batch_tokens`` turns it on:
+
+- training (:func:`microbatches_per_replica`): the pipeline schedule's micro-batch count per replica
+  is planned on the planning batch (iteration 0's, :func:`planned_bins`): the most bins any of its
+  mini-batches needs, dealt over dp. The schedule is plan data, so every later iteration's mini-batch
+  is split into that many micro-batches of equal tokens (:func:`samples_per_microbatch`) whatever its
+  lengths;
+- forward-only passes (log-probs, reference, reward, values: no schedule to keep): each pass's
+  samples are packed anew (:func:`pass_microbatches_per_replica`). One budget serves both; NeMo-RL's
+  log-prob budget is ``logprob_batch_size`` times the training one;
+- memory: the largest micro-batch holds the budget's tokens (:func:`samples_at_longest`).
+
+Not packed: inference streamed from generation (RLHFuse's inter-stage fusion) takes finished samples
+``micro_batch_size`` at a time as they arrive, and RLHFuse's fused actor-critic schedule is searched
+over micro-batches of samples (it refuses a budget). ``backend=ray`` does not execute packed plans
+(:class:`~harness.core.plan.Feature`).
+
+The packer is plain first-fit decreasing; NeMo-RL's default, modified first-fit decreasing (Johnson
+and Garey 1985), packs the small items differently and needs about as many bins on these workloads
+(both within 71/60 of the optimum plus one bin).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Iterable, Optional
+
+import numpy as np
+
+from harness.errors import PlanError
+
+# NeMo-RL's ``sequence_length_round``: each packed sequence is padded to a multiple of this many tokens
+LENGTH_MULTIPLE = 64
+
+
+def padded_lengths(lengths: Iterable[float]) -> np.ndarray:
+    """Sample lengths (tokens) rounded up to :data:`LENGTH_MULTIPLE`, as the packer sees them."""
+    arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.int64)
+    return -(-arr // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+
+
+@lru_cache(maxsize=512)
+def _ffd_bins(sorted_desc: tuple[int, ...], budget: int) -> int:
+    free = np.empty(len(sorted_desc), dtype=np.int64)
+    num_bins = 0
+    for length in sorted_desc:
+        fits = np.flatnonzero(free[:num_bins] >= length)
+        if fits.size:
+            free[fits[0]] -= length
+        else:
+            free[num_bins] = budget - length
+            num_bins += 1
+    return num_bins
+
+
+def num_bins(lengths: Iterable[float], budget: int) -> int:
+    """Bins of at most ``budget`` tokens that first-fit decreasing packs ``lengths`` (padded to
+    :data:`LENGTH_MULTIPLE`) into. A sample longer than the budget fits no bin: PlanError."""
+    padded = padded_lengths(lengths)
+    if padded.size == 0:
+        return 0
+    if int(padded.max()) > budget:
+        raise PlanError(f"a sample of {int(padded.max())} tokens (padded to a multiple of {LENGTH_MULTIPLE}) "
+                        f"exceeds workload.micro_batch_tokens={budget}: it fits no packed micro-batch")
+    return _ffd_bins(tuple(int(x) for x in np.sort(padded)[::-1]), int(budget))
+
+
+def per_replica(bins: int, dp: int) -> int:
+    """Micro-batches each of ``dp`` replicas runs for ``bins`` bins: the count raised to a multiple
+    of dp (at least dp) and dealt out evenly."""
+    return max(1, math.ceil(bins / dp))
+
+
+def planned_bins(seq_lens: np.ndarray, mini_batch_samples: int, budget: int) -> int:
+    """The most bins any mini-batch of ``seq_lens`` (consecutive runs of ``mini_batch_samples``)
+    needs: what a training schedule's micro-batch count is planned on."""
+    return max(num_bins(seq_lens[lo:lo + mini_batch_samples], budget)
+               for lo in range(0, len(seq_lens), mini_batch_samples))
+
+
+def microbatches_per_replica(bins: int, mini_batch_samples: int, dp: int, what: str) -> int:
+    """A packed training stage's micro-batches per replica: ``bins`` dealt over dp. The mini-batch
+    must still split over the replicas (NeMo-RL shards it by samples first)."""
+    if mini_batch_samples % dp or mini_batch_samples < dp:
+        raise PlanError(f"{what}: mini-batch of {mini_batch_samples} samples cannot be split over dp={dp} replicas")
+    return per_replica(bins, dp)
+
+
+def samples_per_microbatch(mini_batch_samples: int, dp: int, num_mbs: int) -> float:
+    """Mean samples in one of a replica's ``num_mbs`` packed micro-batches of its share of a mini-batch."""
+    return mini_batch_samples / (dp * num_mbs)
+
+
+def pass_microbatches_per_replica(seq_lens: np.ndarray, budget: int, dp: int) -> int:
+    """Micro-batches per replica of a forward-only pass over ``seq_lens`` packed to ``budget``."""
+    return per_replica(num_bins(seq_lens, budget), dp)
+
+
+def samples_at_longest(micro_batch_size: int, micro_batch_tokens: Optional[int], max_seq_len: float) -> float:
+    """Samples of the longest length one micro-batch can hold: ``micro_batch_size`` unpacked, else
+    the budget's worth (what activation memory is checked at)."""
+    if micro_batch_tokens is None:
+        return float(micro_batch_size)
+    return micro_batch_tokens / max_seq_len
+
+
+def check_plan_packing(plan, micro_batch_tokens: Optional[int]) -> None:
+    """Every training stage of ``plan`` packs as the workload says (``micro_batch_tokens``): a
+    system that plans its own stages must carry the budget, else the option would silently do
+    nothing. PlanError naming the stage."""
+    for stage in plan.training:
+        if stage.micro_batch_tokens != micro_batch_tokens:
+            raise PlanError(f"{plan.system}: training stage {'+'.join(stage.tasks)} is planned with micro_batch_tokens="
+                            f"{stage.micro_batch_tokens}, the workload's is {micro_batch_tokens} "
+                            f"(the system does not plan packed micro-batches)")
