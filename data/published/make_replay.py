@@ -376,7 +376,7 @@ def nemo_rl_row(m: dict) -> list[dict]:
     ov = ["+system=nemo_rl", "algo=grpo", f"algo.group_size={group}",
           f"algo.kl_coef={o.get('reference_policy_kl_penalty', 0.01)}", f"model={hopper_model(m['actor'])}", *cluster,
           "workload=hh_rlhf", f"workload.global_batch_size={prompts}", f"workload.mini_batch_size={per_step // group}",
-          f"workload.micro_batch_size={int(o.get('train_micro_batch_size') or 1)}",
+          f"workload.micro_batch_size={int(o.get('train_micro_batch_size') or 1)}",  # packed below if the recipe packs
           f"workload.max_gen_len={max_gen}",
           "workload.prompt_len.kind=constant", f"workload.prompt_len.median={prompt}",
           f"workload.prompt_len.max={prompt}", f"workload.prompt_len.min={prompt}",
@@ -400,6 +400,15 @@ def nemo_rl_row(m: dict) -> list[dict]:
         if cp > 1:  # context parallelism is not modelled
             layout_note = (f"; the recipe's tp{tp} cp{cp} pp{pp} dp{dp} as dp{dp * cp}tp{tp}pp{pp}: context "
                            f"parallelism counted as data parallelism, which the harness models in its place")
+    train_mbs = int(o.get("train_micro_batch_size") or 1)
+    if o.get("sequence_packing"):  # train_mb_tokens = max_total_sequence_length x train_micro_batch_size
+        ov.append(f"workload.micro_batch_tokens={total_cap * train_mbs}")
+        logprob_tokens = total_cap * int(o.get("logprob_batch_size") or train_mbs)
+        packing_note = (f"sequence packing (on in the recipe): micro-batches packed to {total_cap * train_mbs} tokens "
+                        f"(train_mb_tokens), the log-prob passes' too (the recipe's logprob_mb_tokens is "
+                        f"{logprob_tokens})")
+    else:
+        packing_note = f"micro-batches of {train_mbs} sample{'s' if train_mbs > 1 else ''} (sequence packing off)"
     off_policy = not m["policy_mode"].startswith("on-policy")
     pools_note = ""
     if off_policy:  # asynchronous GRPO: generation on GPUs of its own, up to `age` steps ahead of training
@@ -426,8 +435,7 @@ def nemo_rl_row(m: dict) -> list[dict]:
               f"the shape) with median {median:.0f}, clipped at {max_gen} (the {total_cap}-token sequence cap less the "
               f"prompt), so that their mean is the published {mean_out:g}; {prompts} prompts x {group} responses, "
               f"{per_step} responses per optimizer step; reference model evaluated (KL "
-              f"{o.get('reference_policy_kl_penalty', 0.01)}); sequence packing"
-              f"{' (on in the recipe)' if o.get('sequence_packing') else ''} not modelled; vLLM's "
+              f"{o.get('reference_policy_kl_penalty', 0.01)}); {packing_note}; vLLM's "
               f"gpu_memory_utilization {o.get('vllm_gpu_memory_utilization', 0.6)}"
               f"{'' if 'vllm_gpu_memory_utilization' in o else ' (not recorded: NeMo-RL recipes default to 0.6)'}; "
               f"training "
