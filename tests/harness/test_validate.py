@@ -251,3 +251,23 @@ def test_the_fit_uses_calibrated_points_only_and_its_constants_do_not_depend_on_
     assert [r["id"] for r in cv] == ["C1", "R1"] and cv[1]["predicted"] == under_fit["predicted"]
     with pytest.raises(SystemExit):
         validate.main([str(tmp_path / "replay.jsonl"), "--fit", "--jobs", "0"])
+
+
+def test_nemo_rl_lines_pack_as_their_recipes_say():
+    """A NeMo-RL line whose recipe packs sequences packs its micro-batches to train_mb_tokens: the
+    recipe's sequence cap (prompt + max_gen_len) times its micro-batch size; one whose recipe does
+    not pack carries no budget."""
+    lines = [p for p in validate.read_replay(REPLAY) if "+system=nemo_rl" in p.overrides and "." not in p.id]
+    assumptions = {json.loads(line)["id"]: json.loads(line).get("assumptions", "")
+                   for line in REPLAY.read_text().splitlines()}
+    packed = 0
+    for p in lines:
+        opt = dict(o.split("=", 1) for o in p.overrides if "=" in o)
+        text = assumptions[p.id]
+        if "sequence packing (on in the recipe)" in text:
+            cap = int(opt["workload.prompt_len.max"]) + int(opt["workload.max_gen_len"])
+            assert int(opt["workload.micro_batch_tokens"]) == cap * int(opt["workload.micro_batch_size"]), p.id
+            packed += 1
+        else:
+            assert "workload.micro_batch_tokens" not in opt, p.id
+    assert packed == 45  # of the 47 NeMo-RL lines: two recipes turn packing off
