@@ -13,7 +13,7 @@ samples' own lengths, with no padding between them.
 
 This module owns the rule; ``workload.micro_batch_tokens`` turns it on:
 
-- training (:func:`microbatches_per_replica`): the pipeline schedule's micro-batch count per replica
+- training (:func:`per_replica` of :func:`planned_bins`): the pipeline schedule's micro-batch count per replica
   is planned on the planning batch (iteration 0's, :func:`planned_bins`): the most bins any of its
   mini-batches needs, dealt over dp. The schedule is plan data, so every later iteration's mini-batch
   is split into that many micro-batches of equal tokens (:func:`samples_per_microbatch`) whatever its
@@ -89,14 +89,6 @@ def planned_bins(seq_lens: np.ndarray, mini_batch_samples: int, budget: int) -> 
     needs: what a training schedule's micro-batch count is planned on."""
     return max(num_bins(seq_lens[lo:lo + mini_batch_samples], budget)
                for lo in range(0, len(seq_lens), mini_batch_samples))
-
-
-def microbatches_per_replica(bins: int, mini_batch_samples: int, dp: int, what: str) -> int:
-    """A packed training stage's micro-batches per replica: ``bins`` dealt over dp. The mini-batch
-    must still split over the replicas (NeMo-RL shards it by samples first)."""
-    if mini_batch_samples % dp or mini_batch_samples < dp:
-        raise PlanError(f"{what}: mini-batch of {mini_batch_samples} samples cannot be split over dp={dp} replicas")
-    return per_replica(bins, dp)
 
 
 def samples_per_microbatch(mini_batch_samples: int, dp: int, num_mbs: int) -> float:

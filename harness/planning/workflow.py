@@ -131,7 +131,9 @@ def single_pipe_stage(task: str, model: str, strategy: ParallelStrategy, mini_ba
     else:
         if packed_bins is None:
             raise PlanError(f"{task}: a packed stage (micro_batch_tokens={micro_batch_tokens}) needs its planned bins")
-        num_mbs = packing.microbatches_per_replica(packed_bins, mini_batch_size, strategy.dp, task)
+        # the mini-batch still splits over the replicas by samples (NeMo-RL shards it first), then its bins
+        microbatches_per_replica(mini_batch_size, strategy.dp, 1, task)
+        num_mbs = packing.per_replica(packed_bins, strategy.dp)
     pipe = PipeSpec(name=model[0].upper(), num_stages=strategy.pp, num_mbs=num_mbs,
                     stage_to_rank=tuple(range(strategy.pp)), model=model)
     return TrainingStage((task,), build(schedule, [pipe]), global_batch_size // mini_batch_size, micro_batch_size,
