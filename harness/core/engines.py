@@ -93,6 +93,10 @@ class GenerationEngine:
     # false: no KV cache is reused, so every decode step runs the whole sequence so far (a prefill
     # of the batch's context), not one token per sequence
     kv_cache: bool = True
+    # continuous batching's KV memory: reserve (prompt + max_gen_len per sample at admission, never
+    # preempted) | on_demand (paged: held as tokens arrive; the latest admitted preempted and
+    # recomputed when the cache is full, vLLM's default; harness.planning.taskmodels.generation)
+    kv_allocation: str = "reserve"
     # times a decode step moves the KV cache's bytes (reads plus writes). Our kernel profiles read it
     # once (gpt-fast's static cache, as a paged or preallocated cache is); every pass beyond the
     # first costs its bytes at the measured streaming rate (copies made by the framework's Python)
@@ -119,6 +123,10 @@ class GenerationEngine:
         _check_choice(self.name, "batching", self.batching, ("continuous", "static"))
         _check_choice(self.name, "kernels", self.kernels, ("graph", "eager"))
         _check_choice(self.name, "weights", self.weights, ("inference_layout", "training_layout"))
+        _check_choice(self.name, "kv_allocation", self.kv_allocation, ("reserve", "on_demand"))
+        if self.kv_allocation != "reserve" and self.batching != "continuous":
+            raise ConfigError(f"generation engine {self.name}: kv_allocation={self.kv_allocation} needs "
+                              f"batching=continuous (static rounds hold their padded batch's cache)")
         if self.kernels == "eager" and (self.launches_per_layer or 0) < 1:
             raise ConfigError(f"generation engine {self.name}: kernels=eager needs launches_per_layer >= 1")
         if self.kernels == "graph" and self.launches_per_layer is not None:
@@ -523,8 +531,8 @@ def check_compatible(engines: Engines, allocations: dict[str, Any], migration: b
 
 def policy_fields(engines: Engines, zero3_actor: bool) -> dict[str, Any]:
     """The :class:`~harness.core.plan.GenerationPolicy` fields the generation engine decides for a
-    plan: its batching, whether its rounds are synced (under ZeRO-3 actor weights only) and padded.
-    Its kernels are not among them: the cost model reads them from the plan's engines."""
+    plan: its batching, whether its rounds are synced (under ZeRO-3 actor weights only) and padded,
+    how its KV memory is allocated. Its kernels are not among them: the cost model reads them from the plan's engines."""
     gen = engines.generation
     return {"batching": gen.batching, "synced_instances": gen.synced_under_zero3 and zero3_actor,
-            "pad_to_longest": gen.pad_to_longest}
+            "pad_to_longest": gen.pad_to_longest, "kv_allocation": gen.kv_allocation}

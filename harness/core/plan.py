@@ -343,6 +343,9 @@ class MigrationPolicy:
     transfer: str = "kv"  # kv | tokens
 
 
+KV_ALLOCATIONS = ("reserve", "on_demand")
+
+
 @dataclass(frozen=True)
 class GenerationPolicy:
     """The schedule of the actor's generation in this plan, which backends execute:
@@ -356,7 +359,10 @@ class GenerationPolicy:
       longest prompt + response of its generation round (``generate`` returns one padded tensor);
     - ``memory_frac``: the share of each device's memory the generation engine takes for its
       weights and KV cache (vLLM's ``gpu_memory_utilization``), which caps the KV cache at
-      ``memory_frac`` x the device's memory less the weights; None: whatever the plan leaves free.
+      ``memory_frac`` x the device's memory less the weights; None: whatever the plan leaves free;
+    - ``kv_allocation``: how continuous batching holds KV memory: ``reserve`` (a sample's prompt +
+      ``max_gen_len`` at admission) or ``on_demand`` (as tokens arrive, preempting the latest
+      admitted when full: vLLM's paging; :mod:`harness.planning.taskmodels.generation`).
 
     With engines (``Plan.engines``), the plan assembler sets batching, syncing and padding by the
     generation engine's rules for the plan's layout (:func:`harness.core.engines.policy_fields`). How
@@ -371,8 +377,11 @@ class GenerationPolicy:
     pad_to_longest: bool = False
     dispatch: Optional[LengthDispatch] = None  # None: samples dealt to instances round-robin
     memory_frac: Optional[float] = None  # None: the KV cache takes what the plan leaves free
+    kv_allocation: str = "reserve"  # reserve | on_demand (continuous batching's KV memory)
 
     def __post_init__(self) -> None:
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise PlanError(f"generation kv_allocation must be one of {list(KV_ALLOCATIONS)}, got {self.kv_allocation!r}")
         if self.memory_frac is not None and not 0.0 < self.memory_frac <= 1.0:
             raise PlanError(f"generation memory_frac={self.memory_frac} must lie in (0, 1]: the share of a "
                             f"device's memory the generation engine takes")
@@ -622,6 +631,8 @@ class Plan:
         for key in ("dispatch", "memory_frac"):  # written only when set, so older plans' plan.json stays as it was
             if g[key] is not None:
                 d["generation"][key] = g[key]
+        if g["kv_allocation"] != "reserve":  # likewise
+            d["generation"]["kv_allocation"] = g["kv_allocation"]
         d["engines"] = None if self.engines is None else self.engines.to_dict()
         d["training"] = [
             {**{k: v for k, v in asdict(s).items()

@@ -39,8 +39,9 @@ class GenerationEstimates:
     rank (which samples it holds), the expert parallelism, the policy, the model and its KV capacity,
     never on which devices it runs on (the generation task model prices prefill and decode by widths
     only). The KV capacity only matters while it binds: an instance never reserves more than its
-    ``m`` largest samples' ``prompt + max_gen_len`` tokens (``m`` the most it runs at once), so every
-    capacity above that sum gives the same run. The memo keys instances by these inputs with the capacity clamped to that
+    ``m`` largest samples' ``prompt + max_gen_len`` tokens (``m`` the most it runs at once;
+    allocating on demand, their ``prompt + output + 1``), so every capacity above that sum gives the
+    same run. The memo keys instances by these inputs with the capacity clamped to that
     sum, so the estimates are those of :func:`generation_s` computed afresh, bit for bit."""
 
     def __init__(self, ctx: PlanContext, batch: Batch):
@@ -73,16 +74,23 @@ class GenerationEstimates:
         """Instance ``k`` of ``dp``'s continuous batching in steps (:func:`step_schedule`), kept per
         (its samples, batch limit, KV capacity): the layouts and models that share them share it."""
         max_batch = policy.max_batch_size or len(mine)
-        key = (dp, k, max_batch, kv_tokens)
+        on_demand = policy.kv_allocation == "on_demand"
+        key = (dp, k, max_batch, kv_tokens, on_demand)
         schedule = self._schedules.get(key)
         if schedule is None:
             schedule = self._schedules[key] = step_schedule(self.batch.prompt_lens[mine], self.batch.output_lens[mine],
-                                                            max_batch, kv_tokens, self.ctx.workload.max_gen_len)
+                                                            max_batch, kv_tokens, self.ctx.workload.max_gen_len,
+                                                            on_demand)
         return schedule
 
     def _kv_key(self, mine: np.ndarray, policy: GenerationPolicy, kv_tokens: int) -> int:
-        """``kv_tokens``, or the most the instance can ever reserve when that is less (class docstring)."""
-        need = np.sort(self.batch.prompt_lens[mine] + self.ctx.workload.max_gen_len)[::-1]
+        """``kv_tokens``, or the most the instance can ever reserve when that is less (class docstring).
+        Allocating on demand, a sample never holds more than its prompt + output (and the next
+        token of each running sample is asked for too: one more each)."""
+        if policy.kv_allocation == "on_demand":
+            need = np.sort(self.batch.prompt_lens[mine] + self.batch.output_lens[mine] + 1)[::-1]
+        else:
+            need = np.sort(self.batch.prompt_lens[mine] + self.ctx.workload.max_gen_len)[::-1]
         at_once = min(policy.max_batch_size or len(mine), len(mine))
         return min(kv_tokens, int(need[:at_once].sum()))
 

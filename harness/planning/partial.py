@@ -196,7 +196,8 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
             finishes: list[SampleRecord] = []
             out = [ContinuousInstance(cm, model, gen.allocation.replica_devices(r), st.tp, st.pp, now,
                                       plan.generation.max_batch_size or max(1, len(to_generate)), kv_tokens,
-                                      ctx.workload.max_gen_len, finishes, gen.name, st.ep) for r in range(st.dp)]
+                                      ctx.workload.max_gen_len, finishes, gen.name, st.ep,
+                                      plan.generation.kv_allocation == "on_demand") for r in range(st.dp)]
             for j, c in enumerate(to_generate):
                 out[j % st.dp].waiting.append(_Sample(c.sample_id, prompt_len[c.sample_id], output_len[c.sample_id],
                                                       generated=c.generated))

@@ -143,7 +143,8 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
     max_batch = plan.generation.max_batch_size or (1 << 30)
     finishes: list[list[SampleRecord]] = [[] for _ in range(st.dp)]
     engines = [ContinuousInstance(cm, model, gen.allocation.replica_devices(r), st.tp, st.pp, 0.0, max_batch,
-                                  kv_tokens, ctx.workload.max_gen_len, finishes[r], gen.name, st.ep)
+                                  kv_tokens, ctx.workload.max_gen_len, finishes[r], gen.name, st.ep,
+                                  plan.generation.kv_allocation == "on_demand")
                for r in range(st.dp)]
     seen = [0] * st.dp  # finishes already processed, per engine
 

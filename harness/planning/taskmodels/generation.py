@@ -7,8 +7,22 @@ Batching policies, from ``Plan.generation``:
 
 - ``continuous`` (Orca / vLLM): an instance admits waiting samples whenever a slot and KV memory
   are free, runs one prefill for the newly admitted prompts, then decode steps over all running
-  samples; a sample leaves the batch the step it reaches its target length. KV memory is reserved
-  per sample for prompt + ``max_gen_len`` tokens at admission (no preemption; conservative).
+  samples; a sample leaves the batch the step it reaches its target length. How KV memory is
+  allocated is the engine's (``GenerationPolicy.kv_allocation``):
+
+  - ``reserve``: prompt + ``max_gen_len`` tokens per sample at admission, never preempted
+    (conservative: what an engine without paging must do);
+  - ``on_demand``: vLLM's paged allocation (Kwon et al., SOSP'23, section 4.2: blocks are
+    allocated as tokens arrive; section 4.5: when none is free the latest-arrived sequences are
+    preempted and their KV freed, to be recomputed). A sample holds KV for its context (prompt +
+    tokens generated so far; counted in tokens, not 16-token blocks). The running samples go first:
+    before a decode step, while their contexts plus one token each do not fit, the latest admitted
+    is preempted (its KV freed; it returns to the front of the queue with its tokens and is
+    prefilled again, prompt and generated tokens, when readmitted). A waiting sample is admitted
+    while its context and one more token for every running sample, itself included, fit, so each
+    admission is followed by a decode step (vLLM's prefill emits the first token itself) and no
+    sample is admitted before a step that preempts (as vLLM's scheduler admits none in one).
+    Preemption by swapping to host memory is not modelled (recompute is vLLM's default).
 - ``static`` (DeepSpeed-Chat's hybrid engine): an instance takes its samples in rounds of
   ``max_batch_size``; each round prefills, then decodes until its *longest* sample ends, with the
   batch size fixed and contexts padded (finished rows keep computing).
@@ -102,8 +116,10 @@ class ContinuousInstance:
 
     def __init__(self, cm: CostModel, model, devices: tuple[int, ...], tp: int, pp: int, start_s: float,
                  max_batch: int, kv_capacity_tokens: int, max_gen_len: int, finishes: list[SampleRecord],
-                 task_name: str, ep: int = 1):
+                 task_name: str, ep: int = 1, kv_on_demand: bool = False):
         self.cm, self.model, self.devices, self.tp, self.pp, self.ep = cm, model, devices, tp, pp, ep
+        self.kv_on_demand = kv_on_demand  # paged KV allocated as tokens arrive, with preemption (module docstring)
+        self.num_preempted = 0  # preemptions so far (a sample preempted twice counts twice)
         self.task_name = task_name
         self.now = start_s
         self.max_batch, self.kv_capacity_tokens, self.max_gen_len = max_batch, kv_capacity_tokens, max_gen_len
@@ -131,12 +147,19 @@ class ContinuousInstance:
         waiting, running, max_gen_len, capacity = self.waiting, self.running, self.max_gen_len, self.kv_capacity_tokens
         room = self.max_batch - len(running)
         reserved, num_admitted, to_prefill = self.reserved, 0, 0
+        on_demand, held = self.kv_on_demand, self._context_total
         while num_admitted < len(waiting) and num_admitted < room:
             sample = waiting[num_admitted]
-            need = sample.prompt_len + max_gen_len
-            if reserved + need > capacity and (running or num_admitted):
-                break
-            reserved += need
+            if on_demand:  # its context, and a token for each running sample and itself
+                context = sample.prompt_len + sample.generated
+                if held + context + len(running) + num_admitted + 1 > capacity and (running or num_admitted):
+                    break
+                held += context
+            else:
+                need = sample.prompt_len + max_gen_len
+                if reserved + need > capacity and (running or num_admitted):
+                    break
+                reserved += need
             num_admitted += 1
             if not sample.has_kv:
                 to_prefill += sample.prompt_len + sample.generated
@@ -165,12 +188,22 @@ class ContinuousInstance:
         running, due, finishes, result = self.running, self._due, self.finishes, self.result
         spans, devices, task_name = result.spans, self.devices, self.task_name
         until = until_s != math.inf
+        on_demand, capacity = self.kv_on_demand, self.kv_capacity_tokens
         while (self.waiting or running) and self.now < until_s:
             self._admit()
             batch = len(running)
-            if self._target_total > result.peak_kv_tokens:
-                result.peak_kv_tokens = self._target_total
             num_steps, start = due[0][0] - self.steps, self.now
+            if on_demand:
+                if self._context_total + batch > capacity:  # (then nothing was admitted: _admit)
+                    self._preempt()
+                    due, batch = self._due, len(running)
+                    num_steps = due[0][0] - self.steps
+                num_steps = min(num_steps, (capacity - self._context_total) // batch)
+                held = self._context_total + num_steps * batch
+                if held > result.peak_kv_tokens:
+                    result.peak_kv_tokens = held
+            elif self._target_total > result.peak_kv_tokens:
+                result.peak_kv_tokens = self._target_total
             span = cm.decode_span_s(model, batch, self._context_total, num_steps, tp, pp, ep)
             if until:
                 # the clock after each step, added in order; a step starts only while the clock is before
@@ -189,11 +222,35 @@ class ContinuousInstance:
                 s = running.pop(number)
                 s.generated = s.output_len
                 finishes.append(SampleRecord(s.sample_id, s.prompt_len, s.output_len, now))
-                self.reserved -= s.prompt_len + self.max_gen_len
+                if not on_demand:
+                    self.reserved -= s.prompt_len + self.max_gen_len
                 context_total -= s.prompt_len + s.output_len
                 self._target_total -= s.prompt_len + s.output_len
             self._context_total = context_total
         result.end_s = self.now
+
+    def _preempt(self) -> None:
+        """Free the KV of the latest-admitted running samples until the others' next decode step
+        fits; they return to the front of the queue (earliest admitted first) with their tokens."""
+        running, capacity = self.running, self.kv_capacity_tokens
+        finish_step = {number: step for step, number in self._due}
+        preempted: list[_Sample] = []
+        while running and self._context_total + len(running) > capacity:
+            if len(running) == 1:
+                s = next(iter(running.values()))
+                raise PlanError(f"generation: the KV cache holds {capacity} tokens, fewer than one sample's "
+                                f"context ({s.prompt_len} prompt + {s.output_len} generated tokens)")
+            number = next(reversed(running))
+            s = running.pop(number)
+            s.generated = s.output_len - (finish_step.pop(number) - self.steps)
+            s.has_kv = False
+            self._context_total -= s.prompt_len + s.generated
+            self._target_total -= s.prompt_len + s.output_len
+            preempted.append(s)
+        self.num_preempted += len(preempted)
+        self._due = [(step, number) for number, step in finish_step.items()]
+        heapq.heapify(self._due)
+        self.waiting[:0] = preempted[::-1]
 
     def take_unfinished(self) -> list[_Sample]:
         due = {number: step for step, number in self._due}
@@ -228,13 +285,16 @@ _samples_scheduled = 0
 
 
 def step_schedule(prompt_lens: np.ndarray, output_lens: np.ndarray, max_batch: int, kv_capacity_tokens: int,
-                  max_gen_len: int) -> StepSchedule:
+                  max_gen_len: int, kv_on_demand: bool = False) -> StepSchedule:
     """The :class:`StepSchedule` of :class:`ContinuousInstance` run to the end on these samples (in
     this order) from an empty cache: the same admission rule (slots, then KV reserved for prompt +
-    ``max_gen_len`` tokens), the same spans between batch changes, the same finishes.
+    ``max_gen_len`` tokens, or with ``kv_on_demand`` allocated as tokens arrive, with preemption),
+    the same spans between batch changes, the same finishes.
 
-    Compiled (:mod:`.kernel`) once this process has scheduled :data:`COMPILE_AFTER_SAMPLES`
+    Reserving, compiled (:mod:`.kernel`) once this process has scheduled :data:`COMPILE_AFTER_SAMPLES`
     samples here or has run another compiled kernel; the same spans either way (tested)."""
+    if kv_on_demand:
+        return _step_schedule_on_demand(prompt_lens.tolist(), output_lens.tolist(), max_batch, kv_capacity_tokens)
     global _samples_scheduled
     if _samples_scheduled >= COMPILE_AFTER_SAMPLES or compiled_kernels_warm():
         from harness.compiled import AVAILABLE
@@ -273,6 +333,56 @@ def step_schedule(prompt_lens: np.ndarray, output_lens: np.ndarray, max_batch: i
         while due and due[0][0] <= steps:
             _, _, prompt, output = heapq.heappop(due)
             reserved -= prompt + max_gen_len
+            context_total -= prompt + output
+    columns = np.array(spans, dtype=np.int64).reshape(-1, 4).T
+    return StepSchedule(*columns)
+
+
+def _step_schedule_on_demand(prompts: list[int], outputs: list[int], max_batch: int, capacity: int) -> StepSchedule:
+    """:func:`step_schedule` under on-demand KV allocation: :class:`ContinuousInstance`'s
+    ``_admit``, ``_preempt`` and ``run`` with ``kv_on_demand``, counted in steps."""
+    waiting = [[p, o, 0] for p, o in zip(prompts, outputs)]  # prompt, output, generated; front first
+    waiting.reverse()  # popped from the end: the front of the queue is the list's last entry
+    running: dict[int, list[int]] = {}  # admission number -> sample, in admission order
+    due: list[tuple[int, int]] = []  # heap of (finish step, admission number)
+    steps = number = context_total = 0
+    spans: list[tuple[int, int, int, int]] = []
+    while waiting or running:
+        to_prefill = 0
+        while waiting and len(running) < max_batch:
+            prompt, output, generated = sample = waiting[-1]
+            context = prompt + generated
+            if context_total + context + len(running) + 1 > capacity and running:
+                break
+            waiting.pop()
+            to_prefill += context
+            context_total += context
+            running[number] = sample
+            heapq.heappush(due, (steps + output - generated, number))
+            number += 1
+        if context_total + len(running) > capacity:  # preempt the latest admitted (nothing was admitted)
+            finish_step = {n: step for step, n in due}
+            preempted = []
+            while context_total + len(running) > capacity:
+                if len(running) == 1:
+                    raise PlanError(f"generation: the KV cache holds {capacity} tokens, fewer than one sample's "
+                                    f"context")
+                n = next(reversed(running))
+                sample = running.pop(n)
+                sample[2] = sample[1] - (finish_step.pop(n) - steps)
+                context_total -= sample[0] + sample[2]
+                preempted.append(sample)
+            waiting.extend(preempted)  # the earliest admitted of them at the front (the end)
+            due = [(step, n) for n, step in finish_step.items()]
+            heapq.heapify(due)
+        batch = len(running)
+        num_steps = min(due[0][0] - steps, (capacity - context_total) // batch)
+        spans.append((to_prefill, batch, context_total, num_steps))
+        steps += num_steps
+        context_total += num_steps * batch
+        while due and due[0][0] <= steps:
+            _, n = heapq.heappop(due)
+            prompt, output, _ = running.pop(n)
             context_total -= prompt + output
     columns = np.array(spans, dtype=np.int64).reshape(-1, 4).T
     return StepSchedule(*columns)
@@ -371,14 +481,16 @@ def continuous_instance_ends(cm: CostModel, task: Task, policy: GenerationPolicy
     instances = []
     dealt = None  # each instance's samples, dealt when a schedule is not kept yet
     for k in range(s.dp):
-        key = (id(prompt_lens), id(output_lens), s.dp, k, max_batch, kv_tokens, max_gen_len, policy.dispatch)
+        key = (id(prompt_lens), id(output_lens), s.dp, k, max_batch, kv_tokens, max_gen_len, policy.dispatch,
+               policy.kv_allocation)
         hit = _SCHEDULES.get(key)
         if hit is None:
             if len(_SCHEDULES) >= SCHEDULES_MAX_ENTRIES:
                 _SCHEDULES.clear()
             dealt = dealt or dispatch_samples(policy, s.dp, output_lens)
             hit = _SCHEDULES[key] = (prompt_lens, output_lens, step_schedule(
-                prompt_lens[dealt[k]], output_lens[dealt[k]], max_batch, kv_tokens, max_gen_len))
+                prompt_lens[dealt[k]], output_lens[dealt[k]], max_batch, kv_tokens, max_gen_len,
+                policy.kv_allocation == "on_demand"))
         end_s = timed_end_s(hit[2], cm, model, s.tp, s.pp, s.ep, start_s)
         instances.append(InstanceResult(task.allocation.replica_devices(k), end_s))
     return GenerationResult([], instances)
@@ -468,7 +580,7 @@ def _make_instances(cm, task: Task, policy: GenerationPolicy, model, prompts, ou
     for k, ids in enumerate(dispatch_samples(policy, s.dp, outputs)):
         inst = ContinuousInstance(cm, model, task.allocation.replica_devices(k), s.tp, s.pp, start_s,
                                   policy.max_batch_size or len(prompts), kv_tokens, max_gen_len, finishes,
-                                  task.name, ep)
+                                  task.name, ep, policy.kv_allocation == "on_demand")
         inst.waiting = [_Sample(int(i), int(prompts[i]), int(outputs[i])) for i in ids]
         instances.append(inst)
     return instances

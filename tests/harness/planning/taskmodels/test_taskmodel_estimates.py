@@ -99,19 +99,21 @@ def _simulated_generation_s(ctx, gen, policy, batch, kv_gb, instances):
     return max(ends)
 
 
+@pytest.mark.parametrize("kv_allocation", ["reserve", "on_demand"])
 @pytest.mark.parametrize("max_batch_size", [None, 3])
-def test_memoised_generation_estimates_equal_the_simulated_instances(planned, max_batch_size):
+def test_memoised_generation_estimates_equal_the_simulated_instances(planned, max_batch_size, kv_allocation):
     """One GenerationEstimates scoring many candidates gives the simulator's numbers bit for bit (the
     latest end of the instances it estimates, each run by the generation task model): on other
     meshes, other widths, and KV capacities that bind (a few hundred tokens) or not (1-2 GB: the same
-    run, simulated once), with the batch limited or not; and so does generation_s."""
+    run, simulated once), with the batch limited or not, KV reserved or allocated on demand; and so
+    does generation_s."""
     from dataclasses import replace
 
     from harness.core.plan import Allocation, ParallelStrategy, Task
     from harness.planning.estimate import GenerationEstimates, generation_s, representative_batch
 
     ctx, plan = planned
-    policy = replace(plan.generation, max_batch_size=max_batch_size)
+    policy = replace(plan.generation, max_batch_size=max_batch_size, kv_allocation=kv_allocation)
     assert policy.batching == "continuous"
     batch = representative_batch(ctx)
     estimates = GenerationEstimates(ctx, batch)
