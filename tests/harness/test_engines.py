@@ -694,11 +694,13 @@ def test_constants_without_fitted_constants_are_refused_and_engine_choices_are_c
                                                          ("hf_generate_fa2", "eager", 51)])
 def test_plan_json_shows_the_engines_kernels_where_it_always_did(generation, kernels, launches):
     """The plan holds the generation engine's kernels once (its engines); plan.json's ``generation``
-    still shows them, in its fixed order, read from there."""
+    still shows them, in its fixed order, read from there; an engine that allocates its KV cache on
+    demand (vLLM) adds that after them."""
     _, plan, _ = planned([*DSCHAT, f"engine.generation={generation}"])
     assert not hasattr(plan.generation, "engine") and not hasattr(plan.generation, "eager_launches_per_layer")
     shown = plan.to_dict()["generation"]
+    on_demand = ["kv_allocation"] if generation == "vllm" else []
     assert list(shown) == ["batching", "max_batch_size", "migration", "engine", "eager_launches_per_layer",
-                           "synced_instances", "pad_to_longest"]
+                           "synced_instances", "pad_to_longest", *on_demand]
     assert (shown["engine"], shown["eager_launches_per_layer"]) == (kernels, launches)
     assert Plan.from_json(plan.to_json()) == plan
