@@ -88,3 +88,19 @@ def test_policy_fields_are_checked():
         OffPolicyPolicy(1, rollout="continuous", weight_update="later")
     with pytest.raises(PlanError, match="apply to continuous rollout"):
         OffPolicyPolicy(1, weight_update="interrupt")
+
+
+def test_a_batch_still_being_scored_is_not_a_stall():
+    """A decode step longer than the loop's chunk (the trainer's shortest step) ends past the
+    horizon, and the verifier scores its samples after that: the loop waits for the batch instead
+    of reporting a stall. AReaL at eta 0 on the tiny model, vLLM's host time per step raised to
+    50 ms (far above the trainer's few-ms shortest step)."""
+    from harness.run.pipeline import compose, simulate_summary
+
+    overrides = ["+system=areal", "cluster.gpus_per_node=2", "model=tiny", "workload=tiny", "cluster=h100_8x",
+                 "cluster.num_nodes=1", "algo=grpo", "workload.global_batch_size=2", "workload.mini_batch_size=1",
+                 "algo.group_size=4", "system.eta=0", "backend.num_iterations=3", "logger=none",
+                 "engine.constants={generation/vllm:{host_s_per_step:0.05}}"]
+    summary = simulate_summary(compose(overrides))
+    assert summary[mk.STALENESS_MAX] == 0
+    assert summary["training/global_step"] == 3

@@ -135,11 +135,12 @@ def test_the_allocation_is_checked_and_round_trips_in_plan_json():
         GenerationEngine("x", batching="static", kv_allocation="on_demand")
     base = ["+system=verl", "algo=grpo", "model=7b", "cluster.num_nodes=1", "workload.global_batch_size=64",
             "workload.mini_batch_size=64", "logger=none"]
-    plan, _, _ = plan_for(base)
-    assert plan.generation.kv_allocation == "reserve" and "kv_allocation" not in plan.to_dict()["generation"]
-    plan, _, _ = plan_for([*base, "engine/generation=vllm", "engine.generation.kv_allocation=on_demand"])
-    assert plan.engines.generation.kv_allocation == "on_demand"
+    plan, _, _ = plan_for(base)  # verl generates on vLLM, which allocates on demand
+    assert plan.engines.generation.name == "vllm" and plan.engines.generation.kv_allocation == "on_demand"
     assert plan.generation.kv_allocation == "on_demand"  # the engine's rule, set on the plan
     assert plan.to_dict()["generation"]["kv_allocation"] == "on_demand"
     from harness.core.plan import Plan
     assert Plan.from_json(plan.to_json()).generation.kv_allocation == "on_demand"
+    plan, _, _ = plan_for([*base, "engine/generation=vllm", "engine.generation.kv_allocation=reserve"])
+    assert plan.generation.kv_allocation == "reserve" and "kv_allocation" not in plan.to_dict()["generation"]
+    assert Plan.from_json(plan.to_json()).generation.kv_allocation == "reserve"
