@@ -343,11 +343,12 @@ def run_continuous(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of:
             horizon = min(now + chunk_s, pending[0])
         if horizon <= now:  # an update due now was applied above; move on by one chunk
             horizon = now + chunk_s
-        busy = any(e.num_unfinished for e in engines)
+        busy = any(e.num_unfinished for e in engines) or pending is not None or draining
         # a group whose rewards are still being scored is on its way to a batch (an engine's last
-        # step may end past the horizon, and its samples' scoring after that)
-        scoring = any(now < g.ready_s < math.inf and not g.trained for g in groups)
-        idle_chunks = 0 if busy or scoring or pending is not None or draining else idle_chunks + 1
+        # step may end past the horizon, and its samples' scoring after that); looked for only when
+        # nothing else runs
+        idle = not busy and not any(now < g.ready_s < math.inf and not g.trained for g in groups)
+        idle_chunks = idle_chunks + 1 if idle else 0
         if idle_chunks > 2:  # nothing runs, nothing is due, and no batch became ready: it never will
             raise PlanError(f"{plan.system}: continuous rollout stalled at {now:.1f} s before iteration {steps_done} "
                             f"(no group may launch and no batch is ready)")
