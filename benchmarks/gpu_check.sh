@@ -5,7 +5,11 @@
 #      Vidur published (data/profiles/vidur/compute/h100), to compare ours with theirs;
 #   3. benchmarks/engine_profile.py: our generation engine and a training step in one process;
 #   4. backend=ray on CUDA (NCCL, bf16): benchmarks/sim_vs_real.py with SmolLM2-135M's shape;
-#   5. the README's one-GPU commands through `python -m harness` (rlhfuse, deepspeed_chat).
+#   5. the README's one-GPU commands through `python -m harness` (rlhfuse, deepspeed_chat);
+#   6. benchmarks/moe_profile.py: the routed experts' GEMMs of the shipped MoE models, as one GEMM
+#      (the cost model's assumption), as a grouped GEMM and as one GEMM per expert (needs no wheels);
+#   7. benchmarks/moe_profile.py --block: a whole MoE block of one expert-parallel rank (router,
+#      permutation, grouped GEMMs, un-permutation).
 # Weights are seeded random of each model's shape (checkpoint=null): the machine has no network
 # and the GGUF file is too large to carry beside Ray. Each step has its own time limit and log, so
 # one failure leaves the others' results; everything is packed into $OUT/gpu_check.tgz at the end.
@@ -18,7 +22,7 @@ W=$OUT/w
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-STEPS=${STEPS:-"env profile engine svr_small harness_runs"}
+STEPS=${STEPS:-"env profile engine svr_small harness_runs moe moe_block"}
 RW="model.actor.checkpoint=null model.critic.checkpoint=null model.ref.checkpoint=null model.reward.checkpoint=null"
 
 if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
@@ -65,10 +69,12 @@ harness_runs() {
 export -f env_report profile harness_runs
 export PY RW W
 step env 60 bash -c env_report
-step profile 100 bash -c profile
+step profile 160 bash -c profile
 step engine 90 $PY benchmarks/engine_profile.py
 step svr_small 120 $PY benchmarks/sim_vs_real.py --device cuda --devices 1 --model smollm2_135m \
   --systems rlhfuse_base rlhfuse --stream-rounds to_next_finish --iterations 3 --override $RW
 step harness_runs 150 bash -c harness_runs
+step moe 300 $PY benchmarks/moe_profile.py --local-experts 2 4 8 16 32 --budget-s 240 --out "$W/moe_experts.csv"
+step moe_block 150 $PY benchmarks/moe_profile.py --block --budget-s 110 --out "$W/moe_block.csv"
 tar czf "$OUT/gpu_check.tgz" -C "$OUT" w && rm -rf "$W"
 cat "$OUT/summary.log"

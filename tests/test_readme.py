@@ -134,6 +134,8 @@ SPECS: dict[str, Spec] = {
     "python -m harness.calibrate report --gpu h100": AS_IS,
     "python -m harness.calibrate compare --local data/profiles/local":
         Spec(replace=(("data/profiles/local", f"{README.parent}/data/profiles/local"),)),
+    "python benchmarks/moe_profile.py --summarize data/profiles/local/nvidia-h200/moe_experts.csv":
+        Spec(replace=(("data/profiles/local", f"{README.parent}/data/profiles/local"),)),
     "python benchmarks/engine_profile.py --model tiny": tiny("--device cpu --repeats 1"),
     "bash benchmarks/gpu_check.sh": Spec(skip="runs on a lent GPU machine with the wheels benchmarks/gpu_wheels.sh "
                                               "fetches (docs/GPU.md)"),

@@ -211,12 +211,15 @@ def report(gpu: str = "h100", root: Path | str = ms.PROFILE_DIR) -> tuple[pd.Dat
 
 
 def format_table(df: pd.DataFrame) -> str:
-    lines = [f"{'section':<29} {'op class':<14} {'group':<30} {'n':>6} {'median':>7} "
-             f"{'p90':>7} {'max':>7} {'ratio':>6}"]
+    """The rows as a fixed-width table; with rows of several devices, each row names its device."""
+    several = df["gpu"].nunique() > 1 if len(df) else False
+    dev = max((len(str(g)) for g in df["gpu"]), default=0) if several else 0
+    lines = [(f"{'device':<{dev}} " if several else "") + f"{'section':<29} {'op class':<14} {'group':<30} {'n':>6} "
+             f"{'median':>7} {'p90':>7} {'max':>7} {'ratio':>6}"]
     for r in df.itertuples(index=False):
         ratio = "" if np.isnan(r.ratio) else f"{r.ratio:6.2f}"
-        lines.append(f"{r.section:<29} {r.op_class:<14} {r.group:<30} {r.n:>6d} "
-                     f"{r.median:>7.3f} {r.p90:>7.3f} {r.max:>7.3f} {ratio:>6}".rstrip())
+        lines.append((f"{r.gpu:<{dev}} " if several else "") + f"{r.section:<29} {r.op_class:<14} {r.group:<30} "
+                     f"{r.n:>6d} {r.median:>7.3f} {r.p90:>7.3f} {r.max:>7.3f} {ratio:>6}".rstrip())
     return "\n".join(lines)
 
 
@@ -308,22 +311,23 @@ def compare(local_root: Path | str, gpu: str = "h100", root: Path | str = ms.PRO
         raise ValueError(f"no profile row under {local_root} has a {gpu} Vidur row of the same model "
                          f"dimensions (vocab_size aside), tp and num_tokens")
     both["ratio"] = both["time_s_ours"] / both["time_s_vidur"]
-    device = ", ".join(sorted(both["gpu"].unique()))
-    rows = []
-    for lo, hi in TOKEN_RANGES:
-        part = both[(both["num_tokens"] >= lo) & (both["num_tokens"] <= hi)]
-        group = f"tokens {lo}-{hi}" if hi < (1 << 30) else f"tokens >= {lo}"
-        for op_class, cls in part.groupby("op_class"):
-            rows.append(_stats_row("op class", device, op_class, group, cls["ratio"]))
-    layer = (both[both["op"].isin(ms.LAYER_OPS)]
-             .groupby(["model_vidur", "tp", "num_tokens"], as_index=False)[["time_s_ours", "time_s_vidur"]].sum())
-    layer["ratio"] = layer["time_s_ours"] / layer["time_s_vidur"]
-    for tp, part in layer.groupby("tp"):
-        rows.append(_stats_row("layer", device, "layer", f"tp{tp}", part["ratio"]))
-    rows.append(_stats_row("layer", device, "layer", "all", layer["ratio"]))
-    models = ", ".join(f"{a} = {b}" for a, b in sorted(set(zip(both["model_ours"], both["model_vidur"]))))
-    header = (f"# ours ({device}, {local_root}) vs Vidur {gpu}: {len(both)} (shape, tp, num_tokens, op) rows; "
-              f"{models}\n# ratio: median of ours / Vidur; median, p90, max: of |ours / Vidur - 1|")
+    rows, headers = [], []
+    for device, mine in both.groupby("gpu"):  # one block per profiled device: never pooled
+        for lo, hi in TOKEN_RANGES:
+            part = mine[(mine["num_tokens"] >= lo) & (mine["num_tokens"] <= hi)]
+            group = f"tokens {lo}-{hi}" if hi < (1 << 30) else f"tokens >= {lo}"
+            for op_class, cls in part.groupby("op_class"):
+                rows.append(_stats_row("op class", device, op_class, group, cls["ratio"]))
+        layer = (mine[mine["op"].isin(ms.LAYER_OPS)]
+                 .groupby(["model_vidur", "tp", "num_tokens"], as_index=False)[["time_s_ours", "time_s_vidur"]].sum())
+        layer["ratio"] = layer["time_s_ours"] / layer["time_s_vidur"]
+        for tp, part in layer.groupby("tp"):
+            rows.append(_stats_row("layer", device, "layer", f"tp{tp}", part["ratio"]))
+        rows.append(_stats_row("layer", device, "layer", "all", layer["ratio"]))
+        models = ", ".join(f"{a} = {b}" for a, b in sorted(set(zip(mine["model_ours"], mine["model_vidur"]))))
+        headers.append(f"# ours ({device}, {local_root}) vs Vidur {gpu}: {len(mine)} (shape, tp, num_tokens, op) "
+                       f"rows; {models}")
+    header = "\n".join(headers + ["# ratio: median of ours / Vidur; median, p90, max: of |ours / Vidur - 1|"])
     return pd.DataFrame(rows), header
 
 

@@ -161,3 +161,18 @@ def test_compare_refuses_unmatched_shapes(tmp_path, profiled):
     proc = subprocess.run([sys.executable, "-m", "harness.calibrate", "compare", "--local", str(tmp_path / "none")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no such folder" in proc.stderr
+
+
+def test_compare_keeps_each_device_apart(tmp_path):
+    # two profiled devices, one with rope 3x slower: each gets its own rows, never a pooled median
+    root = _vidur_copy(tmp_path / "a", "attn_rope", 3.0)
+    other = root / "other-device" / "llama2_7b"
+    other.mkdir(parents=True)
+    (other / "mlp.csv").write_text((_vidur_copy(tmp_path / "b") / "some-device" / "llama2_7b" / "mlp.csv").read_text())
+    df, header = calibrate.compare(root, "h100")
+    assert set(df["gpu"]) == {"some-device", "other-device"}
+    rope = df[df["op_class"] == "rope"].set_index("gpu")["ratio"]
+    assert (rope["some-device"] - 3.0).abs().max() < 1e-12 and (rope["other-device"] == 1.0).all()
+    assert header.count("# ours (") == 2
+    table = calibrate.format_table(df)
+    assert table.splitlines()[0].startswith("device") and "other-device" in table
