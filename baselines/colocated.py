@@ -50,7 +50,7 @@ class Colocated(System):
         plans: dict[ParallelStrategy, Plan] = {}
 
         def score(strategy: ParallelStrategy) -> float:  # PlanError (memory, batch split) = infeasible
-            shared = Allocation(full_mesh(n), strategy)
+            shared = Allocation.in_engine_order(full_mesh(n), strategy)
             plans[strategy] = assemble_ppo_plan(ctx, cfg.name, {task: shared for task in PPO_TASKS}, policy,
                                                 layout_keys={task: "system.layout" for task in PPO_TASKS})
             return simulated_makespan_s(ctx, plans[strategy])

@@ -88,7 +88,7 @@ def split_cluster(ctx: PlanContext, first_nodes: Optional[int]) -> tuple[tuple[i
 def pool_plan(ctx: PlanContext, name: str, chosen: dict[str, SearchResult], meshes: dict[str, tuple[int, ...]],
               policy: GenerationPolicy, **kwargs) -> Plan:
     """Searched layouts placed on per-task meshes, assembled into the PPO plan."""
-    allocs = {t: Allocation(meshes[t], r.strategy) for t, r in chosen.items()}
+    allocs = {t: Allocation.in_engine_order(meshes[t], r.strategy) for t, r in chosen.items()}
     notes = {**search_notes(chosen, meshes), **kwargs.pop("notes", {})}
     return assemble_ppo_plan(ctx, name, allocs, policy, notes=notes, **kwargs)
 

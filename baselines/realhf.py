@@ -109,7 +109,7 @@ class RealHF(System):
             train = PPO_TASKS[call][0] == "train"
             tp = largest_tp(per_node, [ctx.model(PPO_TASKS[call][1])])  # a node's GPUs where the heads allow
             dp = (per_node // tp) * (nodes // pp)
-            choice[call] = Allocation(mesh, ParallelStrategy(dp, tp, pp, self.cfg.zero_stage if train else 0))
+            choice[call] = Allocation.in_engine_order(mesh, ParallelStrategy(dp, tp, pp, self.cfg.zero_stage if train else 0))
         return choice
 
     # ---- evaluation -------------------------------------------------------------------------
@@ -232,12 +232,12 @@ class RealHF(System):
             progress = steps / budget if budget else 1 - (deadline - time.perf_counter()) / max(budget_s, 1e-9)
             temperature = max(t0 * (1.0 - progress), 1e-12)
             call = rng.choice(workflow_tasks(ctx.algorithm))
-            mesh = choice[call].mesh if rng.random() < 0.5 else rng.choice(meshes)
+            mesh = tuple(sorted(choice[call].mesh)) if rng.random() < 0.5 else rng.choice(meshes)
             options = strategies(call, mesh)
             if not options:
                 continue
             proposal = dict(choice)
-            proposal[call] = Allocation(mesh, rng.choice(options))
+            proposal[call] = Allocation.in_engine_order(mesh, rng.choice(options))
             try:
                 score, plan = self._plan_and_score(ctx, evaluate, proposal)
             except PlanError:
@@ -262,14 +262,14 @@ class RealHF(System):
                        f"best estimate {best_s:.4g} s")
             improved = False
             for call in workflow_tasks(ctx.algorithm):
-                mesh = choice[call].mesh
+                mesh = tuple(sorted(choice[call].mesh))  # the devices, in whatever order the layout had
                 for strategy in strategies(call, mesh):
                     if strategy == choice[call].strategy:
                         continue
                     if deadline is not None and time.perf_counter() > deadline:
                         return best_s, best_plan, (evaluations, improvements)
                     proposal = dict(choice)
-                    proposal[call] = Allocation(mesh, strategy)
+                    proposal[call] = Allocation.in_engine_order(mesh, strategy)
                     evaluations += 1
                     try:
                         score, plan = self._plan_and_score(ctx, evaluate, proposal)

@@ -210,6 +210,19 @@ class Allocation:
         mesh = [devices[(p * s.dp + k) * s.tp + t] for k in range(s.dp) for p in range(s.pp) for t in range(s.tp)]
         return cls(tuple(mesh), s)
 
+    @classmethod
+    def in_engine_order(cls, devices: tuple[int, ...], strategy: ParallelStrategy) -> "Allocation":
+        """``strategy`` on ``devices`` as the searched 3D-parallel systems (RLHFuse, RLHFuse-Base,
+        ReaLHF, the plan-level baselines) place it: with expert parallelism and a pipeline, in
+        Megatron-core's order (:meth:`pipeline_outermost`), so that each expert-parallel group is
+        ``ep * tp`` consecutive devices and its all-to-alls stay within them, as in RLHFuse's
+        Megatron-LM training engine; otherwise in the plain order (a replica's stages side by side,
+        its pipeline hops within a node), the layout these systems have always had. With ``pp = 1``
+        the two orders are the same."""
+        if strategy.ep > 1 and strategy.pp > 1:
+            return cls.pipeline_outermost(devices, strategy)
+        return cls(tuple(devices), strategy)
+
     def device(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         s = self.strategy
         return self.mesh[(dp_rank * s.pp + pp_rank) * s.tp + tp_rank]

@@ -100,6 +100,10 @@ class LayoutSearch:
         """States chosen to stay resident on the pool's devices, GB per device."""
         return self.ledger.resident
 
+    def allocation(self, s: ParallelStrategy) -> Allocation:
+        """``s`` on this search's devices, in the order the plan will give it (:meth:`Allocation.in_engine_order`)."""
+        return Allocation.in_engine_order(self.mesh, s)
+
     def candidates(self, role: str, zero: int = 0, task: str = "",
                    shared_with: tuple[str, ...] = ()) -> list[ParallelStrategy]:
         """Layouts of ``role``'s model over the pool (the pinned one if ``task`` is pinned); a layout
@@ -244,13 +248,13 @@ class LayoutSearch:
 
         def time_of(task, role, cand):
             if (task, cand) not in times:
-                times[task, cand] = training_s(self.ctx, Task(task, "train", role, Allocation(self.mesh, cand[0])),
+                times[task, cand] = training_s(self.ctx, Task(task, "train", role, self.allocation(cand[0])),
                                                stages[task, cand], w.mini_batch_size, self.batch)
             return times[task, cand]
 
         def bound_of(task, role, cand):  # <= time_of, without timing a schedule
             if (task, cand) not in bounds:
-                bounds[task, cand] = training_bound_s(self.ctx, Task(task, "train", role, Allocation(self.mesh, cand[0])),
+                bounds[task, cand] = training_bound_s(self.ctx, Task(task, "train", role, self.allocation(cand[0])),
                                                       stages[task, cand], w.mini_batch_size, self.batch)
             return bounds[task, cand]
 
@@ -395,7 +399,7 @@ class LayoutSearch:
         if shared:
             def score_all(s: ParallelStrategy) -> float:
                 self.ledger.require(self.shared_inference_need(s), "shared")
-                return sum(inference_s(self.ctx, Task(t, "inference", PPO_TASKS[t][1], Allocation(self.mesh, s)),
+                return sum(inference_s(self.ctx, Task(t, "inference", PPO_TASKS[t][1], self.allocation(s)),
                                        self.batch) for t in self.inference)
             result = self._search(self.shared_candidates(), score_all,
                                   "inference (shared layout)")
@@ -414,7 +418,7 @@ class LayoutSearch:
         for offload in tiers:
             def score(s: ParallelStrategy, offload=offload) -> float:
                 self.ledger.require(self.inference_need(task_name, s, offload), task_name)
-                t = inference_s(self.ctx, Task(task_name, "inference", role, Allocation(self.mesh, s)), self.batch)
+                t = inference_s(self.ctx, Task(task_name, "inference", role, self.allocation(s)), self.batch)
                 if offload:  # weights copied in from host memory before the pass, as the simulator charges
                     weights_gb = self.cm.weights_gb(self.ctx.model(role), s.tp, s.pp, ep=s.ep, etp=s.etp)
                     t += self.cm.host_transfer_s(weights_gb * 1e9)
@@ -444,7 +448,7 @@ class LayoutSearch:
 
         def score(s: ParallelStrategy) -> float:
             self.ledger.require(self.generation_need(s), "gen")
-            t = generation_s(self.ctx, Task("gen", "generate", "actor", Allocation(self.mesh, s)), policy,
+            t = generation_s(self.ctx, Task("gen", "generate", "actor", self.allocation(s)), policy,
                              self.batch, self.kv_capacity_gb(s), stop_above=best_s[0])
             best_s[0] = min(best_s[0], t)
             return t

@@ -81,7 +81,7 @@ class RLHFuseBase(System):
         layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
-        allocs = {name: Allocation(layouts.mesh, r.strategy) for name, r in layouts.chosen.items()}
+        allocs = {name: Allocation.in_engine_order(layouts.mesh, r.strategy) for name, r in layouts.chosen.items()}
         plan = assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=layouts.training_stages(),
                                  offloaded=sorted(layouts.offloaded),
                                  notes={**search_notes(layouts.chosen), **layouts.memory_notes()},

@@ -135,7 +135,7 @@ class RLHFuse(System):
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
         notes: dict = {f"search/{k}": str(r.strategy) for k, r in layouts.chosen.items()}
-        allocs = {name: Allocation(full_mesh(ctx.num_devices), r.strategy) for name, r in layouts.chosen.items()}
+        allocs = {name: Allocation.in_engine_order(full_mesh(ctx.num_devices), r.strategy) for name, r in layouts.chosen.items()}
         training = self._training(ctx, layouts, allocs, notes)
         if inter_stage and not layouts.inference:
             notes["inter/off"] = (f"algo={ctx.algorithm.name} runs no inference task (no reference model, reward "
@@ -174,7 +174,7 @@ class RLHFuse(System):
                                                                                  "shared"))
             layouts.ledger.commit("shared", layouts.shared_inference_need(smallest))
             layouts.search_generation(policy)
-            allocs["gen"] = Allocation(full_mesh(ctx.num_devices), layouts.chosen["gen"].strategy)
+            allocs["gen"] = Allocation.in_engine_order(full_mesh(ctx.num_devices), layouts.chosen["gen"].strategy)
             notes["search/gen"] = str(layouts.chosen["gen"].strategy)
             candidates, shortfalls = fitting()
         if not candidates:
@@ -183,7 +183,7 @@ class RLHFuse(System):
         mesh = full_mesh(ctx.num_devices)
 
         def make_inference(strategy: ParallelStrategy):
-            alloc = Allocation(mesh, strategy)
+            alloc = Allocation.in_engine_order(mesh, strategy)
             tasks = [Task(n, "inference", m, alloc) for n, m in roles]
             moves = {}  # as the assembler decides it: the critic fetched per inference replica
             if "update_critic" in allocs and needs_movement(allocs["update_critic"], alloc):
@@ -195,7 +195,7 @@ class RLHFuse(System):
         choice, layout = choose_inter_stage(ctx, gen, candidates, make_inference, policy, kv_gb,
                                             self.cfg.migration_transfer, pinned_frac=self.cfg.migration_frac)
         for name, _ in roles:
-            allocs[name] = Allocation(mesh, layout)
+            allocs[name] = Allocation.in_engine_order(mesh, layout)
         layouts.ledger.commit("shared", layouts.shared_inference_need(layout))
         mig = choice.policy
         notes.update({"inference/shared_layout": str(layout), "migration/threshold_frac": mig.threshold_frac,
@@ -261,6 +261,9 @@ class RLHFuse(System):
         layouts.ledger.commit("training", self._fused_need(ctx, best, peak))
         n, tp = ctx.num_devices, best.actor.tp
         num_ranks = math.lcm(best.actor.pp, best.critic.pp)
+        # the fused pair keeps the plain order and its reversal, which pairs actor stage p with critic stage
+        # pp - 1 - p on the same devices; an expert-parallel pipeline here spreads its ep groups over replicas
+        # (Allocation.in_engine_order is not applied to the fused stage)
         allocs["update_actor"] = Allocation(full_mesh(n), best.actor)
         allocs["update_critic"] = Allocation(self._reversed_mesh(n, tp, num_ranks, best.critic.pp), best.critic)
         notes.update({"fused/actor": str(best.actor), "fused/critic": str(best.critic), "fused/candidates": tried,

@@ -135,6 +135,27 @@ def test_pipeline_outermost_is_megatron_cores_rank_order(dp, tp, pp, ep):
         assert packed.mesh == plain.mesh
 
 
+@pytest.mark.parametrize("dp,tp,pp,ep", [(8, 1, 2, 8), (4, 2, 2, 2), (8, 1, 2, 1), (6, 1, 1, 3), (4, 2, 1, 1)])
+def test_in_engine_order_is_megatron_cores_only_for_an_expert_parallel_pipeline(dp, tp, pp, ep):
+    devices = tuple(range(dp * tp * pp))
+    s = ParallelStrategy(dp, tp, pp, ep=ep)
+    placed = Allocation.in_engine_order(devices, s)
+    assert placed == (Allocation.pipeline_outermost(devices, s) if ep > 1 and pp > 1 else Allocation(devices, s))
+    assert placed.ep_span == (ep * tp if ep > 1 else tp)  # every ep group on consecutive devices
+
+
+@pytest.mark.parametrize("system,pin", [("rlhfuse_base", "system.layouts.update_actor"), ("colocated", "system.layout")])
+def test_the_searched_systems_keep_a_pipelined_ep_group_within_a_node(system, pin):
+    """A pinned dp8tp1pp2ep8 on two nodes: each ep group is one node's 8 GPUs (Megatron-core's order),
+    not one GPU of each of 8 replicas spread over both nodes."""
+    plan, _, _ = plan_for([f"+system={system}", "algo=grpo", "model=qwen3_30b_a3b", "cluster=h100_8x",
+                           "cluster.num_nodes=2", "workload.global_batch_size=64", "workload.mini_batch_size=64",
+                           "workload.micro_batch_size=1", f"{pin}=dp8tp1pp2ep8"])
+    train = plan.task("update_actor").allocation
+    assert (train.strategy.dp, train.strategy.pp, train.strategy.ep, train.ep_span) == (8, 2, 8, 8)
+    assert {tuple(sorted({train.device(k, p, 0) // 8 for k in range(8)})) for p in range(2)} == {(0,), (1,)}
+
+
 def test_pipeline_outermost_refuses_a_wrong_device_count():
     with pytest.raises(PlanError, match="needs dp\\*tp\\*pp = 16 devices but 8"):
         Allocation.pipeline_outermost(tuple(range(8)), ParallelStrategy(8, 1, 2, ep=8))
