@@ -124,6 +124,18 @@ def local_ray(num_cpus: int = 8) -> Iterator[Path]:
         ray.shutdown()
 
 
+def run_all_on_ray(runs: Mapping[str, Sequence[str]], root: Path) -> dict[str, Path]:
+    """Each of ``runs`` (name -> ``python -m harness`` arguments) in ``root / name`` on one local Ray
+    instance (:func:`local_ray`), asserting each succeeded: the run folders, by name."""
+    out = {}
+    with local_ray():
+        for name, args in runs.items():
+            proc = run_in_process(args, root / name)
+            assert proc.returncode == 0, (name, proc.stderr[-3000:])
+            out[name] = run_folder(root / name)
+    return out
+
+
 def window_metrics(plan, ctx, trace) -> dict[str, float]:
     """The per-iteration metrics of an off-policy window ``trace`` of ``plan``, as the run pipeline
     computes them (the iteration's batch from the workload, as the pipeline draws it)."""

@@ -67,6 +67,23 @@ from harness.planning.taskmodels.generation import ContinuousInstance, _Sample, 
 from harness.system import PlanContext
 
 
+@dataclass(frozen=True)
+class PartialRound:
+    """What one iteration of a partial rollout decided, for a backend that runs it for real
+    (``backend=ray``: :mod:`harness.backends.ray.driver.partial`): per generation instance, the
+    samples it was given in order with the tokens each already had (a carried sample is prefilled
+    again from its prompt and those tokens), the decode steps it ran before the stop, the batch's
+    samples (global ids, in batch order) with the iteration of each one's first token, and the
+    carried samples that needed no generation (finished before, their groups not yet trained)."""
+    iteration: int
+    engines: tuple[tuple[tuple[int, int], ...], ...]  # per instance: (sample id, tokens it had), in order
+    stop_steps: tuple[int, ...]  # per instance: decode steps run when generation stopped
+    batch: tuple[int, ...]
+    first_version: tuple[int, ...]  # per batch sample
+    restarted: tuple[int, ...]  # carried samples too stale to continue, generated again from nothing
+    complete: tuple[int, ...]  # carried samples that had finished already (their groups had not)
+
+
 @dataclass
 class _Carried:
     group: int  # global group id
@@ -75,21 +92,29 @@ class _Carried:
     first_version: int | None  # the iteration of its first token (None: none yet)
 
 
-def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Callable[[int], Batch],
-                num_iterations: int, record_spans: bool = True) -> OffPolicyRun:
-    """Iterations ``0 .. num_iterations - 1`` of ``plan`` under partial rollout (module docstring)."""
-    policy = plan.off_policy
+def check_partial_plan(plan: Plan) -> None:
+    """Refuse a plan that partial rollout (or tail batching) cannot run: one generate task, no
+    inference streamed from it, no length dispatch."""
     gens = plan.tasks_of(TaskKind.GENERATE)
     if len(gens) != 1:
         raise PlanError(f"{plan.system}: partial rollout needs one generate task, not {len(gens)}")
-    (gen,) = gens
-    units = execution_units(plan)
-    if any(u.stream_from is not None for u in units):
+    if any(u.stream_from is not None for u in execution_units(plan)):
         raise PlanError(f"{plan.system}: partial rollout trains whole batches; the plan's inference streams from "
                         f"generation")
     if plan.generation.dispatch is not None:
-        raise PlanError(f"{plan.system}: length dispatch deals each batch to the engines; {policy.rollout} rollout "
-                        f"launches groups across batches, and the two are not modelled together")
+        raise PlanError(f"{plan.system}: length dispatch deals each batch to the engines; {plan.off_policy.rollout} "
+                        f"rollout launches groups across batches, and the two are not modelled together")
+
+
+def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Callable[[int], Batch],
+                num_iterations: int, record_spans: bool = True,
+                rounds: list[PartialRound] | None = None) -> OffPolicyRun:
+    """Iterations ``0 .. num_iterations - 1`` of ``plan`` under partial rollout (module docstring);
+    each iteration's decisions appended to ``rounds`` where given."""
+    policy = plan.off_policy
+    check_partial_plan(plan)
+    (gen,) = plan.tasks_of(TaskKind.GENERATE)
+    units = execution_units(plan)
     algo, group_size, s = ctx.algorithm, ctx.algorithm.group_size, policy.max_staleness
     first = batch_of(0)
     if first.rounds is not None:
@@ -154,9 +179,11 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         # the pool: carried samples (too stale ones restarted), then new groups
         dropped = 0
         pool: list[_Carried] = []
+        restarted: list[int] = []
         for c in carried:
             if c.first_version is not None and c.first_version < k - s:
                 dropped += 1
+                restarted.append(c.sample_id)
                 c = _Carried(c.group, c.sample_id, 0, None)
             pool.append(c)
         groups = sorted({c.group for c in pool})
@@ -221,8 +248,10 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         engines, finishes = instances()  # replayed up to the stop: the instances are independent
         for e in engines:
             e.run(until_s=stop_s)
+        stop_steps = tuple(e.steps for e in engines)
         finished = {c.sample_id: now for c in waiting_done}
-        finished.update({r.sample_id: r.finish_s for r in finishes if r.finish_s <= stop_s})
+        # every sample the replay finished, those of a step under way at the stop too (it ran to its end)
+        finished.update({r.sample_id: r.finish_s for r in finishes})
         carried = []
         chosen = set(trained)
         for e in engines:
@@ -257,6 +286,13 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         else:
             sim.trace.counters[mk.DROPPED_SAMPLES] = float(dropped)
             sim.trace.counters[mk.CARRIED_SAMPLES] = float(sum(1 for c in carried if c.generated > 0))
+        if rounds is not None:
+            dealt = [[] for _ in range(st.dp)]
+            for j, c in enumerate(to_generate):
+                dealt[j % st.dp].append((c.sample_id, c.generated))
+            rounds.append(PartialRound(k, tuple(tuple(d) for d in dealt), stop_steps, tuple(ids),
+                                       tuple(r.first_version for r in sim.trace.samples), tuple(restarted),
+                                       tuple(sorted(c.sample_id for c in waiting_done))))
         started.append(tagged(gen_unit.label, k))
         timeline.start_s[tagged(gen_unit.label, k)] = now
         now = run_in_turn(sim, after, gen_end)

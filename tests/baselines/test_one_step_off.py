@@ -89,13 +89,14 @@ def test_bad_knobs_are_refused(overrides, message):
 
 
 @pytest.mark.parametrize("system, extra, message", [
-    ("partial_rollout", ["system.generation_gpus=2"], "off_policy.rollout=partial: partial rollout is simulated only"),
+    ("rollpacker", [], "off_policy.rollout=tail_batching: tail_batching rollout is simulated only"),
     ("one_step_off", ["algo=dapo", "system.rollout_gpus=2"], "dynamic sampling in an off-policy plan"),
 ])
 def test_backend_ray_refuses_what_it_does_not_run_ahead_before_any_work(tmp_path, system, extra, message):
-    """backend=ray runs batched and continuous off-policy rollout
-    (tests/harness/backends/ray/test_ray_off_policy.py); partial rollout, and dynamic sampling's rounds
-    ahead of training, are refused after planning, before Ray starts or anything is written."""
+    """backend=ray runs batched, continuous and partial rollout
+    (tests/harness/backends/ray/test_ray_off_policy.py, test_ray_partial_rollout.py); tail batching,
+    and dynamic sampling's rounds ahead of training, are refused after planning, before Ray starts or
+    anything is written."""
     from harness.errors import PlanError
     from harness.run.pipeline import compose, execute
 

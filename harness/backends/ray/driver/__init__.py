@@ -13,7 +13,9 @@ iterations on the device workers (:mod:`harness.backends.ray.worker`), split by 
 - :mod:`.iteration`: one PPO iteration: its units started by the planning library's one scheduler,
   each run by its handler (:mod:`.training` for training stages, :mod:`.inter_stage` for a streamed
   generation and the inference that consumes it);
-- :mod:`.experience`: prompts, rollout tensors, rewards, GAE and mini-batches (the iteration's data).
+- :mod:`.experience`: prompts, rollout tensors, rewards, GAE and mini-batches (the iteration's data);
+- :mod:`.off_policy`, :mod:`.continuous`, :mod:`.partial`: off-policy plans' batched, continuous and
+  partial rollouts across the run's iterations.
 
 Weights never pass through the driver during an iteration: they move between workers with
 collectives; the driver routes only the small per-sample data between tasks.

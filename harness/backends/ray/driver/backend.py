@@ -4,8 +4,9 @@ sections 2, 6), through the driver's modules (:mod:`harness.backends.ray.driver`
 Set-up: the workers are started (:mod:`.cluster`) and given the plan and a typed
 :class:`~harness.backends.ray.settings.WorkerSetup` (process groups, each model's home layout,
 seeds, checkpoints); then each iteration is an :class:`~.iteration.Iteration`, or, for an
-off-policy plan, whose iterations overlap, a window of one
-:class:`~.off_policy.OffPolicyExecution` across the run's iterations.
+off-policy plan, a window of one execution across the run's iterations
+(:class:`~.off_policy.OffPolicyExecution`, :class:`~.continuous.ContinuousExecution`, or
+:class:`~.partial.PartialExecution`, whose iterations carry unfinished samples from one to the next).
 
 Failure: every wait on workers is bounded. A worker whose process dies surfaces on its own call at
 once, even while its peers are blocked in a collective with it; the driver then raises
@@ -30,6 +31,7 @@ from harness.backends.ray.driver.homes import ModelHomes, home_task, plan_roles,
 from harness.backends.ray.driver.continuous import ContinuousExecution
 from harness.backends.ray.driver.iteration import Iteration
 from harness.backends.ray.driver.off_policy import OffPolicyExecution
+from harness.backends.ray.driver.partial import PartialExecution
 from harness.backends.ray.driver.options import (engine_unsupported, option_conflicts, unsupported_features,
                                                  zero3_engine)
 from harness.backends.ray.settings import HomeSetup, OptimizerSettings, WorkerSetup
@@ -61,7 +63,7 @@ class RayBackend(Backend):
         self.homes: ModelHomes | None = None
         self.init_states: dict[str, Any] = {}
         self.zero3: dict[str, str] = {}  # role -> ZeRO-3 engine of its home layout (deepspeed | native)
-        self.off_policy: OffPolicyExecution | ContinuousExecution | None = None  # an off-policy plan's run
+        self.off_policy: OffPolicyExecution | ContinuousExecution | PartialExecution | None = None  # an off-policy run
 
     @property
     def opts(self) -> RayOptions:
@@ -218,7 +220,8 @@ class RayBackend(Backend):
         try:
             if plan.off_policy is not None:  # the run's iterations overlap: one timeline, a window each
                 if self.off_policy is None or self.off_policy.plan is not plan:
-                    execution = ContinuousExecution if plan.off_policy.rollout == "continuous" else OffPolicyExecution
+                    execution = {"continuous": ContinuousExecution, "partial": PartialExecution}.get(
+                        plan.off_policy.rollout, OffPolicyExecution)
                     self.off_policy = execution(self, plan, max(self.cfg.num_iterations, iteration + 1))
                 return self.off_policy.window(iteration)
             return Iteration(self, plan, iteration, batch).run()

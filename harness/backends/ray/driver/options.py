@@ -12,6 +12,7 @@ from harness.real.parallel.layout import check_tp
 from harness.errors import ConfigError, PlanError
 from harness.core.plan import Feature, ModelRole, Plan, TaskKind
 from harness.planning.iterations import check_off_policy_plan
+from harness.planning.partial import check_partial_plan
 from harness.real.model import ModelArgs
 
 
@@ -35,14 +36,18 @@ def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[s
     out = [f"{feature.value}: not executed yet{hints.get(feature, '')}" for feature in plan.features()
            if feature not in SUPPORTED_FEATURES]
     policy = plan.off_policy
-    if policy is not None:  # driver/off_policy.py runs batched rollout, driver/continuous.py continuous rollout
-        if policy.rollout not in ("batched", "continuous"):
+    if policy is not None:  # driver/off_policy.py: batched rollout, continuous.py: continuous, partial.py: partial
+        if policy.rollout not in ("batched", "continuous", "partial"):
             out.append(f"off_policy.rollout={policy.rollout}: {policy.rollout} rollout is simulated only; batched "
-                       f"(+system=one_step_off) and continuous rollout (+system=areal) run for real")
+                       f"(+system=one_step_off), continuous (+system=areal) and partial rollout "
+                       f"(+system=partial_rollout) run for real")
         if Feature.STREAMING in plan.features():
             out.append("an off-policy plan with streamed generation")
         try:
-            check_off_policy_plan(plan)
+            if policy.rollout == "partial":  # synchronous iterations: generation may share devices with training
+                check_partial_plan(plan)
+            else:
+                check_off_policy_plan(plan)
         except PlanError as e:
             out.append(str(e))
     for t in plan.tasks:
