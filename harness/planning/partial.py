@@ -73,8 +73,9 @@ class PartialRound:
     (``backend=ray``: :mod:`harness.backends.ray.driver.partial`): per generation instance, the
     samples it was given in order with the tokens each already had (a carried sample is prefilled
     again from its prompt and those tokens), the decode steps it ran before the stop, the batch's
-    samples (global ids, in batch order) with the iteration of each one's first token, and the
-    carried samples that needed no generation (finished before, their groups not yet trained)."""
+    samples (global ids, in batch order) with the iteration of each one's first token, the carried
+    samples that needed no generation (finished before, their groups not yet trained), and where
+    each sample given comes from (its prompt, target length and attempt)."""
     iteration: int
     engines: tuple[tuple[tuple[int, int], ...], ...]  # per instance: (sample id, tokens it had), in order
     stop_steps: tuple[int, ...]  # per instance: decode steps run when generation stopped
@@ -82,6 +83,10 @@ class PartialRound:
     first_version: tuple[int, ...]  # per batch sample
     restarted: tuple[int, ...]  # carried samples too stale to continue, generated again from nothing
     complete: tuple[int, ...]  # carried samples that had finished already (their groups had not)
+    # per sample given to an instance: (sample id, the iteration its prompt was drawn in, its index in that
+    # batch, its target length, its attempt: 0 for a drawn prompt's first responses, a >= 1 for the a-th
+    # time tail batching generates a queued prompt again)
+    sources: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
 @dataclass
@@ -129,6 +134,7 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
     output_len: list[int] = []
     group_samples: list[list[int]] = []
     group_prompt: list[tuple[int, int]] = []  # per group: the iteration its prompt was drawn in, its index there
+    group_attempt: list[int] = []  # per group: 0 for a drawn prompt, a for its a-th generation again
     drawn_groups: list[int] = []  # the groups of drawn prompts, in order (regenerated ones are not new prompts)
     drawn_prompt_len: dict[tuple[int, int], int] = {}
     drawn = 0
@@ -149,6 +155,7 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         output_len.extend(int(x) for x in lengths)
         group_samples.append(ids)
         group_prompt.append(key)
+        group_attempt.append(attempts[key])
         return len(group_samples) - 1
 
     def drawn_group(n: int) -> int:
@@ -164,6 +171,7 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
                 drawn_prompt_len[(drawn, g)] = prompts[0]
                 group_samples.append(ids)
                 group_prompt.append((drawn, g))
+                group_attempt.append(0)
             drawn += 1
         return drawn_groups[n]
 
@@ -290,9 +298,14 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
             dealt = [[] for _ in range(st.dp)]
             for j, c in enumerate(to_generate):
                 dealt[j % st.dp].append((c.sample_id, c.generated))
+            sources = []
+            for c in to_generate:
+                (j, index), position = group_prompt[c.group], group_samples[c.group].index(c.sample_id)
+                sources.append((c.sample_id, j, index * group_size + position, output_len[c.sample_id],
+                                group_attempt[c.group]))
             rounds.append(PartialRound(k, tuple(tuple(d) for d in dealt), stop_steps, tuple(ids),
                                        tuple(r.first_version for r in sim.trace.samples), tuple(restarted),
-                                       tuple(sorted(c.sample_id for c in waiting_done))))
+                                       tuple(sorted(c.sample_id for c in waiting_done)), tuple(sources)))
         started.append(tagged(gen_unit.label, k))
         timeline.start_s[tagged(gen_unit.label, k)] = now
         now = run_in_turn(sim, after, gen_end)

@@ -6,7 +6,8 @@ Set-up: the workers are started (:mod:`.cluster`) and given the plan and a typed
 seeds, checkpoints); then each iteration is an :class:`~.iteration.Iteration`, or, for an
 off-policy plan, a window of one execution across the run's iterations
 (:class:`~.off_policy.OffPolicyExecution`, :class:`~.continuous.ContinuousExecution`, or
-:class:`~.partial.PartialExecution`, whose iterations carry unfinished samples from one to the next).
+:class:`~.partial.PartialExecution` for partial rollout and tail batching, whose iterations stop
+generation once a batch has finished).
 
 Failure: every wait on workers is bounded. A worker whose process dies surfaces on its own call at
 once, even while its peers are blocked in a collective with it; the driver then raises
@@ -220,8 +221,8 @@ class RayBackend(Backend):
         try:
             if plan.off_policy is not None:  # the run's iterations overlap: one timeline, a window each
                 if self.off_policy is None or self.off_policy.plan is not plan:
-                    execution = {"continuous": ContinuousExecution, "partial": PartialExecution}.get(
-                        plan.off_policy.rollout, OffPolicyExecution)
+                    execution = {"continuous": ContinuousExecution, "partial": PartialExecution,
+                                 "tail_batching": PartialExecution}.get(plan.off_policy.rollout, OffPolicyExecution)
                     self.off_policy = execution(self, plan, max(self.cfg.num_iterations, iteration + 1))
                 return self.off_policy.window(iteration)
             return Iteration(self, plan, iteration, batch).run()

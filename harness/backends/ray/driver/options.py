@@ -36,15 +36,11 @@ def unsupported_features(plan: Plan, model_args: dict[str, ModelArgs]) -> list[s
     out = [f"{feature.value}: not executed yet{hints.get(feature, '')}" for feature in plan.features()
            if feature not in SUPPORTED_FEATURES]
     policy = plan.off_policy
-    if policy is not None:  # driver/off_policy.py: batched rollout, continuous.py: continuous, partial.py: partial
-        if policy.rollout not in ("batched", "continuous", "partial"):
-            out.append(f"off_policy.rollout={policy.rollout}: {policy.rollout} rollout is simulated only; batched "
-                       f"(+system=one_step_off), continuous (+system=areal) and partial rollout "
-                       f"(+system=partial_rollout) run for real")
+    if policy is not None:  # driver/off_policy.py: batched rollout, continuous.py: continuous, partial.py: the rest
         if Feature.STREAMING in plan.features():
             out.append("an off-policy plan with streamed generation")
         try:
-            if policy.rollout == "partial":  # synchronous iterations: generation may share devices with training
+            if policy.rollout in ("partial", "tail_batching"):  # synchronous iterations: devices may be shared
                 check_partial_plan(plan)
             else:
                 check_off_policy_plan(plan)

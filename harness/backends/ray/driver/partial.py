@@ -1,34 +1,37 @@
-"""Partial rollout on ``backend=ray`` (driver side): over-provisioned generation that stops once a
-batch is complete, the unfinished responses carried into the next iteration and continued under its
-weights (``Plan.off_policy.rollout == "partial"``: APRIL in slime; the model is
-:mod:`harness.planning.partial`).
+"""Partial rollout and tail batching on ``backend=ray`` (driver side): over-provisioned generation
+that stops once a batch is complete, the unfinished responses either carried into the next
+iteration and continued under its weights (``Plan.off_policy.rollout == "partial"``: APRIL in slime)
+or dropped, their prompts generated again in a long round once a batch of them is queued
+(``"tail_batching"``: RollPacker). The model is :mod:`harness.planning.partial`.
 
 What is decided and what is run. As for a continuous rollout (:mod:`.continuous`), the decisions are
 the simulator's for the plan (:func:`harness.planning.partial.run_partial`, one
 :class:`~harness.planning.partial.PartialRound` per iteration): which samples each generation
-engine is given and in which order, how many decode steps it runs before generation stops, and which
-samples form the batch. A run is then a pure function of its config and seed. Everything else runs
-for real. Each iteration is a synchronous iteration of the plan's units (:class:`.iteration.Iteration`)
-whose generate unit is the partial rollout:
+engine is given and in which order, with which prompt and target length, how many decode steps it
+runs before generation stops, and which samples form the batch. A run is then a pure function of
+its config and seed. Everything else runs for real. Each iteration is a synchronous iteration of
+the plan's units (:class:`.iteration.Iteration`) whose generate unit is the rollout:
 
 - a generation session is opened on every engine; the samples carried from the last iteration are
   imported first, in the simulator's order, each prefilled again from its prompt and the tokens it
   had, its sampler continuing where it stopped (:class:`~harness.backends.ray.protocol.Migrate`
   without KV); a carried sample too stale to continue (its first token more than the plan's
-  ``max_staleness`` iterations old) starts again from nothing, its sampler seeded afresh; then the
-  new prompt groups are submitted, each sample's sampler seeded as a synchronous iteration seeds it;
+  ``max_staleness`` iterations old) starts again from nothing; the new samples are submitted, a
+  drawn prompt's sampler seeded as a synchronous iteration seeds it, a prompt generated again
+  (tail batching's long round) seeded afresh for that attempt;
 - every engine runs the decode steps the simulator's engine ran before the stop (each step one
   token of every running sample, in both), after which every sample of the batch has finished (else
   the run has diverged from the simulator's, an error);
-- the engines' unfinished samples are exported with their tokens and kept for the next iteration,
-  the finished ones outside the batch kept with their responses; the session is closed, and the
-  batch (its samples' prompts and responses, in batch order) goes on to the iteration's log-prob,
-  reference and training units.
+- the engines' unfinished samples are exported with their tokens; partial rollout keeps them, and
+  the finished ones outside the batch, for the next iteration; tail batching drops both and queues
+  their prompts. The session is closed, and the batch (its samples' prompts and responses, in batch
+  order) goes on to the iteration's log-prob, reference and training units.
 
 Versions: a sample's first version is the iteration in which it generated its first token, its last
-the iteration it finished in, as the simulator counts them; the staleness metrics and the counters of
-carried and restarted samples (``gen/carried_samples``, ``gen/dropped_samples``) are the
-simulator's for the same plan (tested).
+the iteration it finished in, as the simulator counts them. The staleness metrics, the counters of
+carried and restarted samples (``gen/carried_samples``, ``gen/dropped_samples``) and tail
+batching's long rounds and queued prompts (``gen/long_round``, ``gen/queued_prompts``, counted by
+the driver from what it dropped and generated again) are the simulator's for the same plan (tested).
 """
 from __future__ import annotations
 
@@ -73,8 +76,12 @@ class PartialExecution:
         (self.gen,) = plan.tasks_of(TaskKind.GENERATE)
         s = self.gen.allocation.strategy
         self.instances = [list(self.gen.allocation.replica_devices(r)) for r in range(s.dp)]
-        self.n = self._batch(0).num_samples  # samples a batch: global sample g is batch g // n's sample g % n
-        self.prompts: dict[int, list[int]] = {}
+        self.tail = plan.off_policy.rollout == "tail_batching"
+        self.group_size = ctx.algorithm.group_size
+        # sample id -> (iteration its prompt was drawn in, index in that batch, target length, attempt)
+        self.source: dict[int, tuple[int, int, int, int]] = {}
+        self.queued: list[tuple[int, int]] = []  # tail batching: prompts (iteration, group) waiting for a long round
+        self.prompts: dict[tuple[int, int], list[int]] = {}
         self.drawn: set[int] = set()
         self.carried: dict[int, ExportedSample] = {}  # unfinished samples, with the tokens they have
         self.responses: dict[int, tuple[list[int], list[float]]] = {}  # finished, not yet trained
@@ -88,20 +95,25 @@ class PartialExecution:
         return self.batches[k]
 
     def prompt(self, g: int) -> list[int]:
-        """Global sample ``g``'s prompt tokens, drawn as a synchronous iteration draws its batch's."""
-        j = g // self.n
+        """Sample ``g``'s prompt tokens: those of the batch its prompt was drawn in, as a synchronous
+        iteration draws them (a prompt generated again by tail batching keeps its tokens)."""
+        j, q = self.source[g][:2]
         if j not in self.drawn:
             self.drawn.add(j)
             tokens = ex.prompt_tokens(self.ctx.seed, j, self._batch(j), self.backend.args["actor"].vocab_size,
                                       self.ctx.algorithm.group_size)
-            self.prompts.update({j * self.n + q: p for q, p in enumerate(tokens)})
-        return self.prompts[g]
+            self.prompts.update({(j, i): p for i, p in enumerate(tokens)})
+        return self.prompts[(j, q)]
 
     def target_len(self, g: int) -> int:
-        return int(self._batch(g // self.n).output_lens[g % self.n])
+        return self.source[g][2]
 
     def generator_seed(self, g: int) -> int:
-        return sample_seed(ex.stable_seed("sampling", self.ctx.seed, g // self.n), g % self.n)
+        """A drawn prompt's sample seeded as a synchronous iteration seeds it; a generation again, afresh."""
+        j, q, _, attempt = self.source[g]
+        if attempt == 0:
+            return sample_seed(ex.stable_seed("sampling", self.ctx.seed, j), q)
+        return sample_seed(ex.stable_seed("sampling", self.ctx.seed, j, f"attempt{attempt}"), q)
 
     def window(self, k: int) -> StepTrace:
         """Iteration ``k``: its units in turn, the generate unit the partial rollout (module docstring)."""
@@ -109,7 +121,9 @@ class PartialExecution:
             raise RuntimeError(f"backend=ray runs a partial rollout's {self.num_iterations} iterations in order "
                                f"(backend.num_iterations); iteration {k} was asked for, {self.next_iteration} is next")
         self.next_iteration += 1
-        return PartialIteration(self, self.rounds[k]).run()
+        rnd = self.rounds[k]
+        self.source.update({g: (j, q, target, attempt) for g, j, q, target, attempt in rnd.sources})
+        return PartialIteration(self, rnd).run()
 
     def close(self) -> None:
         """Nothing stays open on the workers between iterations (each closes its sessions)."""
@@ -201,11 +215,30 @@ class PartialExecution:
             raise RuntimeError(f"partial rollout, iteration {k}: the batch's first versions {firsts} are not the "
                                f"simulator's {rnd.first_version}")
         it.set_rollout({j: self.responses.pop(g) for j, g in enumerate(rnd.batch)}, "partial rollout")
+        if self.tail:  # nothing carried: the prompts not trained wait for a long round, their responses dropped
+            long_round = any(self.source[g][3] > 0 for engine in rnd.engines for g, _ in engine)
+            if long_round:
+                regenerated = {self._prompt_key(g) for engine in rnd.engines for g, _ in engine}
+                self.queued = [key for key in self.queued if key not in regenerated]
+            dropped = sorted({self._prompt_key(g) for g in [*self.carried, *self.responses]})
+            self.queued += dropped
+            self.carried.clear()
+            self.responses.clear()
+            self.finished_at.clear()
+            self.first_version.clear()
+            trace.counters[mk.LONG_ROUND] = float(long_round)
+            trace.counters[mk.QUEUED_PROMPTS] = float(len(self.queued))
+            return
         trace.counters[mk.DROPPED_SAMPLES] = float(len(restarted))
         # carried into the next iteration with tokens: the unfinished ones that have some, and the finished
         # ones outside the batch (their groups not complete, or not among the first to complete)
         trace.counters[mk.CARRIED_SAMPLES] = float(sum(1 for s in self.carried.values() if s.tokens)
                                                    + len(self.responses))
+
+    def _prompt_key(self, g: int) -> tuple[int, int]:
+        """The prompt of sample ``g``: the iteration it was drawn in and its group there."""
+        j, q = self.source[g][:2]
+        return j, q // self.group_size
 
 
 class PartialIteration(Iteration):

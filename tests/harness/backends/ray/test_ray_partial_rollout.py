@@ -1,7 +1,10 @@
-"""backend=ray runs partial rollout for real (harness/backends/ray/driver/partial.py): each
-iteration launches twice the prompt groups it trains, stops once a batch's groups have finished,
-and carries the unfinished responses into the next iteration, where they are prefilled again from
-their prompt and tokens and continue under the new weights (``+system=partial_rollout``, APRIL).
+"""backend=ray runs partial rollout and tail batching for real
+(harness/backends/ray/driver/partial.py): each iteration launches more prompt groups than it
+trains and stops once a batch's groups have finished; partial rollout (``+system=partial_rollout``,
+APRIL) carries the unfinished responses into the next iteration, where they are prefilled again
+from their prompt and tokens and continue under the new weights; tail batching
+(``+system=rollpacker``) drops them and generates their prompts again in a long round once a
+batch of them is queued.
 
 Tiny model, GRPO, 2 prompts x 4 responses a batch, CPU devices. Oracles:
 
@@ -13,7 +16,11 @@ Tiny model, GRPO, 2 prompts x 4 responses a batch, CPU devices. Oracles:
   generation engines on two devices (samples dealt round-robin, 4 iterations);
 - **the bound holds**: no trained sample is more versions stale than ``system.max_staleness``, and
   with bound 1 some are (carried responses are trained); with bound 0 every trained sample is
-  on-policy (its carried tokens, all older, are thrown away and it is generated again).
+  on-policy (its carried tokens, all older, are thrown away and it is generated again);
+- **tail batching's rounds are the simulator's**: over 6 iterations, two short rounds of 1.5x the
+  prompts, each queueing one, then a long round of the queued prompts, twice; the long rounds and
+  the queue counted by the driver, and the mean length of the trained responses (the real ones),
+  equal ``backend=sim``'s; every trained sample is on-policy.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ CONFIGS = {  # name -> (config, iterations)
     "one_engine": ([*COMMON, "cluster.gpus_per_node=1", "system.max_staleness=1"], 5),
     "two_engines": ([*COMMON, "cluster.gpus_per_node=2", "system.rollout_tp=1", "system.max_staleness=1"], 4),
     "bound0": ([*COMMON, "cluster.gpus_per_node=1", "system.max_staleness=0"], 4),
+    "tail_batching": (["+system=rollpacker", *COMMON[1:], "cluster.gpus_per_node=1"], 6),
 }
 COMPARED = ["staleness/mean", "staleness/max", "staleness/off_policy_token_frac", "gen/carried_samples",
             "gen/dropped_samples"]
@@ -76,3 +84,12 @@ def test_bound_zero_trains_only_on_policy_samples(runs):
     assert sum(m["gen/dropped_samples"] for m in real) > 0  # carried tokens thrown away
     for key in COMPARED:
         assert [m.get(key, 0.0) for m in real] == [m.get(key, 0.0) for m in simulated], key
+
+
+def test_tail_batching_runs_the_simulators_short_and_long_rounds(runs):
+    real, simulated = runs["tail_batching"], _simulated("tail_batching")
+    keys = ["gen/long_round", "gen/queued_prompts", "response_length/mean", "staleness/max"]
+    for key in keys:
+        assert [m.get(key, 0.0) for m in real] == [m.get(key, 0.0) for m in simulated], key
+    assert [m["gen/long_round"] for m in real] == [0, 0, 1] * 2
+    assert all(m["staleness/max"] == 0 for m in real)
