@@ -89,14 +89,13 @@ def test_bad_knobs_are_refused(overrides, message):
 
 
 @pytest.mark.parametrize("system, extra, message", [
-    ("streamrl", [], "dispatched to generation instances by predicted length"),
     ("one_step_off", ["algo=dapo", "system.rollout_gpus=2"], "dynamic sampling in an off-policy plan"),
 ])
 def test_backend_ray_refuses_what_it_does_not_run_ahead_before_any_work(tmp_path, system, extra, message):
-    """backend=ray runs batched, continuous and partial rollout and tail batching
-    (tests/harness/backends/ray/test_ray_off_policy.py, test_ray_partial_rollout.py); StreamRL's
-    length dispatch, and dynamic sampling's rounds ahead of training, are refused after planning,
-    before Ray starts or anything is written."""
+    """backend=ray runs batched, continuous and partial rollout, tail batching and length dispatch
+    (tests/harness/backends/ray/test_ray_off_policy.py, test_ray_partial_rollout.py); dynamic
+    sampling's rounds ahead of training are refused after planning, before Ray starts or anything
+    is written."""
     from harness.errors import PlanError
     from harness.run.pipeline import compose, execute
 

@@ -72,9 +72,12 @@ class Sampling(Request):
 
 @dataclass(frozen=True)
 class Generate(Sampling):
-    """Generate every sample of the batch dealt to this device's dp replica (round-robin), with
-    continuous batching or in static rounds (``batching``)."""
+    """Generate every sample of the batch dealt to this device's dp replica, with continuous
+    batching or in static rounds (``batching``): ``assignment[k]``, the sample ids replica ``k``
+    generates in the order it admits them (StreamRL's length dispatch:
+    :func:`harness.planning.taskmodels.generation.dispatch_samples`), or round-robin when None."""
     batching: str = "continuous"
+    assignment: Optional[tuple] = None
     method: ClassVar[str] = "generate"
 
 

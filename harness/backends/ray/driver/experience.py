@@ -4,8 +4,10 @@ Owns what is the same for every system: prompt tokens (the workload file's, or d
 iteration, sample id)); the rollout as right-padded tensors; the KL-penalised rewards, GAE
 advantages (the matrix form, RLHFuse section 6) and returns, computed once over the whole batch in
 float32 from the data under the workflow's keys (:func:`sample_data`, :func:`training_data`);
-whitening over the whole batch; and the mini-batch partition, a permutation drawn from
-(seed, iteration). None of it depends on layouts, so every system trains on identical numbers.
+whitening over the whole batch; the mini-batch partition, a permutation drawn from (seed,
+iteration); and which generation instance generates which samples under a length dispatch
+(:func:`instance_assignment`, the simulator's rule). None of it depends on layouts, so every
+system trains on identical numbers.
 It also measures the reward of the untrained policy on a run's batches in-process
 (:func:`policy_reward`), the bar a learning run must clear (docs/LEARNING.md).
 
@@ -29,8 +31,10 @@ from harness.backends.ray.protocol import TaskReward
 from harness.backends.ray.replies import Inferred
 from harness.backends.ray.rewards import task_scores
 from harness.core.algorithm import PPO, AlgorithmConfig, sample_workload
+from harness.core.plan import GenerationPolicy, Task
 from harness.core.workload import Batch, make_batch
 from harness.errors import ConfigError
+from harness.planning.taskmodels.generation import dispatch_samples
 from harness.real.advantages import (batch_norm_advantages, group_norm_advantages, leave_one_out_advantages,
                                      sequence_kl)
 from harness.real.engine import SamplingParams, TorchGenerator
@@ -233,3 +237,13 @@ def policy_reward(actor_cfg, workload, seed: int, iteration: int, spec: Mapping[
         toks = torch.tensor(f.tokens)
         scores.append(float(task_scores(toks[None], torch.tensor([0]), torch.tensor([len(toks) - 1]), reward)[0]))
     return float(np.mean(scores))
+
+
+def instance_assignment(policy: GenerationPolicy, task: Task, output_lens: np.ndarray) -> tuple | None:
+    """The sample ids each generation instance of ``task`` generates, in admission order, under the
+    plan's length dispatch (the simulator's :func:`dispatch_samples`, the same for any backend); None
+    without one (round-robin, which the workers deal themselves)."""
+    if policy.dispatch is None:
+        return None
+    return tuple(tuple(int(i) for i in ids)
+                 for ids in dispatch_samples(policy, task.allocation.strategy.dp, np.asarray(output_lens)))

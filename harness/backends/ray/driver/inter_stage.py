@@ -69,7 +69,8 @@ class StreamedGeneration:
         s = self.alloc.strategy
         self.instances = [list(self.alloc.replica_devices(k)) for k in range(s.dp)]
         n = it.batch.num_samples
-        self.ids = {k: list(range(k, n, s.dp)) for k in range(s.dp)}
+        assigned = ex.instance_assignment(it.plan.generation, self.gen, it.batch.output_lens)
+        self.ids = {k: list(assigned[k]) if assigned is not None else list(range(k, n, s.dp)) for k in range(s.dp)}
         self.left = {k: len(v) for k, v in self.ids.items()}
         self.responses: dict[int, tuple[list[int], list[float]]] = {}
         # devices generation does not use are free from the start (a replica there takes samples at once)

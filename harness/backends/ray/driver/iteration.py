@@ -58,6 +58,19 @@ from harness.real.digest import weights_digest
 from harness.real.parallel.layout import assemble
 
 
+def check_assignment(task: Task, assignment: tuple, results: list[Result]) -> None:
+    """Each generation instance returned exactly the samples the length dispatch gave it."""
+    alloc = task.allocation
+    instance_of = {d: k for k in range(alloc.strategy.dp) for d in alloc.replica_devices(k)}
+    for r in results:
+        if r.out is not None:
+            k = instance_of[r.rank]
+            got = sorted(int(s.sample_id) for s in r.out.samples)
+            if got != sorted(int(i) for i in assignment[k]):
+                raise RuntimeError(f"{task.name}: generation instance {k} (device {r.rank}) generated samples "
+                                   f"{got[:8]}, the length dispatch gave it {sorted(assignment[k])[:8]}")
+
+
 class Iteration:
     """One PPO iteration of ``plan`` on ``batch`` with ``backend``'s workers
     (:class:`~.backend.RayBackend`: its options, worker group, model homes and context): the data
@@ -194,6 +207,8 @@ class Iteration:
                                          ex.stable_seed("sampling", self.ctx.seed, self.iteration))
         done = yield [self.group.start(request)]
         self.record(task.name, done.results)
+        if request.assignment is not None:
+            check_assignment(task, request.assignment, done.results)
         responses = {}
         for generated in outputs(done.results):
             for sample in generated.samples:
@@ -221,6 +236,7 @@ class Iteration:
         policy = self.plan.generation
         return Generate(task.name, "actor", task.allocation, prompts=prompts, target_lens=batch.output_lens.tolist(),
                         batching=policy.batching, max_batch_size=policy.max_batch_size,
+                        assignment=ex.instance_assignment(policy, task, batch.output_lens),
                         temperature=self.opts.temperature, sampling_seed=sampling_seed,
                         kv_capacity=int(batch.prompt_lens.max() + self.ctx.workload.max_gen_len))
 

@@ -71,10 +71,11 @@ def make_engine(replica: Replica, *, max_batch_size: int, sampling: SamplingPara
 
 
 def generate(replica: Replica, p: Generate) -> tuple[list[SpanT], Generated | None]:
-    """Length-controlled generation of this replica's samples (continuous batching, or static
-    rounds of ``max_batch_size`` that each wait for their longest sample)."""
+    """Length-controlled generation of this replica's samples (``p.assignment``'s, else dealt
+    round-robin), admitted in that order (continuous batching, or static rounds of
+    ``max_batch_size`` that each wait for their longest sample)."""
     k, dp = replica.coord[0], replica.strategy.dp
-    ids = [i for i in range(len(p.prompts)) if i % dp == k]
+    ids = [int(i) for i in p.assignment[k]] if p.assignment is not None else list(range(k, len(p.prompts), dp))
     max_batch = max(1, min(p.max_batch_size or len(ids), len(ids)))
     sampling = SamplingParams(temperature=p.temperature, seed=p.sampling_seed)
     rounds = [ids[i:i + max_batch] for i in range(0, len(ids), max_batch)] if p.batching == "static" else [ids]

@@ -24,6 +24,9 @@ generation on device 1), GRPO, 2 prompts x 4 responses. Oracles:
   same-weights runs);
 - StreamRL-Sync's samples, streamed into the log-prob and reference passes on the training device
   as they finish, train the weights of the same synchronous plan without a stream (within 1e-6);
+- StreamRL's length dispatch runs: each of its 3 generation instances generates exactly the samples
+  the simulator's dispatch gives it (checked by the driver on every batch), 2 of them long-tail
+  instances, and the staleness measured is the simulator's;
 - AReaL with two generation engines (3 devices) measures the simulator's numbers too;
 - NeMo-RL's asynchronous GRPO (``+system=nemo_rl_async``: continuous rollout, weights loaded in
   flight) measures the simulator's staleness too, and re-prefills nothing;
@@ -75,6 +78,10 @@ RUNS["nemo_rl_async"] = ["+system=nemo_rl_async", *TWO, "backend.num_iterations=
 # training device while generation runs on its own (one engine: no length dispatch to refuse)
 RUNS["streamrl_sync"] = ["+system=streamrl", "system.asynchronous=false", "engine.training=fsdp", *TWO,
                          "backend.num_iterations=3", "backend=ray", *BOOKKEEPING]
+# StreamRL (one step off-policy): its length ranker's flagged samples on 2 long-tail instances of 3
+# (one device each, a fourth for training)
+RUNS["streamrl_dispatch"] = ["+system=streamrl", "cluster.gpus_per_node=4", *COMMON, "backend.num_iterations=4",
+                             "backend=ray", *BOOKKEEPING]
 RUNS["verl_colocated"] = ["+system=verl", "cluster.gpus_per_node=1", *COMMON, "backend.num_iterations=3",
                           "backend=ray", *BOOKKEEPING]
 LEARN_ITERATIONS = 20
@@ -168,6 +175,20 @@ def test_two_generation_engines_measure_the_simulators_staleness(runs):
     plan = json.loads((runs["areal_two_engines"] / "plan.json").read_text())
     gen = next(t for t in plan["tasks"] if t["name"] == "gen")
     assert gen["allocation"]["strategy"]["dp"] == 2 and sum(m["gen/interrupted_samples"] for m in real) > 0
+
+
+def test_streamrl_length_dispatch_runs_and_measures_the_simulators_staleness(runs):
+    from harness.testing import simulate_iterations
+
+    plan = json.loads((runs["streamrl_dispatch"] / "plan.json").read_text())
+    gen = next(t for t in plan["tasks"] if t["name"] == "gen")
+    assert gen["allocation"]["strategy"]["dp"] == 3 and plan["generation"]["dispatch"]["num_long_instances"] == 2
+    real = _metrics(runs["streamrl_dispatch"])
+    sim_args = [a for a in COMMON if not a.startswith("backend.options")]
+    _, simulated = simulate_iterations(["+system=streamrl", "cluster.gpus_per_node=4", *sim_args, "backend=sim"], 4)
+    for key in COMPARED:
+        assert [m.get(key, 0.0) for m in real] == [m.get(key, 0.0) for _, m in simulated], key
+    assert max(m["staleness/max"] for m in real) == 1
 
 
 def test_nemo_rl_in_flight_updates_measure_the_simulators_staleness(runs):
