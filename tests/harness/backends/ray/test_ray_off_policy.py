@@ -22,8 +22,9 @@ generation on device 1), GRPO, 2 prompts x 4 responses. Oracles:
   weights leave FSDP's ZeRO-3 layout for another device) ends with verl's weights on one device,
   colocated (relative L2 distance below 1e-6, the tolerance of test_ray_critic_free.py's
   same-weights runs);
-- StreamRL-Sync's samples, streamed into the log-prob and reference passes on the training device
-  as they finish, train the weights of the same synchronous plan without a stream (within 1e-6);
+- StreamRL-Sync's samples, generated on 3 engines under its length dispatch and streamed into the
+  log-prob and reference passes on the training device as they finish, train the weights of the
+  same synchronous plan without a stream or a dispatch (within 1e-6);
 - StreamRL's length dispatch runs: each of its 3 generation instances generates exactly the samples
   the simulator's dispatch gives it (checked by the driver on every batch), 2 of them long-tail
   instances, and the staleness measured is the simulator's;
@@ -75,8 +76,9 @@ RUNS["areal_two_engines"] = ["+system=areal", *THREE, "system.eta=1", "system.ro
 # NeMo-RL's asynchronous GRPO: continuous rollout, weights loaded in flight (no interruption)
 RUNS["nemo_rl_async"] = ["+system=nemo_rl_async", *TWO, "backend.num_iterations=4", "backend=ray", *BOOKKEEPING]
 # StreamRL-Sync: synchronous, finished samples streamed into log-prob and reference passes on the
-# training device while generation runs on its own (one engine: no length dispatch to refuse)
-RUNS["streamrl_sync"] = ["+system=streamrl", "system.asynchronous=false", "engine.training=fsdp", *TWO,
+# training device while generation runs on 3 engines of its own under the length dispatch
+RUNS["streamrl_sync"] = ["+system=streamrl", "system.asynchronous=false", "engine.training=fsdp",
+                         "cluster.gpus_per_node=4", "system.generation_gpus=3", "system.rollout_tp=1", *COMMON,
                          "backend.num_iterations=3", "backend=ray", *BOOKKEEPING]
 # StreamRL (one step off-policy): its length ranker's flagged samples on 2 long-tail instances of 3
 # (one device each, a fourth for training)
@@ -222,13 +224,15 @@ def test_weights_pushed_to_generation_devices_are_the_trainers(runs):
 
 
 def test_inference_streamed_beside_generation_gives_the_synchronous_weights(runs):
-    """Streamed into inference on devices generation does not use, the samples train the weights
-    the same plan without a stream trains (one_step_off with bound 0), to the same-weights tolerance."""
+    """Generated under the length dispatch and streamed into inference on devices generation does not
+    use, the samples train the weights the same plan without a stream or a dispatch trains
+    (one_step_off with bound 0), to the same-weights tolerance."""
     streamed = flat_weights(runs["streamrl_sync_weights"] / "actor.pt")
     batched = flat_weights(runs["one_step_off_bound0_weights"] / "actor.pt")
     assert float(torch.linalg.norm(streamed - batched) / torch.linalg.norm(batched)) < 1e-6
     plan = json.loads((runs["streamrl_sync"] / "plan.json").read_text())
     assert {t["name"] for t in plan["tasks"] if t.get("stream_from") == "gen"} == {"logprobs", "ref"}
+    assert plan["generation"]["dispatch"]["num_long_instances"] >= 1
 
 
 def test_generation_of_the_next_batch_overlaps_this_batchs_inference(runs):
