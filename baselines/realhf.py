@@ -109,7 +109,8 @@ class RealHF(System):
             train = PPO_TASKS[call][0] == "train"
             tp = largest_tp(per_node, [ctx.model(PPO_TASKS[call][1])])  # a node's GPUs where the heads allow
             dp = (per_node // tp) * (nodes // pp)
-            choice[call] = Allocation.in_engine_order(mesh, ParallelStrategy(dp, tp, pp, self.cfg.zero_stage if train else 0))
+            strategy = ParallelStrategy(dp, tp, pp, self.cfg.zero_stage if train else 0)
+            choice[call] = Allocation.in_engine_order(mesh, strategy)
         return choice
 
     # ---- evaluation -------------------------------------------------------------------------

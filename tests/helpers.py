@@ -124,15 +124,15 @@ def local_ray(num_cpus: int = 8) -> Iterator[Path]:
         ray.shutdown()
 
 
-def run_all_on_ray(runs: Mapping[str, Sequence[str]], root: Path) -> dict[str, Path]:
-    """Each of ``runs`` (name -> ``python -m harness`` arguments) in ``root / name`` on one local Ray
-    instance (:func:`local_ray`), asserting each succeeded: the run folders, by name."""
+def run_all_in_process(runs: Mapping[str, Sequence[str]], root: Path) -> dict[str, Path]:
+    """Each of ``runs`` (name -> ``python -m harness`` arguments) in ``root / name``
+    (:func:`run_in_process`; inside :func:`local_ray` for ``backend=ray`` runs), asserting each
+    succeeded: the run folders, by name."""
     out = {}
-    with local_ray():
-        for name, args in runs.items():
-            proc = run_in_process(args, root / name)
-            assert proc.returncode == 0, (name, proc.stderr[-3000:])
-            out[name] = run_folder(root / name)
+    for name, args in runs.items():
+        proc = run_in_process(args, root / name)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        out[name] = run_folder(root / name)
     return out
 
 

@@ -212,7 +212,7 @@ def report(gpu: str = "h100", root: Path | str = ms.PROFILE_DIR) -> tuple[pd.Dat
 
 def format_table(df: pd.DataFrame) -> str:
     """The rows as a fixed-width table; with rows of several devices, each row names its device."""
-    several = df["gpu"].nunique() > 1 if len(df) else False
+    several = df["gpu"].nunique() > 1
     dev = max((len(str(g)) for g in df["gpu"]), default=0) if several else 0
     lines = [(f"{'device':<{dev}} " if several else "") + f"{'section':<29} {'op class':<14} {'group':<30} {'n':>6} "
              f"{'median':>7} {'p90':>7} {'max':>7} {'ratio':>6}"]

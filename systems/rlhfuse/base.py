@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from harness.core.config import SystemConfig
-from harness.core.plan import Allocation, GenerationPolicy, Plan
+from harness.core.plan import GenerationPolicy, Plan
 from harness.planning.assembler import assemble_ppo_plan
 from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checked, search_notes
 from harness.system import PlanContext, System, register_system_config
@@ -81,7 +81,7 @@ class RLHFuseBase(System):
         layouts.search_inference()
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
-        allocs = {name: Allocation.in_engine_order(layouts.mesh, r.strategy) for name, r in layouts.chosen.items()}
+        allocs = {name: layouts.allocation(r.strategy) for name, r in layouts.chosen.items()}
         plan = assemble_ppo_plan(ctx, self.cfg.name, allocs, policy, training=layouts.training_stages(),
                                  offloaded=sorted(layouts.offloaded),
                                  notes={**search_notes(layouts.chosen), **layouts.memory_notes()},

@@ -135,7 +135,7 @@ class RLHFuse(System):
         policy = GenerationPolicy(batching="continuous", max_batch_size=self.cfg.max_gen_batch_size)
         layouts.search_generation(policy)
         notes: dict = {f"search/{k}": str(r.strategy) for k, r in layouts.chosen.items()}
-        allocs = {name: Allocation.in_engine_order(full_mesh(ctx.num_devices), r.strategy) for name, r in layouts.chosen.items()}
+        allocs = {name: layouts.allocation(r.strategy) for name, r in layouts.chosen.items()}
         training = self._training(ctx, layouts, allocs, notes)
         if inter_stage and not layouts.inference:
             notes["inter/off"] = (f"algo={ctx.algorithm.name} runs no inference task (no reference model, reward "
@@ -174,16 +174,15 @@ class RLHFuse(System):
                                                                                  "shared"))
             layouts.ledger.commit("shared", layouts.shared_inference_need(smallest))
             layouts.search_generation(policy)
-            allocs["gen"] = Allocation.in_engine_order(full_mesh(ctx.num_devices), layouts.chosen["gen"].strategy)
+            allocs["gen"] = layouts.allocation(layouts.chosen["gen"].strategy)
             notes["search/gen"] = str(layouts.chosen["gen"].strategy)
             candidates, shortfalls = fitting()
         if not candidates:
             raise NoLayoutFits(f"rlhfuse: no shared inference layout fits in memory{smallest_requirement(shortfalls)}")
         gen = Task("gen", "generate", "actor", allocs["gen"])
-        mesh = full_mesh(ctx.num_devices)
 
         def make_inference(strategy: ParallelStrategy):
-            alloc = Allocation.in_engine_order(mesh, strategy)
+            alloc = layouts.allocation(strategy)
             tasks = [Task(n, "inference", m, alloc) for n, m in roles]
             moves = {}  # as the assembler decides it: the critic fetched per inference replica
             if "update_critic" in allocs and needs_movement(allocs["update_critic"], alloc):
@@ -195,7 +194,7 @@ class RLHFuse(System):
         choice, layout = choose_inter_stage(ctx, gen, candidates, make_inference, policy, kv_gb,
                                             self.cfg.migration_transfer, pinned_frac=self.cfg.migration_frac)
         for name, _ in roles:
-            allocs[name] = Allocation.in_engine_order(mesh, layout)
+            allocs[name] = layouts.allocation(layout)
         layouts.ledger.commit("shared", layouts.shared_inference_need(layout))
         mig = choice.policy
         notes.update({"inference/shared_layout": str(layout), "migration/threshold_frac": mig.threshold_frac,

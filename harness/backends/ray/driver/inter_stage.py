@@ -51,6 +51,7 @@ from harness.core.plan import Task
 from harness.core.units import Unit
 from harness.planning.scheduler import StreamFeed
 from harness.planning.taskmodels import migration as mg
+from harness.planning.taskmodels.generation import dispatch_samples
 
 
 class StreamedGeneration:
@@ -68,9 +69,9 @@ class StreamedGeneration:
             raise RuntimeError(f"streamed inference tasks {[t.name for t in self.consumers]} must share one allocation")
         s = self.alloc.strategy
         self.instances = [list(self.alloc.replica_devices(k)) for k in range(s.dp)]
-        n = it.batch.num_samples
-        assigned = ex.instance_assignment(it.plan.generation, self.gen, it.batch.output_lens)
-        self.ids = {k: list(assigned[k]) if assigned is not None else list(range(k, n, s.dp)) for k in range(s.dp)}
+        # round-robin, or under a length dispatch the instances it names (the simulator's rule)
+        self.ids = {k: ids.tolist() for k, ids in enumerate(dispatch_samples(it.plan.generation, s.dp,
+                                                                            it.batch.output_lens))}
         self.left = {k: len(v) for k, v in self.ids.items()}
         self.responses: dict[int, tuple[list[int], list[float]]] = {}
         # devices generation does not use are free from the start (a replica there takes samples at once)

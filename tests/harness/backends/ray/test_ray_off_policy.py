@@ -47,7 +47,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers import flat_weights, local_ray, run_folder, run_in_process
+from tests.helpers import flat_weights, local_ray, run_all_in_process
 
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
@@ -102,13 +102,9 @@ COMPARED = ["staleness/mean", "staleness/max", "staleness/off_policy_token_frac"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("off_policy")
-    out = {}
     with local_ray():
-        for name, args in RUNS.items():
-            proc = run_in_process(args, root / name)
-            assert proc.returncode == 0, (name, proc.stderr[-3000:])
-            out[name] = run_folder(root / name)
-            out[f"{name}_weights"] = root / name / "w"  # backend.options.dump_weights_dir, in the run's cwd
+        out: dict = run_all_in_process(RUNS, root)
+        out.update({f"{name}_weights": root / name / "w" for name in RUNS})  # dump_weights_dir, in the run's cwd
         out["twins"] = _twins()
     return out
 

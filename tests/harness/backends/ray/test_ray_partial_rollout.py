@@ -33,7 +33,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers import run_all_on_ray
+from tests.helpers import local_ray, run_all_in_process
 
 pytest.importorskip("ray")
 pytest.importorskip("torch")
@@ -65,7 +65,8 @@ COMPARED = ["staleness/mean", "staleness/max", "staleness/off_policy_token_frac"
 def runs(tmp_path_factory):
     args = {name: [*config, *VERIFIER, "backend=ray", f"backend.num_iterations={n}", "logger=none",
                    "logger.progress_bar=false"] for name, (config, n) in CONFIGS.items()}
-    folders = run_all_on_ray(args, tmp_path_factory.mktemp("partial"))
+    with local_ray():
+        folders = run_all_in_process(args, tmp_path_factory.mktemp("partial"))
     return {name: [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
             for name, folder in folders.items()}
 
