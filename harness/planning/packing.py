@@ -25,8 +25,14 @@ This module owns the rule; ``workload.micro_batch_tokens`` turns it on:
 
 Not packed: inference streamed from generation (RLHFuse's inter-stage fusion) takes finished samples
 ``micro_batch_size`` at a time as they arrive, and RLHFuse's fused actor-critic schedule is searched
-over micro-batches of samples (it refuses a budget). ``backend=ray`` does not execute packed plans
-(:class:`~harness.core.plan.Feature`).
+over micro-batches of samples (it refuses a budget).
+
+``backend=ray`` executes packed plans with the same packer: a forward-only pass packs each
+replica's rows (dealt round-robin) with :func:`pack_bins`, the bins :func:`num_bins` counts; a
+training replica splits its share of each mini-batch into its pipe's planned micro-batch count
+with :func:`balanced_bins`, micro-batches of nearly equal tokens (a later iteration's longer
+samples can fill one past the budget, as the simulator's equal split does), each one packed row
+(:mod:`harness.real.packing`).
 
 The packer is plain first-fit decreasing; NeMo-RL's default, modified first-fit decreasing (Johnson
 and Garey 1985), packs the small items differently and needs about as many bins on these workloads
@@ -52,18 +58,36 @@ def padded_lengths(lengths: Iterable[float]) -> np.ndarray:
     return -(-arr // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
 
 
-@lru_cache(maxsize=512)
-def _ffd_bins(sorted_desc: tuple[int, ...], budget: int) -> int:
-    free = np.empty(len(sorted_desc), dtype=np.int64)
+def _first_fit_decreasing(sorted_desc: Iterable[int], budget: int, bin_of: Optional[np.ndarray] = None) -> int:
+    """First-fit decreasing over lengths already sorted longest first: the bin count, and with
+    ``bin_of`` each item's bin, written in place (the one packer the planner counts with and the
+    Ray backend packs with)."""
+    lengths = list(sorted_desc)
+    free = np.empty(len(lengths), dtype=np.int64)
     num_bins = 0
-    for length in sorted_desc:
+    for i, length in enumerate(lengths):
         fits = np.flatnonzero(free[:num_bins] >= length)
         if fits.size:
-            free[fits[0]] -= length
+            b = int(fits[0])
+            free[b] -= length
         else:
-            free[num_bins] = budget - length
+            b = num_bins
+            free[b] = budget - length
             num_bins += 1
+        if bin_of is not None:
+            bin_of[i] = b
     return num_bins
+
+
+@lru_cache(maxsize=512)
+def _ffd_bins(sorted_desc: tuple[int, ...], budget: int) -> int:
+    return _first_fit_decreasing(sorted_desc, budget)
+
+
+def _check_fits(padded: np.ndarray, budget: int) -> None:
+    if padded.size and int(padded.max()) > budget:
+        raise PlanError(f"a sample of {int(padded.max())} tokens (padded to a multiple of {LENGTH_MULTIPLE}) "
+                        f"exceeds workload.micro_batch_tokens={budget}: it fits no packed micro-batch")
 
 
 def num_bins(lengths: Iterable[float], budget: int) -> int:
@@ -72,10 +96,46 @@ def num_bins(lengths: Iterable[float], budget: int) -> int:
     padded = padded_lengths(lengths)
     if padded.size == 0:
         return 0
-    if int(padded.max()) > budget:
-        raise PlanError(f"a sample of {int(padded.max())} tokens (padded to a multiple of {LENGTH_MULTIPLE}) "
-                        f"exceeds workload.micro_batch_tokens={budget}: it fits no packed micro-batch")
+    _check_fits(padded, budget)
     return _ffd_bins(tuple(int(x) for x in np.sort(padded)[::-1]), int(budget))
+
+
+def pack_bins(lengths: Iterable[float], budget: int) -> list[list[int]]:
+    """The bins :func:`num_bins` counts, as lists of indices into ``lengths`` (each bin's in
+    increasing order; bins in the order the packer opened them). Equal lengths are taken lower
+    index first, so the packing is a function of the lengths alone."""
+    padded = padded_lengths(lengths)
+    if padded.size == 0:
+        return []
+    _check_fits(padded, budget)
+    order = np.argsort(-padded, kind="stable")
+    bin_of = np.empty(len(order), dtype=np.int64)
+    count = _first_fit_decreasing((int(x) for x in padded[order]), int(budget), bin_of)
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for i, b in zip(order, bin_of):
+        bins[int(b)].append(int(i))
+    return [sorted(b) for b in bins]
+
+
+def balanced_bins(lengths: Iterable[float], num_parts: int) -> list[list[int]]:
+    """``lengths`` split into exactly ``num_parts`` groups of nearly equal tokens (longest first,
+    each to the group with the fewest tokens so far, ties to the lowest group: Graham's LPT rule,
+    its largest group within 4/3 of the best), as lists of indices in increasing order: how a
+    replica's share of a mini-batch fills the micro-batch count its pipeline schedule was planned
+    with (:func:`per_replica`), the simulator's "micro-batches of equal tokens". With at least as
+    many lengths as groups no group is empty. Deterministic in the lengths."""
+    arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.int64)
+    if num_parts < 1:
+        raise ValueError(f"num_parts={num_parts} must be at least 1")
+    if len(arr) < num_parts:
+        raise PlanError(f"{len(arr)} samples cannot fill {num_parts} packed micro-batches")
+    loads = np.zeros(num_parts, dtype=np.int64)
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    for i in np.argsort(-arr, kind="stable"):
+        b = int(np.argmin(loads))
+        loads[b] += arr[i]
+        parts[b].append(int(i))
+    return [sorted(p) for p in parts]
 
 
 def per_replica(bins: int, dp: int) -> int:

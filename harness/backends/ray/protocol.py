@@ -93,6 +93,9 @@ class Infer(Request):
     temperature: float = 1.0
     rows: Optional[list] = None
     task_reward: Optional[TaskReward] = None  # a programmatic reward replaces the reward model's score
+    # sequence packing: each replica's rows packed first-fit decreasing into micro-batches of at
+    # most this many tokens (harness.planning.packing.pack_bins); None: micro_batch_size rows each
+    micro_batch_tokens: Optional[int] = None
     prompt_lens: Optional[list] = None
     method: ClassVar[str] = "infer"
 
@@ -119,9 +122,17 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class TrainPart:
-    """One model's share of a training stage: its loss inputs and micro-batch size."""
+    """One model's share of a training stage: its loss inputs and micro-batch size; under sequence
+    packing (``micro_batch_tokens``, the stage's budget) each replica's share of a mini-batch runs
+    as ``num_micro_batches`` packed micro-batches, its pipe's count in the schedule."""
     inputs: LossInputs
     micro_batch_size: int
+    micro_batch_tokens: Optional[int] = None
+    num_micro_batches: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens is not None and not self.num_micro_batches:
+            raise ValueError("a packed training part needs its schedule's micro-batch count")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,35 @@ def test_a_sample_longer_than_the_budget_fits_no_bin():
         packing.num_bins([100, 257], 256)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_the_bins_packed_are_the_bins_counted(seed):
+    """pack_bins (what backend=ray packs) holds every sample once, each bin within the budget
+    (padded lengths), in the count num_bins (what the simulator plans with) gives."""
+    lengths = np.random.default_rng(seed).integers(1, 700, size=40)
+    bins = packing.pack_bins(lengths, 1024)
+    assert len(bins) == packing.num_bins(lengths, 1024)
+    assert sorted(i for b in bins for i in b) == list(range(40))
+    assert all(packing.padded_lengths(lengths[b]).sum() <= 1024 for b in bins)
+    assert packing.pack_bins(lengths, 1024) == bins  # a function of the lengths
+    # by hand: decreasing, 192 + 64 | 128 + 128 | 64 + 64, equal lengths lower index first
+    assert packing.pack_bins([64, 128, 64, 192, 128, 64], 256) == [[0, 3], [1, 4], [2, 5]]
+    with pytest.raises(PlanError, match="exceeds"):
+        packing.pack_bins([100, 300], 256)
+
+
+def test_balanced_bins_fill_the_planned_count_evenly():
+    assert packing.balanced_bins([5, 1, 3, 3, 2], 2) == [[0, 4], [1, 2, 3]]  # 5 + 2 | 3 + 3 + 1
+    lengths = np.random.default_rng(0).integers(1, 500, size=37)
+    for parts in (1, 4, 37):
+        groups = packing.balanced_bins(lengths, parts)
+        assert len(groups) == parts and all(groups) and sorted(i for g in groups for i in g) == list(range(37))
+        loads = [int(lengths[g].sum()) for g in groups]
+        # Graham's bound for LPT: the fullest within the mean plus the longest sample
+        assert max(loads) <= lengths.sum() / parts + lengths.max()
+    with pytest.raises(PlanError, match="cannot fill 5"):
+        packing.balanced_bins([1, 2, 3], 5)
+
+
 @pytest.mark.parametrize("bins, dp, per_replica", [(1, 4, 1), (8, 4, 2), (9, 4, 3), (157, 8, 20)])
 def test_bins_are_raised_to_a_multiple_of_dp_and_dealt_out(bins, dp, per_replica):
     assert packing.per_replica(bins, dp) == per_replica

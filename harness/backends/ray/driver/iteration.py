@@ -295,13 +295,16 @@ class Iteration:
         self.trace.counters[mk.MIXED_GROUP_FRAC] = mixed / (generated // g)
 
     def infer_request(self, task: Task, rollout: ex.Rollout, rows: list[int] | None = None) -> Infer:
-        """The forward passes of ``task`` over ``rollout`` (``rows``: those of one replica)."""
+        """The forward passes of ``task`` over ``rollout`` (``rows``: those of one replica, streamed
+        from generation, which are not packed, as the simulator times them; a whole pass is packed
+        under ``workload.micro_batch_tokens``)."""
         role = task.model.value
         reward = task_reward(role, self.opts.reward)
         return Infer(task.name, role, task.allocation, tokens=rollout.tokens, attn=rollout.attn,
                      last_index=rollout.last_index, what=ex.INFERENCE_OUTPUT[role],
                      micro_batch_size=self.ctx.workload.micro_batch_size, temperature=self.opts.temperature,
                      rows=rows, task_reward=reward,
+                     micro_batch_tokens=self.ctx.workload.micro_batch_tokens if rows is None else None,
                      prompt_lens=None if reward is None else np.asarray(rollout.prompt_lens).tolist())
 
     def _inference_unit(self, unit: Unit) -> UnitRun:

@@ -19,7 +19,7 @@ from harness.real.model import ModelArgs
 # Plan features the Ray driver executes so far; the others are refused before any worker starts.
 SUPPORTED_FEATURES: frozenset[Feature] = frozenset({Feature.FUSED_TRAINING, Feature.STREAMING, Feature.MIGRATION,
                                                   Feature.PER_REPLICA_MOVEMENT, Feature.OFFLOAD, Feature.OFF_POLICY,
-                                                  Feature.LENGTH_DISPATCH})
+                                                  Feature.LENGTH_DISPATCH, Feature.SEQUENCE_PACKING})
 
 
 def pin_hint(plan: Plan, task: str, layout: str, more: str = "") -> str:

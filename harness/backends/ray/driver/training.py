@@ -43,6 +43,15 @@ def training_data(it, task: Task) -> dict[str, np.ndarray]:
     return {k: data[k] for k in loss_inputs(task.model.value, it.ctx.algorithm)}
 
 
+def train_part(it, stage, task: Task) -> TrainPart:
+    """``task``'s part of its stage: its loss inputs, and how its replicas cut a mini-batch (the
+    stage's micro-batch size, or under sequence packing its budget and the micro-batch count of
+    the task's pipe in the schedule)."""
+    pipe = next(p for p in stage.schedule.pipes.values() if p.model == task.model.value)
+    return TrainPart(LossInputs(**training_data(it, task)), stage.micro_batch_size, stage.micro_batch_tokens,
+                     pipe.num_mbs if stage.micro_batch_tokens is not None else None)
+
+
 def minibatch_order(it) -> list:
     return ex.minibatch_indices(it.batch.num_samples, it.plan.mini_batch_size, it.ctx.seed, it.iteration)
 
@@ -64,8 +73,7 @@ def train_unit(it, unit: Unit) -> UnitRun:
             held.setdefault(d, set()).add((pipe, st))
     first, algorithm = unit.tasks[0], it.ctx.algorithm
     request = Train(unit.label, first.model.value, first.allocation,
-                    parts={t.model.value: TrainPart(LossInputs(**training_data(it, t)), stage.micro_batch_size)
-                           for t in unit.tasks},
+                    parts={t.model.value: train_part(it, stage, t) for t in unit.tasks},
                     allocations={t.model.value: t.allocation for t in unit.tasks},
                     pipe_role={name: pipe.model for name, pipe in stage.schedule.pipes.items()},
                     minibatches=minibatches, temperature=it.opts.temperature, clip_eps=it.opts.clip_eps,

@@ -22,6 +22,8 @@ from harness.backends.ray.replies import FinishedSample, Generated, Inferred, Sp
 from harness.backends.ray.rewards import task_scores
 from harness.backends.ray.settings import EngineOptions
 from harness.costmodel.llama import ModelDims, forward_flops
+from harness.planning.packing import pack_bins
+from harness.real import packing
 from harness.real.engine import SamplingParams, TorchGenerator
 from harness.real.model import split_layers
 from harness.real.parallel.comm import PipeChannel
@@ -108,46 +110,77 @@ def _head_output(out: Tensor, tokens: Tensor, what: str, temperature: float, las
     return out[torch.arange(out.shape[0]), last_index].float()  # score of the last token
 
 
+def _pass_micro_batches(p: Infer, tokens: Tensor, attn: Tensor, mine: np.ndarray, dp: int,
+                        lockstep: bool) -> list[list[int]]:
+    """This replica's micro-batches of a forward pass, as lists of rows: ``micro_batch_size`` rows
+    each, or under sequence packing its rows packed first-fit decreasing to ``micro_batch_tokens``
+    (:func:`harness.planning.packing.pack_bins`). ``lockstep`` (DeepSpeed's ZeRO-3 gathers inside
+    forward: every replica runs as many passes) pads with empty micro-batches to the most any
+    replica of a round-robin deal runs."""
+    mbs = p.micro_batch_size
+    if p.micro_batch_tokens is None:
+        groups = [[int(r) for r in mine[i:i + mbs]] for i in range(0, len(mine), mbs)]
+        most = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)
+    else:
+        lengths = packing.row_lengths(attn)
+        groups = [[int(mine[i]) for i in b] for b in pack_bins(lengths[mine].tolist(), p.micro_batch_tokens)]
+        most = max(len(pack_bins(lengths[k::dp].tolist(), p.micro_batch_tokens)) for k in range(dp))
+    return groups + [[] for _ in range(most - len(groups))] if lockstep else groups
+
+
 def infer(replica: Replica, p: Infer, dims: ModelDims, in_order: bool = True) -> tuple[list[SpanT], Inferred | None]:
     """Forward passes over this replica's rows, micro-batch by micro-batch through its pipeline
-    stages; ``in_order``: pipeline messages matched in posting order, as NCCL does."""
+    stages (packed micro-batches under sequence packing, their outputs put back per sample);
+    ``in_order``: pipeline messages matched in posting order, as NCCL does."""
     tokens, attn = torch.tensor(p.tokens), torch.tensor(p.attn)
     last_index = torch.tensor(p.last_index)
     prompt_lens = torch.tensor(p.prompt_lens) if p.task_reward else None
     k, dp = replica.coord[0], replica.strategy.dp
-    mbs = p.micro_batch_size
     # samples are dealt to dp replicas round-robin, unless the driver gives one replica its rows
     # (streamed inference: one replica takes a micro-batch of finished samples)
     mine = np.asarray(p.rows, dtype=np.int64) if p.rows is not None else np.arange(tokens.shape[0])[k::dp]
-    num_mbs = math.ceil(len(mine) / mbs)
-    if getattr(replica, "lockstep", False):  # DeepSpeed gathers inside forward: equal pass counts
-        num_mbs = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)
+    groups = _pass_micro_batches(p, tokens, attn, mine, dp, getattr(replica, "lockstep", False))
     chan, spans, outputs = PipeChannel(replica.device, in_order=in_order), [], []
     hidden = replica.args.hidden_size
     dev = replica.device
+    width = tokens.shape[1]
     with torch.no_grad(), replica.compute():
         replica.set_train(False)
-        for m in range(num_mbs):
-            rows = torch.as_tensor(mine[m * mbs:(m + 1) * mbs], dtype=torch.long)
+        for m, group in enumerate(groups):
+            rows = torch.as_tensor(group, dtype=torch.long)
             dummy = len(rows) == 0
             x_tok = tokens[rows] if not dummy else tokens[:1]
             x_attn = attn[rows] if not dummy else attn[:1]
-            x = x_tok.to(dev) if replica.is_first else chan.recv((len(x_tok), x_tok.shape[1], hidden),
-                                                                  replica.neighbour(-1), tag=m, dtype=replica.dtype)
+            if p.micro_batch_tokens is not None and not dummy:
+                mb = packing.pack({"tokens": x_tok, "attn": x_attn}, range(len(group)))
+                inputs, lengths = {"segment_ids": mb["segment_ids"].to(dev)}, mb["lengths"]
+                x_in = mb["tokens"]
+                flops = sum(_flops(dims, replica, float(n), float(n)) for n in lengths.tolist())
+            else:
+                inputs, lengths, x_in = {"attention_mask": x_attn.to(dev)}, None, x_tok
+                flops = _flops(dims, replica, float(x_attn.sum()), x_attn.shape[1])
+            x = x_in.to(dev) if replica.is_first else chan.recv((len(x_in), x_in.shape[1], hidden),
+                                                                 replica.neighbour(-1), tag=m, dtype=replica.dtype)
             chan.post()
             t0 = time.time()
-            out = replica(x, attention_mask=x_attn.to(dev))
+            out = replica(x, **inputs)
             t1 = time.time()
-            spans.append(("forward", t0, t1, _flops(dims, replica, float(x_attn.sum()), x_attn.shape[1]), 0.0))
+            spans.append(("forward", t0, t1, flops, 0.0))
             if not replica.is_last:
                 chan.send(out, replica.neighbour(1), tag=m)
             elif not dummy and p.task_reward:  # a programmatic reward replaces the model's score
                 outputs.append(task_scores(x_tok, prompt_lens[rows], last_index[rows], p.task_reward))
-            elif not dummy:
+            elif not dummy and lengths is None:
                 outputs.append(_head_output(out, x_tok.to(dev), p.what, p.temperature,
                                             last_index[rows].to(dev)).cpu())
+            elif not dummy and p.what == "score":  # the score of each sample's last token
+                outputs.append(out[0, packing.last_positions(lengths).to(dev)].float().cpu())
+            elif not dummy:
+                outputs.append(packing.unpack(_head_output(out, x_in.to(dev), p.what, p.temperature, None).cpu(),
+                                              lengths.tolist(), width))
         chan.flush()
     if not replica.reports:
         return spans, None
+    rows_out = np.asarray([r for g in groups for r in g], dtype=np.int64)
     out = torch.cat(outputs).numpy() if outputs else np.zeros((0,), dtype=np.float32)
-    return spans, Inferred(mine, out)
+    return spans, Inferred(rows_out, out)

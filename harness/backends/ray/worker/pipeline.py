@@ -8,7 +8,11 @@ activation/gradient, ``F`` runs the stage, ``SF`` sends its output on; ``B`` bac
 are asynchronous and receives block, so any schedule that ``harness.schedule.checks`` accepts
 runs without deadlock, and messages match in posting order per rank pair, as under NCCL (which
 ignores tags). A training mini-batch is cut into dp contiguous shares, each share into
-micro-batches of ``micro_batch_size``. :func:`train` returns the device's
+micro-batches of ``micro_batch_size`` samples, or, under sequence packing (``TrainPart.micro_batch_tokens``),
+into the schedule's micro-batch count of nearly equal tokens
+(:func:`harness.planning.packing.balanced_bins`), each one packed row (:mod:`harness.real.packing`;
+every stage of a replica packs alike, so the activations it exchanges have the shapes its
+neighbour expects). :func:`train` returns the device's
 :class:`~harness.backends.ray.replies.Trained`: per model, its spans, the start and end of its part
 of each mini-batch's schedule, and its loss statistics where it computes the loss.
 """
@@ -24,6 +28,8 @@ from harness.backends.ray.protocol import Train
 from harness.backends.ray.replies import ModelTrained, PpoStats, SpanT, Trained
 from harness.backends.ray.worker.passes import _flops, _head_output
 from harness.costmodel.llama import ModelDims
+from harness.planning.packing import balanced_bins
+from harness.real import packing
 from harness.real.parallel.comm import PipeChannel
 from harness.real.parallel.replica import Replica
 from harness.real.advantages import kl_loss_k3
@@ -48,11 +54,32 @@ def _loss(out: Tensor, mb: dict[str, Tensor], role: str, p: Train, num_tokens: f
     return loss, {"loss": s["critic/vf_loss"], "clipfrac": s["critic/vf_clipfrac"]}
 
 
-def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, mbs: int) -> list[dict[str, Tensor]]:
+def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, part) -> list[dict[str, Tensor]]:
+    """Replica ``k``'s micro-batches of the mini-batch ``index`` (its ``k``-th contiguous share):
+    ``part.micro_batch_size`` rows each, or under sequence packing ``part.num_micro_batches``
+    packed rows of nearly equal tokens."""
     share = len(index) // dp
     rows = index[k * share:(k + 1) * share]
-    return [{name: v[torch.as_tensor(rows[i:i + mbs], dtype=torch.long)] for name, v in data.items()}
-            for i in range(0, len(rows), mbs)]
+    if part.micro_batch_tokens is None:
+        mbs = part.micro_batch_size
+        return [{name: v[torch.as_tensor(rows[i:i + mbs], dtype=torch.long)] for name, v in data.items()}
+                for i in range(0, len(rows), mbs)]
+    lengths = packing.row_lengths(data["attn"][torch.as_tensor(rows, dtype=torch.long)]).tolist()
+    return [packing.pack(data, [int(rows[i]) for i in group])
+            for group in balanced_bins(lengths, part.num_micro_batches)]
+
+
+def model_inputs(mb: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The keyword arguments of a micro-batch's forward pass: its packing, else its padding mask."""
+    return {"segment_ids": mb["segment_ids"]} if "segment_ids" in mb else {"attention_mask": mb["attn"]}
+
+
+def micro_batch_flops(dims: ModelDims, replica: Replica, mb: dict[str, Tensor]) -> float:
+    """A forward pass's FLOPs on this device: a packed micro-batch's samples each at its own length
+    (attention stays inside a sample), else the padded batch's real tokens at its width."""
+    if "lengths" in mb:
+        return sum(_flops(dims, replica, float(n), float(n)) for n in mb["lengths"].tolist())
+    return _flops(dims, replica, float(mb["attn"].sum()), mb["attn"].shape[1])
 
 
 def _message_tag(tag_base: dict[str, int], act: Action) -> int:
@@ -139,7 +166,7 @@ class _ScheduleRun:
             rep = replicas[r]
             # at least 1: a mini-batch whose responses were all filtered out (algo.overlong_filter) has loss 0
             self.num_tokens[r] = max(float(data[r]["action_mask"][torch.tensor(index)].sum()), 1.0)
-            self.mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p.parts[r].micro_batch_size)
+            self.mbs[r] = _micro_batches(data[r], index, rep.coord[0], rep.strategy.dp, p.parts[r])
             self.saved[r] = {}
         self.chan = PipeChannel(replicas[self.roles[0]].device, in_order=in_order)
         self.received: dict[tuple[str, str, int], Tensor] = {}  # (pipe, RF/RB, mb) -> payload
@@ -183,7 +210,7 @@ class _ScheduleRun:
         x = mb["tokens"] if rep.is_first else self.received.pop((act.pipe, "RF", act.mb))
         if not rep.is_first:
             x.requires_grad_(True)
-        out = rep(x, attention_mask=mb["attn"])
+        out = rep(x, **model_inputs(mb))
         if rep.is_last:
             loss, stats = _loss(out, mb, r, self.p, self.num_tokens[r])
             for key, v in stats.items():
@@ -211,7 +238,7 @@ class _ScheduleRun:
     def _span(self, r: str, kind: str, factor: float, t0: float, mb: dict[str, Tensor]) -> None:
         t1 = time.time()
         self.first_start[r] = t0 if self.first_start[r] is None else self.first_start[r]
-        flops = factor * _flops(self.model_dims[r], self.replicas[r], float(mb["attn"].sum()), mb["attn"].shape[1])
+        flops = factor * micro_batch_flops(self.model_dims[r], self.replicas[r], mb)
         self.spans[r].append((kind, t0, t1, flops, 0.0))
 
     def end(self) -> float:

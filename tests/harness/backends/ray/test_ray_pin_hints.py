@@ -12,7 +12,7 @@ pytest.importorskip("ray")
 
 from harness.backends.ray.driver.homes import model_args  # noqa: E402
 from harness.backends.ray.driver.options import unsupported_features  # noqa: E402
-from harness.core.plan import Plan  # noqa: E402
+from harness.core.plan import Feature, Plan  # noqa: E402
 from harness.testing import plan_for  # noqa: E402
 
 TINY_4 = ["model=tiny", "workload=tiny", "cluster=h100_8x", "cluster.num_nodes=1", "cluster.gpus_per_node=4"]
@@ -55,8 +55,9 @@ def test_colocated_refusal_on_the_command_line(run_harness, tmp_path):
     assert "system.layouts" not in proc.stderr
 
 
-def test_a_packed_plan_is_refused_naming_sequence_packing():
+def test_a_packed_plan_is_not_refused():
+    """Sequence packing runs on Ray (test_ray_packing.py); its plan passes the feature check."""
     plan, ctx, _ = plan_for(["+system=nemo_rl", "algo=grpo", "model=tiny", "cluster.num_nodes=1",
                              "cluster.gpus_per_node=2", "workload=tiny", "workload.micro_batch_tokens=4096"])
-    assert any(p.startswith("micro-batches packed to a token budget (sequence packing): not executed")
-               for p in unsupported_features(plan, model_args(ctx.models)))
+    assert Feature.SEQUENCE_PACKING in plan.features()
+    assert unsupported_features(plan, model_args(ctx.models)) == []
