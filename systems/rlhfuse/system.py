@@ -235,10 +235,9 @@ class RLHFuse(System):
                     continue
             # per mini-batch: the fused pipeline, then both models' gradient sync and optimizer step
             cand.estimate_s = min(quick) + \
-                self._sync_s(ctx, cand.actor, "actor", full_mesh(ctx.num_devices)) + \
-                self._sync_s(ctx, cand.critic, "critic",
-                             self._reversed_mesh(ctx.num_devices, cand.critic.tp,
-                                                 math.lcm(cand.actor.pp, cand.critic.pp), cand.critic.pp))
+                sum(self._sync_s(ctx, strategy, role, mesh) for role, strategy, mesh in
+                    zip(("actor", "critic"), (cand.actor, cand.critic), self._fused_meshes(ctx.num_devices, cand.actor,
+                                                                                            cand.critic)))
             if best is None or cand.estimate_s < best.estimate_s:
                 best = cand
         if best is None:
@@ -258,13 +257,9 @@ class RLHFuse(System):
         # the fused stage's states and activation peak replace the base training layouts' in the ledger
         peak = simulate(result.schedule, best.costs, record_times=False).max_peak_memory
         layouts.ledger.commit("training", self._fused_need(ctx, best, peak))
-        n, tp = ctx.num_devices, best.actor.tp
-        num_ranks = math.lcm(best.actor.pp, best.critic.pp)
-        # the fused pair keeps the plain order and its reversal, which pairs actor stage p with critic stage
-        # pp - 1 - p on the same devices; an expert-parallel pipeline here spreads its ep groups over replicas
-        # (Allocation.in_engine_order is not applied to the fused stage)
-        allocs["update_actor"] = Allocation(full_mesh(n), best.actor)
-        allocs["update_critic"] = Allocation(self._reversed_mesh(n, tp, num_ranks, best.critic.pp), best.critic)
+        actor_mesh, critic_mesh = self._fused_meshes(ctx.num_devices, best.actor, best.critic)
+        allocs["update_actor"] = Allocation(actor_mesh, best.actor)
+        allocs["update_critic"] = Allocation(critic_mesh, best.critic)
         notes.update({"fused/actor": str(best.actor), "fused/critic": str(best.critic), "fused/candidates": tried,
                       "fused/makespan_s": round(result.makespan, 6), "fused/lower_bound_s": round(result.lower_bound, 6),
                       "fused/serial_makespan_s": round(result.serial_makespan, 6),
@@ -291,6 +286,30 @@ class RLHFuse(System):
 
         res = simulate(serial_schedule(cand.pipes), cand.costs, record_times=False)
         return res.bubble_frac
+
+    @classmethod
+    def _fused_meshes(cls, n: int, actor: ParallelStrategy, critic: ParallelStrategy
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The actor's and the critic's meshes in the fused stage: actor stage ``p`` and critic stage
+        ``pp - 1 - p`` on the same devices (the bidirectional pairing of RLHFuse section 5).
+
+        Two pipelines of one depth with expert parallelism (either model) take Megatron-core's
+        order (:meth:`Allocation.pipeline_outermost`, as :meth:`Allocation.in_engine_order` places
+        the other systems' MoE pipelines): the actor stage-major, its stage ``p``'s replicas on
+        ``dp * tp`` consecutive devices, so each ep group is ``ep * tp`` of them; the critic's stage
+        ``q`` on the actor's block ``pp - 1 - q``, replica by replica. Otherwise the plain order
+        (a replica's stages side by side) and its reversal (:meth:`_reversed_mesh`), which also
+        serves pipelines of different depths."""
+        tp, num_ranks = actor.tp, math.lcm(actor.pp, critic.pp)
+        pp, dp = actor.pp, actor.dp
+        if actor.pp == critic.pp > 1 and max(actor.ep, critic.ep) > 1:
+            block = dp * tp  # one stage's replicas, side by side
+
+            def mesh(stage_block):
+                return tuple(stage_block(p) * block + k * tp + t for k in range(dp) for p in range(pp) for t in range(tp))
+
+            return mesh(lambda p: p), mesh(lambda q: pp - 1 - q)
+        return full_mesh(n), cls._reversed_mesh(n, tp, num_ranks, critic.pp)
 
     @staticmethod
     def _reversed_mesh(n: int, tp: int, num_ranks: int, pp: int) -> tuple[int, ...]:
@@ -354,9 +373,9 @@ class RLHFuse(System):
                     pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
                     # a MoE model's ep groups' reach on the mesh the plan gives it (the critic's reversed);
                     # a dense model has none, and its meshes are not built here
-                    ep_spans = {"actor": Allocation(full_mesh(n), sa).ep_span if sa.ep > 1 else None,
-                                "critic": Allocation(self._reversed_mesh(n, tp, num_ranks, pp_c), sc).ep_span
-                                if sc.ep > 1 else None}
+                    meshes = self._fused_meshes(n, sa, sc) if max(sa.ep, sc.ep) > 1 else None
+                    ep_spans = {"actor": Allocation(meshes[0], sa).ep_span if sa.ep > 1 else None,
+                                "critic": Allocation(meshes[1], sc).ep_span if sc.ep > 1 else None}
                     costs = {}
                     for name, pipe in pipes.items():
                         model = actor if pipe.model == "actor" else critic

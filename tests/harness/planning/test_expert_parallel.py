@@ -156,6 +156,31 @@ def test_the_searched_systems_keep_a_pipelined_ep_group_within_a_node(system, pi
     assert {tuple(sorted({train.device(k, p, 0) // 8 for k in range(8)})) for p in range(2)} == {(0,), (1,)}
 
 
+def test_rlhfuses_fused_moe_pipelines_keep_each_ep_group_within_a_node():
+    """RLHFuse's fused actor+critic stage (PPO, both models Qwen3-30B-A3B, dp8pp2ep8 on two
+    nodes) in Megatron-core's order: each stage's ep group one node's 8 GPUs, actor stage p and
+    critic stage 1 - p of a replica on the same devices (the bidirectional pairing), so every
+    device holds one logical rank of the fused schedule."""
+    from harness.planning.taskmodels.passes import pipe_stage_devices
+
+    plan, _, _ = plan_for(["+system=rlhfuse", "algo=ppo", "model=qwen3_30b_a3b", "cluster=h100_8x",
+                           "cluster.num_nodes=2", "workload.global_batch_size=64", "workload.mini_batch_size=64",
+                           "workload.micro_batch_size=1", "system.fused_search.max_steps=50"])
+    (stage,) = plan.training
+    assert stage.fused
+    actor, critic = plan.task("update_actor").allocation, plan.task("update_critic").allocation
+    for alloc in (actor, critic):
+        s = alloc.strategy
+        assert (s.dp, s.pp, s.ep, alloc.ep_span) == (8, 2, 8, 8)
+        assert {tuple(sorted({alloc.device(k, p, 0) // 8 for k in range(8)})) for p in range(2)} == {(0,), (1,)}
+    assert all(actor.stage_devices(k, p) == critic.stage_devices(k, 1 - p) for k in range(8) for p in range(2))
+    rank_of: dict[int, int] = {}
+    for (pipe, st), devices in pipe_stage_devices(plan, stage).items():
+        rank = stage.schedule.pipes[pipe].stage_to_rank[st]
+        assert all(rank_of.setdefault(d, rank) == rank for d in devices)
+    assert sorted(rank_of) == list(range(16))
+
+
 def test_pipeline_outermost_refuses_a_wrong_device_count():
     with pytest.raises(PlanError, match="needs dp\\*tp\\*pp = 16 devices but 8"):
         Allocation.pipeline_outermost(tuple(range(8)), ParallelStrategy(8, 1, 2, ep=8))
