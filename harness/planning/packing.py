@@ -23,9 +23,10 @@ This module owns the rule; ``workload.micro_batch_tokens`` turns it on:
   log-prob budget is ``logprob_batch_size`` times the training one;
 - memory: the largest micro-batch holds the budget's tokens (:func:`samples_at_longest`).
 
-Not packed: inference streamed from generation (RLHFuse's inter-stage fusion) takes finished samples
-``micro_batch_size`` at a time as they arrive, and RLHFuse's fused actor-critic schedule is searched
-over micro-batches of samples (it refuses a budget).
+RLHFuse's fused actor-critic schedule is searched over each model's packed micro-batches (the
+planned bins dealt over its replicas, as :func:`per_replica`). Not packed: inference streamed from
+generation (RLHFuse's inter-stage fusion) takes finished samples ``micro_batch_size`` at a time as
+they arrive.
 
 ``backend=ray`` executes packed plans with the same packer: a forward-only pass packs each
 replica's rows (dealt round-robin) with :func:`pack_bins`, the bins :func:`num_bins` counts; a

@@ -45,7 +45,8 @@ from harness.planning.layout_search import ALL_LATER_STEPS, LayoutSearch, checke
 from harness.planning.memory import MemoryNeed, MemoryShortfall, NoLayoutFits
 from harness.planning.strategies import divisors, smallest_requirement, tp_splits_heads
 from harness.planning.taskmodels.passes import grad_sync_s, training_pipe_costs
-from harness.planning.workflow import PPO_TASKS, full_mesh
+from harness.planning import packing
+from harness.planning.workflow import PPO_TASKS, full_mesh, packed_stage_args
 from harness.schedule import ScheduleError, simulate
 from harness.system import PlanContext, System, register_system_config
 from systems.rlhfuse.base import LAYOUT_KEYS, RLHFuseBaseConfig, layout_search
@@ -106,11 +107,6 @@ class RLHFuse(System):
 
     def plan(self, ctx: PlanContext) -> Plan:
         self.check_config()
-        if ctx.workload.micro_batch_tokens is not None and self.cfg.intra_stage and ctx.algorithm.has_critic:
-            raise ConfigError(f"rlhfuse: the fused actor-critic schedule is searched over micro-batches of "
-                              f"workload.micro_batch_size samples; sequence packing (workload.micro_batch_tokens="
-                              f"{ctx.workload.micro_batch_tokens}) needs system.intra_stage=false or a critic-free "
-                              f"algorithm")
         try:
             return checked(self._plan(ctx, self.cfg.inter_stage), ctx)
         except NoLayoutFits as e:
@@ -273,7 +269,7 @@ class RLHFuse(System):
             notes.update({"fused/makespan_slack_frac": search.makespan_slack_frac,
                           "fused/phase1_makespan_s": round(result.phase1_makespan, 6)})
         return [TrainingStage(("update_actor", "update_critic"), result.schedule,
-                              w.global_batch_size // w.mini_batch_size, w.micro_batch_size)]
+                              w.global_batch_size // w.mini_batch_size, w.micro_batch_size, w.micro_batch_tokens)]
 
     @staticmethod
     def _sync_s(ctx, strategy: ParallelStrategy, role: str, mesh: tuple[int, ...]) -> float:
@@ -349,7 +345,22 @@ class RLHFuse(System):
         base_a, base_c = layouts.chosen["update_actor"].strategy, layouts.chosen["update_critic"].strategy
         actor, critic = ctx.model("actor"), ctx.model("critic")
         seq = float((layouts.batch.prompt_lens + layouts.batch.output_lens).mean())
-        tokens = w.micro_batch_size * seq
+        # micro-batches of micro_batch_size samples, or under sequence packing the planned bins of a
+        # mini-batch dealt over each model's replicas, each of nearly equal tokens (as single_pipe_stage
+        # plans a packed stage), their activations counted at the budget's worth of the longest samples
+        packed = packed_stage_args(ctx)
+        budget, bins = packed["micro_batch_tokens"], packed["packed_bins"]
+        at_longest = packing.samples_at_longest(w.micro_batch_size, budget, layouts.seq_max)
+
+        def micro_batches(dp: int) -> Optional[tuple[int, float]]:
+            """(micro-batches per replica, samples in each) for ``dp`` replicas; None if they do not divide."""
+            if budget is None:
+                return None if w.mini_batch_size % (dp * w.micro_batch_size) else \
+                    (w.mini_batch_size // (dp * w.micro_batch_size), float(w.micro_batch_size))
+            if w.mini_batch_size % dp:
+                return None
+            m = packing.per_replica(bins, dp)
+            return m, packing.samples_per_microbatch(w.mini_batch_size, dp, m)
         # a layout the user pinned (system.layouts.update_actor / update_critic) keeps its pp in the
         # fused stage; the others try half and twice the base search's pp
         pp_a_choices = [base_a.pp] if "update_actor" in layouts.pinned else _pp_choices(base_a.pp, actor.num_layers)
@@ -363,13 +374,13 @@ class RLHFuse(System):
                         continue
                     groups = n // (num_ranks * tp)
                     dp_a, dp_c = groups * num_ranks // pp_a, groups * num_ranks // pp_c
-                    if w.mini_batch_size % (dp_a * w.micro_batch_size) or w.mini_batch_size % (dp_c * w.micro_batch_size):
+                    split_a, split_c = micro_batches(dp_a), micro_batches(dp_c)
+                    if split_a is None or split_c is None:
                         continue
+                    (m_a, samples_a), (m_c, samples_c) = split_a, split_c
                     # a MoE model keeps the base layout's expert parallelism where it divides the new dp
                     sa = ParallelStrategy(dp_a, tp, pp_a, self.cfg.zero_stage, *_kept_ep(base_a, dp_a, tp))
                     sc = ParallelStrategy(dp_c, tp, pp_c, self.cfg.zero_stage, *_kept_ep(base_c, dp_c, tp))
-                    m_a = w.mini_batch_size // (dp_a * w.micro_batch_size)
-                    m_c = w.mini_batch_size // (dp_c * w.micro_batch_size)
                     pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
                     # a MoE model's ep groups' reach on the mesh the plan gives it (the critic's reversed);
                     # a dense model has none, and its meshes are not built here
@@ -380,11 +391,14 @@ class RLHFuse(System):
                     for name, pipe in pipes.items():
                         model = actor if pipe.model == "actor" else critic
                         strategy = sa if pipe.model == "actor" else sc
-                        p2p = cm.p2p_s(tokens * model.hidden_size * 2 / tp, 0, tp) if pipe.num_stages > 1 else 0.0
+                        samples = samples_a if pipe.model == "actor" else samples_c
+                        p2p = (cm.p2p_s(samples * seq * model.hidden_size * 2 / tp, 0, tp) if pipe.num_stages > 1
+                               else 0.0)
                         # activation memory at the longest sequence, as the memory check counts it
-                        costs[name] = training_pipe_costs(cm, model, pipe.num_stages, tp, w.micro_batch_size, seq,
+                        costs[name] = training_pipe_costs(cm, model, pipe.num_stages, tp, samples, seq,
                                                           layouts.seq_max, w.activation_recompute, p2p,
-                                                          strategy.ep, ep_spans[pipe.model], strategy.etp)
+                                                          strategy.ep, ep_spans[pipe.model], strategy.etp,
+                                                          activation_samples=at_longest)
                     cand = FusedCandidate(sa, sc, pipes, costs, math.inf)
                     act_need = max(c.activation[0] for c in costs.values())
                     if self._mem_cap(ctx, layouts, cand) < 2 * act_need:

@@ -106,16 +106,19 @@ def simulate_inference(cm: CostModel, task: Task, model, seq_lens: np.ndarray, m
     return PassResult(spans, end, [])
 
 
-def training_pipe_costs(cm: CostModel, model, num_stages: int, tp: int, micro_batch_size: int, seq: float,
+def training_pipe_costs(cm: CostModel, model, num_stages: int, tp: int, micro_batch_size: float, seq: float,
                         activation_seq: float, recompute: str, p2p_s: float = 0.0, ep: int = 1,
-                        ep_span: Optional[int] = None, etp: Optional[int] = None) -> PipeCosts:
+                        ep_span: Optional[int] = None, etp: Optional[int] = None,
+                        activation_samples: Optional[float] = None) -> PipeCosts:
     """The one builder of a training pipe's :class:`PipeCosts` from the cost model (the plan's
     stages here, RLHFuse's fused-layout candidates and its experiments): per stage of
     ``model.num_layers / num_stages`` layers, forward and backward seconds of one micro-batch of
     ``micro_batch_size`` sequences of ``seq`` tokens (the LM or value head on the last stage; a MoE
     model's experts split over ``ep`` ranks, each over ``etp``, with their all-to-alls over ``ep_span``
     devices: :attr:`~harness.core.plan.Allocation.ep_span`), activation GB per in-flight
-    micro-batch at ``activation_seq`` tokens a sequence, and ``p2p_s`` per pipeline hop. No ZeRO-3
+    micro-batch at ``activation_seq`` tokens a sequence (``activation_samples`` of them, by default
+    ``micro_batch_size``: a packed micro-batch's budget at the longest sequence,
+    :func:`harness.planning.packing.samples_at_longest`), and ``p2p_s`` per pipeline hop. No ZeRO-3
     gathers (:func:`_pipe_costs` adds them)."""
     tokens = micro_batch_size * seq
     layers = model.num_layers / num_stages
@@ -124,7 +127,8 @@ def training_pipe_costs(cm: CostModel, model, num_stages: int, tp: int, micro_ba
                              etp=etp) for st in range(num_stages))
     bwd = tuple(cm.backward_s(model, tokens, seq, tp, layers, include_head=st == last, ep=ep, ep_span=ep_span,
                               etp=etp) for st in range(num_stages))
-    act = cm.activation_gb(model, micro_batch_size, activation_seq, tp, layers, recompute)
+    act = cm.activation_gb(model, micro_batch_size if activation_samples is None else activation_samples,
+                           activation_seq, tp, layers, recompute)
     return PipeCosts(fwd, bwd, (act,) * num_stages, p2p_s)
 
 

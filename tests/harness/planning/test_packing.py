@@ -133,7 +133,47 @@ def test_memory_is_checked_at_a_full_bin():
     assert microbatch_samples(ctx.workload) == 1024 / 256  # four samples of the longest length
 
 
-def test_rlhfuse_fused_training_refuses_packing():
-    with pytest.raises(ConfigError, match="sequence packing"):
-        plan_for(["+system=rlhfuse", "model=tiny", "cluster.num_nodes=1", "cluster.gpus_per_node=4",
-                  "workload=tiny", "workload.micro_batch_tokens=4096"])
+# RLHFuse's fused actor+critic stage (PPO) on the same miniature workload
+FUSED = ["+system=rlhfuse", "algo=ppo", *[o for o in BASE[3:] if not o.startswith("system.")],
+         "system.fused_search.max_steps=200"]
+
+
+def test_rlhfuses_fused_stage_packs_the_planned_bins():
+    """The fused actor+critic schedule is searched over each model's packed micro-batches: per
+    replica, the planned bins dealt over its dp (as single_pipe_stage plans a packed stage); the
+    stage carries the budget, and trains the same tokens as unpacked in fewer micro-batches."""
+    plan, ctx, _ = plan_for([*FUSED, "workload.micro_batch_tokens=1024"])
+    (stage,) = plan.training
+    assert stage.fused and stage.micro_batch_tokens == 1024
+    batch = draw_batch(ctx.workload, ctx.seed, 0, ctx.algorithm)
+    bins = packing.planned_bins(batch.prompt_lens + batch.output_lens, ctx.workload.mini_batch_size, 1024)
+    for pipe in stage.schedule.pipes.values():
+        dp = plan.task(f"update_{pipe.model}").allocation.strategy.dp
+        assert pipe.num_mbs == packing.per_replica(bins, dp)
+    unpacked, _, _ = plan_for(FUSED)
+    (unpacked_stage,) = unpacked.training
+    assert unpacked_stage.fused and unpacked_stage.micro_batch_tokens is None
+    assert sum(p.num_mbs for p in stage.schedule.pipes.values()) < \
+        sum(p.num_mbs for p in unpacked_stage.schedule.pipes.values())
+
+    def train_flops(overrides):
+        _, rows = simulate_iterations(overrides)
+        return sum(s.flops * len(s.devices) for s in rows[0][0].spans
+                   if s.task.startswith("update_") and s.kind in ("forward", "backward"))
+
+    # the same layouts here, so the same tokens make the same FLOPs
+    assert all(plan.task(t).allocation == unpacked.task(t).allocation for t in ("update_actor", "update_critic"))
+    assert train_flops([*FUSED, "workload.micro_batch_tokens=1024"]) == pytest.approx(train_flops(FUSED), rel=1e-9)
+
+
+def test_one_sample_a_bin_is_rlhfuses_unpacked_fused_stage():
+    """Every sample 256 tokens and a budget of 256: each bin one sample, so the fused search sees
+    the unpacked candidates, costs and memory, and plans and times the same stage."""
+    fixed = [*FUSED, "workload.output_len.kind=constant", "workload.output_len.median=192",
+             "workload.output_len.min=192"]
+    plan, _, _ = plan_for(fixed)
+    packed_plan, _, _ = plan_for([*fixed, "workload.micro_batch_tokens=256"])
+    assert packed_plan.training[0].schedule == plan.training[0].schedule
+    _, rows = simulate_iterations(fixed)
+    _, packed_rows = simulate_iterations([*fixed, "workload.micro_batch_tokens=256"])
+    assert packed_rows[0][1]["timing_s/update_actor"] == rows[0][1]["timing_s/update_actor"]

@@ -7,14 +7,17 @@ Oracle: packing changes how the samples are cut into micro-batches, not what is 
 of a mini-batch is divided by its masked tokens, so its gradient is the same however the samples
 are cut; each packed sample attends within itself. A packed run therefore ends with the weights of
 the same run unpacked, to float rounding (relative L2 distance below 1e-6 and below 1% of the
-update, test_ray_critic_free.py's tolerance), in fewer micro-batches. Three layouts, 2 iterations
+update, test_ray_critic_free.py's tolerance), in fewer micro-batches. Four layouts, 2 iterations
 each, 2 devices:
 
 - NeMo-RL, GRPO, a two-stage training pipeline (``dp1tp1pp2``): packed micro-batches cross the
   pipeline, their activations the shapes the neighbouring stage packs alike;
 - DeepSpeed-Chat, PPO with a critic and a reward model, ZeRO-3 on dp 2: values and scores read
   from packed rows, and ZeRO-3's gathers keep the replicas' forward passes in lockstep;
-- ReaLHF's heuristic layout, PPO, tensor parallelism 2.
+- ReaLHF's heuristic layout, PPO, tensor parallelism 2;
+- RLHFuse's fused actor+critic stage (PPO, both models in two pipeline stages): the fused schedule
+  searched over each model's packed micro-batches, both models' packed micro-batches crossing the
+  same links in opposite directions.
 """
 from __future__ import annotations
 
@@ -39,6 +42,9 @@ LAYOUTS = {
                     "workload.mini_batch_size=1", "system.train_layout=dp1tp1pp2", *VERIFIER],
     "deepspeed_chat_zero3": ["+system=deepspeed_chat", "algo=ppo"],
     "realhf_tp2": ["+system=realhf_heuristic", "algo=ppo"],
+    "rlhfuse_fused_pp2": ["+system=rlhfuse", "algo=ppo", "system.inter_stage=false",
+                          "system.layouts.update_actor=dp1tp1pp2", "system.layouts.update_critic=dp1tp1pp2",
+                          "system.fused_search.max_steps=200"],
 }
 # samples of the tiny workload are at most 32 tokens, 64 as the packer pads them: 4 to a bin
 BUDGET = 256
