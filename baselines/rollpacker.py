@@ -17,8 +17,13 @@ turn; RollPacker builds on a veRL-style synchronous trainer) with tail batching
 groups trained (an assumed 1.5; the prompt-level speculation only, not the response-level one),
 long rounds regenerate the queued prompts' responses around their own length factor, so long
 rounds are long only where prompts set lengths (``workload.output_len.prompt_sigma``, 0 by
-default). Not modelled: per-round tensor parallelism, reward scheduling, streamed training.
-FSDP training and vLLM generation by default, as ``+system=verl``.
+default). Its parallelism planner (section 4.2) is ``system.parallelism_planner`` (on by default):
+short and long rounds each keep a tensor parallelism, starting at the plan's rollout tp (the
+fastest without tail batching, as RollPacker profiles its defaults), doubled after a round whose KV
+preemptions rose by more than 5% and halved after four rounds without any, within a node
+(:mod:`harness.planning.partial`). Not modelled: the response-level speculation (the paper fixes
+eta = 1.25 for prompts and responses alike; here prompts only, ``system.speculation``), reward
+scheduling, streamed training. FSDP training and vLLM generation by default, as ``+system=verl``.
 """
 from __future__ import annotations
 
@@ -37,8 +42,10 @@ class RollPackerConfig(SystemConfig):
     name: str = "rollpacker"
     impl: str = "baselines.rollpacker.RollPacker"
     speculation: float = 1.5  # prompt groups launched per short round / groups trained (an assumption)
+    parallelism_planner: bool = True  # per-round tensor parallelism (section 4.2); false: every round at rollout_tp
     rollout_tp: int = 0  # tensor parallelism of a vLLM engine; 0 = the fastest that fits
     max_num_seqs: int = 1024
+    gpu_memory_utilization: Optional[float] = None  # vLLM's share of each GPU (weights + KV cache); None: what the plan leaves free
     train_layout: Optional[str] = None  # Megatron backend only (engine.training=megatron)
     zero_stage: int = 1
     generation_engine: str = "vllm"
@@ -48,12 +55,13 @@ class RollPackerConfig(SystemConfig):
 class RollPacker(RefitSystem):
     cfg: RollPackerConfig
     KNOBS = {"rollout_tp": "rollout_tp", "max_num_seqs": "max_num_seqs", "train_layout": "train_layout",
-             "zero_stage": "zero_stage"}
+             "zero_stage": "zero_stage", "gpu_memory_utilization": "gpu_memory_utilization"}
 
     def off_policy(self, ctx: PlanContext, max_staleness: Optional[int]) -> Optional[OffPolicyPolicy]:
         if not self.cfg.speculation >= 1:
             raise ConfigError(f"system.speculation={self.cfg.speculation}: launch at least the groups trained (>= 1)")
-        return OffPolicyPolicy(0, rollout="tail_batching", oversample_factor=float(self.cfg.speculation))
+        return OffPolicyPolicy(0, rollout="tail_batching", oversample_factor=float(self.cfg.speculation),
+                               round_tp="adaptive" if self.cfg.parallelism_planner else "fixed")
 
 
 register_system_config("rollpacker", RollPackerConfig)

@@ -409,6 +409,7 @@ class GenerationPolicy:
 ROLLOUTS = ("batched", "continuous", "partial", "tail_batching")
 WEIGHT_UPDATES = ("drain", "inflight", "interrupt")
 BATCH_ORDERS = ("iteration", "finish")
+ROUND_TPS = ("fixed", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -447,7 +448,11 @@ class OffPolicyPolicy:
     - ``tail_batching`` (:mod:`harness.planning.partial`, RollPacker): short rounds launch
       ``oversample_factor`` times the groups they train and stop once enough have finished, the
       other prompts queued; once a batch of prompts is queued, a long round generates them again to
-      their full lengths. Nothing is carried: every trained sample is on-policy."""
+      their full lengths. Nothing is carried: every trained sample is on-policy;
+    - ``round_tp`` (tail batching): ``fixed`` (every round generates in the generate task's layout)
+      or ``adaptive`` (RollPacker's parallelism planner: short and long rounds each keep a tensor
+      parallelism, starting at the task's, doubled after a round whose preemptions rose and halved
+      after four rounds without any; :func:`harness.planning.partial.round_tp_choices`)."""
 
     max_staleness: int = 1
     rollout: str = "batched"
@@ -455,6 +460,7 @@ class OffPolicyPolicy:
     batch_order: str = "iteration"
     max_groups_in_flight: int = 0
     oversample_factor: float = 1.0
+    round_tp: str = "fixed"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
@@ -472,6 +478,11 @@ class OffPolicyPolicy:
                             f"{self.rollout} rollout")
         if self.max_groups_in_flight < 0:
             raise PlanError(f"off-policy max_groups_in_flight={self.max_groups_in_flight}: 0 (no limit) or more")
+        if self.round_tp not in ROUND_TPS:
+            raise PlanError(f"off-policy round_tp={self.round_tp!r}; expected one of {', '.join(ROUND_TPS)}")
+        if self.round_tp != "fixed" and self.rollout != "tail_batching":
+            raise PlanError(f"off-policy round_tp={self.round_tp!r} applies to tail batching's rounds, not to "
+                            f"{self.rollout} rollout")
 
 
 @dataclass(frozen=True)
@@ -632,6 +643,8 @@ class Plan:
         d.pop("layout_keys")
         if self.off_policy is None:  # on-policy plans' plan.json as before the field existed
             d.pop("off_policy")
+        elif self.off_policy.round_tp == "fixed":  # likewise: written only when rounds adapt it
+            d["off_policy"].pop("round_tp")
         for task, t in zip(self.tasks, d["tasks"]):  # strategies without ep when it is 1
             t["allocation"]["strategy"] = task.allocation.strategy.to_dict()
         for move, m in zip(self.weight_movements, d["weight_movements"]):

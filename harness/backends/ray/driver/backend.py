@@ -43,6 +43,7 @@ from harness.costmodel.llama import ModelDims
 from harness.errors import ConfigError
 from harness.real.checkpoints import describe, initial_state, resolve_checkpoints
 from harness.real.model import check_models_architecture
+from harness.planning.partial import round_allocations
 from harness.real.parallel.comm import plan_group_ranks
 
 __all__ = ["RayBackend", "WorkerFailedError"]
@@ -204,7 +205,9 @@ class RayBackend(Backend):
             self.init_states = {r: {n: v.to(dtype).float() for n, v in
                                     initial_state(self.args[r], seeds[r], self.checkpoints[r]).items()}
                                 for r in ("actor", "critic") if r in homes}
-        return WorkerSetup(groups=tuple(tuple(r) for r in plan_group_ranks(plan)), homes=homes, seeds=seeds,
+        # the layouts tail batching's rounds may generate in (RollPacker's per-round tp) need their groups too
+        groups = plan_group_ranks(plan, round_allocations(plan, self.ctx))
+        return WorkerSetup(groups=tuple(tuple(r) for r in groups), homes=homes, seeds=seeds,
                            model_args=dict(self.args),
                            model_dims={r: ModelDims.of(getattr(self.ctx.models, r)) for r in self.args},
                            checkpoints=dict(self.checkpoints))

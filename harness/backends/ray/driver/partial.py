@@ -25,7 +25,11 @@ the plan's units (:class:`.iteration.Iteration`) whose generate unit is the roll
 - the engines' unfinished samples are exported with their tokens; partial rollout keeps them, and
   the finished ones outside the batch, for the next iteration; tail batching drops both and queues
   their prompts. The session is closed, and the batch (its samples' prompts and responses, in batch
-  order) goes on to the iteration's log-prob, reference and training units.
+  order) goes on to the iteration's log-prob, reference and training units;
+- a tail-batching round with a tensor parallelism of its own (RollPacker's parallelism planner,
+  :class:`~harness.planning.partial.RoundTpPlanner`) runs the plan with generation in that layout
+  (:func:`~harness.planning.partial.round_plan`): the weights resharded into it by the plan's
+  movement, its engines the layout's replicas (their process groups set up with the plan's).
 
 Versions: a sample's first version is the iteration in which it generated its first token, its last
 the iteration it finished in, as the simulator counts them. The staleness metrics, the counters of
@@ -50,7 +54,7 @@ from harness.core.trace import SampleRecord, StepTrace
 from harness.core.units import Unit
 from harness.core.workload import Batch, draw_batch
 from harness.planning.memory import check_plan_memory
-from harness.planning.partial import PartialRound, run_partial
+from harness.planning.partial import PartialRound, round_plan, run_partial
 from harness.real.engine import sample_seed
 
 
@@ -74,8 +78,6 @@ class PartialExecution:
         self.rounds: list[PartialRound] = []
         run_partial(ctx, plan, memory, self._batch, num_iterations, record_spans=False, rounds=self.rounds)
         (self.gen,) = plan.tasks_of(TaskKind.GENERATE)
-        s = self.gen.allocation.strategy
-        self.instances = [list(self.gen.allocation.replica_devices(r)) for r in range(s.dp)]
         self.tail = plan.off_policy.rollout == "tail_batching"
         self.group_size = ctx.algorithm.group_size
         # sample id -> (iteration its prompt was drawn in, index in that batch, target length, attempt)
@@ -130,15 +132,16 @@ class PartialExecution:
 
     # ---- one iteration's rollout ------------------------------------------------------------
     def rollout(self, it: "PartialIteration", task: Task) -> UnitRun:
-        rnd, group, alloc = it.round, it.group, task.allocation
+        rnd, group, alloc = it.round, it.group, task.allocation  # the round's layout (round_plan of its tp)
         k = rnd.iteration
+        instances = [list(alloc.replica_devices(r)) for r in range(alloc.strategy.dp)]
         w, policy, opts = self.ctx.workload, self.plan.generation, self.backend.opts
         base = dict(sample_ids=[], prompts=[], target_lens=[], max_batch_size=policy.max_batch_size or 1 << 16,
                     temperature=opts.temperature, sampling_seed=ex.stable_seed("sampling", self.ctx.seed),
                     kv_capacity=int(w.prompt_len.max + w.max_gen_len))
-        engines = range(len(self.instances))
+        engines = range(len(instances))
         start = time.time()  # samples finished in earlier iterations count as finished now, as simulated
-        opened = [group.start(OpenSession(task.name, "actor", alloc, **base), self.instances[r]) for r in engines]
+        opened = [group.start(OpenSession(task.name, "actor", alloc, **base), instances[r]) for r in engines]
         yield from _wait_all(opened)
         restarted = set(rnd.restarted)
         kept = sorted(g for g in self.responses if g not in restarted)
@@ -167,23 +170,23 @@ class PartialExecution:
                     runs.append((imported, [g]))
             for imported, ids in runs:
                 if imported:
-                    moves = tuple(KvMove(d, d, self.carried.pop(g), {}) for g in ids for d in self.instances[r])
+                    moves = tuple(KvMove(d, d, self.carried.pop(g), {}) for g in ids for d in instances[r])
                     request = Migrate(task.name, "actor", alloc, moves=moves, with_kv=False)
                 else:
                     request = Submit(task.name, "actor", alloc, sample_ids=tuple(ids),
                                      prompts=tuple(self.prompt(g) for g in ids),
                                      target_lens=tuple(self.target_len(g) for g in ids),
                                      generator_seeds=tuple(self.generator_seed(g) for g in ids))
-                calls.append(group.start(request, self.instances[r]))
+                calls.append(group.start(request, instances[r]))
         yield from _wait_all(calls)
         for c in calls:
             it.record(task.name, c.results)
-        stepped = {r: group.start(Steps(task.name, "actor", alloc, max_steps=rnd.stop_steps[r]), self.instances[r])
+        stepped = {r: group.start(Steps(task.name, "actor", alloc, max_steps=rnd.stop_steps[r]), instances[r])
                    for r in engines if rnd.stop_steps[r] > 0}
         yield from _wait_all(list(stepped.values()))
         for r, call in stepped.items():
             it.record(task.name, call.results)
-            report = next(res for res in call.results if res.rank == self.instances[r][0]).out
+            report = next(res for res in call.results if res.rank == instances[r][0]).out
             if report.engine_steps != rnd.stop_steps[r]:
                 raise RuntimeError(f"partial rollout, iteration {k}: engine {r} ran {report.engine_steps} decode "
                                    f"steps, the simulator's {rnd.stop_steps[r]}")
@@ -192,15 +195,15 @@ class PartialExecution:
                 self.responses[g] = (sample.tokens, sample.logprobs)
                 self.finished_at[g] = sample.finish_time_s
                 self.first_version.setdefault(g, k)
-        exported = {r: group.start(Export(task.name, "actor", alloc, with_kv=False), self.instances[r])
+        exported = {r: group.start(Export(task.name, "actor", alloc, with_kv=False), instances[r])
                     for r in engines}
         yield from _wait_all(list(exported.values()))
         for r, call in exported.items():
-            for sample in next(res for res in call.results if res.rank == self.instances[r][0]).out.samples:
+            for sample in next(res for res in call.results if res.rank == instances[r][0]).out.samples:
                 self.carried[sample.sample_id] = sample
                 if sample.tokens:
                     self.first_version.setdefault(sample.sample_id, k)
-        yield from _wait_all([group.start(CloseSession(task.name, "actor", alloc), self.instances[r])
+        yield from _wait_all([group.start(CloseSession(task.name, "actor", alloc), instances[r])
                               for r in engines])
         missing = [g for g in rnd.batch if g not in self.responses]
         if missing:
@@ -228,6 +231,7 @@ class PartialExecution:
             self.first_version.clear()
             trace.counters[mk.LONG_ROUND] = float(long_round)
             trace.counters[mk.QUEUED_PROMPTS] = float(len(self.queued))
+            trace.counters[mk.ROUND_TP] = float(alloc.strategy.tp)
             return
         trace.counters[mk.DROPPED_SAMPLES] = float(len(restarted))
         # carried into the next iteration with tokens: the unfinished ones that have some, and the finished
@@ -249,7 +253,9 @@ class PartialIteration(Iteration):
         self.execution, self.round = run, rnd
         batch = Batch(rnd.iteration, np.array([len(run.prompt(g)) for g in rnd.batch], dtype=np.int64),
                       np.array([run.target_len(g) for g in rnd.batch], dtype=np.int64))
-        super().__init__(run.backend, run.plan, rnd.iteration, batch, time.time())
+        # a tail-batching round with a tp of its own runs the plan with generation in that layout
+        plan = round_plan(run.plan, rnd.tp) if rnd.tp else run.plan
+        super().__init__(run.backend, plan, rnd.iteration, batch, time.time())
 
     def prepare(self) -> None:
         self.prompts = [self.execution.prompt(g) for g in self.round.batch]

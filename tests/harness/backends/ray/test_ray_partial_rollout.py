@@ -20,7 +20,9 @@ Tiny model, GRPO, 2 prompts x 4 responses a batch, CPU devices. Oracles:
 - **tail batching's rounds are the simulator's**: over 6 iterations, two short rounds of 1.5x the
   prompts, each queueing one, then a long round of the queued prompts, twice; the long rounds and
   the queue counted by the driver, and the mean length of the trained responses (the real ones),
-  equal ``backend=sim``'s; every trained sample is on-policy;
+  equal ``backend=sim``'s; every trained sample is on-policy; with RollPacker's parallelism planner
+  on two devices, each round generates in the layout of the planner's tp (one engine of tp 2, then
+  two of tp 1 once four short rounds passed without preemptions), as the simulator's rounds do;
 - **learning is visible**: GRPO on the token-range reward (test_ray_off_policy.py's learning set-up,
   20 iterations) raises the reward by 0.3 from the first three iterations to the last three under
   partial rollout (bound 2, carried responses trained) and tail batching. Measured when this test was
@@ -49,6 +51,9 @@ CONFIGS = {  # name -> (config, iterations)
     "two_engines": ([*COMMON, "cluster.gpus_per_node=2", "system.rollout_tp=1", "system.max_staleness=1"], 4),
     "bound0": ([*COMMON, "cluster.gpus_per_node=1", "system.max_staleness=0"], 4),
     "tail_batching": (["+system=rollpacker", *COMMON[1:], "cluster.gpus_per_node=1"], 6),
+    # RollPacker's parallelism planner: one engine of tp 2, its short rounds halved to two engines of tp 1
+    # after four rounds without preemptions (the seventh iteration)
+    "tail_batching_tp": (["+system=rollpacker", *COMMON[1:], "cluster.gpus_per_node=2", "system.rollout_tp=2"], 7),
 }
 # test_ray_off_policy.py's learning set-up: GRPO on the token-range reward, 4 prompts x 8 responses
 LEARN_ITERATIONS = 20
@@ -106,6 +111,16 @@ def test_tail_batching_runs_the_simulators_short_and_long_rounds(runs):
         assert [m.get(key, 0.0) for m in real] == [m.get(key, 0.0) for m in simulated], key
     assert [m["gen/long_round"] for m in real] == [0, 0, 1] * 2
     assert all(m["staleness/max"] == 0 for m in real)
+
+
+def test_tail_batching_rounds_generate_in_the_planners_layouts(runs):
+    """Each round generates with the simulator's planner's tp: the weights resharded into that
+    layout (tp 2, then two engines of tp 1), the rounds and responses the simulator's."""
+    real, simulated = runs["tail_batching_tp"], _simulated("tail_batching_tp")
+    keys = ["gen/round_tp", "gen/long_round", "gen/queued_prompts", "response_length/mean", "staleness/max"]
+    for key in keys:
+        assert [m.get(key, 0.0) for m in real] == [m.get(key, 0.0) for m in simulated], key
+    assert [m["gen/round_tp"] for m in real] == [2, 2, 2, 2, 2, 2, 1]
 
 
 @pytest.mark.parametrize("name", ["partial_learn", "tail_learn"])
