@@ -14,16 +14,17 @@ training; it reports 2.03-2.56x over veRL and up to 2.24x over RLHFuse on Qwen2.
 What we reproduce is :mod:`baselines.refit`'s plan (every model on every GPU, verl's stages in
 turn; RollPacker builds on a veRL-style synchronous trainer) with tail batching
 (:mod:`harness.planning.partial`): short rounds launch ``system.speculation`` times the prompt
-groups trained (an assumed 1.5; the prompt-level speculation only, not the response-level one),
+groups trained (1.25, the paper's eta: "we fix eta = 1.25 for both", prompts and responses, its
+section 6.3; so a long round follows every four short ones, the period of its Figure 4),
 long rounds regenerate the queued prompts' responses around their own length factor, so long
 rounds are long only where prompts set lengths (``workload.output_len.prompt_sigma``, 0 by
 default). Its parallelism planner (section 4.2) is ``system.parallelism_planner`` (on by default):
 short and long rounds each keep a tensor parallelism, starting at the plan's rollout tp (the
 fastest without tail batching, as RollPacker profiles its defaults), doubled after a round whose KV
 preemptions rose by more than 5% and halved after four rounds without any, within a node
-(:mod:`harness.planning.partial`). Not modelled: the response-level speculation (the paper fixes
-eta = 1.25 for prompts and responses alike; here prompts only, ``system.speculation``), reward
-scheduling, streamed training. FSDP training and vLLM generation by default, as ``+system=verl``.
+(:mod:`harness.planning.partial`). Not modelled: the response-level speculation (each prompt's
+1.25 x R0 responses, the first R0 to finish kept and the rest aborted: here each prompt generates
+its R0, so its group finishes with its longest), reward scheduling, streamed training. FSDP training and vLLM generation by default, as ``+system=verl``.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from harness.system import PlanContext, register_system_config
 class RollPackerConfig(SystemConfig):
     name: str = "rollpacker"
     impl: str = "baselines.rollpacker.RollPacker"
-    speculation: float = 1.5  # prompt groups launched per short round / groups trained (an assumption)
+    speculation: float = 1.25  # prompt groups launched per short round / groups trained (the paper's eta)
     parallelism_planner: bool = True  # per-round tensor parallelism (section 4.2); false: every round at rollout_tp
     rollout_tp: int = 0  # tensor parallelism of a vLLM engine; 0 = the fastest that fits
     max_num_seqs: int = 1024

@@ -5,8 +5,10 @@ simulated rounds following the rule from the preemptions they record.
 Oracles: the paper's heuristic worked by hand (double after a rise of more than 5%, halve after four
 rounds without preemptions, short and long rounds apart); the planner replayed over the simulated
 rounds' own preemption counters gives the tensor parallelism each round ran with; a larger tp frees
-weight memory for KV cache, so the short rounds that preempted at tp 1 stop preempting at tp 2; and
-until the planner first changes a layout, the adaptive run is the fixed one, number for number."""
+weight memory for KV cache, so the short rounds that preempted at tp 1 (and do in the fixed run's
+same iterations) stop preempting at tp 2; and until the planner first changes a layout, the adaptive
+run is the fixed one, number for number. (Whether the rounds then run faster is a benchmark's
+question: tp 2 also pays its all-reduces.)"""
 from __future__ import annotations
 
 import json
@@ -22,7 +24,8 @@ from harness.testing import plan_for, simulate_iterations
 # 8 engines of tp 1 on one node, vLLM at a quarter of each GPU: short rounds (1.5x the prompts in
 # flight) preempt, long rounds barely
 PRESSED = ["+system=rollpacker", "model=7b", "cluster.num_nodes=1", "algo=grpo", "workload.global_batch_size=64",
-           "workload.mini_batch_size=64", "system.rollout_tp=1", "system.gpu_memory_utilization=0.25"]
+           "workload.mini_batch_size=64", "system.rollout_tp=1", "system.gpu_memory_utilization=0.25",
+           "system.speculation=1.5"]
 ITERATIONS = 12
 
 
@@ -109,6 +112,6 @@ def test_a_larger_tp_relieves_the_short_rounds(pressed_runs):
     assert first_change > 0
     for a, f in zip(adaptive[:first_change], fixed[:first_change]):
         assert a[mk.STEP_TIME] == f[mk.STEP_TIME] and a[mk.PREEMPTIONS] == f[mk.PREEMPTIONS]
-    # and the short rounds at tp 2 are faster than the same iterations at tp 1
+    # where the fixed run's same iterations preempted
     relieved = [i for i, m in enumerate(adaptive) if not m[mk.LONG_ROUND] and m[mk.ROUND_TP] == 2]
-    assert relieved and all(adaptive[i][mk.STEP_TIME] < fixed[i][mk.STEP_TIME] for i in relieved)
+    assert relieved and all(fixed[i][mk.PREEMPTIONS] > 0 for i in relieved)
