@@ -382,8 +382,8 @@ class RLHFuse(System):
                     sa = ParallelStrategy(dp_a, tp, pp_a, self.cfg.zero_stage, *_kept_ep(base_a, dp_a, tp))
                     sc = ParallelStrategy(dp_c, tp, pp_c, self.cfg.zero_stage, *_kept_ep(base_c, dp_c, tp))
                     pipes = fused_pipes(pp_a, pp_c, m_a, m_c, "actor", "critic")
-                    # a MoE model's ep groups' reach on the mesh the plan gives it (the critic's reversed);
-                    # a dense model has none, and its meshes are not built here
+                    # a MoE model's ep groups' reach on the meshes the plan gives it (_fused_meshes); a
+                    # dense model has none, and its meshes are not built here
                     meshes = self._fused_meshes(n, sa, sc) if max(sa.ep, sc.ep) > 1 else None
                     ep_spans = {"actor": Allocation(meshes[0], sa).ep_span if sa.ep > 1 else None,
                                 "critic": Allocation(meshes[1], sc).ep_span if sc.ep > 1 else None}
