@@ -38,7 +38,7 @@ def pack(data: Mapping[str, Tensor], rows: Sequence[int]) -> dict[str, Tensor]:
     """Rows ``rows`` of the right-padded batch ``data`` (``tokens`` and ``attn`` (B, W), per-token
     arrays (B, W - 1)) as one packed row: ``tokens``, ``attn`` (all ones) and ``segment_ids`` (1, L),
     each per-token array (1, L - 1), and ``lengths`` (the samples' token counts, in ``rows`` order)."""
-    index = torch.as_tensor(list(rows), dtype=torch.long)
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=data["attn"].device)
     lengths = row_lengths(data["attn"][index])
     if (lengths < 1).any():
         raise ValueError(f"pack: rows {[r for r, n in zip(rows, lengths.tolist()) if n < 1]} hold no tokens")
@@ -56,7 +56,8 @@ def pack(data: Mapping[str, Tensor], rows: Sequence[int]) -> dict[str, Tensor]:
             raise ValueError(f"pack: {name!r} of shape {tuple(value.shape)} is neither per token (B, {width}) "
                              f"nor per prediction (B, {width - 1})")
     out["attn"] = torch.ones_like(out["attn"])
-    out["segment_ids"] = torch.repeat_interleave(torch.arange(len(index)), lengths)[None].to(out["tokens"].device)
+    # on the batch's device (a worker's tensors live on its GPU): the sample index of every token
+    out["segment_ids"] = torch.repeat_interleave(torch.arange(len(index), device=lengths.device), lengths)[None]
     out["lengths"] = lengths
     return out
 
