@@ -220,14 +220,17 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
     launched_per_iteration = math.ceil(policy.oversample_factor * per_batch)
     base = PlanSimulator(ctx, plan, memory, 0, first, record_spans=False)
     cm, model = base.cm, ctx.model(gen.model)
-    layouts: dict[int, tuple[Plan, MemoryReport] | None] = {gen.allocation.strategy.tp: (plan, memory)}
+    layouts: dict[int, tuple[Plan, MemoryReport, list] | None] = {
+        gen.allocation.strategy.tp: (plan, memory, execution_units(plan))}
 
-    def layout(tp: int) -> tuple[Plan, MemoryReport] | None:
-        """The plan a round of tensor parallelism ``tp`` runs and its memory report; None if it does not fit."""
+    def layout(tp: int) -> tuple[Plan, MemoryReport, list] | None:
+        """The plan a round of tensor parallelism ``tp`` runs, its memory report and its execution
+        units; None if it does not fit."""
         if tp not in layouts:
             candidate = round_plan(plan, tp)
             try:
-                layouts[tp] = (candidate, check_plan_memory(candidate, cm, ctx.models, ctx.workload))
+                layouts[tp] = (candidate, check_plan_memory(candidate, cm, ctx.models, ctx.workload),
+                               execution_units(candidate))
             except PlanError:
                 layouts[tp] = None
         return layouts[tp]
@@ -317,8 +320,7 @@ def run_partial(ctx: PlanContext, plan: Plan, memory: MemoryReport, batch_of: Ca
         to_generate = [c for c in pool if c.generated < output_len[c.sample_id]]
         # this round's layout: the generate task's, or the parallelism planner's tp for its kind
         round_tp = planner.tp[long_round] if planner is not None else gen.allocation.strategy.tp
-        plan_k, memory_k = layout(round_tp)
-        units = execution_units(plan_k)
+        plan_k, memory_k, units = layout(round_tp)
         gen_k = plan_k.task(gen.name)
         st = gen_k.allocation.strategy
         kv_tokens = kv_capacity_tokens(cm, model, st.tp, st.pp, memory_k.kv_capacity_gb[gen.name])

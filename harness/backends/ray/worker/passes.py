@@ -36,6 +36,19 @@ def _flops(dims: ModelDims, replica: Replica, num_tokens: float, seq_len: float)
     return forward_flops(dims, num_tokens, seq_len / 2, num_layers=hi - lo, include_head=replica.is_last) / s.tp
 
 
+def model_inputs(mb: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The keyword arguments of a micro-batch's forward pass: its packing, else its padding mask."""
+    return {"segment_ids": mb["segment_ids"]} if "segment_ids" in mb else {"attention_mask": mb["attn"]}
+
+
+def micro_batch_flops(dims: ModelDims, replica: Replica, mb: dict[str, Tensor]) -> float:
+    """A forward pass's FLOPs on this device: a packed micro-batch's samples each at its own length
+    (attention stays inside a sample), else the padded batch's real tokens at its width."""
+    if "lengths" in mb:
+        return sum(_flops(dims, replica, float(n), float(n)) for n in mb["lengths"].tolist())
+    return _flops(dims, replica, float(mb["attn"].sum()), mb["attn"].shape[1])
+
+
 # ---- generation -------------------------------------------------------------------------
 
 def make_engine(replica: Replica, *, max_batch_size: int, sampling: SamplingParams, kv_capacity: int):
@@ -120,11 +133,13 @@ def _pass_micro_batches(p: Infer, tokens: Tensor, attn: Tensor, mine: np.ndarray
     mbs = p.micro_batch_size
     if p.micro_batch_tokens is None:
         groups = [[int(r) for r in mine[i:i + mbs]] for i in range(0, len(mine), mbs)]
-        most = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)
+        if lockstep:
+            most = math.ceil(math.ceil(tokens.shape[0] / dp) / mbs)
     else:
         lengths = packing.row_lengths(attn)
         groups = [[int(mine[i]) for i in b] for b in pack_bins(lengths[mine].tolist(), p.micro_batch_tokens)]
-        most = max(len(pack_bins(lengths[k::dp].tolist(), p.micro_batch_tokens)) for k in range(dp))
+        if lockstep:
+            most = max(len(pack_bins(lengths[k::dp].tolist(), p.micro_batch_tokens)) for k in range(dp))
     return groups + [[] for _ in range(most - len(groups))] if lockstep else groups
 
 
@@ -151,14 +166,12 @@ def infer(replica: Replica, p: Infer, dims: ModelDims, in_order: bool = True) ->
             dummy = len(rows) == 0
             x_tok = tokens[rows] if not dummy else tokens[:1]
             x_attn = attn[rows] if not dummy else attn[:1]
-            if p.micro_batch_tokens is not None and not dummy:
-                mb = packing.pack({"tokens": x_tok, "attn": x_attn}, range(len(group)))
-                inputs, lengths = {"segment_ids": mb["segment_ids"].to(dev)}, mb["lengths"]
-                x_in = mb["tokens"]
-                flops = sum(_flops(dims, replica, float(n), float(n)) for n in lengths.tolist())
-            else:
-                inputs, lengths, x_in = {"attention_mask": x_attn.to(dev)}, None, x_tok
-                flops = _flops(dims, replica, float(x_attn.sum()), x_attn.shape[1])
+            packed = p.micro_batch_tokens is not None and not dummy
+            mb = packing.pack({"tokens": x_tok, "attn": x_attn}, range(len(group))) if packed else \
+                {"tokens": x_tok, "attn": x_attn}
+            inputs = {name: v.to(dev) for name, v in model_inputs(mb).items()}
+            lengths, x_in = mb.get("lengths"), mb["tokens"]
+            flops = micro_batch_flops(dims, replica, mb)
             x = x_in.to(dev) if replica.is_first else chan.recv((len(x_in), x_in.shape[1], hidden),
                                                                  replica.neighbour(-1), tag=m, dtype=replica.dtype)
             chan.post()

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from harness.backends.ray.protocol import Train
 from harness.backends.ray.replies import ModelTrained, PpoStats, SpanT, Trained
-from harness.backends.ray.worker.passes import _flops, _head_output
+from harness.backends.ray.worker.passes import _head_output, micro_batch_flops, model_inputs
 from harness.costmodel.llama import ModelDims
 from harness.planning.packing import balanced_bins
 from harness.real import packing
@@ -67,19 +67,6 @@ def _micro_batches(data: dict[str, Tensor], index: np.ndarray, k: int, dp: int, 
     lengths = packing.row_lengths(data["attn"][torch.as_tensor(rows, dtype=torch.long)]).tolist()
     return [packing.pack(data, [int(rows[i]) for i in group])
             for group in balanced_bins(lengths, part.num_micro_batches)]
-
-
-def model_inputs(mb: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The keyword arguments of a micro-batch's forward pass: its packing, else its padding mask."""
-    return {"segment_ids": mb["segment_ids"]} if "segment_ids" in mb else {"attention_mask": mb["attn"]}
-
-
-def micro_batch_flops(dims: ModelDims, replica: Replica, mb: dict[str, Tensor]) -> float:
-    """A forward pass's FLOPs on this device: a packed micro-batch's samples each at its own length
-    (attention stays inside a sample), else the padded batch's real tokens at its width."""
-    if "lengths" in mb:
-        return sum(_flops(dims, replica, float(n), float(n)) for n in mb["lengths"].tolist())
-    return _flops(dims, replica, float(mb["attn"].sum()), mb["attn"].shape[1])
 
 
 def _message_tag(tag_base: dict[str, int], act: Action) -> int:
