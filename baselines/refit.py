@@ -26,12 +26,14 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
 - **Refit**: after each actor update the new weights are gathered from the training layout and
   loaded into the generation layout on the same GPUs (verl's sharding manager, its
   "3D-HybridEngine", section 5.3; NeMo-RL's refit through CUDA IPC handles): a weight movement every
-  iteration (``realloc_actor_gen``), timed by the cost model's resharding of the actor's bytes
-  between the two layouts. Where both layouts are the same (a dp-only layout without ZeRO-3 on a
-  few GPUs) the plan has no movement: the copy the frameworks make inside each GPU is not modelled.
-  The copy in the generation layout is not kept resident: it is freed after generation, as the
-  frameworks release vLLM's weights and KV cache while training runs (verl's and NeMo-RL's sleep
-  of the inference engine), so generation and training each have the GPUs' memory.
+  iteration (``realloc_actor_gen``), layouts alike or not, timed as the actor's bytes resharded
+  between the two layouts plus the generation engine's reload (vLLM's ``refit: reload``: the
+  training states put in host memory, vLLM's weights and KV cache woken, every parameter gathered,
+  converted and loaded; fitted fixed seconds plus seconds per GB of the model's weights,
+  :meth:`harness.costmodel.engines.EngineCosts.refit_reload_s`). The copy in the generation layout
+  is not kept resident: it is freed after generation, as the frameworks release vLLM's weights and
+  KV cache while training runs (verl's and NeMo-RL's sleep of the inference engine), so generation
+  and training each have the GPUs' memory.
 - **Training states in host memory while generating** (the ``offload_for_generation`` knob,
   colocated only): NeMo-RL's colocated policy moves its optimizer states and then its weights to
   host memory around the refit (``offload_before_refit``, ``offload_after_refit``) and keeps the
@@ -44,9 +46,12 @@ What both frameworks do in their default (colocated, on-policy) mode, as plan da
   ``compute_log_prob``, NeMo-RL's "get logprobs"), not from vLLM, whose numbers differ; the
   reference model's follow on the same devices.
 
-What is not modelled: the seconds of waking and sleeping vLLM around generation (reallocating the
-KV cache, reloading weights), which the frameworks' published step times include
-(../shared/published/README.md: verl's "gen" covers waking vLLM and loading weights). Sequence
+What is modelled only through the fitted reload: the seconds of waking and sleeping vLLM around
+generation (reallocating the KV cache, reloading weights), which the frameworks' published step
+times include (../shared/published/README.md: verl's "gen" covers waking vLLM and loading weights);
+the reload's constants are fitted on NeMo-RL's published refit seconds and shared by verl's refit,
+whose own are not published. A broadcast to generation GPUs of their own (``param_sync``) is timed
+as its bytes alone: NCCL's path converts the weights too, but no measurement of it exists. Sequence
 packing (NeMo-RL's default) is the workload's ``workload.micro_batch_tokens``
 (:mod:`harness.planning.packing`); unset, micro-batches are ``workload.micro_batch_size`` samples.
 

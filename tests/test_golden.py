@@ -86,7 +86,9 @@ generation engine has host seconds per step (``host_s_per_step``), whose prior i
 golden runs pin it at zero (``record.HOST_AT_RECORDING``, ``engine_at_recording.yaml``), which is
 the cost model the files were recorded with, and every plan and metric is unchanged. The engines
 recorded before the field lack it, and ``cuda_graph``'s record lacks its ``fit_key`` (it shares
-vLLM's fitted constants since; the golden runs keep every fitted constant at its prior).
+vLLM's fitted constants since; the golden runs keep every fitted constant at its prior). Likewise
+the engines recorded before the refit fields lack ``refit`` (``transfer``: the golden systems' weights
+move as bytes, as recorded) and its two constants, which a transfer engine does not use.
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
 import record  # noqa: E402
 
+from harness.core.engines import FITTED_PRIORS  # noqa: E402
 from harness.core.plan import Plan, TaskKind  # noqa: E402
 from harness.planning.assembler import needs_movement  # noqa: E402
 from harness.planning.dataflow import SAMPLE_DATA, training_reads  # noqa: E402
@@ -163,6 +166,12 @@ def test_plan_and_metrics_match_golden(system, model):
         if recorded_gen["name"] == "cuda_graph":  # shares vLLM's fitted constants since (see the docstring)
             assert now["plan"]["engines"]["generation"]["fit_key"] == "vllm"
             expected["engines"]["generation"]["fit_key"] = "vllm"
+    if recorded_gen is not None and "refit" not in recorded_gen:  # recorded before the refit fields
+        gen_now = now["plan"]["engines"]["generation"]
+        assert gen_now["refit"] == "transfer"  # the golden systems' engines move the bytes only
+        for key in ("reload_s", "reload_s_per_gb"):  # unused by a transfer engine, at their priors
+            assert gen_now.pop(key) == FITTED_PRIORS["generation"][key]
+            expected["engines"]["generation"].pop(key)
     if expected.get("engines") is None:  # recorded before plans named their engines
         engines = now["plan"].pop("engines")
         assert engines["generation"]["gpu_time_scale"] == 1.0 and engines["training"]["compute_time_scale"] == 1.0

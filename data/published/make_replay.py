@@ -6,7 +6,8 @@ asynchronous), expressed as harness overrides.
     python data/published/make_replay.py [--measurements PATH] [--hopper PATH]
 
 Where a source also gives a point's stages (OpenRLHF's benchmark table, the DeepSpeed blog's Figure 5
-bars), each stage is one more line with the point's overrides (``P037.gen``, ``P021.train``, ...).
+bars, the NeMo-RL v0.3 blog's generation, training and refit seconds), each stage is one more line with
+the point's overrides (``P037.gen``, ``P021.train``, ``H071.refit``, ...).
 Each line's ``assumptions`` says what the source leaves open and what was assumed. Derived values
 (samples/s from hours per epoch, from GPU-normalised seconds per sequence, from nominal TFLOPs) are
 computed here from the published numbers with the formulas cited below. Where a source gives only
@@ -443,10 +444,14 @@ def nemo_rl_row(m: dict) -> list[dict]:
               f"{layout_note}{pools_note}{cluster_note}")
     out = [{"metric": "step_s", "value": float(m["value"]), "overrides": ov, "assumptions": assume}]
     stages = m.get("stage_times") or {}
-    for key, metric in (("generation", "gen_s"), ("policy_training", "train_s")):
+    refit_note = ("; the published refit also holds the policy's training states' copy to host memory "
+                  "(offload_before_refit, offload_after_refit), which the simulator times at the end of "
+                  "update_actor (its 'offload' span), not in timing_s/realloc")
+    for key, metric, suffix in (("generation", "gen_s", "gen"), ("policy_training", "train_s", "train"),
+                                ("refit", "realloc_s", "refit")):
         if key in stages:
-            out.append({"id": f"{m['id']}.{metric.removesuffix('_s')}", "metric": metric, "value": float(stages[key]),
-                        "overrides": ov, "assumptions": assume})
+            out.append({"id": f"{m['id']}.{suffix}", "metric": metric, "value": float(stages[key]),
+                        "overrides": ov, "assumptions": assume + (refit_note if suffix == "refit" else "")})
     return out
 
 

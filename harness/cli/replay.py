@@ -63,6 +63,7 @@ METRICS = {
     "gen_s": "timing_s/gen",
     "gen_inference_s": "timing_s/gen_inference",
     "train_s": "timing_s/train",
+    "realloc_s": "timing_s/realloc",
 }
 # Metrics where more is faster: their ratio is measured / predicted, so that every ratio reads as the
 # simulator's time over the measured time (> 1: the simulator is slower than the real run).

@@ -29,8 +29,9 @@ resolved (:func:`select_engines`), are plan data (``Plan.engines``).
 
 Fitted constants. Every mechanism constant is cited in its YAML file. The few no measurement gives
 (:data:`FITTED_PRIORS`: a GPU-time factor per generation engine and its host time, in seconds per step
-for a CUDA-graph engine and as a factor on its launches for an eager one; a compute factor per training engine; the CPU optimizer's streaming rate) are fitted by
-``python -m harness.replay FILE --fit`` on the published end-to-end measurements of
+for a CUDA-graph engine and as a factor on its launches for an eager one; a reloading engine's refit,
+fixed seconds and seconds per GB; a compute factor per training engine; the CPU optimizer's streaming
+rate) are fitted by ``python -m harness.replay FILE --fit`` on the published measurements of
 ``data/published/replay.jsonl`` and stored, with their provenance, in ``data/engines/fitted.json``;
 they are shared by every run of an engine, never per point. ``engine.constants`` puts another table
 in force (the fit itself passes its trial constants this way); ``engine.fitted=false`` runs with every
@@ -67,8 +68,15 @@ SCHEMA_NAMES = {"generation": "generation_engine", "training": "training_engine"
 # (vllm-project/vllm#6854, Jul 2024) traces "about 4ms of GPU bubble" per decode step, the GPU idle
 # while the host sends the sampled tokens back, runs the scheduler and prepares the next step's inputs
 # ("5-13ms of GPU bubble" across its runs); host work, so the same seconds on every GPU generation.
+# The priors of a reloading engine's refit (``refit: reload``), placeholders until fitted on the published
+# refit stage times (data/engines/fitted.json): ``reload_s`` the seconds of waking the engine's weights
+# and KV cache and putting the training states in host memory, each wake of vLLM's sleep mode ~0.1-0.4 s
+# (vLLM blog, "Zero-Reload Model Switching with vLLM Sleep Mode", 2025-10); ``reload_s_per_gb`` the
+# model's bf16 bytes streamed once through the gather, conversion and loader at 25 GB/s (a PCIe 4.0
+# x16 link's rate).
 FITTED_PRIORS = {
-    "generation": {"gpu_time_scale": 1.0, "host_time_scale": 1.0, "host_s_per_step": 0.004},
+    "generation": {"gpu_time_scale": 1.0, "host_time_scale": 1.0, "host_s_per_step": 0.004,
+                   "reload_s": 1.0, "reload_s_per_gb": 0.04},
     "training": {"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0},
 }
 # ``kind/fit_key -> {constant: value}``: the fit file's table, or one given as ``engine.constants``.
@@ -105,6 +113,15 @@ class GenerationEngine:
     # code): the host cannot run ahead of the GPU across one, and the GPU idles until the host
     # issues the next kernel, so each costs one launch of host time on top of the step
     host_syncs_per_layer: int = 0
+    # how the new weights reach the engine on the GPUs it shares with training (the actor's weight
+    # movement into the generation layout, colocated): transfer (the bytes move between the two
+    # layouts and nothing more: ReaLHF's reallocation, DeepSpeed's hybrid engine) or reload (the
+    # framework's refit: training states out to host memory, the engine's weights woken, every
+    # parameter gathered into full tensors, converted to the engine's names and handed to its weight
+    # loader, the KV cache woken; a fixed reload_s plus reload_s_per_gb per GB of the model's bf16
+    # weights, done even where both layouts are the same). Weights broadcast to generation GPUs of
+    # their own (param_sync) are timed as their transfer either way.
+    refit: str = "transfer"
     # fitted (None: the table in force, else the prior)
     gpu_time_scale: Optional[float] = None  # GPU time of a step relative to our kernel profiles
     # eager engines: host time per kernel launch relative to gpt-fast's eager loop (the calibrated
@@ -116,6 +133,9 @@ class GenerationEngine:
     # shrink on a faster GPU, as gpu_time_scale's share does. No effect on eager engines, whose host
     # time is their launches.
     host_s_per_step: Optional[float] = None
+    # refit: reload only: the refit's fixed seconds and its seconds per GB of the model's bf16 weights
+    reload_s: Optional[float] = None
+    reload_s_per_gb: Optional[float] = None
     fit_key: Optional[str] = None  # engines sharing fitted constants (None: its own name)
     source: str = ""  # where the mechanism facts come from
 
@@ -124,6 +144,7 @@ class GenerationEngine:
         _check_choice(self.name, "kernels", self.kernels, ("graph", "eager"))
         _check_choice(self.name, "weights", self.weights, ("inference_layout", "training_layout"))
         _check_choice(self.name, "kv_allocation", self.kv_allocation, ("reserve", "on_demand"))
+        _check_choice(self.name, "refit", self.refit, ("transfer", "reload"))
         if self.kv_allocation != "reserve" and self.batching != "continuous":
             raise ConfigError(f"generation engine {self.name}: kv_allocation={self.kv_allocation} needs "
                               f"batching=continuous (static rounds hold their padded batch's cache)")

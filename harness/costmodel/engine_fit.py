@@ -106,6 +106,8 @@ def _matters(kind: str, engine: Any, const: str) -> bool:
         return getattr(engine, "kernels", "graph") == "eager"
     if const == "host_s_per_step":
         return getattr(engine, "kernels", "graph") == "graph"
+    if const in ("reload_s", "reload_s_per_gb"):
+        return getattr(engine, "refit", "transfer") == "reload"
     return True
 
 

@@ -18,7 +18,10 @@ run them:
   traffic ``attention_score_bytes_* x heads/tp x tokens x seq_len x layers`` at the streaming rate
   (the forward's bytes again in a backward that recomputes the attention);
 - optimizer step with offload: the CPU Adam step over the node's share of the optimizer states plus
-  the fp16 gradients down and parameters up over PCIe, instead of the GPU's.
+  the fp16 gradients down and parameters up over PCIe, instead of the GPU's;
+- a refit into a reloading generation engine (``refit: reload``, :meth:`EngineCosts.refit_reload_s`):
+  ``reload_s + reload_s_per_gb x`` the model's bf16 weights in GB, on top of the bytes' transfer
+  between the layouts (:func:`harness.planning.taskmodels.passes.weight_movement_s`).
 """
 from __future__ import annotations
 
@@ -156,6 +159,16 @@ class EngineCosts:
         if graph_s is None:
             return None
         return self._step_each(graph_s, model, 0.0)
+
+    def refit_reload_s(self, model: Any) -> float:
+        """Seconds a refit of ``model``'s new weights into the generation engine takes beyond moving
+        their bytes: 0 on a ``transfer`` engine; on a ``reload`` engine (verl's and NeMo-RL's colocated
+        vLLM) its fixed seconds plus its seconds per GB of the whole model's bf16 weights, which every
+        GPU of the refit gathers, converts and loads (see ``refit`` in harness/core/engines.py)."""
+        gen = self.engines.generation
+        if gen.refit != "reload":
+            return 0.0
+        return gen.reload_s + gen.reload_s_per_gb * self.base.weights_gb(model, 1, 1)
 
     # -- training and inference passes ----------------------------------------------------------
 

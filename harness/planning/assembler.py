@@ -10,8 +10,9 @@ training stages). What is decided once, here, for all of them:
 - **resharding** (:func:`needs_movement`): a model's weights move from its training layout to a
   consumer's layout when the two differ in mesh or (dp, tp, pp), or when the source is ZeRO-3
   sharded and the consumer is not (DeepSpeed-Chat's hybrid engine gathers; a ZeRO-1/2 layout holds
-  full weights, so a consumer with the same (dp, tp, pp) on the same mesh reads them in place).
-  The actor reaches ``gen`` by a ``realloc`` task, or by ``param_sync`` to a separate generation
+  full weights, so a consumer with the same (dp, tp, pp) on the same mesh reads them in place;
+  a generation engine that reloads its weights at each refit, ``refit: reload``, is refit in any
+  layout). The actor reaches ``gen`` by a ``realloc`` task, or by ``param_sync`` to a separate generation
   pool (always, since the pool holds its own shadow copy). The critic reaches ``values`` by a
   ``realloc`` task, or, when inference streams, by each inference replica fetching its share as it
   starts (``per_replica``: the replica's devices are only free once generation releases them);
@@ -97,7 +98,10 @@ def assemble_ppo_plan(ctx: PlanContext, system: str, allocations: dict[str, Allo
             continue
         src, dst = allocations[source], allocations[consumer]
         kind = actor_sync if model == "actor" else MovementKind.REALLOC
-        if kind != MovementKind.PARAM_SYNC and not needs_movement(src, dst):
+        # a reloading engine refits the actor into generation every iteration, layouts alike or not
+        reloads = (model == "actor" and consumer == "gen" and ctx.engines is not None
+                   and ctx.engines.generation.refit == "reload")
+        if kind != MovementKind.PARAM_SYNC and not reloads and not needs_movement(src, dst):
             continue
         if model == "critic" and stream_inference:  # fetched by each inference replica as it starts
             movements.append(WeightMovement(consumer, model, src, dst, MovementKind.PER_REPLICA))

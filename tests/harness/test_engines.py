@@ -29,6 +29,7 @@ Oracles, not mocks:
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -363,7 +364,8 @@ def ctx():
 def _engines(gen: dict, train: dict) -> Engines:
     """Resolved engines (every fitted constant set: factors 1 and no host seconds unless given)."""
     return Engines(GenerationEngine(name="g", **{"gpu_time_scale": 1.0, "host_time_scale": 1.0,
-                                                 "host_s_per_step": 0.0, **gen}),
+                                                 "host_s_per_step": 0.0, "reload_s": 0.0,
+                                                 "reload_s_per_gb": 0.0, **gen}),
                    TrainingEngine(name="t", **{"compute_time_scale": 1.0, "cpu_adam_gbps": 50.0, **train}))
 
 
@@ -548,6 +550,55 @@ def test_in_place_generation_holds_two_gathered_layers():
     tp = plan.task("gen").allocation.strategy.tp
     gen = resident + cm.weights_gb(models.actor, tp) + cm.kv_cache_gb(models.actor, max_seq, tp)
     assert memory.task_peak_gb["gen"] == pytest.approx(gen, rel=1e-9)
+
+
+# NeMo-RL GRPO on one node: Megatron training dp 8 and vLLM engines of tp 1, the two layouts the same.
+NEMO_RL_SAME_LAYOUT = ["+system=nemo_rl", "algo=grpo", "model=7b", "cluster=h100_8x", "cluster.num_nodes=1",
+                       "workload.global_batch_size=64", "workload.mini_batch_size=64", "workload.max_gen_len=256",
+                       "workload.output_len.max=256", "system.gen_tp=1", "system.train_layout=dp8tp1pp1", *QUIET]
+RELOAD = {"reload_s": 2.5, "reload_s_per_gb": 0.125}
+
+
+def test_a_reloading_engine_refits_at_its_closed_form_even_where_the_layouts_are_the_same():
+    """``refit: reload`` (vLLM, as verl and NeMo-RL run it): the actor's refit into generation is a
+    task even where the training and generation layouts are the same, lasting ``reload_s +
+    reload_s_per_gb x`` the model's bf16 GB on every generation GPU (no bytes move); a ``transfer``
+    engine (cuda_graph) has no movement there, as before."""
+    constants = {Constant("generation/vllm", k): v for k, v in RELOAD.items()}
+    ctx, plan, _ = planned(NEMO_RL_SAME_LAYOUT, constants)
+    assert plan.engines.generation.refit == "reload"
+    move = plan.movement_of("realloc_actor_gen")
+    assert move.source.strategy.dp == move.target.strategy.dp == 8 and move.target.strategy.tp == 1
+    weights_gb = ctx.cost_model.weights_gb(ctx.models.actor, 1, 1)
+    expected_s = RELOAD["reload_s"] + RELOAD["reload_s_per_gb"] * weights_gb
+    assert summary(NEMO_RL_SAME_LAYOUT, constants)["timing_s/realloc"] == pytest.approx(expected_s, rel=1e-9)
+    _, plan, _ = planned([*NEMO_RL_SAME_LAYOUT, "engine.generation=cuda_graph"])
+    assert plan.engines.generation.refit == "transfer"
+    assert not any(t.kind == TaskKind.WEIGHT_MOVEMENT for t in plan.tasks)
+
+
+def test_a_refit_adds_the_reload_to_the_bytes_transfer_and_only_into_generation():
+    """Where bytes move (vLLM engines of tp 1 from a dp 4 tp 2 layout), a reloading engine's refit is the
+    transfer engine's movement plus ``refit_reload_s``, on the same devices; a movement that is not the
+    actor's refit into generation (the broadcast to a pool of its own) is the bytes' transfer alone."""
+    from harness.planning.taskmodels.passes import weight_movement_s
+
+    over = [*NEMO_RL_SAME_LAYOUT, "system.train_layout=dp4tp2pp1"]
+    ctx, plan, _ = planned(over, {Constant("generation/vllm", k): v for k, v in RELOAD.items()})
+    move, model = plan.movement_of("realloc_actor_gen"), ctx.models.actor
+    reloading = ctx.cost_model.with_engines(plan.engines)
+    transferring = ctx.cost_model.with_engines(Engines(
+        GenerationEngine(**{**plan.engines.generation.__dict__, "refit": "transfer"}), plan.engines.training))
+    moved_s, devices = weight_movement_s(transferring, move, model)
+    assert moved_s > 0 and len(devices) == 8
+    reload_s = reloading.engine_costs.refit_reload_s(model)
+    assert reload_s == pytest.approx(RELOAD["reload_s"] + RELOAD["reload_s_per_gb"]
+                                     * ctx.cost_model.weights_gb(model, 1, 1), rel=1e-12)
+    assert transferring.engine_costs.refit_reload_s(model) == 0.0
+    with_reload_s, same_devices = weight_movement_s(reloading, move, model)
+    assert with_reload_s == pytest.approx(moved_s + reload_s, rel=1e-12) and same_devices == devices
+    broadcast = replace(move, task="param_sync", kind="param_sync")
+    assert weight_movement_s(reloading, broadcast, model) == weight_movement_s(transferring, broadcast, model)
 
 
 # ---- 7. plans carry their engines ----------------------------------------------------------------

@@ -29,7 +29,7 @@ import numpy as np
 from harness.costmodel import CostModel
 from harness.costmodel.llama import forward_flops
 from harness.errors import PlanError
-from harness.core.plan import Plan, Task, TrainingStage, WeightMovement
+from harness.core.plan import ModelRole, MovementKind, Plan, Task, TrainingStage, WeightMovement
 from harness.planning import packing
 from harness.planning.memory import state_gb
 from harness.planning.realloc import DeviceTransfer, transfer_arrays
@@ -358,18 +358,31 @@ def weight_movement_s(cm: CostModel, move: WeightMovement, model) -> tuple[float
 
     Receivers: each device receives its bytes over its tier. Senders: the moved bytes leave the
     source devices, spread evenly over them; when few devices feed many (a small training pool
-    syncing many generation replicas) the senders' links are the bottleneck."""
+    syncing many generation replicas) the senders' links are the bottleneck. The actor's refit into
+    a reloading generation engine (:func:`is_engine_refit`) adds the engine's reload time
+    (:meth:`harness.costmodel.engines.EngineCosts.refit_reload_s`), and then every target device
+    takes part, bytes or none."""
+    reload_s = (cm.engine_costs.refit_reload_s(model)
+                if cm.engine_costs is not None and is_engine_refit(move) else 0.0)
     layer_bytes = cm.weights_gb(model, 1, 1) * 1e9 / model.num_layers
     devices, received, intra = transfer_arrays(move.source, move.target, model.num_layers, layer_bytes,
                                                cm.gpus_per_node)
-    is_moved = received > 0
+    is_moved = np.full(len(devices), True) if reload_s > 0 else received > 0  # devices: the target's
     if not is_moved.any():
         return 0.0, []
     moved = [DeviceTransfer(d, b, i) for d, b, i in zip(devices[is_moved].tolist(), received[is_moved].tolist(),
                                                         intra[is_moved].tolist())]
+    if not any(t.bytes > 0 for t in moved):
+        return reload_s, moved
     receive = max(cm.transfer_s(b, i) for b, i in {(t.bytes, t.intra_node) for t in moved})
     send = cm.transfer_s(sum(t.bytes for t in moved) / len(move.source.mesh), all(t.intra_node for t in moved))
-    return max(receive, send), moved
+    return max(receive, send) + reload_s, moved
+
+
+def is_engine_refit(move: WeightMovement) -> bool:
+    """Whether ``move`` is the actor's weights reaching generation on the devices it shares with
+    training (a ``REALLOC`` into the ``gen`` task's layout): the refit a reloading engine does."""
+    return move.kind == MovementKind.REALLOC and move.model == ModelRole.ACTOR and move.task == "realloc_actor_gen"
 
 
 def simulate_weight_movement(cm: CostModel, move: WeightMovement, model, start_s: float) -> PassResult:
