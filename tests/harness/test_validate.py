@@ -145,15 +145,16 @@ def test_replay_file_covers_the_calibration_set():
 
 
 def test_stage_lines_are_parts_of_their_point():
-    """A point's stage lines (P021.gen, P037.train, ...) run the point's setup and measure a part of its
-    iteration: their times sum to no more than the point's step time (batch / samples/s, or step_s)."""
+    """A point's stage lines (P021.gen, P037.train, H071.refit, ...) run the point's setup and measure a
+    part of its iteration: their times sum to no more than the point's step time (batch / samples/s, or
+    step_s)."""
     points = validate.read_replay(REPLAY)
     whole = {p.id: p for p in points if "." not in p.id}
     parts: dict[str, float] = {}
     for p in points:
         if "." in p.id:
             base = whole[p.id.split(".")[0]]
-            assert p.overrides == base.overrides and p.metric in ("gen_s", "gen_inference_s", "train_s"), p
+            assert p.overrides == base.overrides and p.metric in ("gen_s", "gen_inference_s", "train_s", "realloc_s"), p
             parts[base.id] = parts.get(base.id, 0.0) + p.value
     assert {"P021", "P022", "P023", "P037"} <= set(parts)
     for pid, total in parts.items():
